@@ -1,0 +1,138 @@
+"""Running the kernels on a CPU under Triton's interpreter.
+
+Triton runs ``@triton.jit`` functions on CPU tensors, one NumPy operation at a
+time, when ``TRITON_INTERPRET=1`` is set before a kernel is *decorated* (for
+us: before ``impl_triton`` is imported, or before ``ninetoothed.make`` runs).
+:func:`use_interpreter_if_no_gpu` sets it on machines without a CUDA device.
+
+Three fixes make the interpreter run our kernels, all for reasons outside our
+code. :func:`apply_interpreter_fixes` applies them; it is a no-op unless the
+interpreter is on, so a GPU run never sees them.
+
+1. Triton's interpreter keeps bfloat16 values as their uint16 bit patterns and
+   its ``tl.dot`` multiplies those patterns as integers (triton-lang/triton
+   issue 11584; bfloat16 is "not supported yet" there). We widen bfloat16 dot
+   operands to float32 first, which is exact and is what the tensor cores do.
+   Both backends need this for bfloat16 on a CPU; nothing else we do computes
+   on bfloat16 values (we widen before arithmetic).
+2. ``ninetoothed.make`` asks Triton's *active driver* for the current device
+   and its properties (shared memory, registers) to size its code. On a
+   machine without a GPU Triton has no driver ("0 active drivers"), so we
+   register a stand-in that answers those two questions with an H100/H200's
+   figures. Nothing else reaches the driver under the interpreter.
+3. Triton's interpreter (3.7 and newer) reads each kernel parameter's
+   annotation as a string and recognises a compile-time constant only when it
+   is spelled ``constexpr`` or ``tl.constexpr``. NineToothed's generated code
+   spells it ``triton.language.constexpr``, so its constant parameters would
+   turn into tensors ("arange's arguments must be of type tl.constexpr"). We
+   teach Triton's annotation normaliser that spelling too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+_ENV = "TRITON_INTERPRET"
+
+
+def interpreter_requested() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set (kernels decorated from now on run interpreted)."""
+    return os.environ.get(_ENV, "0") == "1"
+
+
+def use_interpreter_if_no_gpu() -> bool:
+    """Turn Triton's interpreter on when this machine has no CUDA device.
+
+    Must run before any kernel is decorated. Returns whether the interpreter is
+    on afterwards.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ[_ENV] = "1"
+    return interpreter_requested()
+
+
+class _StandInDriver:
+    """Answers the two questions ``ninetoothed.make`` asks Triton's driver.
+
+    The figures are an H100/H200's (sm_90): they only size NineToothed's
+    generated code, whose block sizes we fix ourselves anyway.
+    """
+
+    PROPERTIES = {
+        "max_shared_mem": 232448,
+        "max_num_regs": 65536,
+        "multiprocessor_count": 132,
+        "warpSize": 32,
+    }
+
+    class utils:  # noqa: N801 - mirrors the attribute name Triton's drivers use
+        @staticmethod
+        def get_device_properties(device):
+            return dict(_StandInDriver.PROPERTIES)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def _has_real_driver() -> bool:
+    import triton
+
+    try:
+        triton.runtime.driver.active.get_current_device()
+    except Exception:  # Triton raises RuntimeError("0 active drivers ...") here
+        return False
+    return True
+
+
+def _normalize_ty_with_full_constexpr_spelling(original):
+    @functools.wraps(original)
+    def normalize(ty):
+        if isinstance(ty, str) and ty.strip().startswith("triton.language."):
+            ty = ty.strip().removeprefix("triton.language.")
+        return original(ty)
+
+    normalize.__wrapped_by_twin_attention__ = True
+    return normalize
+
+
+def _bf16_dot_widening(original):
+    import triton.language as tl
+
+    @functools.wraps(original)
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if a.dtype.scalar == tl.bfloat16:
+            a = self.cast_impl(a, tl.float32)
+        if b.dtype.scalar == tl.bfloat16:
+            b = self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, *args, **kwargs)
+
+    create_dot.__wrapped_by_twin_attention__ = True
+    return create_dot
+
+
+@functools.cache
+def apply_interpreter_fixes() -> bool:
+    """Apply the three fixes above when the interpreter is on; return whether it is on.
+
+    Idempotent; call it before launching or making a kernel.
+    """
+    if not interpreter_requested():
+        return False
+    import triton
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    builder = interpreter.InterpreterBuilder
+    if not getattr(builder.create_dot, "__wrapped_by_twin_attention__", False):
+        builder.create_dot = _bf16_dot_widening(builder.create_dot)
+    if not _has_real_driver():
+        triton.runtime.driver.set_active(_StandInDriver())
+    if not getattr(jit._normalize_ty, "__wrapped_by_twin_attention__", False):
+        jit._normalize_ty = _normalize_ty_with_full_constexpr_spelling(jit._normalize_ty)
+    return True

@@ -1,0 +1,196 @@
+"""Every input check of :func:`common.attention`, each with a clear message.
+
+All checks run before anything is allocated or launched, so an error never
+leaves a half-written output behind. Type problems raise ``TypeError``, value
+and shape problems ``ValueError``; each message names the argument and says
+what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from common.backends import Backend
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+@dataclasses.dataclass
+class Call:
+    """A validated call, in the 4-D form every backend receives."""
+
+    query: torch.Tensor  # (B, H, Lq, D)
+    key: torch.Tensor  # (B, H_kv, Lk, D)
+    value: torch.Tensor  # (B, H_kv, Lk, Dv)
+    attn_mask: torch.Tensor | None  # None, or a (B, H, Lq, Lk) view (stride 0 where broadcast)
+    is_causal: bool
+    scale: float
+    return_lse: bool
+    unbatched: bool  # the inputs were 3-D (H, L, D): drop the batch dim of the results
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_call(
+    backend: Backend,
+    query, key, value, *,
+    attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+) -> Call:
+    """Check one call of :func:`common.attention`; return it in 4-D form."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    is_causal = _check_flag("is_causal", is_causal)
+    enable_gqa = _check_flag("enable_gqa", enable_gqa)
+    return_lse = _check_flag("return_lse", return_lse)
+    if _check_real("dropout_p", dropout_p) != 0.0:
+        raise ValueError(f"dropout_p={dropout_p} is not supported yet: only dropout_p=0.0 (no dropout)")
+
+    if query.ndim not in (3, 4):
+        raise ValueError(
+            f"query must be 4-D (batch, heads, seq_len, head_dim) or 3-D (heads, seq_len, head_dim), "
+            f"got shape {tuple(query.shape)}"
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t.ndim != query.ndim:
+            raise ValueError(
+                f"{name} must have as many dims as query ({query.ndim}), got shape {tuple(t.shape)}"
+            )
+
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"query has dtype {_dtype_name(query.dtype)}; supported: "
+            + ", ".join(map(_dtype_name, SUPPORTED_DTYPES))
+        )
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(
+                f"{name} has dtype {_dtype_name(t.dtype)} but query has {_dtype_name(query.dtype)}: "
+                "query, key and value must share one dtype"
+            )
+    for name, t in (("key", key), ("value", value)):
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}: all must share one device")
+
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    B, H, Lq, D = query.shape
+    _, H_kv, Lk, _ = key.shape
+    Dv = value.shape[3]
+    if key.shape[0] != B or value.shape[0] != B:
+        raise ValueError(
+            f"batch sizes differ: query {B}, key {key.shape[0]}, value {value.shape[0]}"
+        )
+    if value.shape[1] != H_kv:
+        raise ValueError(f"key and value must have the same number of heads, got {H_kv} and {value.shape[1]}")
+    if value.shape[2] != Lk:
+        raise ValueError(f"key and value must have the same sequence length, got {Lk} and {value.shape[2]}")
+    if enable_gqa:
+        if H_kv == 0 or H % H_kv != 0:
+            raise ValueError(
+                f"with enable_gqa=True the query heads ({H}) must be a multiple of the key/value heads ({H_kv})"
+            )
+    elif H_kv != H:
+        raise ValueError(
+            f"query has {H} heads but key and value have {H_kv}; pass enable_gqa=True for "
+            "grouped-query attention (query heads a multiple of key/value heads)"
+        )
+    if key.shape[3] != D:
+        raise ValueError(f"query and key must have the same head dim, got {D} and {key.shape[3]}")
+    if backend.uses_triton:
+        for name, d in (("query/key", D), ("value", Dv)):
+            if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+                raise ValueError(
+                    f"{name} head dim {d} is not supported by the {backend.name!r} backend: "
+                    f"expected {MIN_HEAD_DIM} <= head_dim <= {MAX_HEAD_DIM}"
+                )
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    else:
+        scale = _check_real("scale", scale)
+
+    if attn_mask is not None:
+        attn_mask = _check_mask(attn_mask, query, is_causal, (B, H, Lq, Lk), unbatched)
+
+    if return_lse and not backend.returns_lse:
+        raise ValueError(
+            f"the {backend.name!r} backend cannot return the log-sum-exp (return_lse=True); "
+            "use 'triton' or 'ninetoothed'"
+        )
+    if not backend.differentiable and torch.is_grad_enabled():
+        for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
+            if t is not None and t.requires_grad:
+                raise ValueError(
+                    f"{name} requires grad, but the {backend.name!r} backend has no backward pass yet; "
+                    "call it under torch.no_grad() / torch.inference_mode() or on detached tensors, "
+                    "or use backend='torch' for training"
+                )
+    if backend.uses_triton:
+        _check_triton_device(backend, query.device)
+
+    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched)
+
+
+def _check_mask(attn_mask, query, is_causal, full_shape, unbatched) -> torch.Tensor:
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if is_causal:
+        # SDPA's math backend: "Explicit attn_mask should not be set when is_causal=True"
+        raise ValueError("attn_mask must be None when is_causal=True (SDPA rejects the pair too)")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise TypeError(
+            f"attn_mask has dtype {_dtype_name(attn_mask.dtype)}; expected bool (True = take part) "
+            f"or a floating mask to add, in float32 or the query's dtype ({_dtype_name(query.dtype)})"
+        )
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    target = full_shape[1:] if unbatched else full_shape
+    try:
+        broadcast = torch.broadcast_shapes(attn_mask.shape, target)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != torch.Size(target):
+        names = "(heads, Lq, Lk)" if unbatched else "(batch, heads, Lq, Lk)"
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {names} = {tuple(target)}"
+        )
+    # A view, never a copy: broadcast dims get stride 0.
+    return attn_mask.expand(full_shape)
+
+
+def _check_triton_device(backend: Backend, device: torch.device) -> None:
+    if device.type == "cuda":
+        return
+    if device.type == "cpu":
+        if not backend.load().INTERPRETED:
+            raise ValueError(
+                f"the {backend.name!r} backend got CPU tensors but Triton is compiling for a GPU. "
+                "Move the tensors to CUDA, or run on the CPU under Triton's interpreter: set the "
+                "environment variable TRITON_INTERPRET=1 before starting Python (slow; for tests)"
+            )
+        return
+    raise ValueError(f"the {backend.name!r} backend runs on CUDA devices (or the CPU interpreter), got {device}")
