@@ -1,0 +1,133 @@
+"""Test cases and the accuracy check shared by the test modules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from common.reference import error_bound, reference, reference_lse
+
+LSE_TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention call: shapes, dtype, flags, memory layout and mask."""
+
+    B: int | None  # None: 3-D inputs (H, L, D)
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+    Dv: int | None = None  # None: same as D
+    H_kv: int | None = None  # None: same as H; else grouped-query attention
+    dtype: torch.dtype = torch.float16
+    causal: bool = False
+    scale: float | None = None
+    layout: str = "contiguous"  # or "transposed" (a (B, L, H, D) buffer), "strided" (every other element)
+    mask: str | None = None  # None, "bool", "additive", "bool-empty-rows", "additive-empty-rows"
+    mask_shape: str = "BHLqLk"  # which dims the mask has (others broadcast): "LqLk", "B11Lk", "B1LqLk", ...
+
+    @property
+    def id(self) -> str:
+        parts = [f"B{self.B}" if self.B is not None else "3d", f"H{self.H}"]
+        if self.H_kv is not None:
+            parts.append(f"Hkv{self.H_kv}")
+        parts.append(f"L{self.Lq}" if self.Lq == self.Lk else f"Lq{self.Lq}-Lk{self.Lk}")
+        parts.append(f"D{self.D}" + (f"-Dv{self.Dv}" if self.Dv is not None else ""))
+        parts.append(str(self.dtype).removeprefix("torch."))
+        if self.causal:
+            parts.append("causal")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        if self.mask is not None:
+            parts.append(f"{self.mask}-mask-{self.mask_shape}")
+        return "-".join(parts)
+
+    @property
+    def enable_gqa(self) -> bool:
+        return self.H_kv is not None
+
+
+def params(cases):
+    """pytest parameters with readable ids."""
+    import pytest
+
+    return [pytest.param(case, id=case.id) for case in cases]
+
+
+def _tensor(case: Case, batch, heads, length, dim, device):
+    dtype = case.dtype
+    if case.layout == "transposed":
+        t = torch.randn(batch, length, heads, dim, dtype=dtype, device=device).transpose(1, 2)
+    elif case.layout == "strided":
+        t = torch.randn(batch, heads, length, 2 * dim, dtype=dtype, device=device)[..., ::2]
+    else:
+        t = torch.randn(batch, heads, length, dim, dtype=dtype, device=device)
+    return t[0] if case.B is None else t
+
+
+def _mask(case: Case, device):
+    if case.mask is None:
+        return None
+    B = case.B if case.B is not None else 1
+    full = {"B": B, "H": case.H, "Lq": case.Lq, "Lk": case.Lk}
+    dims = {
+        "LqLk": ("Lq", "Lk"), "1Lk": (1, "Lk"), "B11Lk": ("B", 1, 1, "Lk"), "B1LqLk": ("B", 1, "Lq", "Lk"),
+        "1HLqLk": (1, "H", "Lq", "Lk"), "BHLqLk": ("B", "H", "Lq", "Lk"), "HLqLk": ("H", "Lq", "Lk"),
+    }[case.mask_shape]
+    shape = tuple(full[d] if isinstance(d, str) else d for d in dims)
+    if case.mask.startswith("bool"):
+        mask = torch.rand(shape, device=device) < 0.7
+    else:
+        mask = torch.randn(shape, device=device).to(case.dtype) * 2
+        mask = mask.masked_fill(torch.rand(shape, device=device) < 0.2, float("-inf"))
+    if case.mask.endswith("empty-rows"):
+        # every key masked out for every third query row
+        rows = torch.zeros(case.Lq, 1, dtype=torch.bool, device=device)
+        rows[::3] = True
+        mask = mask.masked_fill(rows, False if mask.dtype == torch.bool else float("-inf"))
+    return mask
+
+
+def make_inputs(case: Case, device):
+    """Fresh random (query, key, value, attn_mask) for a case."""
+    B = case.B if case.B is not None else 1
+    H_kv = case.H_kv if case.H_kv is not None else case.H
+    Dv = case.Dv if case.Dv is not None else case.D
+    q = _tensor(case, B, case.H, case.Lq, case.D, device)
+    k = _tensor(case, B, H_kv, case.Lk, case.D, device)
+    v = _tensor(case, B, H_kv, case.Lk, Dv, device)
+    return q, k, v, _mask(case, device)
+
+
+def sdpa_kwargs(case: Case, attn_mask):
+    return dict(is_causal=case.causal, scale=case.scale, attn_mask=attn_mask, enable_gqa=case.enable_gqa)
+
+
+def check_output(out, q, k, v, **kwargs):
+    """Assert ``out`` is SDPA's answer, by the rule of ``common.reference.error_bound``."""
+    ref = reference(q, k, v, **kwargs)
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    assert out.dtype == q.dtype, f"dtype {out.dtype}, expected {q.dtype}"
+    assert out.device == q.device
+    assert not out.isnan().any(), "NaN in the output: an element was left unwritten or computed as NaN"
+    bound, sdpa_error = error_bound(q, k, v, ref, **kwargs)
+    error = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
+    assert error <= bound, f"max error {error:.3g} > bound {bound:.3g} (SDPA's own error {sdpa_error:.3g})"
+    return error
+
+
+def check_lse(lse, q, k, **kwargs):
+    """Assert ``lse`` is the log-sum-exp of the scaled, masked scores."""
+    ref = reference_lse(q, k, **kwargs)
+    assert lse.shape == ref.shape and lse.dtype == torch.float32
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(lse), finite), "lse must be -inf exactly where every key is masked out"
+    assert (lse[~finite] == float("-inf")).all()
+    tolerance = LSE_TOLERANCE[q.dtype] * (1 + ref[finite].abs())
+    error = (lse[finite].double() - ref[finite]).abs()
+    assert (error <= tolerance).all(), f"lse max error {error.max().item():.3g}"

@@ -1,0 +1,216 @@
+"""The wide matrix: both kernel backends against SDPA computed in float64.
+
+On a CPU (Triton's interpreter) the shapes stay small, but every row of the
+domain is exercised for both backends: dtypes, 3-D inputs, odd and unequal
+lengths, head dims 16-256, any strides, empty inputs, Dv != D, grouped-query
+heads, masks, the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import attention
+from tests.cases import Case, check_lse, check_output, make_inputs, params, sdpa_kwargs
+from tests.conftest import DEVICE
+
+ON_GPU = DEVICE == "cuda"
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def run_case(case: Case, backend: str, device: str):
+    q, k, v, mask = make_inputs(case, device)
+    kwargs = sdpa_kwargs(case, mask)
+    out = attention(q, k, v, backend=backend, **kwargs)
+    check_output(out, q, k, v, **kwargs)
+    return q, k, v, mask, out
+
+
+# -- the homework's 16 cases, on whatever device exists ----------------------
+HOMEWORK = [
+    Case(B, H, L, L, D, causal=causal, scale=scale)
+    for (B, H, L, D) in [(2, 4, 16, 32), (4, 8, 64, 64), (1, 16, 128, 128), (2, 4, 1024, 64)]
+    for scale in (1.0, None)
+    for causal in (False, True)
+]
+
+
+@pytest.mark.parametrize("case", params(HOMEWORK))
+def test_homework_cases(case, backend, device):
+    """The homework's cases with its own check (rtol = atol = 1e-2 against SDPA in fp16) and ours."""
+    q, k, v, _, out = run_case(case, backend, device)
+    torch_result = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=case.scale)
+    assert torch.allclose(out, torch_result, rtol=1e-2, atol=1e-2), (out - torch_result).abs().max()
+
+
+# -- lengths: 1, odd, not multiples of any block, Lq != Lk both ways ---------
+LENGTHS = [(1, 1), (17, 17), (63, 63), (65, 65), (1000, 1000), (1, 65), (65, 1), (17, 63), (63, 17), (1, 1000), (1000, 17)]
+if ON_GPU:
+    LENGTHS += [(4097, 4097), (129, 3000), (3000, 129), (2048, 2048)]
+
+
+@pytest.mark.parametrize("case", params(
+    Case(1, 2, Lq, Lk, 64, causal=causal) for (Lq, Lk) in LENGTHS for causal in (False, True)
+))
+def test_lengths(case, backend, device):
+    run_case(case, backend, device)
+
+
+# -- head dims, including ones that are not powers of two --------------------
+@pytest.mark.parametrize("case", params(
+    Case(1, 2, 33, 47, D, causal=causal) for D in (16, 40, 64, 80, 96, 128, 256) for causal in (False, True)
+))
+def test_head_dims(case, backend, device):
+    run_case(case, backend, device)
+
+
+# -- dtypes -------------------------------------------------------------------
+@pytest.mark.parametrize("case", params(
+    Case(2, 3, 50, 70, 64, dtype=dtype, causal=True) for dtype in (f16, bf16, f32)
+) + params(
+    Case(1, 2, 128, 128, 128, dtype=dtype, scale=0.3) for dtype in (f16, bf16, f32)
+) + params(
+    Case(2, 4, 300, 300, 96, dtype=dtype, causal=True) for dtype in (bf16, f32) if ON_GPU
+))
+def test_dtypes(case, backend, device):
+    run_case(case, backend, device)
+
+
+# -- layouts, 3-D inputs, batch and heads of 1, scales ------------------------
+@pytest.mark.parametrize("case", params([
+    Case(2, 3, 40, 40, 64, layout="transposed"),
+    Case(2, 3, 40, 56, 64, layout="transposed", causal=True),
+    Case(1, 2, 30, 20, 32, layout="strided", causal=True),
+    Case(1, 2, 33, 33, 80, layout="strided", dtype=bf16),
+    Case(None, 3, 33, 50, 64),
+    Case(None, 2, 50, 33, 48, causal=True, layout="transposed"),
+    Case(1, 1, 77, 77, 64, causal=True),
+    Case(1, 1, 1, 1, 16),
+    Case(2, 2, 40, 40, 64, scale=-0.5),
+    Case(2, 2, 40, 40, 64, scale=2.0, causal=True),
+]))
+def test_layouts_and_scales(case, backend, device):
+    q, _, _, _, _ = run_case(case, backend, device)
+    if case.layout != "contiguous":
+        assert not q.is_contiguous()
+
+
+def test_no_input_copies(backend, device):
+    """Transposed views reach the kernel as they are: the launcher copies nothing."""
+    case = Case(1, 2, 24, 24, 32, layout="transposed")
+    q, k, v, _ = make_inputs(case, device)
+    before = torch.cuda.memory_allocated() if device == "cuda" else None
+    out = attention(q, k, v, backend=backend)
+    if before is not None:
+        # only the output (and nothing the size of an input copy) was allocated
+        assert torch.cuda.memory_allocated() - before <= out.numel() * out.element_size() + 512
+    check_output(out, q, k, v)
+
+
+# -- empty inputs ---------------------------------------------------------------
+@pytest.mark.parametrize("shape_q, shape_kv", [
+    ((0, 2, 8, 32), (0, 2, 8, 32)),
+    ((2, 0, 8, 32), (2, 0, 8, 32)),
+    ((2, 2, 0, 32), (2, 2, 8, 32)),
+    ((2, 2, 8, 32), (2, 2, 0, 32)),
+    ((2, 0, 32), (2, 5, 32)),
+], ids=["B0", "H0", "Lq0", "Lk0", "3d-Lq0"])
+def test_empty(shape_q, shape_kv, backend, device):
+    q = torch.randn(shape_q, dtype=f16, device=device)
+    k = torch.randn(shape_kv, dtype=f16, device=device)
+    v = torch.randn(shape_kv, dtype=f16, device=device)
+    out = attention(q, k, v, backend=backend)
+    expected = F.scaled_dot_product_attention(q, k, v)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.equal(out, expected)
+
+
+# -- value head dim != query/key head dim (e.g. multi-head latent attention) ----
+@pytest.mark.parametrize("case", params([
+    Case(1, 2, 40, 60, 64, Dv=32),
+    Case(1, 2, 60, 40, 32, Dv=64, causal=True),
+    Case(1, 2, 48, 48, 192, Dv=128, causal=True),
+    Case(2, 2, 33, 33, 40, Dv=80, dtype=bf16),
+]))
+def test_value_head_dim(case, backend, device):
+    run_case(case, backend, device)
+
+
+# -- grouped-query and multi-query attention ------------------------------------
+@pytest.mark.parametrize("case", params(
+    [Case(2, 8, 40, 56, 64, H_kv=2, causal=causal) for causal in (False, True)]
+    + [Case(1, 4, 33, 33, 32, H_kv=1, causal=True), Case(None, 6, 20, 30, 64, H_kv=3)]
+    + [Case(1, 4, 30, 30, 64, H_kv=2, layout="transposed", mask="bool", mask_shape="B11Lk")]
+))
+def test_grouped_query(case, backend, device):
+    run_case(case, backend, device)
+
+
+# -- attention masks --------------------------------------------------------------
+MASK_CASES = [
+    Case(2, 3, 40, 56, 64, mask=kind, mask_shape=shape)
+    for kind in ("bool", "additive")
+    for shape in ("LqLk", "B11Lk", "B1LqLk", "BHLqLk")
+] + [
+    Case(1, 2, 17, 70, 32, mask="bool", mask_shape="1Lk"),
+    Case(1, 2, 70, 17, 32, mask="additive", mask_shape="1HLqLk", dtype=f32),
+    Case(None, 2, 33, 20, 64, mask="bool", mask_shape="HLqLk"),
+    Case(2, 2, 30, 40, 64, mask="additive", mask_shape="B1LqLk", dtype=bf16),
+    Case(2, 2, 30, 40, 64, mask="bool-empty-rows", mask_shape="B1LqLk"),
+    Case(2, 2, 30, 40, 64, mask="additive-empty-rows", mask_shape="LqLk"),
+]
+
+
+@pytest.mark.parametrize("case", params(MASK_CASES))
+def test_masks(case, backend, device):
+    run_case(case, backend, device)
+
+
+def test_mask_every_key_masked(backend, device):
+    """A mask that hides everything: SDPA gives 0 for every row, and so must we."""
+    q, k, v = (torch.randn(1, 2, 20, 32, dtype=f16, device=device) for _ in range(3))
+    mask = torch.zeros(20, 20, dtype=torch.bool, device=device)
+    out, lse = attention(q, k, v, attn_mask=mask, backend=backend, return_lse=True)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out, expected) and (out == 0).all()
+    assert (lse == float("-inf")).all()
+
+
+# -- log-sum-exp ---------------------------------------------------------------------
+@pytest.mark.parametrize("case", params([
+    Case(2, 3, 50, 70, 64),
+    Case(1, 2, 65, 33, 40, causal=True, scale=1.0),
+    Case(2, 4, 30, 30, 64, H_kv=2, causal=True),
+    Case(2, 2, 30, 40, 64, mask="bool-empty-rows", mask_shape="B1LqLk"),
+    Case(1, 2, 33, 40, 32, mask="additive", mask_shape="LqLk", dtype=f32),
+    Case(None, 2, 17, 17, 64, dtype=bf16, causal=True),
+]))
+def test_lse(case, backend, device):
+    q, k, v, mask = make_inputs(case, device)
+    kwargs = sdpa_kwargs(case, mask)
+    out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    check_output(out, q, k, v, **kwargs)
+    kwargs.pop("enable_gqa")
+    check_lse(lse, q, k, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [f16, f32])
+def test_lse_merges_split_keys(dtype, backend, device):
+    """Attention over two halves of the keys, merged with the log-sum-exp, is attention over all keys."""
+    q = torch.randn(2, 4, 40, 64, dtype=dtype, device=device)
+    k = torch.randn(2, 2, 90, 64, dtype=dtype, device=device)
+    v = torch.randn(2, 2, 90, 64, dtype=dtype, device=device)
+    parts = [
+        attention(q, k[:, :, s], v[:, :, s], enable_gqa=True, backend=backend, return_lse=True)
+        for s in (slice(0, 37), slice(37, None))
+    ]
+    (o1, lse1), (o2, lse2) = parts
+    lse = torch.logaddexp(lse1, lse2)
+    merged = o1.float() * (lse1 - lse).exp()[..., None] + o2.float() * (lse2 - lse).exp()[..., None]
+    full, full_lse = attention(q, k, v, enable_gqa=True, backend=backend, return_lse=True)
+    tolerance = 2e-3 if dtype == f16 else 1e-5
+    torch.testing.assert_close(lse, full_lse, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(merged.to(dtype), full, rtol=tolerance, atol=tolerance)
+    check_output(merged.to(dtype), q, k, v, enable_gqa=True)

@@ -1,0 +1,76 @@
+"""How a call picks its backend, and that each backend computes SDPA's answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+from common import attention, available_backends, use_backend
+from common.backends import BACKENDS
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record which backend each call reaches (the real launcher still runs)."""
+    seen = []
+    for name, spec in BACKENDS.items():
+        module = spec.load()
+        original = module.forward
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            seen.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "forward", spy)
+    monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
+    return seen
+
+
+@pytest.fixture
+def qkv(device):
+    return tuple(torch.randn(1, 2, 24, 32, dtype=torch.float16, device=device) for _ in range(3))
+
+
+def test_available_backends():
+    assert available_backends() == ("triton", "ninetoothed", "torch")
+    assert common.__all__ == ["attention", "available_backends", "use_backend"]
+
+
+def test_default_is_triton(calls, qkv):
+    attention(*qkv)
+    assert calls == ["triton"]
+
+
+def test_environment_variable(calls, qkv, monkeypatch):
+    monkeypatch.setenv("ATTENTION_BACKEND", "ninetoothed")
+    attention(*qkv)
+    with use_backend("torch"):  # the context manager beats the environment
+        attention(*qkv)
+    attention(*qkv, backend="triton")  # the keyword beats both
+    assert calls == ["ninetoothed", "torch", "triton"]
+
+
+def test_context_manager_nests(calls, qkv):
+    with use_backend("ninetoothed"):
+        attention(*qkv)
+        with use_backend("torch"):
+            attention(*qkv)
+            attention(*qkv, backend="triton")
+        attention(*qkv)
+    attention(*qkv)
+    assert calls == ["ninetoothed", "torch", "triton", "ninetoothed", "triton"]
+
+
+@pytest.mark.parametrize("name", ["triton", "ninetoothed", "torch"])
+def test_every_backend_computes_sdpa(name, qkv):
+    out = attention(*qkv, is_causal=True, backend=name)
+    expected = F.scaled_dot_product_attention(*qkv, is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_torch_backend_keeps_gradients(device):
+    q, k, v = (torch.randn(1, 2, 8, 16, device=device, requires_grad=True) for _ in range(3))
+    attention(q, k, v, backend="torch").sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
