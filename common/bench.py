@@ -1,0 +1,325 @@
+"""``bench``: the two kernels side by side with SDPA, on a GPU.
+
+Three sections, each timed with ``triton.testing.do_bench`` (median) on fresh
+random inputs, each result checked against SDPA before it is timed:
+
+- throughput: fp16 and bf16, head dims 64 and 128 (optionally 32, 256),
+  L = 512..16384 with B·L = 16k tokens and H·D = 2048, causal and not;
+  TFLOP/s = 4·B·H·L²·D (halved when causal);
+- homework: the homework's four shapes, in µs per call: GPU time and the wall
+  time of a plain Python loop of calls (host work included);
+- decode: Lq in {1, 16}, Lk from 4k to 64k, B = 8, 32 query heads sharing 8
+  K/V heads (grouped-query).
+
+Backends: "triton", "ninetoothed", "torch" (SDPA's default, cuDNN on an H200)
+and "sdpa-flash" (SDPA forced onto its FlashAttention-2 kernel). Writes
+results.json / results.csv / one PNG per dtype into ``--out`` and regenerates
+BENCHMARKS.md (with the hand-written analysis in benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import pathlib
+import platform
+
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ALL_BACKENDS = ("triton", "ninetoothed", "torch", "sdpa-flash")
+BASELINE = "torch"
+TOKENS, WIDTH = 16384, 2048  # B·L and H·D of the throughput sweep
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+HOMEWORK_SHAPES = [(2, 4, 16, 32), (4, 8, 64, 64), (1, 16, 128, 128), (2, 4, 1024, 64)]
+DECODE = dict(B=8, H=32, H_kv=8, D=128, q_lens=(1, 16), k_lens=(4096, 16384, 65536))
+
+
+def _caller(backend, q, k, v, is_causal, enable_gqa=False):
+    from common import attention
+
+    if backend == "sdpa-flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def call():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
+
+        return call
+    return lambda: attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa, backend=backend)
+
+
+def _inputs(B, H, H_kv, Lq, Lk, D, dtype):
+    q = torch.randn(B, H, Lq, D, dtype=dtype, device="cuda")
+    k = torch.randn(B, H_kv, Lk, D, dtype=dtype, device="cuda")
+    v = torch.randn(B, H_kv, Lk, D, dtype=dtype, device="cuda")
+    return q, k, v
+
+
+def measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=False) -> dict:
+    """Check one backend on one shape against SDPA, then time it."""
+    from common.reference import error_bound, reference
+    from common.timing import attention_flops, gpu_time_ms, wall_time_us
+
+    q, k, v = _inputs(B, H, H_kv, Lq, Lk, D, dtype)
+    gqa = H != H_kv
+    fn = _caller(backend, q, k, v, is_causal, gqa)
+    row = dict(section=section, backend=backend, dtype=str(dtype).removeprefix("torch."), B=B, H=H, H_kv=H_kv,
+               Lq=Lq, Lk=Lk, D=D, causal=is_causal)
+    try:
+        out = fn()
+    except Exception as error:  # a backend that cannot run a shape says so in the table
+        row.update(status=f"error: {type(error).__name__}: {error}"[:200])
+        return row
+    expected = reference(q, k, v, is_causal=is_causal, enable_gqa=gqa, dtype=torch.float32)
+    bound, _ = error_bound(q, k, v, expected, is_causal=is_causal, enable_gqa=gqa)
+    row["max_error"] = (out.float() - expected).abs().max().item()
+    row["status"] = "ok" if row["max_error"] <= bound else f"WRONG (error > {bound:.3g})"
+    row["ms"] = gpu_time_ms(fn)
+    row["tflops"] = attention_flops(B, H, Lq, Lk, D, causal=is_causal) / (row["ms"] * 1e-3) / 1e12
+    if wall:
+        row["wall_us"] = wall_time_us(fn)
+    return row
+
+
+def plan(args):
+    """Every (section, shape) to measure, in order."""
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    jobs = []
+    if "throughput" in args.sections:
+        for dtype in dtypes:
+            for D in args.head_dims:
+                for is_causal in (False, True):
+                    for L in args.lengths:
+                        B, H = max(1, TOKENS // L), WIDTH // D
+                        jobs.append(("throughput", B, H, H, L, L, D, dtype, is_causal, False))
+    if "homework" in args.sections:
+        for B, H, L, D in HOMEWORK_SHAPES:
+            for is_causal in (False, True):
+                jobs.append(("homework", B, H, H, L, L, D, torch.float16, is_causal, True))
+    if "decode" in args.sections:
+        for dtype in dtypes[:1]:
+            for Lq in DECODE["q_lens"]:
+                for Lk in DECODE["k_lens"]:
+                    jobs.append(("decode", DECODE["B"], DECODE["H"], DECODE["H_kv"], Lq, Lk, DECODE["D"], dtype,
+                                 False, False))
+    return jobs
+
+
+def environment() -> dict:
+    import triton
+
+    try:
+        import ninetoothed
+        nt_version = getattr(ninetoothed, "__version__", None)
+        if nt_version is None:
+            from importlib.metadata import version
+            nt_version = version("ninetoothed")
+    except Exception:  # noqa: BLE001 - only for the record
+        nt_version = "unknown"
+    return dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        ninetoothed=nt_version, cuda=torch.version.cuda, python=platform.python_version(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
+
+
+def _add_ratios(rows):
+    base = {}
+    for r in rows:
+        if r["backend"] == BASELINE and "ms" in r:
+            base[_shape_key(r)] = r["ms"]
+    triton_ms = {_shape_key(r): r["ms"] for r in rows if r["backend"] == "triton" and "ms" in r}
+    for r in rows:
+        if "ms" in r and _shape_key(r) in base:
+            r["vs_sdpa"] = base[_shape_key(r)] / r["ms"]
+        if r["backend"] == "ninetoothed" and "ms" in r and _shape_key(r) in triton_ms:
+            r["vs_triton"] = triton_ms[_shape_key(r)] / r["ms"]
+
+
+def _shape_key(r):
+    return (r["section"], r["dtype"], r["B"], r["H"], r["H_kv"], r["Lq"], r["Lk"], r["D"], r["causal"])
+
+
+def _print_row(r):
+    shape = f"({r['B']},{r['H']}{'/' + str(r['H_kv']) if r['H_kv'] != r['H'] else ''},{r['Lq']}"
+    shape += f"x{r['Lk']},{r['D']})" if r["Lq"] != r["Lk"] else f",{r['D']})"
+    text = f"{r['section']:<10} {r['dtype']:<8} {shape:<26} {'causal' if r['causal'] else 'full':<6} {r['backend']:<12}"
+    if "ms" in r:
+        text += f" {r['ms'] * 1e3:10.1f} µs {r['tflops']:7.1f} TFLOP/s"
+        if "vs_sdpa" in r:
+            text += f" {r['vs_sdpa']:5.2f}x SDPA"
+        if "wall_us" in r:
+            text += f"  wall {r['wall_us']:.1f} µs"
+    text += f"  {r['status']}"
+    print(text, flush=True)
+
+
+def write_outputs(rows, env, out_dir: pathlib.Path):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1) + "\n")
+    fields = sorted({key for r in rows for key in r}, key=lambda f: list(rows[0]).index(f) if f in rows[0] else 99)
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return plot(rows, env, out_dir)
+
+
+def plot(rows, env, out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """TFLOP/s against L, one panel per (head dim, causal mode), one PNG per dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    throughput = [r for r in rows if r["section"] == "throughput" and "tflops" in r]
+    for dtype in sorted({r["dtype"] for r in throughput}):
+        subset = [r for r in throughput if r["dtype"] == dtype]
+        head_dims = sorted({r["D"] for r in subset})
+        fig, axes = plt.subplots(2, len(head_dims), figsize=(4.5 * len(head_dims), 7), squeeze=False)
+        for col, D in enumerate(head_dims):
+            for row_index, causal in enumerate((False, True)):
+                ax = axes[row_index][col]
+                for backend in ALL_BACKENDS:
+                    points = sorted((r["Lq"], r["tflops"]) for r in subset
+                                    if r["D"] == D and r["causal"] == causal and r["backend"] == backend)
+                    if points:
+                        ax.plot(*zip(*points), marker="o", label=backend)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"D={D}, {'causal' if causal else 'not causal'}")
+                ax.set_xlabel("sequence length L (B·L = 16k)")
+                ax.set_ylabel("TFLOP/s")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+        fig.suptitle(f"attention forward, {dtype}, {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
+        fig.tight_layout()
+        path = out_dir / f"throughput_{dtype}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _table(rows, columns):
+    lines = ["| " + " | ".join(c for c, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r) for _, fmt in columns) + " |")
+    return "\n".join(lines)
+
+
+def _pivot(rows, section):
+    """One line per shape, one column group per backend."""
+    shapes = {}
+    for r in rows:
+        if r["section"] == section:
+            shapes.setdefault(_shape_key(r), {})[r["backend"]] = r
+    return shapes
+
+
+def _num(value, fmt):
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(rows, env, plots, notes: str) -> str:
+    backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
+    out = [
+        "# Benchmarks",
+        "",
+        "Regenerated by `python -m common bench` (do not edit by hand; the analysis comes from "
+        "`benchmarks/NOTES.md`).",
+        "",
+        f"- GPU: {env['gpu']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
+        f"ninetoothed {env['ninetoothed']}, Python {env['python']}; measured {env['date']}.",
+        "- Timing: `triton.testing.do_bench`, median; random normal inputs; every result checked against SDPA "
+        "(float32) before timing. TFLOP/s = 4·B·H·Lq·Lk·D, halved when causal. `torch` is SDPA's default "
+        "(cuDNN here), `sdpa-flash` SDPA's FlashAttention-2 backend. Ratios are against `torch` in the same run.",
+        "",
+    ]
+    if notes:
+        out += [notes.strip(), ""]
+    sections = [
+        ("throughput", "Throughput (B·L = 16384, H·D = 2048)"),
+        ("decode", "Decode-like shapes (B = 8, 32 query heads over 8 K/V heads, D = 128)"),
+    ]
+    for section, title in sections:
+        shapes = _pivot(rows, section)
+        if not shapes:
+            continue
+        out += [f"## {title}", ""]
+        columns = [("dtype", lambda s: s["dtype"]), ("B,H,Lq,Lk,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['Lk']},{s['D']}"),
+                   ("causal", lambda s: "yes" if s["causal"] else "no")]
+        for b in backends:
+            columns.append((f"{b} TFLOP/s", lambda s, b=b: _num(s["by"].get(b, {}).get("tflops"), ".0f")
+                            if s["by"].get(b, {}).get("status", "ok") == "ok" else s["by"][b]["status"][:30]))
+        for b in ("triton", "ninetoothed"):
+            if b in backends:
+                columns.append((f"{b} / SDPA", lambda s, b=b: _num(s["by"].get(b, {}).get("vs_sdpa"), ".2f")))
+        if "ninetoothed" in backends:
+            columns.append(("NT / triton", lambda s: _num(s["by"].get("ninetoothed", {}).get("vs_triton"), ".2f")))
+        table_rows = []
+        for key, by in shapes.items():
+            first = next(iter(by.values()))
+            table_rows.append(dict(first, by=by))
+        out += [_table(table_rows, columns), ""]
+    shapes = _pivot(rows, "homework")
+    if shapes:
+        out += ["## The homework's shapes (fp16), µs per call", "",
+                "GPU: do_bench median. Wall: a plain Python loop of calls, host work included (what a user's loop pays).", ""]
+        columns = [("B,H,L,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['D']}"), ("causal", lambda s: "yes" if s["causal"] else "no")]
+        for b in backends:
+            columns.append((f"{b} GPU", lambda s, b=b: _num(_us(s["by"].get(b)), ".1f")))
+            columns.append((f"{b} wall", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".1f")))
+        table_rows = [dict(next(iter(by.values())), by=by) for by in shapes.values()]
+        out += [_table(table_rows, columns), ""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{p.stem}](benchmarks/{p.name})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def _us(r):
+    return None if not r or "ms" not in r else r["ms"] * 1e3
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU; this machine has none (the CPU interpreter measures nothing useful).")
+        return 2
+    env = environment()
+    print(f"{env['gpu']}: torch {env['torch']}, triton {env['triton']}, ninetoothed {env['ninetoothed']}", flush=True)
+    jobs = plan(args)
+    rows = []
+    for i, job in enumerate(jobs):
+        section, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall = job
+        for backend in args.backends:
+            row = measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=wall)
+            rows.append(row)
+        _add_ratios(rows)
+        for row in rows[-len(args.backends):]:
+            _print_row(row)
+        print(f"[{i + 1}/{len(jobs)}]", flush=True)
+    out_dir = pathlib.Path(args.out)
+    plots = write_outputs(rows, env, out_dir)
+    if args.markdown:
+        notes_path = ROOT / "benchmarks" / "NOTES.md"
+        notes = notes_path.read_text() if notes_path.exists() else ""
+        pathlib.Path(args.markdown).write_text(markdown(rows, env, plots, notes))
+        print(f"wrote {args.markdown}")
+    wrong = [r for r in rows if r.get("status", "ok") != "ok"]
+    print(f"wrote {out_dir}/results.json, results.csv and {len(plots)} plots; {len(wrong)} problem rows")
+    return 1 if any(r["status"].startswith("WRONG") for r in wrong) else 0
+
+
+def add_arguments(parser):
+    parser.add_argument("--sections", nargs="+", default=["throughput", "homework", "decode"],
+                        choices=["throughput", "homework", "decode"])
+    parser.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS), choices=list(ALL_BACKENDS))
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results.json/csv and plots")
+    parser.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"),
+                        help="the Markdown report to regenerate ('' for none)")

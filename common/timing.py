@@ -1,0 +1,34 @@
+"""Timing helpers shared by the demo, the benchmark and the tuner."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def gpu_time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median GPU time of ``fn()`` in ms (``triton.testing.do_bench``, which clears the L2 between calls)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def wall_time_us(fn, calls: int = 200, device: str = "cuda") -> float:
+    """Wall time per call of ``fn()`` in a plain Python loop, host work included, in µs."""
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def attention_flops(B, H, Lq, Lk, D, Dv=None, causal=False) -> float:
+    """2 matrix products of 2·Lq·Lk·D each per head (D + Dv when they differ), halved when causal."""
+    Dv = D if Dv is None else Dv
+    flops = 2.0 * B * H * Lq * Lk * (D + Dv)
+    return flops / 2 if causal else flops

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
+# Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...   stages: probe test demo bench tune bench-full
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    probe) timeout 120 python3 tools/probe.py 2>&1 | tee "$OUT/probe.log" ;;
+    test) timeout 420 python3 -m pytest tests -q -n 8 -p no:cacheprovider --durations=15 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
+    test-seq) timeout 420 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
+    demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
+    bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
+    bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -200 > "$OUT/bench.log"; cp -r benchmarks BENCHMARKS.md "$OUT/" ;;
+    tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    *) eval "$stage" ;;
+  esac
+  echo "=== end $stage $(date +%T)"
+done
