@@ -29,8 +29,14 @@ class Backend:
     returns_lse: bool  # can return the log-sum-exp
 
     def load(self):
-        """The backend's module (imported on first use)."""
-        return importlib.import_module(self.module)
+        """The backend's module (imported on first use, then kept)."""
+        module = _loaded.get(self.name)
+        if module is None:
+            module = _loaded[self.name] = importlib.import_module(self.module)
+        return module
+
+
+_loaded: dict = {}
 
 
 BACKENDS = {

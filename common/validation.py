@@ -39,12 +39,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
+    if value is not True and value is not False:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
 def _check_real(name: str, value) -> float:
+    if type(value) is float and math.isfinite(value):  # the common case, checked cheaply
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__}")
     value = float(value)

@@ -31,8 +31,6 @@ from common.configs import ConfigTable, padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.outputs import new_output
 
-LOG2E = 1.4426950408889634
-
 # attn_mask kinds (the application's MASK_KIND), as in impl_triton
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
 
@@ -93,27 +91,36 @@ def _attn_fwd_inner(
     """
     for j in range(lo, hi):
         k = key[j]
-        qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if MASKED:
-            offs_n = key[j].offsets(-2)
-            valid = offs_n[None, :] < key.source.shape[-2]
-            if IS_CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_n[None, :])
-            qk = ntl.where(valid, qk, float("-inf"))
-        if MASK_KIND != 0:
-            mask = attn_mask[j]
-            if MASK_KIND == 1:
-                qk = ntl.where(mask, qk, float("-inf"))
+        qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED or MASK_KIND != 0:
+            qk = qk * qk_scale
+            if MASKED:
+                offs_n = key[j].offsets(-2)
+                valid = offs_n[None, :] < key.source.shape[-2]
+                if IS_CAUSAL:
+                    valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                qk = ntl.where(valid, qk, float("-inf"))
+            if MASK_KIND != 0:
+                mask = attn_mask[j]
+                if MASK_KIND == 1:
+                    qk = ntl.where(mask, qk, float("-inf"))
+                else:
+                    qk = qk + mask.to(ntl.float32) * 1.4426950408889634
+            m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
+            if MASK_KIND != 0:
+                # A row with no visible key yet has m_ij = -inf; subtract 0
+                # instead so that its p and alpha are 0, not NaN.
+                m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)
             else:
-                qk = qk + mask.to(ntl.float32) * 1.4426950408889634
-        m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
-        if MASK_KIND != 0:
-            # A row with no visible key yet has m_ij = -inf; subtract 0 instead
-            # so that its p and alpha are 0, not NaN.
-            m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)
+                m_sub = m_ij
+            qk = qk - m_sub[:, None]
         else:
+            # No mask: scale and subtract the maximum in one FMA per score
+            # (valid because qk_scale >= 0: the kernel negated q otherwise).
+            m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * qk_scale)
             m_sub = m_ij
-        p = ntl.exp2(qk - m_sub[:, None])
+            qk = qk * qk_scale - m_sub[:, None]
+        p = ntl.exp2(qk)
         alpha = ntl.exp2(m_i - m_sub)
         l_i = l_i * alpha + ntl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -129,7 +136,11 @@ def application(
 ):
     q = query
     offs_m = query.offsets(-2)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    # The unmasked stage folds the scale into an FMA after the row maximum,
+    # which needs qk_scale >= 0: for a negative scale use -q and |scale|.
+    q = ntl.where(qk_scale < 0, -q, q)
+    qk_scale = ntl.abs(qk_scale)
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)

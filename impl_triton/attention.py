@@ -36,9 +36,6 @@ from common.configs import ConfigTable, padded_head_dim
 from common.interpret import apply_interpreter_fixes
 from common.outputs import new_output
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 # attn_mask kinds (the kernel's MASK_KIND)
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
 
@@ -67,34 +64,42 @@ def _attn_fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
-        # K is loaded transposed, (BLOCK_D, BLOCK_N), ready for q @ k.
         if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=d_ok[:, None], other=0.0)
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=d_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs + start_n * stride_kn)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        if MASKED:
-            valid = key_ok[None, :]
-            if IS_CAUSAL:
-                valid = valid & (offs_m[:, None] >= offs_kn[None, :])
-            qk = tl.where(valid, qk, float("-inf"))
-        if MASK_KIND != 0:
-            mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
-            mask = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_ok, other=0)
-            if MASK_KIND == 1:
-                qk = tl.where(mask, qk, float("-inf"))
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED or MASK_KIND != 0:
+            qk = qk * qk_scale
+            if MASKED:
+                valid = key_ok[None, :]
+                if IS_CAUSAL:
+                    valid = valid & (offs_m[:, None] >= offs_kn[None, :])
+                qk = tl.where(valid, qk, float("-inf"))
+            if MASK_KIND != 0:
+                mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
+                mask = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_ok, other=0)
+                if MASK_KIND == 1:
+                    qk = tl.where(mask, qk, float("-inf"))
+                else:
+                    qk = qk + mask.to(tl.float32) * 1.4426950408889634
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            if MASK_KIND != 0:
+                # A row with no visible key yet has m_ij = -inf; subtract 0
+                # instead so that its p and alpha are 0, not NaN.
+                m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             else:
-                qk = qk + mask.to(tl.float32) * 1.4426950408889634
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        if MASK_KIND != 0:
-            # A row with no visible key yet has m_ij = -inf; subtract 0 instead
-            # so that its p and alpha are 0, not NaN.
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+                m_sub = m_ij
+            qk = qk - m_sub[:, None]
         else:
+            # No mask: scale and subtract the maximum in one FMA per score
+            # (valid because qk_scale >= 0: the kernel negated q otherwise).
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_ij
-        p = tl.math.exp2(qk - m_sub[:, None])
+            qk = qk * qk_scale - m_sub[:, None]
+        p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -117,7 +122,7 @@ def _attn_fwd(
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, qk_scale,
+    H, GROUP, Lq, Lk, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -139,11 +144,16 @@ def _attn_fwd(
     m_ok = offs_m < Lq
 
     q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    k_ptrs = K + off_z * stride_kz + off_h_kv * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    k_ptrs = K + off_z * stride_kz + off_h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + off_z * stride_vz + off_h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_ptrs = MASK + off_z * stride_mz + off_h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    # The unmasked stage folds the scale into an FMA after the row maximum,
+    # which needs qk_scale >= 0: for a negative scale use -q and |scale|.
+    q = tl.where(qk_scale < 0, -q, q)
+    qk_scale = tl.abs(qk_scale)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -214,7 +224,7 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
     _attn_fwd[grid](
         query, key, value, out, lse, mask,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *mask_strides,
-        H, H // H_kv, Lq, Lk, scale * LOG2E,
+        H, H // H_kv, Lq, Lk, scale,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv,
         IS_CAUSAL=is_causal, MASK_KIND=mask_kind, WITH_LSE=return_lse,
