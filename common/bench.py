@@ -284,7 +284,22 @@ def _us(r):
     return None if not r or "ms" not in r else r["ms"] * 1e3
 
 
+def report(args) -> int:
+    """Rebuild the plots and BENCHMARKS.md from a results.json, measuring nothing (no GPU needed)."""
+    data = json.loads(pathlib.Path(args.from_json).read_text())
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot(data["rows"], data["environment"], out_dir)
+    notes_path = ROOT / "benchmarks" / "NOTES.md"
+    notes = notes_path.read_text() if notes_path.exists() else ""
+    pathlib.Path(args.markdown).write_text(markdown(data["rows"], data["environment"], plots, notes))
+    print(f"wrote {args.markdown} and {len(plots)} plots from {args.from_json}")
+    return 0
+
+
 def main(args) -> int:
+    if args.from_json:
+        return report(args)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; this machine has none (the CPU interpreter measures nothing useful).")
         return 2
@@ -323,3 +338,5 @@ def add_arguments(parser):
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results.json/csv and plots")
     parser.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"),
                         help="the Markdown report to regenerate ('' for none)")
+    parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: rebuild the report and plots from an earlier results.json")

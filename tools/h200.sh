@@ -11,12 +11,14 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     probe) timeout 120 python3 tools/probe.py 2>&1 | tee "$OUT/probe.log" ;;
-    test) timeout 420 python3 -m pytest tests -q -n 8 -p no:cacheprovider --durations=15 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
+    test) timeout 420 python3 -m pytest tests -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" ;;
     test-seq) timeout 420 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
-    bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -200 > "$OUT/bench.log"; cp -r benchmarks BENCHMARKS.md "$OUT/" ;;
+    bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
+    compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;
   esac
   echo "=== end $stage $(date +%T)"

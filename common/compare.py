@@ -1,0 +1,357 @@
+"""``compare``: the two programming models side by side, written to COMPARISON.md.
+
+Code metrics are counted from the current source every time (common/metrics.py
+says how). The Triton code NineToothed generates for our kernel is saved in
+comparison/ beside a copy of ours, and counted the same way. On a GPU the
+command also measures build cost (code generation and compilation of a cold
+first call, in a fresh process with an empty Triton cache) and per-call host
+overhead, and keeps them in comparison/gpu.json; on a CPU it reuses that file
+and says when and where it was measured. Speed comes from the last benchmark
+(benchmarks/results.json, written by ``bench``). The narrative is
+comparison/NARRATIVE.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from common.metrics import IndexCounts, feature_lines, function_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "comparison"
+
+KERNEL_FUNCTIONS = {
+    "triton": ["_attn_fwd_inner", "_attn_fwd"],
+    "ninetoothed": ["arrangement", "_attn_fwd_inner", "application"],
+}
+HOST_FUNCTIONS = {
+    "triton": ["forward"],
+    "ninetoothed": ["premake", "_kernel", "forward"],
+}
+MODULES = {"triton": "impl_triton.attention", "ninetoothed": "impl_ninetoothed.attention"}
+
+# Which lines serve which feature (common.metrics.feature_lines): identifiers per feature.
+FEATURES = {
+    "causal (two-stage loop, diagonal mask)": r"IS_CAUSAL",
+    "ragged lengths (bounds masks)": r"MASKED|key_ok|m_ok|\bLk\b|\bLq\b|full_end|source\.shape\[-2\]|offs_n",
+    "head dims not a power of two": r"HEAD_DIM|BLOCK_D|d_ok|dv_ok|block_d|other=0",
+    "grouped-query heads": r"GROUP|h_kv|group",
+    "attention masks": r"MASK_KIND|mask_ptrs|attn_mask|stride_m",
+    "log-sum-exp output": r"WITH_LSE|\bLSE\b|\blse\b",
+    "negative scales": r"qk_scale < 0|abs\(qk_scale\)",
+}
+
+# What each backend supports (also the README's table).
+FEATURE_TABLE = [
+    ("float16 / bfloat16 / float32", "yes", "yes", "yes"),
+    ("3-D (H, L, D) and 4-D (B, H, L, D) inputs", "yes", "yes", "yes"),
+    ("any Lq, Lk >= 1; Lq != Lk; top-left causal", "yes", "yes", "yes"),
+    ("head dims 16-256, not only powers of two", "yes", "yes", "yes (any)"),
+    ("value head dim != query/key head dim", "yes", "yes", "yes"),
+    ("any strides (no copies)", "yes", "yes", "yes"),
+    ("grouped-/multi-query heads (enable_gqa)", "yes, in the kernel", "yes, in the arrangement", "yes"),
+    ("boolean and additive attn_mask, broadcast by strides", "yes", "yes", "yes"),
+    ("log-sum-exp output (return_lse)", "yes", "yes", "no"),
+    ("dropout_p > 0", "no (clear error)", "no (clear error)", "yes"),
+    ("backward pass", "no (clear error)", "no (clear error)", "yes"),
+    ("runs on a CPU", "Triton's interpreter", "Triton's interpreter", "yes"),
+]
+
+
+def _module_source(backend: str) -> str:
+    import importlib
+
+    return inspect.getsource(importlib.import_module(MODULES[backend]))
+
+
+def code_section() -> tuple[str, dict]:
+    data = {}
+    for backend in MODULES:
+        source = _module_source(backend)
+        kernel = function_metrics(source, KERNEL_FUNCTIONS[backend])
+        host = function_metrics(source, HOST_FUNCTIONS[backend])
+        data[backend] = dict(
+            kernel=kernel, host=host,
+            features=feature_lines(source, KERNEL_FUNCTIONS[backend], FEATURES),
+        )
+    lines = ["## Code, counted from the source", "",
+             "Lines of code exclude blanks, comments and docstrings; complexity is McCabe's; index expressions "
+             "are the hand-written `arange`s, address arithmetic on strides/pointers, bounds comparisons and "
+             "load/store `mask=`/`other=` arguments (rules in `common/metrics.py`).", ""]
+    lines += ["| backend | function | role | lines | complexity | aranges | address arithmetic | bounds comparisons | load/store masks | `//` and `%` |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for backend, d in data.items():
+        for role, functions in (("kernel", d["kernel"]), ("host", d["host"])):
+            for f in functions:
+                i = f.index
+                lines.append(f"| {backend} | `{f.name}` | {role} | {f.code_lines} | {f.complexity} | {i.aranges} | "
+                             f"{i.address_arithmetic} | {i.bounds_comparisons} | {i.load_store_masks} | {i.div_mod} |")
+    lines += ["", "| | triton | ninetoothed |", "|---|---|---|"]
+    totals = {}
+    for backend, d in data.items():
+        index = sum((f.index for f in d["kernel"]), IndexCounts())
+        totals[backend] = dict(
+            kernel_lines=sum(f.code_lines for f in d["kernel"]),
+            host_lines=sum(f.code_lines for f in d["host"]),
+            index=index.total,
+            max_complexity=max(f.complexity for f in d["kernel"]),
+        )
+    for label, key in (("kernel lines (device code + arrangement)", "kernel_lines"),
+                       ("launcher lines (host)", "host_lines"),
+                       ("hand-written index/pointer/stride/mask expressions in the kernel", "index"),
+                       ("highest complexity of a kernel function", "max_complexity")):
+        lines.append(f"| {label} | {totals['triton'][key]} | {totals['ninetoothed'][key]} |")
+    lines += ["", "### Lines each feature costs in the kernel", "",
+              "A line counts for a feature when it names one of the feature's identifiers or sits in the body of "
+              "an `if` that does (patterns in `common/compare.py`); one line can serve several features.", "",
+              "| feature | triton | ninetoothed |", "|---|---|---|"]
+    for feature in FEATURES:
+        lines.append(f"| {feature} | {data['triton']['features'][feature]} | {data['ninetoothed']['features'][feature]} |")
+    return "\n".join(lines), totals
+
+
+def generated_section() -> str:
+    """Save NineToothed's generated Triton code beside ours and count both."""
+    from common.interpret import apply_interpreter_fixes
+    from common.metrics import code_lines, index_expressions
+    import ast
+
+    import impl_ninetoothed.attention as nt
+    import impl_triton.attention as ta
+
+    apply_interpreter_fixes()
+    head_dim, block_m, block_n = 64, 128, 64
+    handle = nt._kernel(head_dim, head_dim, block_m, block_n, 4, 3)
+    OUT_DIR.mkdir(exist_ok=True)
+    generated_path = OUT_DIR / "ninetoothed_generated.py"
+    generated = pathlib.Path(handle._source).read_text()
+    generated_path.write_text(
+        f"# Generated by ninetoothed.make for impl_ninetoothed/attention.py (D = Dv = {head_dim}, "
+        f"BLOCK_M = {block_m}, BLOCK_N = {block_n}).\n# Saved by `python -m common compare`; do not edit.\n"
+        + generated
+    )
+    ours = inspect.getsource(ta)
+    ours_path = OUT_DIR / "triton_handwritten.py"
+    ours_path.write_text("# impl_triton/attention.py, copied by `python -m common compare` for diffing.\n" + ours)
+
+    def kernel_only(source, names):
+        tree = ast.parse(source)
+        keep = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+        return keep
+
+    rows = []
+    for label, source, names in (("hand-written Triton (ours)", ours, ["_attn_fwd_inner", "_attn_fwd"]),
+                                 ("NineToothed's generated Triton", generated, None)):
+        tree = ast.parse(source)
+        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                     and (names is None and any(ast.unparse(d) == "triton.jit" for d in n.decorator_list)
+                          or names is not None and n.name in names)]
+        counts = sum((index_expressions(f) for f in functions), IndexCounts())
+        lines = code_lines(source)
+        n_lines = sum(1 for f in functions for line in range(f.lineno, f.end_lineno + 1) if line in lines)
+        chars = sum(len(ast.unparse(f)) for f in functions)
+        loads = sum(1 for f in functions for n in ast.walk(f) if isinstance(n, ast.Call) and
+                    getattr(n.func, "attr", "") in ("load", "store"))
+        rows.append((label, n_lines, chars, loads, counts))
+    out = ["## The Triton code NineToothed generates", "",
+           f"`comparison/ninetoothed_generated.py` is what `ninetoothed.make` writes for our arrangement and "
+           f"application (one configuration); `comparison/triton_handwritten.py` is our kernel, for diffing. "
+           "Counted the same way:", "",
+           "| | lines | characters | loads + stores | aranges | address arithmetic | bounds comparisons | load/store masks | `//` and `%` |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for label, n_lines, chars, loads, c in rows:
+        out.append(f"| {label} | {n_lines} | {chars} | {loads} | {c.aranges} | {c.address_arithmetic} | "
+                   f"{c.bounds_comparisons} | {c.load_store_masks} | {c.div_mod} |")
+    out += ["", "What the generated code carries that ours does not: every load and store gets a mask that "
+            "re-checks every level of the arrangement (program-id coordinates, tile indices, element offsets, "
+            "each against its bound and against zero), the program id is unravelled into coordinates separately "
+            "for each tensor (the `//` and `%` above), and sizes are written as unsimplified symbolic "
+            "expressions (`(L - 127 - 1 + 128 - 1) // 128 + 1`). Triton's compiler folds most of it on a GPU "
+            "(constant ranges, repeated sub-expressions); the interpreter executes all of it, which is why "
+            "NineToothed runs 5-20x slower than our kernel there."]
+    return "\n".join(out)
+
+
+_COLD_START = r"""
+import json, sys, time
+start = time.perf_counter()
+import torch
+import common
+backend = sys.argv[1]
+q, k, v = (torch.randn(1, 8, 1024, 64, dtype=torch.float16, device="cuda") for _ in range(3))
+torch.cuda.synchronize()
+imported = time.perf_counter()
+codegen = 0.0
+if backend == "ninetoothed":
+    import impl_ninetoothed.attention as nt
+    from common.configs import padded_head_dim
+    c = nt.CONFIGS.lookup(64, torch.float16, False, 1024, 1024, False)
+    t = time.perf_counter(); nt._kernel(64, 64, c.block_m, c.block_n, c.num_warps, c.num_stages); codegen = time.perf_counter() - t
+t = time.perf_counter(); common.attention(q, k, v, backend=backend); torch.cuda.synchronize(); first = time.perf_counter() - t
+t = time.perf_counter(); common.attention(q, k, v, backend=backend); torch.cuda.synchronize(); second = time.perf_counter() - t
+print(json.dumps(dict(import_s=imported - start, codegen_s=codegen, first_call_s=first, second_call_s=second)))
+"""
+
+
+def measure_gpu() -> dict:
+    """Build cost of a cold first call (fresh process, empty Triton cache) and per-call host overhead."""
+    from common import attention
+    from common.bench import environment
+    from common.timing import wall_time_us
+
+    result = dict(environment=environment(), cold_start={}, host_overhead_us={})
+    for backend in MODULES:
+        cache = tempfile.mkdtemp(prefix="triton-cache-")
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        proc = subprocess.run([sys.executable, "-c", _COLD_START, backend], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=300)
+        shutil.rmtree(cache, ignore_errors=True)
+        if proc.returncode != 0:
+            result["cold_start"][backend] = dict(error=proc.stderr[-500:])
+        else:
+            result["cold_start"][backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+    q, k, v = (torch.randn(2, 4, 16, 32, dtype=torch.float16, device="cuda") for _ in range(3))
+    for backend in ("triton", "ninetoothed", "torch"):
+        result["host_overhead_us"][backend] = wall_time_us(lambda: attention(q, k, v, backend=backend), calls=1000)
+    return result
+
+
+def gpu_section(gpu: dict | None) -> str:
+    if gpu is None:
+        return "## Build cost and host overhead\n\nNot measured: no GPU run has been recorded (comparison/gpu.json)."
+    env = gpu["environment"]
+    out = ["## Build cost and host overhead", "",
+           f"Measured on {env['gpu']} ({env['date']}; torch {env['torch']}, triton {env['triton']}, "
+           f"ninetoothed {env['ninetoothed']}). Cold start: a fresh process with an empty Triton cache, "
+           "one (1, 8, 1024, 64) fp16 call; code generation is `ninetoothed.make` alone.", "",
+           "| | import (s) | code generation (s) | first call, compile included (s) | second call (s) |",
+           "|---|---|---|---|---|"]
+    for backend, c in gpu["cold_start"].items():
+        if "error" in c:
+            out.append(f"| {backend} | error: {c['error'][:80]} | | | |")
+        else:
+            out.append(f"| {backend} | {c['import_s']:.2f} | {c['codegen_s']:.2f} | {c['first_call_s']:.2f} | "
+                       f"{c['second_call_s'] * 1e3:.2f} ms |")
+    out += ["", "Host overhead: wall time per call of a Python loop on the tiny (2, 4, 16, 32) fp16 shape, "
+            "where the GPU work is a few µs:", "", "| backend | µs per call |", "|---|---|"]
+    for backend, us in gpu["host_overhead_us"].items():
+        out.append(f"| {backend} | {us:.1f} |")
+    return "\n".join(out)
+
+
+def speed_section(results_path: pathlib.Path) -> tuple[str, pathlib.Path | None]:
+    if not results_path.exists():
+        return "## Speed\n\nNo benchmark results (benchmarks/results.json): run `python -m common bench` on a GPU.", None
+    data = json.loads(results_path.read_text())
+    env = data["environment"]
+    rows = [r for r in data["rows"] if r["section"] == "throughput" and "tflops" in r]
+    by_shape = {}
+    for r in rows:
+        key = (r["dtype"], r["D"], r["Lq"], r["causal"])
+        by_shape.setdefault(key, {})[r["backend"]] = r
+    out = ["## Speed", "",
+           f"From the last benchmark ({env['gpu']}, {env['date']}; `benchmarks/results.json`): forward TFLOP/s, "
+           "B·L = 16384, H·D = 2048.", "",
+           "| dtype | D | L | causal | triton | ninetoothed | ninetoothed / triton | triton / SDPA |",
+           "|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for (dtype, D, L, causal), by in sorted(by_shape.items()):
+        t, n, s = by.get("triton"), by.get("ninetoothed"), by.get("torch")
+        if not t or not n:
+            continue
+        ratio = n["tflops"] / t["tflops"]
+        ratios.append(((dtype, D, L, causal), ratio, t["tflops"], n["tflops"]))
+        vs = f"{t['tflops'] / s['tflops']:.2f}" if s else "-"
+        out.append(f"| {dtype} | {D} | {L} | {'yes' if causal else 'no'} | {t['tflops']:.0f} | {n['tflops']:.0f} | "
+                   f"{ratio:.2f} | {vs} |")
+    if ratios:
+        values = [r for _, r, _, _ in ratios]
+        out += ["", f"NineToothed / Triton: median {sorted(values)[len(values) // 2]:.2f}, "
+                f"range {min(values):.2f}-{max(values):.2f} over {len(values)} shapes."]
+    plot = _plot(ratios, env) if ratios else None
+    if plot:
+        out += ["", f"![speed by shape](comparison/{plot.name})"]
+    return "\n".join(out), plot
+
+
+def _plot(ratios, env):
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{d[:4]} D{D} L{L}{' c' if c else ''}" for (d, D, L, c), *_ in ratios]
+    triton = [t for *_, t, _ in ratios]
+    nt = [n for *_, n in ratios]
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.45), 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], triton, width=0.4, label="triton")
+    ax.bar([i + 0.2 for i in x], nt, width=0.4, label="ninetoothed")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=70, fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"forward throughput by shape, {env['gpu']}")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = OUT_DIR / "speed_by_shape.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def feature_section() -> str:
+    out = ["## Features", "", "| feature | triton | ninetoothed | torch (SDPA) |", "|---|---|---|---|"]
+    out += [f"| {f} | {t} | {n} | {s} |" for f, t, n, s in FEATURE_TABLE]
+    return "\n".join(out)
+
+
+def main(args) -> int:
+    from common.interpret import use_interpreter_if_no_gpu
+
+    interpreted = use_interpreter_if_no_gpu()
+    OUT_DIR.mkdir(exist_ok=True)
+    gpu_path = OUT_DIR / "gpu.json"
+    if not interpreted:
+        gpu = measure_gpu()
+        gpu_path.write_text(json.dumps(gpu, indent=1) + "\n")
+    else:
+        gpu = json.loads(gpu_path.read_text()) if gpu_path.exists() else None
+        print("No GPU: code metrics are fresh; build cost and host overhead come from "
+              + ("comparison/gpu.json, recorded on " + gpu["environment"]["date"] if gpu else "nowhere (never measured)"))
+    code, totals = code_section()
+    speed, _ = speed_section(ROOT / "benchmarks" / "results.json")
+    narrative_path = OUT_DIR / "NARRATIVE.md"
+    narrative = narrative_path.read_text().strip() if narrative_path.exists() else ""
+    document = "\n\n".join([
+        "# Triton and NineToothed, side by side",
+        "Regenerated by `python -m common compare` from the current code (do not edit by hand; the narrative "
+        "is `comparison/NARRATIVE.md`). Both kernels implement the same FlashAttention-2 forward with the same "
+        "names: `impl_triton/attention.py` and `impl_ninetoothed/attention.py`.",
+        narrative,
+        code,
+        generated_section(),
+        gpu_section(gpu),
+        speed,
+        feature_section(),
+    ]) + "\n"
+    pathlib.Path(args.output).write_text(document)
+    print(f"wrote {args.output}")
+    print(f"kernel lines: triton {totals['triton']['kernel_lines']}, ninetoothed {totals['ninetoothed']['kernel_lines']}; "
+          f"index expressions: triton {totals['triton']['index']}, ninetoothed {totals['ninetoothed']['index']}")
+    return 0
+
+
+def add_arguments(parser):
+    parser.add_argument("--output", default=str(ROOT / "COMPARISON.md"))
