@@ -39,7 +39,7 @@ CONFIGS = ConfigTable.load(__name__)
 
 def arrangement(
     query, key, value, attn_mask, scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, DOT_PRECISION,
+    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, head, block of BLOCK_M query rows)."""
@@ -76,13 +76,13 @@ def arrangement(
     lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1))
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
-        output_arranged, lse_arranged, IS_CAUSAL, MASK_KIND, WITH_LSE, DOT_PRECISION,
+        output_arranged, lse_arranged, IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION,
     )
 
 
 def _attn_fwd_inner(
     acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, qk_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION,
+    IS_CAUSAL, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
@@ -115,9 +115,13 @@ def _attn_fwd_inner(
                 m_sub = m_ij
             qk = qk - m_sub[:, None]
         else:
-            # No mask: scale and subtract the maximum in one FMA per score
-            # (valid because qk_scale >= 0: the kernel negated q otherwise).
-            m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * qk_scale)
+            # No mask: scale and subtract the maximum in one FMA per score. The
+            # row maximum of qk * qk_scale is max(qk) * qk_scale, or min(qk) *
+            # qk_scale for a negative scale.
+            if NEGATIVE_SCALE:
+                m_ij = ntl.maximum(m_i, ntl.min(qk, 1) * qk_scale)
+            else:
+                m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * qk_scale)
             m_sub = m_ij
             qk = qk * qk_scale - m_sub[:, None]
         p = ntl.exp2(qk)
@@ -132,15 +136,11 @@ def _attn_fwd_inner(
 
 def application(
     query, key, value, attn_mask, scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, DOT_PRECISION,
+    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION,
 ):
     q = query
     offs_m = query.offsets(-2)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
-    # The unmasked stage folds the scale into an FMA after the row maximum,
-    # which needs qk_scale >= 0: for a negative scale use -q and |scale|.
-    q = ntl.where(qk_scale < 0, -q, q)
-    qk_scale = ntl.abs(qk_scale)
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
@@ -156,11 +156,11 @@ def application(
         end = key.shape[0]
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, 0, full_end, qk_scale,
-        IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+        IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_end, end, qk_scale,
-        IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION,
     )
 
     if WITH_LSE:
@@ -198,6 +198,7 @@ def premake(head_dim, head_dim_v, block_m, block_n):
         Tensor(0, constexpr=True),  # IS_CAUSAL
         Tensor(0, constexpr=True),  # MASK_KIND
         Tensor(0, constexpr=True),  # WITH_LSE
+        Tensor(0, constexpr=True),  # NEGATIVE_SCALE
         Tensor(0, constexpr=True),  # DOT_PRECISION
     )
     return arrangement_, application, tensors
@@ -243,7 +244,7 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
     kernel = _kernel(D, Dv, config.block_m, config.block_n, config.num_warps, config.num_stages)
     kernel(
         query, key, value, attn_mask, scale, out, lse,
-        is_causal, mask_kind, return_lse, _dot_precision(query.dtype),
+        is_causal, mask_kind, return_lse, scale < 0, _dot_precision(query.dtype),
     )
     return out, (lse if return_lse else None)
 

@@ -24,7 +24,7 @@ def compiled(D, dtype, causal, L=4096, mask_kind=0):
         q, k, v, out, out, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(), 0, 0, 0, 0,
         H, 1, L, L, 0.1, HEAD_DIM=D, HEAD_DIM_V=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=padded_head_dim(D), BLOCK_DV=padded_head_dim(D), IS_CAUSAL=causal, MASK_KIND=mask_kind,
-        WITH_LSE=False, DOT_PRECISION="tf32", num_warps=config.num_warps, num_stages=config.num_stages,
+        WITH_LSE=False, NEGATIVE_SCALE=False, DOT_PRECISION="tf32", num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return config, kernel
 

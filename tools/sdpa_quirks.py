@@ -69,6 +69,13 @@ def main():
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / n * 1e6
 
+    import impl_triton.attention as ta
+
+    def slow_path():
+        ta._compiled.clear()  # forget the compiled kernel: go through Triton's dispatch
+        return forward(q, k, v, is_causal=False, scale=0.17)
+
+    print(f"host µs per call: triton forward through Triton's dispatch every call {per_call(slow_path):.1f}")
     print(f"host µs per call: validation {per_call(lambda: check_call(triton_backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, return_lse=False)):.1f}, "
           f"triton forward {per_call(lambda: forward(q, k, v, is_causal=False, scale=0.17)):.1f}, "
           f"attention() {per_call(lambda: common.attention(q, k, v)):.1f}, "
