@@ -52,7 +52,7 @@ def _attn_fwd_inner(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
@@ -95,9 +95,13 @@ def _attn_fwd_inner(
                 m_sub = m_ij
             qk = qk - m_sub[:, None]
         else:
-            # No mask: scale and subtract the maximum in one FMA per score
-            # (valid because qk_scale >= 0: the kernel negated q otherwise).
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            # No mask: scale and subtract the maximum in one FMA per score. The
+            # row maximum of qk * qk_scale is max(qk) * qk_scale, or min(qk) *
+            # qk_scale for a negative scale.
+            if NEGATIVE_SCALE:
+                m_ij = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+            else:
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_ij
             qk = qk * qk_scale - m_sub[:, None]
         p = tl.math.exp2(qk)
@@ -128,7 +132,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -151,10 +155,6 @@ def _attn_fwd(
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
-    # The unmasked stage folds the scale into an FMA after the row maximum,
-    # which needs qk_scale >= 0: for a negative scale use -q and |scale|.
-    q = tl.where(qk_scale < 0, -q, q)
-    qk_scale = tl.abs(qk_scale)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -170,12 +170,14 @@ def _attn_fwd(
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, 0, full_end, Lq, Lk, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE,
+        DOT_PRECISION,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_end, end, Lq, Lk, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE,
+        DOT_PRECISION,
     )
 
     if WITH_LSE:
@@ -221,18 +223,55 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
         mask, mask_strides = attn_mask, attn_mask.stride()
     block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     config = CONFIGS.lookup(max(block_d, block_dv), query.dtype, is_causal, Lq, Lk, INTERPRETED)
-    grid = (triton.cdiv(Lq, config.block_m), B * H)
-    _attn_fwd[grid](
+    args = (
         query, key, value, out, lse, mask,
         *query.stride(), *key.stride(), *value.stride(), *out.stride(), *mask_strides,
         H, H // H_kv, Lq, Lk, scale,
-        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv,
-        IS_CAUSAL=is_causal, MASK_KIND=mask_kind, WITH_LSE=return_lse,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    constexprs = (
+        D, Dv, config.block_m, config.block_n, block_d, block_dv,
+        is_causal, mask_kind, return_lse, scale < 0, _dot_precision(query.dtype),
+    )
+    _launch((triton.cdiv(Lq, config.block_m), B * H, 1), args, constexprs, config)
     return out, (lse if return_lse else None)
+
+
+_CONSTEXPR_NAMES = (
+    "HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV",
+    "IS_CAUSAL", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION",
+)
+_compiled = {}  # launch key -> the compiled kernel Triton returned for it
+
+
+def _launch(grid, args, constexprs, config):
+    """Launch ``_attn_fwd``, skipping Triton's per-call dispatch when we can.
+
+    ``_attn_fwd[grid](...)`` binds ~40 arguments, specialises and hashes them on
+    every call: tens of microseconds, more than the whole kernel takes on small
+    inputs. The first call of each *launch key* goes through it (compiling if
+    needed) and we keep the compiled kernel it returns; later calls launch that
+    kernel directly. The key holds everything Triton specialises a compiled
+    kernel on (and a little more): each tensor's dtype and 16-byte alignment,
+    each integer's value class (1, a multiple of 16, fits in 32 bits), the
+    constexprs and the launch configuration; so a kernel is only reused where
+    Triton itself would pick the same one.
+    """
+    if INTERPRETED:
+        _attn_fwd[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                        num_warps=config.num_warps, num_stages=config.num_stages)
+        return
+    key = (constexprs, config, torch.cuda.current_device()) + tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+        else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31) if isinstance(a, int)
+        else type(a)
+        for a in args
+    )
+    kernel = _compiled.get(key)
+    if kernel is None:
+        _compiled[key] = _attn_fwd[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                                         num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        kernel[grid](*args, *constexprs)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
