@@ -47,7 +47,7 @@ FEATURES = {
     "grouped-query heads": r"GROUP|h_kv|group",
     "attention masks": r"MASK_KIND|mask_ptrs|attn_mask|stride_m",
     "log-sum-exp output": r"WITH_LSE|\bLSE\b|\blse\b",
-    "negative scales": r"qk_scale < 0|abs\(qk_scale\)",
+    "negative scales": r"NEGATIVE_SCALE",
 }
 
 # What each backend supports (also the README's table).
