@@ -7,8 +7,9 @@ blocks of BLOCK_N through an online softmax with float32 accumulators
 (``acc``, the running row sum ``l_i`` and the running row maximum ``m_i``).
 The Lq x Lk score matrix never exists outside registers.
 
-- The softmax runs in base 2: log2(e) is folded into the scale, so each score
-  costs one multiply and one ``exp2``.
+- The softmax runs in base 2 with log2(e) folded into the scale; in blocks
+  without masks, scaling a score and subtracting its row maximum is one FMA,
+  then one ``exp2``.
 - Key blocks are visited in two stages: first the blocks that need no mask at
   all (every key exists and, when causal, lies on or below the diagonal for
   every row of the block), then the few blocks that do (the diagonal band and
@@ -19,7 +20,7 @@ The Lq x Lk score matrix never exists outside registers.
 - Grouped-query attention reads key/value head ``h // (H // H_kv)``: no copies.
 - An optional ``attn_mask`` (boolean: True takes part; or additive) is read
   through its strides, so a broadcast mask costs no memory. A row whose every
-  key is masked out gives 0, as SDPA does.
+  key is masked out gives 0, as SDPA's math backend does.
 - The log-sum-exp of each row's scaled, masked scores (natural log) can be
   written out, for merging partial results.
 
@@ -27,7 +28,6 @@ Every tensor is read through its strides: transposed views need no copy.
 """
 
 from __future__ import annotations
-
 
 import torch
 import triton
@@ -268,8 +268,10 @@ def _launch(grid, args, constexprs, config):
     )
     kernel = _compiled.get(key)
     if kernel is None:
-        _compiled[key] = _attn_fwd[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
-                                         num_warps=config.num_warps, num_stages=config.num_stages)
+        compiled = _attn_fwd[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                                   num_warps=config.num_warps, num_stages=config.num_stages)
+        # A Triton whose launch returns no launchable kernel keeps the slow path.
+        _compiled[key] = compiled if hasattr(compiled, "__getitem__") else None
     else:
         kernel[grid](*args, *constexprs)
 
