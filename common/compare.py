@@ -2,7 +2,7 @@
 
 Code metrics are counted from the current source every time (common/metrics.py
 says how). The Triton code NineToothed generates for our kernel is saved in
-comparison/ beside a copy of ours, and counted the same way. On a GPU the
+comparison/, to diff against impl_triton/attention.py, and counted the same way. On a GPU the
 command also measures build cost (code generation and compilation of a cold
 first call, in a fresh process with an empty Triton cache) and per-call host
 overhead, and keeps them in comparison/gpu.json; on a CPU it reuses that file
@@ -140,14 +140,6 @@ def generated_section() -> str:
         + generated
     )
     ours = inspect.getsource(ta)
-    ours_path = OUT_DIR / "triton_handwritten.py"
-    ours_path.write_text("# impl_triton/attention.py, copied by `python -m common compare` for diffing.\n" + ours)
-
-    def kernel_only(source, names):
-        tree = ast.parse(source)
-        keep = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
-        return keep
-
     rows = []
     for label, source, names in (("hand-written Triton (ours)", ours, ["_attn_fwd_inner", "_attn_fwd"]),
                                  ("NineToothed's generated Triton", generated, None)):
@@ -163,8 +155,8 @@ def generated_section() -> str:
                     getattr(n.func, "attr", "") in ("load", "store"))
         rows.append((label, n_lines, chars, loads, counts))
     out = ["## The Triton code NineToothed generates", "",
-           f"`comparison/ninetoothed_generated.py` is what `ninetoothed.make` writes for our arrangement and "
-           f"application (one configuration); `comparison/triton_handwritten.py` is our kernel, for diffing. "
+           "`comparison/ninetoothed_generated.py` is what `ninetoothed.make` writes for our arrangement and "
+           "application (one configuration); diff it against our kernel, `impl_triton/attention.py`. "
            "Counted the same way:", "",
            "| | lines | characters | loads + stores | aranges | address arithmetic | bounds comparisons | load/store masks | `//` and `%` |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -193,7 +185,6 @@ imported = time.perf_counter()
 codegen = 0.0
 if backend == "ninetoothed":
     import impl_ninetoothed.attention as nt
-    from common.configs import padded_head_dim
     c = nt.CONFIGS.lookup(64, torch.float16, False, 1024, 1024, False)
     t = time.perf_counter(); nt._kernel(64, 64, c.block_m, c.block_n, c.num_warps, c.num_stages); codegen = time.perf_counter() - t
 t = time.perf_counter(); common.attention(q, k, v, backend=backend); torch.cuda.synchronize(); first = time.perf_counter() - t

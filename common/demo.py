@@ -74,8 +74,8 @@ def main(args) -> int:
     rows = run(device, scales=(None,) if interpreted else (1.0, None))
     failed = [r for r in rows if not r["ok"]]
     print(
-        f"\nmax|err|: against SDPA computed in float32 on the same inputs; ok: allclose(rtol=atol=1e-2), "
-        f"the homework's criterion. first call: includes compiling."
+        "\nmax|err|: against SDPA computed in float32 on the same inputs; ok: allclose(rtol=atol=1e-2), "
+        "the homework's criterion. first call: includes compiling."
         + ("\nGPU µs: do_bench median; wall µs: per call in a Python loop, host work included." if device == "cuda" else "")
     )
     print(f"{len(rows) - len(failed)}/{len(rows)} passed")
