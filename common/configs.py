@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-LENGTH_BUCKETS = (256, 1024, 4096, 16384)
+LENGTH_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,23 @@ DEFAULTS = {
     128: Config(128, 64, 8, 3),
     256: Config(64, 32, 4, 2),
 }
+
+
+def default_config(block_d: int, q_len: int) -> Config:
+    """The configuration where the table has no entry.
+
+    Short queries (decoding, a few speculative tokens) get the smallest row
+    tile that holds them: their programs stream keys and values, and rows
+    past Lq would only burn tensor-core time.
+    """
+    if q_len <= 64:
+        block_m = min(64, max(16, next_power_of_2(q_len)))
+        if block_d <= 64:
+            return Config(block_m, 128, 4, 3)
+        if block_d <= 128:
+            return Config(block_m, 64, 4, 3)
+        return Config(block_m, 32, 4, 2)
+    return DEFAULTS[block_d]
 
 
 def next_power_of_2(n: int) -> int:
@@ -102,4 +119,4 @@ class ConfigTable:
         if interpreted:
             return self.interpreter_config(block_d, q_len, k_len)
         config = self.entries.get(key(block_d, dtype, is_causal, length_bucket(q_len)))
-        return config if config is not None else DEFAULTS[block_d]
+        return config if config is not None else default_config(block_d, q_len)

@@ -90,5 +90,6 @@ def main(args) -> int:
 def add_arguments(parser):
     parser.add_argument("--backends", nargs="+", default=list(MODULES), choices=list(MODULES))
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], choices=sorted(CANDIDATES))
-    parser.add_argument("--buckets", nargs="+", type=int, default=list(LENGTH_BUCKETS[1:]), choices=LENGTH_BUCKETS)
+    parser.add_argument("--buckets", nargs="+", type=int, default=[b for b in LENGTH_BUCKETS if b >= 1024],
+                        choices=LENGTH_BUCKETS)
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])

@@ -32,9 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from common.configs import ConfigTable, padded_head_dim
+from common.configs import ConfigTable, next_power_of_2, padded_head_dim
 from common.interpret import apply_interpreter_fixes
+from common.launch import CachedLauncher
 from common.outputs import new_output
+from common.splitkv import plan_splits
 
 # attn_mask kinds (the kernel's MASK_KIND)
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
@@ -51,7 +53,7 @@ def _attn_fwd_inner(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
-    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
@@ -86,8 +88,9 @@ def _attn_fwd_inner(
                 else:
                     qk = qk + mask.to(tl.float32) * 1.4426950408889634
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            if MASK_KIND != 0:
-                # A row with no visible key yet has m_ij = -inf; subtract 0
+            if MASK_KIND != 0 or SPLIT:
+                # A row with no visible key yet has m_ij = -inf (a mask, or a
+                # split that starts past a causal row's last key); subtract 0
                 # instead so that its p and alpha are 0, not NaN.
                 m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             else:
@@ -124,19 +127,26 @@ def _attn_fwd(
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
-    stride_oz, stride_oh, stride_om, stride_od,
+    stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale,
+    H, GROUP, Lq, Lk, scale, NUM_SPLITS, BLOCKS_PER_SPLIT,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
-    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """One program: BLOCK_M query rows of one (batch, head), against the key
+    blocks of one split (all of them unless SPLIT).
+
+    SPLIT: O is the float32 partial-output buffer (B, H, Lq, NUM_SPLITS, Dv)
+    and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, merged by _attn_combine.
+    """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1)
+    split = tl.program_id(2)
     off_z = (off_hz // H).to(tl.int64)
     off_h = (off_hz % H).to(tl.int64)
     off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one K/V head
@@ -159,37 +169,79 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     # Stage 1 ends where a block first needs a mask; stage 2 ends at the last
-    # key any row of this block can see.
+    # key any row of this block can see. Both stop at the end of this split's
+    # keys [lo, hi).
     full_end = (Lk // BLOCK_N) * BLOCK_N
     if IS_CAUSAL:
         full_end = tl.minimum(full_end, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         end = tl.minimum(Lk, (start_m + 1) * BLOCK_M)
     else:
         end = Lk
+    lo = split * BLOCKS_PER_SPLIT * BLOCK_N
+    hi = tl.minimum(lo + BLOCKS_PER_SPLIT * BLOCK_N, end)
+    full_end = tl.maximum(lo, tl.minimum(full_end, hi))
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, 0, full_end, Lq, Lk, qk_scale,
+        offs_m, offs_n, offs_d, offs_dv, lo, full_end, Lq, Lk, qk_scale,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE,
-        DOT_PRECISION,
+        DOT_PRECISION, SPLIT,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_end, end, Lq, Lk, qk_scale,
+        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION,
+        DOT_PRECISION, SPLIT,
     )
 
     if WITH_LSE:
         # Log-sum-exp of the scaled scores, from base 2 back to natural log;
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-        tl.store(LSE + off_hz.to(tl.int64) * Lq + offs_m, lse, mask=m_ok)
-    if MASK_KIND != 0:
-        # A row whose every key is masked out has acc = 0 and l_i = 0: SDPA returns 0.
+        tl.store(LSE + (off_hz.to(tl.int64) * Lq + offs_m) * NUM_SPLITS + split, lse, mask=m_ok)
+    if MASK_KIND != 0 or SPLIT:
+        # A row whose every key is masked out (or, in a split, that sees none of
+        # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
-    o_ptrs = O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + split * stride_os
+              + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+
+@triton.jit
+def _attn_combine(
+    O_PART, LSE_PART, O, LSE, R, NUM_SPLITS,
+    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WITH_LSE: tl.constexpr,
+):
+    """Merge the splits of BLOCK_R rows: O_PART (R, NUM_SPLITS, Dv) float32 and
+    LSE_PART (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous.
+
+    o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s); a split
+    whose rows saw no key has lse_s = -inf and weighs 0.
+    """
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    r_ok = offs_r < R
+    s_ok = offs_s < NUM_SPLITS
+    offs_rs = offs_r.to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]
+    lse_s = tl.load(LSE_PART + offs_rs, mask=r_ok[:, None] & s_ok[None, :], other=float("-inf"))
+    m = tl.max(lse_s, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
+    w = tl.exp(lse_s - m[:, None])
+    l = tl.sum(w, 1)
+    o_s = tl.load(
+        O_PART + offs_rs[:, :, None] * HEAD_DIM_V + offs_dv[None, None, :],
+        mask=(r_ok[:, None] & s_ok[None, :])[:, :, None] & (offs_dv < HEAD_DIM_V)[None, None, :],
+        other=0.0,
+    )
+    o = tl.sum(w[:, :, None] * o_s, 1) / tl.where(l == 0.0, 1.0, l)[:, None]
+    o_ptrs = O + offs_r.to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=r_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+    if WITH_LSE:
+        tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)  # log(0) = -inf: no key at all
 
 
 def _interpreted() -> bool:
@@ -209,12 +261,13 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
     Lq, Lk >= 1. attn_mask: None, or a bool / floating tensor already
     expanded (stride-0 views) to (B, H, Lq, Lk). Returns ``(out, lse)``:
     out (B, H, Lq, Dv) contiguous in value's dtype; lse (B, H, Lq) float32,
-    or None unless ``return_lse``.
+    or None unless ``return_lse``. When the launch would leave the GPU short
+    of programs, the keys are split across programs and merged after (see
+    ``common.splitkv``).
     """
     B, H, Lq, D = query.shape
     H_kv, Lk, Dv = key.shape[1], key.shape[2], value.shape[3]
     out = new_output((B, H, Lq, Dv), query.dtype, query.device)
-    lse = new_output((B, H, Lq), torch.float32, query.device) if return_lse else out
     if attn_mask is None:
         mask_kind, mask, mask_strides = NO_MASK, out, (0, 0, 0, 0)
     else:
@@ -222,57 +275,45 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
         mask, mask_strides = attn_mask, attn_mask.stride()
     block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     config = CONFIGS.lookup(max(block_d, block_dv), query.dtype, is_causal, Lq, Lk, INTERPRETED)
+    m_blocks = -(-Lq // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
+    programs = m_blocks * B * H
+    num_splits, blocks_per_split = plan_splits(programs, Lk, config.block_n, query.device)
+    split = num_splits > 1
+    if split:
+        # float32 partial outputs and their log-sum-exps, one per split
+        o_part = new_output((B, H, Lq, num_splits, Dv), torch.float32, query.device)
+        lse_part = new_output((B, H, Lq, num_splits), torch.float32, query.device)
+        o_strides = o_part.stride()
+    else:
+        o_part = out
+        lse_part = new_output((B, H, Lq), torch.float32, query.device) if return_lse else out
+        o_strides = (*out.stride()[:3], 0, out.stride(3))
     args = (
-        query, key, value, out, lse, mask,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(), *mask_strides,
-        H, H // H_kv, Lq, Lk, scale,
+        query, key, value, o_part, lse_part, mask,
+        *query.stride(), *key.stride(), *value.stride(), *o_strides, *mask_strides,
+        H, H // H_kv, Lq, Lk, scale, num_splits, blocks_per_split,
     )
     constexprs = (
         D, Dv, config.block_m, config.block_n, block_d, block_dv,
-        is_causal, mask_kind, return_lse, scale < 0, _dot_precision(query.dtype),
+        is_causal, mask_kind, return_lse or split, scale < 0, _dot_precision(query.dtype), split,
     )
-    _launch((triton.cdiv(Lq, config.block_m), B * H, 1), args, constexprs, config)
+    _fwd_launcher((m_blocks, B * H, num_splits), args + constexprs,
+                  config.num_warps, config.num_stages)
+    if not split:
+        return out, (lse_part if return_lse else None)
+
+    lse = new_output((B, H, Lq), torch.float32, query.device) if return_lse else out
+    R = B * H * Lq
+    block_r = _COMBINE_ROWS if not INTERPRETED else min(_COMBINE_ROWS, next_power_of_2(R))
+    _combine_launcher((-(-R // block_r), 1, 1),
+                      (o_part, lse_part, out, lse, R, num_splits,
+                       Dv, block_r, next_power_of_2(num_splits), block_dv, return_lse), 4, 1)
     return out, (lse if return_lse else None)
 
 
-_CONSTEXPR_NAMES = (
-    "HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV",
-    "IS_CAUSAL", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION",
-)
-_compiled = {}  # launch key -> the compiled kernel Triton returned for it
-
-
-def _launch(grid, args, constexprs, config):
-    """Launch ``_attn_fwd``, skipping Triton's per-call dispatch when we can.
-
-    ``_attn_fwd[grid](...)`` binds ~40 arguments, specialises and hashes them on
-    every call: tens of microseconds, more than the whole kernel takes on small
-    inputs. The first call of each *launch key* goes through it (compiling if
-    needed) and we keep the compiled kernel it returns; later calls launch that
-    kernel directly. The key holds everything Triton specialises a compiled
-    kernel on (and a little more): each tensor's dtype and 16-byte alignment,
-    each integer's value class (1, a multiple of 16, fits in 32 bits), the
-    constexprs and the launch configuration; so a kernel is only reused where
-    Triton itself would pick the same one.
-    """
-    if INTERPRETED:
-        _attn_fwd[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
-                        num_warps=config.num_warps, num_stages=config.num_stages)
-        return
-    key = (constexprs, config, torch.cuda.current_device()) + tuple(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-        else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31) if isinstance(a, int)
-        else type(a)
-        for a in args
-    )
-    kernel = _compiled.get(key)
-    if kernel is None:
-        compiled = _attn_fwd[grid](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
-                                   num_warps=config.num_warps, num_stages=config.num_stages)
-        # A Triton whose launch returns no launchable kernel keeps the slow path.
-        _compiled[key] = compiled if hasattr(compiled, "__getitem__") else None
-    else:
-        kernel[grid](*args, *constexprs)
+_fwd_launcher = CachedLauncher(_attn_fwd)  # compiled kernels, launched without Triton's dispatch
+_combine_launcher = CachedLauncher(_attn_combine)
+_COMBINE_ROWS = 16  # rows per merge program
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

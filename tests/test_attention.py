@@ -225,3 +225,54 @@ def test_lse_merges_split_keys(dtype, backend, device):
     torch.testing.assert_close(lse, full_lse, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(merged.to(dtype), full, rtol=tolerance, atol=tolerance)
     check_output(merged.to(dtype), q, k, v, enable_gqa=True)
+
+
+# -- short queries: grouped-query packing and split keys (flash-decoding) -------------
+SPLIT_CASES = [
+    Case(2, 8, 1, 700, 64, H_kv=2),  # decode: one query row, heads packed 4 to a K/V head
+    Case(2, 4, 3, 530, 32, H_kv=1, mask="bool", mask_shape="B11Lk"),  # padded decode, multi-query
+    Case(1, 4, 5, 400, 64, H_kv=2, mask="additive-empty-rows", mask_shape="B1LqLk", dtype=f32),
+    Case(1, 2, 20, 333, 48, dtype=bf16, scale=-0.3),
+    Case(1, 4, 2, 300, 64, H_kv=2, layout="transposed"),  # (B, L, H, D) buffers: packing by view
+    Case(1, 2, 300, 600, 128, causal=True),  # causal: keys past Lq - 1 dropped; rows of a split see no key
+    Case(None, 4, 1, 257, 128, H_kv=2, Dv=64),
+]
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("case", params(SPLIT_CASES))
+def test_split_keys(case, num_splits, backend, device):
+    """Keys split across programs and merged by the log-sum-exp give SDPA's output and lse."""
+    from common.splitkv import force_splits
+
+    q, k, v, mask = make_inputs(case, device)
+    kwargs = sdpa_kwargs(case, mask)
+    with force_splits(num_splits):
+        out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    check_output(out, q, k, v, **kwargs)
+    kwargs.pop("enable_gqa")
+    check_lse(lse, q, k, **kwargs)
+
+
+def test_split_plan():
+    """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
+    from common.splitkv import MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
+
+    cpu = torch.device("cpu")  # under the interpreter: splitkv.INTERPRETER_SMS
+    full = PROGRAMS_PER_SM * 2
+    assert plan_splits(full, 1 << 16, 64, cpu) == (1, 1024)  # enough programs already
+    assert plan_splits(1, MIN_SPLIT_KEYS - 64, 64, cpu) == (1, MIN_SPLIT_KEYS // 64 - 1)  # too few keys
+    splits, per_split = plan_splits(1, 5000, 64, cpu)  # 79 key blocks, one program
+    assert splits > 1 and per_split & (per_split - 1) == 0 and (splits - 1) * per_split < 79 <= splits * per_split
+    with force_splits(1000):
+        assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
+    with force_splits(1):
+        assert plan_splits(1, 1 << 16, 64, cpu) == (1, 1024)
+
+
+def test_decode_without_forcing(backend, device):
+    """A decode-like call big enough that the heuristic itself splits (and packs) it."""
+    from common.splitkv import MIN_SPLIT_KEYS
+
+    case = Case(1, 4, 1, MIN_SPLIT_KEYS + 100, 64, H_kv=2)
+    run_case(case, backend, device)

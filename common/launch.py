@@ -1,0 +1,136 @@
+"""Launching compiled Triton kernels without Triton's per-call dispatch.
+
+``fn[grid](*args)`` binds every argument to the signature, works out how each
+one specialises the kernel (dtype, 16-byte alignment, integer value class),
+hashes all that and looks the compiled kernel up: tens of microseconds per
+call, more than the whole kernel takes on small inputs. :class:`CachedLauncher`
+goes through that path once per *specialisation* and keeps the compiled kernel
+it returns; later calls launch it directly (``compiled[grid](*args)``).
+
+Two caches, both keyed only by what Triton itself specialises on (and a little
+more), so a kernel is reused only where Triton would pick the same one:
+
+- by value: the exact scalar arguments and each tensor's dtype and alignment.
+  One tuple built at C speed; hit by every call of a loop over one shape.
+- by class: each integer's class (equal to 1, a multiple of 16, fits in 32
+  bits) instead of its value; hit by a new shape that needs no new kernel
+  (a decode loop's growing key length), which then enters the first cache.
+
+Used by both backends: ``impl_triton`` launches its kernels through it, and
+``impl_ninetoothed`` routes the launch inside NineToothed's generated launcher
+through it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import triton
+
+_MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
+
+
+class CachedLauncher:
+    """Launch one ``@triton.jit`` function; ``args`` always in signature order,
+    constexprs included, each argument in the same role (tensor or scalar) on
+    every call."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.enabled = isinstance(fn, triton.runtime.JITFunction)  # not under the interpreter
+        self._by_value: dict = {}
+        self._by_class: dict = {}
+        self._tensors = self._scalars = None  # itemgetters, set on the first call
+
+    def __call__(self, grid, args, num_warps: int, num_stages: int) -> None:
+        if not self.enabled:
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return
+        if self._tensors is None:
+            self._split_roles(args)
+        tensors, scalars = self._tensors(args), self._scalars(args)
+        device = torch.cuda.current_device()
+        layout = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
+        key = (scalars, layout, num_warps, num_stages, device)
+        kernel = self._by_value.get(key)
+        if kernel is None:
+            kernel = self._by_class_lookup(grid, args, scalars, layout, num_warps, num_stages, device)
+            if kernel is None:
+                return  # launched through Triton's own dispatch
+            if len(self._by_value) >= _MAX_BY_VALUE:
+                self._by_value.clear()
+            self._by_value[key] = kernel
+        if callable(grid):
+            grid = grid({})
+        if len(grid) < 3:  # a compiled kernel takes exactly (x, y, z)
+            grid = (*grid, 1, 1)[:3]
+        kernel[grid](*args)
+
+    def _split_roles(self, args) -> None:
+        tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        scalar_at = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+        constexpr_at = {p.num for p in self.fn.params if p.is_constexpr}
+        self._constexpr = tuple(i in constexpr_at for i in scalar_at)
+        # itemgetter of one index returns the item, not a 1-tuple
+        self._tensors = operator.itemgetter(*tensor_at) if len(tensor_at) > 1 else (
+            lambda a, i=tensor_at[0]: (a[i],))
+        self._scalars = operator.itemgetter(*scalar_at) if len(scalar_at) > 1 else (
+            (lambda a, i=scalar_at[0]: (a[i],)) if scalar_at else (lambda a: ()))
+
+    def _by_class_lookup(self, grid, args, scalars, layout, num_warps, num_stages, device):
+        classes = tuple([
+            a if constexpr or type(a) not in (int, float)  # constexprs (and bools) by value
+            else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31) if type(a) is int
+            else float
+            for a, constexpr in zip(scalars, self._constexpr)
+        ])
+        key = (classes, layout, num_warps, num_stages, device)
+        kernel = self._by_class.get(key)
+        if kernel is None:
+            compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            # A Triton whose launch returns no launchable kernel keeps the slow path.
+            if not hasattr(compiled, "__getitem__"):
+                return None
+            self._by_class[key] = compiled
+            return None  # this call has launched already
+        return kernel
+
+
+class _RoutedKernel:
+    """Stands in for a ``@triton.jit`` function inside generated launch code:
+    ``kernel[grid](*args, num_warps=..., num_stages=...)`` goes through a
+    :class:`CachedLauncher`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.launcher = CachedLauncher(fn)
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            if set(options) <= {"num_warps", "num_stages"}:
+                self.launcher(grid, args, options.get("num_warps", 4), options.get("num_stages", 3))
+            else:  # anything else: Triton's own dispatch, unchanged
+                self.fn[grid](*args, **options)
+
+        return run
+
+
+def route_generated_launch(handle):
+    """Route the kernel launch of a ``ninetoothed.make`` handle through a :class:`CachedLauncher`.
+
+    NineToothed generates a Python launcher that reads every size and stride
+    and calls ``kernel[grid](...)``, Triton's full dispatch, on each call. The
+    handle keeps the generated launcher (``_launch``) and kernel (``_kernel``);
+    replacing the kernel's name in the launcher's globals leaves the generated
+    code as it is and only changes how its one launch is done. Where the handle
+    does not look like that (another NineToothed version, the interpreter) it is
+    returned untouched.
+    """
+    launch, kernel = getattr(handle, "_launch", None), getattr(handle, "_kernel", None)
+    if not isinstance(kernel, triton.runtime.JITFunction) or not hasattr(launch, "__globals__"):
+        return handle
+    names = [name for name, value in launch.__globals__.items() if value is kernel]
+    if len(names) == 1:
+        launch.__globals__[names[0]] = _RoutedKernel(kernel)
+    return handle

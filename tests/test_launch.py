@@ -1,0 +1,104 @@
+"""common.launch: which calls reuse a compiled kernel and which go back to Triton.
+
+Runs on any machine: a stand-in for a ``@triton.jit`` function records what
+Triton's dispatch would be asked to do, so the caching rules are checked
+without a GPU. (On a GPU every other test launches through the real thing.)
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from common import launch
+
+
+class FakeCompiled:
+    def __init__(self, log, number):
+        self.log, self.number = log, number
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", self.number, grid, args))
+
+
+class FakeJIT:
+    """Stands in for triton.runtime.JITFunction: fn[grid](*args, **options)."""
+
+    def __init__(self, constexpr_positions):
+        self.params = [types.SimpleNamespace(num=i, is_constexpr=i in constexpr_positions) for i in range(8)]
+        self.log, self.compiled = [], 0
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            self.compiled += 1
+            self.log.append(("dispatch", self.compiled, grid, args))
+            return FakeCompiled(self.log, self.compiled)
+        return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    fn = FakeJIT(constexpr_positions={3})
+    launcher = launch.CachedLauncher(fn)
+    launcher.enabled = True  # as on a GPU
+    return fn, launcher
+
+
+def test_reuses_the_compiled_kernel(fake):
+    fn, launcher = fake
+    t = torch.zeros(64)
+    args = (t, 64, 0.5, 128)
+    launcher((4, 1, 1), args, 4, 3)  # first call: Triton's dispatch
+    launcher((4, 1, 1), args, 4, 3)  # by class
+    launcher((4, 1, 1), args, 4, 3)  # by value
+    assert [entry[0] for entry in fn.log] == ["dispatch", "direct", "direct"]
+    assert fn.log[-1][3] == args and fn.log[-1][2] == (4, 1, 1)
+    # another length of the same class, another scale: no new kernel
+    launcher((4, 1, 1), (t, 96, 0.25, 128), 4, 3)
+    assert fn.log[-1][:2] == ("direct", 1)
+
+
+@pytest.mark.parametrize("change", ["constexpr", "int class", "alignment", "dtype", "warps"])
+def test_what_a_kernel_is_specialised_on_goes_back_to_triton(fake, change):
+    fn, launcher = fake
+    t = torch.zeros(64)
+    launcher((4, 1, 1), (t, 64, 0.5, 128), 4, 3)
+    args, warps = {
+        "constexpr": ((t, 64, 0.5, 64), 4),  # 64 and 128 share an int class; as a constexpr they differ
+        "int class": ((t, 1, 0.5, 128), 4),  # 1 is specialised apart from 64
+        "alignment": ((t[1:], 64, 0.5, 128), 4),  # a pointer not 16-byte aligned
+        "dtype": ((t.half(), 64, 0.5, 128), 4),
+        "warps": ((t, 64, 0.5, 128), 8),
+    }[change]
+    launcher((4, 1, 1), args, warps, 3)
+    assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("dispatch", 2)]
+
+
+def test_one_dimensional_and_callable_grids(fake):
+    """NineToothed's generated launchers pass grid=lambda meta: (n,)."""
+    fn, launcher = fake
+    t = torch.zeros(64)
+    launcher(lambda meta: (7,), (t, 64, 0.5, 128), 4, 3)
+    launcher(lambda meta: (7,), (t, 64, 0.5, 128), 4, 3)
+    assert fn.log[-1][:3] == ("direct", 1, (7, 1, 1))
+
+
+def test_routing_a_generated_launcher():
+    """route_generated_launch swaps the kernel in the launcher's globals, nothing else."""
+    import triton
+
+    @triton.jit
+    def kernel(x):
+        pass
+
+    namespace = {"kernel": kernel}
+    exec("def launch(x):\n    return kernel", namespace)
+    handle = types.SimpleNamespace(_launch=namespace["launch"], _kernel=kernel)
+    assert launch.route_generated_launch(handle) is handle
+    if isinstance(kernel, triton.runtime.JITFunction):
+        assert isinstance(namespace["launch"](None), launch._RoutedKernel)
+    else:  # under the interpreter: left alone
+        assert namespace["launch"](None) is kernel
