@@ -30,12 +30,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "comparison"
 
 KERNEL_FUNCTIONS = {
-    "triton": ["_attn_fwd_inner", "_attn_fwd"],
-    "ninetoothed": ["arrangement", "_attn_fwd_inner", "application"],
+    "triton": ["_attn_fwd_inner", "_attn_fwd", "_attn_combine"],
+    "ninetoothed": ["arrangement", "_attn_fwd_inner", "application", "combine_arrangement", "combine_application"],
 }
 HOST_FUNCTIONS = {
     "triton": ["forward"],
-    "ninetoothed": ["premake", "_kernel", "forward"],
+    "ninetoothed": ["premake", "premake_combine", "_kernel", "_combine_kernel", "forward"],
 }
 MODULES = {"triton": "impl_triton.attention", "ninetoothed": "impl_ninetoothed.attention"}
 
@@ -48,6 +48,8 @@ FEATURES = {
     "attention masks": r"MASK_KIND|mask_ptrs|attn_mask|stride_m",
     "log-sum-exp output": r"WITH_LSE|\bLSE\b|\blse\b",
     "negative scales": r"NEGATIVE_SCALE",
+    "split keys (decoding) and their merge": r"SPLIT|\bsplit\b|NUM_SPLITS|BLOCKS_PER_SPLIT|blocks_per_split|\bfirst\b"
+                                              r"|\blo\b|\bhi\b|_part\b|\bw\b|block_r|BLOCK_R|block_s|BLOCK_S",
 }
 
 # What each backend supports (also the README's table).
@@ -61,6 +63,7 @@ FEATURE_TABLE = [
     ("grouped-/multi-query heads (enable_gqa)", "yes, in the kernel", "yes, in the arrangement", "yes"),
     ("boolean and additive attn_mask, broadcast by strides", "yes", "yes", "yes"),
     ("log-sum-exp output (return_lse)", "yes", "yes", "no"),
+    ("short queries: keys split across programs, GQA heads packed", "yes", "yes", "yes (its own kernels)"),
     ("dropout_p > 0", "no (clear error)", "no (clear error)", "yes"),
     ("backward pass", "no (clear error)", "no (clear error)", "yes"),
     ("runs on a CPU", "Triton's interpreter", "Triton's interpreter", "yes"),

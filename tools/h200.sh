@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
-# Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...   stages: probe test demo bench tune bench-full
+# Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...   stages: probe test test-seq demo bench bench-full tune tune64 tune128 quirks compare
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -17,6 +17,7 @@ for stage in "$@"; do
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
     bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
     compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
