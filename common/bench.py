@@ -104,7 +104,7 @@ def plan(args):
             for Lq in DECODE["q_lens"]:
                 for Lk in DECODE["k_lens"]:
                     jobs.append(("decode", DECODE["B"], DECODE["H"], DECODE["H_kv"], Lq, Lk, DECODE["D"], dtype,
-                                 False, False))
+                                 False, True))
     return jobs
 
 
@@ -260,6 +260,9 @@ def markdown(rows, env, plots, notes: str) -> str:
                 columns.append((f"{b} / SDPA", lambda s, b=b: _num(s["by"].get(b, {}).get("vs_sdpa"), ".2f")))
         if "ninetoothed" in backends:
             columns.append(("NT / triton", lambda s: _num(s["by"].get("ninetoothed", {}).get("vs_triton"), ".2f")))
+        if section == "decode":  # a decoding loop pays the host work of every call too
+            for b in backends:
+                columns.append((f"{b} wall µs", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".0f")))
         table_rows = []
         for key, by in shapes.items():
             first = next(iter(by.values()))
