@@ -14,6 +14,11 @@ arrangement + application and compiled to Triton by ``ninetoothed.make``:
   and the ragged tail with masks) and, when causal, never visiting a key block
   wholly above the diagonal.
 
+Short queries split the keys as the Triton kernel does: the arrangement tiles
+each K/V row once more into splits of ``blocks_per_split`` blocks, one program
+per split, and a second arrangement + application merges the partial outputs
+by their log-sum-exps (``combine_arrangement``, ``combine_application``).
+
 Semantics are SDPA's: top-left causal alignment, boolean or additive masks, 0
 for a row whose every key is masked out, optional natural-log log-sum-exp.
 """

@@ -22,6 +22,10 @@ The Lq x Lk score matrix never exists outside registers.
   key is masked out gives 0, as SDPA's math backend does.
 - The log-sum-exp of each row's scaled, masked scores (natural log) can be
   written out, for merging partial results.
+- Short queries (decoding): the keys can be split across programs (grid axis
+  2, BLOCKS_PER_SPLIT key blocks each); each program writes a float32 partial
+  output and its log-sum-exp, and ``_attn_combine`` merges them. When and how
+  much to split is ``common.splitkv``'s decision, shared with NineToothed.
 
 Every tensor is read through its strides: transposed views need no copy.
 """
@@ -206,7 +210,6 @@ def _attn_fwd(
     o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + split * stride_os
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-
 
 
 @triton.jit
