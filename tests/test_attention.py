@@ -272,7 +272,13 @@ def test_split_plan():
 
 def test_decode_without_forcing(backend, device):
     """A decode-like call big enough that the heuristic itself splits (and packs) it."""
-    from common.splitkv import MIN_SPLIT_KEYS
+    from common.backends import get_backend
+    from common.splitkv import MIN_SPLIT_KEYS, plan_splits
 
-    case = Case(1, 4, 1, MIN_SPLIT_KEYS + 100, 64, H_kv=2)
+    case = Case(1, 2, 1, MIN_SPLIT_KEYS + 100, 64, H_kv=1)
+    # What forward() will plan: the 2 query heads packed into 2 rows of the one K/V head.
+    module = get_backend(backend).load()
+    config = module.CONFIGS.lookup(64, case.dtype, False, 2, case.Lk, module.INTERPRETED)
+    num_splits, _ = plan_splits(-(-2 // config.block_m), case.Lk, config.block_n, torch.device(device))
+    assert num_splits > 1
     run_case(case, backend, device)
