@@ -75,15 +75,16 @@ def attention(
         out = q.new_zeros((B, H, Lq, Dv))
         lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if call.return_lse else None
     else:
-        mask = call.attn_mask
-        if call.is_causal and Lk > Lq and chosen.uses_triton:
-            # Top-left alignment: no row sees a key past Lq - 1. Dropping them
-            # (views) keeps split launches from planning work for them.
-            k, v = k[:, :, :Lq], v[:, :, :Lq]
-        packed = pack_gqa(q, k, mask, call.is_causal) if chosen.uses_triton else None
-        if packed is not None:
-            # Each group's query heads as rows of one K/V head (views both ways).
-            q, mask = packed
+        mask, packed = call.attn_mask, None
+        if chosen.uses_triton:
+            if call.is_causal and Lk > Lq:
+                # Top-left alignment: no row sees a key past Lq - 1. Dropping them
+                # (views) keeps split launches from planning work for them.
+                k, v = k[:, :, :Lq], v[:, :, :Lq]
+            packed = pack_gqa(q, k, mask, call.is_causal)
+            if packed is not None:
+                # Each group's query heads as rows of one K/V head (views both ways).
+                q, mask = packed
         out, lse = chosen.load().forward(
             q, k, v, is_causal=call.is_causal, scale=call.scale,
             attn_mask=mask, return_lse=call.return_lse,

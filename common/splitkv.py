@@ -27,8 +27,9 @@ import torch
 
 from common.configs import next_power_of_2
 
-# Launch at least this many programs per SM before splitting stops paying: a
-# decode program streams memory, and a few of them per SM hide its latency.
+# A launch with fewer programs than SMs is split, into enough splits for about
+# this many programs per SM: a decode program streams memory, and more than
+# one of them per SM hides its latency (2 won the decode sweep on the H200).
 PROGRAMS_PER_SM = 2
 # Under the interpreter there are no SMs; pretend there are a few, so that the
 # CPU suite meets split launches on small decode-like shapes.
@@ -40,6 +41,9 @@ PACK_MAX_LQ = 64
 # Split only where each program would otherwise walk this many keys or more:
 # below it the merge kernel's launch costs more than the split saves.
 MIN_SPLIT_KEYS = 2048
+
+# Rows per program of the merge kernel (both backends).
+COMBINE_ROWS = 16
 
 _forced_splits: contextvars.ContextVar[int | None] = contextvars.ContextVar("forced_splits", default=None)
 
@@ -110,3 +114,9 @@ def pack_gqa(query, key, attn_mask, is_causal):
     except RuntimeError:  # strides that no view can merge
         return None
     return packed_query, packed_mask
+
+
+def combine_rows(rows: int, interpreted: bool) -> int:
+    """Rows per merge program for ``rows`` merged rows: COMBINE_ROWS, or fewer
+    under the interpreter, where padding rows cost as much as real ones."""
+    return min(COMBINE_ROWS, next_power_of_2(rows)) if interpreted else COMBINE_ROWS

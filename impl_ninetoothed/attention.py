@@ -36,7 +36,7 @@ from common.configs import ConfigTable, next_power_of_2, padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.launch import route_generated_launch
 from common.outputs import new_output
-from common.splitkv import plan_splits
+from common.splitkv import combine_rows, plan_splits
 
 # attn_mask kinds (the application's MASK_KIND), as in impl_triton
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
@@ -325,7 +325,6 @@ def _combine_kernel(head_dim_v, block_r, block_s):
 
 
 INTERPRETED = interpreter_requested()
-COMBINE_ROWS = 16  # rows per merge program, as in impl_triton
 
 
 def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None, return_lse: bool = False):
@@ -371,7 +370,7 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
 
     R = B * H * Lq
     lse = new_output((R,), torch.float32, query.device) if return_lse else out.new_empty(()).expand(R)
-    block_r = COMBINE_ROWS if not INTERPRETED else min(COMBINE_ROWS, next_power_of_2(R))
+    block_r = combine_rows(R, INTERPRETED)
     _combine_kernel(Dv, block_r, next_power_of_2(num_splits))(
         o_part.view(R, num_splits, Dv), lse_part.view(R, num_splits), out.view(R, Dv), lse, return_lse,
     )

@@ -40,7 +40,7 @@ from common.configs import ConfigTable, next_power_of_2, padded_head_dim
 from common.interpret import apply_interpreter_fixes
 from common.launch import CachedLauncher
 from common.outputs import new_output
-from common.splitkv import plan_splits
+from common.splitkv import combine_rows, plan_splits
 
 # attn_mask kinds (the kernel's MASK_KIND)
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
@@ -307,7 +307,7 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
 
     lse = new_output((B, H, Lq), torch.float32, query.device) if return_lse else out
     R = B * H * Lq
-    block_r = _COMBINE_ROWS if not INTERPRETED else min(_COMBINE_ROWS, next_power_of_2(R))
+    block_r = combine_rows(R, INTERPRETED)
     _combine_launcher((-(-R // block_r), 1, 1),
                       (o_part, lse_part, out, lse, R, num_splits,
                        Dv, block_r, next_power_of_2(num_splits), block_dv, return_lse), 4, 1)
@@ -316,7 +316,6 @@ def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None,
 
 _fwd_launcher = CachedLauncher(_attn_fwd)  # compiled kernels, launched without Triton's dispatch
 _combine_launcher = CachedLauncher(_attn_combine)
-_COMBINE_ROWS = 16  # rows per merge program
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
