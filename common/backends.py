@@ -1,59 +1,114 @@
-"""The backend registry and how a call picks its backend.
+"""The backend registry, the backend contract, and how a call picks its backend.
 
 Order of choice: the ``backend=`` keyword of :func:`common.attention`; the
 innermost ``with use_backend(name):``; the environment variable
 ``ATTENTION_BACKEND``; the default, ``"triton"``. An unknown name is an error
 that lists the known ones; nothing ever falls back silently to another backend.
 Backends are imported on first use, so choosing "torch" never imports Triton.
+
+The contract
+------------
+A backend is a :class:`Backend` record (what it is and what it can do) and a
+module that implements it. The module provides:
+
+``forward(plan: common.plan.ForwardPlan) -> (out, lse)``
+    Compute the call the plan describes. Kernel backends launch their
+    attention kernel (and, when ``plan.num_splits > 1``, their merge kernel)
+    into the buffers the plan allocated and return ``plan.out, plan.lse``.
+``backward(plan: common.plan.BackwardPlan) -> (dq, dk, dv)``
+    Only with the ``"backward"`` capability: launch the backward kernels into
+    ``plan.grad_query``, ``plan.grad_key``, ``plan.grad_value``.
+``INTERPRETED: bool``
+    Kernel backends only: whether their kernels run under Triton's CPU
+    interpreter (``TRITON_INTERPRET=1`` was set when they were decorated).
+
+A backend never validates user input, picks defaults or copies inputs: that
+is ``common``'s work, done once for all backends (``validation``, ``plan``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
+import functools
 import importlib
 import os
+import sys
+import threading
 
 DEFAULT = "triton"
 ENV_VAR = "ATTENTION_BACKEND"
 
+# Capabilities a backend can have, by name.
+LSE = "lse"  # returns the log-sum-exp of each row (return_lse=True)
+BACKWARD = "backward"  # has a backward pass
+CPU = "cpu"  # runs on CPU tensors without Triton's interpreter
+CAPABILITIES = (LSE, BACKWARD, CPU)
+
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
+    """What a backend is and what it can do; see the module docstring for the contract."""
+
     name: str
-    module: str  # import path of the module that defines forward()
+    module: str  # import path of the module that implements the contract
     description: str
-    uses_triton: bool  # runs Triton kernels (so CPU tensors need the interpreter)
-    differentiable: bool  # has a backward pass
-    returns_lse: bool  # can return the log-sum-exp
+    kernels: bool  # launches our Triton kernels from a plan (needs a GPU or Triton's interpreter)
+    capabilities: frozenset[str]
+    head_dims: tuple[int, int] | None  # (min, max) head dim of query/key and of value; None: any
+
+    def __post_init__(self):
+        unknown = set(self.capabilities) - set(CAPABILITIES)
+        if unknown:
+            raise ValueError(f"unknown capabilities {sorted(unknown)}; expected some of {CAPABILITIES}")
+
+    def supports(self, capability: str) -> bool:
+        return capability in self.capabilities
 
     def load(self):
-        """The backend's module (imported on first use, then kept)."""
-        module = _loaded.get(self.name)
-        if module is None:
-            module = _loaded[self.name] = importlib.import_module(self.module)
-        return module
+        """The backend's module (imported on first use; Python keeps it in ``sys.modules``)."""
+        return importlib.import_module(self.module)
+
+    @property
+    def package(self) -> str:
+        """The package that holds the module and its committed ``configs.json``."""
+        return self.module.rpartition(".")[0]
+
+    @functools.cached_property
+    def configs(self):
+        """The committed config table (kernel backends)."""
+        from common.configs import ConfigTable
+
+        return ConfigTable.load(self.package)
+
+    def interpreted(self) -> bool:
+        """Whether this backend's kernels run under Triton's CPU interpreter."""
+        return self.kernels and _interpreted(self.module)
 
 
-_loaded: dict = {}
-
+_KERNEL_HEAD_DIMS = (16, 256)
 
 BACKENDS = {
     b.name: b
     for b in (
-        Backend("triton", "impl_triton.attention", "hand-written Triton kernel", True, False, True),
-        Backend("ninetoothed", "impl_ninetoothed.attention", "NineToothed arrangement + application", True, False, True),
-        Backend("torch", "common.torch_backend", "torch.nn.functional.scaled_dot_product_attention", False, True, False),
+        Backend("triton", "impl_triton.attention", "hand-written Triton kernels",
+                kernels=True, capabilities=frozenset({LSE, BACKWARD}), head_dims=_KERNEL_HEAD_DIMS),
+        Backend("ninetoothed", "impl_ninetoothed.attention", "NineToothed arrangements + applications",
+                kernels=True, capabilities=frozenset({LSE, BACKWARD}), head_dims=_KERNEL_HEAD_DIMS),
+        Backend("torch", "common.torch_backend", "torch.nn.functional.scaled_dot_product_attention",
+                kernels=False, capabilities=frozenset({BACKWARD, CPU}), head_dims=None),
     )
 }
-
-_chosen: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_backend", default=None)
 
 
 def available_backends() -> tuple[str, ...]:
     """The names a call can choose from."""
     return tuple(BACKENDS)
+
+
+def kernel_backends() -> tuple[str, ...]:
+    """The backends that run our own kernels (what ``tune`` and ``compare`` work on)."""
+    return tuple(name for name, b in BACKENDS.items() if b.kernels)
 
 
 def get_backend(name: str) -> Backend:
@@ -65,24 +120,42 @@ def get_backend(name: str) -> Backend:
         ) from None
 
 
+# The innermost use_backend(...) of each thread. (A thread-local, not a
+# ContextVar: torch.compile can read, and guard on, the one but not the other.)
+_chosen = threading.local()
+
+
 def resolve(name: str | None) -> Backend:
     """The backend a call with ``backend=name`` uses (see the module docstring)."""
     if name is None:
-        name = _chosen.get()
+        name = getattr(_chosen, "name", None)
     if name is None:
         name = os.environ.get(ENV_VAR) or DEFAULT
     return get_backend(name)
 
 
+def _interpreted(module: str) -> bool:
+    loaded = sys.modules.get(module)
+    if loaded is None:
+        # Not imported yet (and torch.compile cannot trace an import): the
+        # module will read the same switch when it is.
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return loaded.INTERPRETED
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Make ``name`` the backend of every :func:`common.attention` call inside the block.
+    """Make ``name`` the backend of every :func:`common.attention` call of this
+    thread inside the block.
 
-    Nests; an explicit ``backend=`` keyword still wins.
+    Nests; an explicit ``backend=`` keyword still wins. Code that
+    ``torch.compile`` compiled inside a block recompiles when the choice
+    changes.
     """
     get_backend(name)  # fail on entry, not at the first call
-    token = _chosen.set(name)
+    previous = getattr(_chosen, "name", None)
+    _chosen.name = name
     try:
         yield
     finally:
-        _chosen.reset(token)
+        _chosen.name = previous

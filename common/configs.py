@@ -1,43 +1,66 @@
 """Launch configurations (block sizes, warps, stages) for the kernels.
 
-Each backend keeps a small committed table, ``configs.json`` beside its kernel,
-from (padded head dim, dtype, causal, query-length bucket) to a
-:class:`Config`. ``python -m common tune`` fills it on a GPU; a user's first
-call only looks it up, so nothing is autotuned on a user's time. Entries
-missing from the table fall back to defaults per head dim.
+Each kernel backend keeps a small committed table, ``configs.json`` in its
+package, from (pass, padded head dim, dtype, causal, query-length bucket) to a
+configuration: :class:`Config` for the forward pass, :class:`BackwardConfig`
+for the backward. ``twin-attention tune`` writes it on a GPU; a user's call
+only looks it up, so nothing is autotuned on a user's time. Keys missing from
+the table get the defaults below.
+
+Look-ups are keyed on *buckets* of the lengths, never on the lengths
+themselves, so a decoding loop (one more key per step) hits the same entry,
+and the same compiled kernel, at every step.
 
 Under Triton's interpreter the numbers that matter are different (each
 operation costs the same whatever its size, so fewer, larger blocks are
-faster) and warps and stages mean nothing: :meth:`ConfigTable.lookup` answers
-with :meth:`ConfigTable.interpreter_config` there.
+faster) and warps and stages mean nothing: the look-ups answer with
+:func:`interpreter_config` / :func:`interpreter_backward_config` there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+import importlib.resources
 import json
 import pathlib
-import sys
 
 import torch
 
+# Query-length buckets of the committed tables (a length uses the first bucket >= it).
 LENGTH_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+# Lengths are rounded up to a power of two, capped here, before any look-up.
+_MAX_LENGTH_KEY = 1 << 15
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """Forward pass: BLOCK_M query rows x BLOCK_N keys per inner step."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
 
-    def as_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.num_warps, self.num_stages]
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Backward pass: the dK/dV pass holds BLOCK_N1 keys and walks BLOCK_M1
+    query rows per step; the dQ pass holds BLOCK_M2 rows and walks BLOCK_N2
+    keys per step."""
+
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int
+    num_stages: int
 
 
-# Used where the table has no entry: what the tutorial-style kernels pick on
-# Hopper, by padded head dim.
+# Where the table has no entry: what FlashAttention-2-style Triton kernels pick
+# on Hopper, by padded head dim.
 DEFAULTS = {
     16: Config(128, 64, 4, 3),
     32: Config(128, 64, 4, 3),
@@ -45,10 +68,45 @@ DEFAULTS = {
     128: Config(128, 64, 8, 3),
     256: Config(64, 32, 4, 2),
 }
+# (D = 128: the tuned best at L = 4096 and 16384 for triton and at 4096 for ninetoothed, H200.)
+BACKWARD_DEFAULTS = {
+    16: BackwardConfig(32, 128, 128, 32, 4, 3),
+    32: BackwardConfig(32, 128, 128, 32, 4, 3),
+    64: BackwardConfig(32, 128, 128, 32, 4, 3),
+    128: BackwardConfig(64, 128, 128, 64, 8, 3),
+    256: BackwardConfig(16, 64, 64, 16, 8, 2),
+}
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The tile width a head dim is padded to (tl.dot needs at least 16)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def length_key(length: int) -> int:
+    """What a look-up sees of a length: the next power of two, capped."""
+    return next_power_of_2(min(length, _MAX_LENGTH_KEY))
+
+
+def length_bucket(length: int) -> int:
+    for bucket in LENGTH_BUCKETS:
+        if length <= bucket:
+            return bucket
+    return LENGTH_BUCKETS[-1]
+
+
+def key(block_d: int, dtype: torch.dtype, is_causal: bool, bucket: int, backward: bool = False) -> str:
+    """The table key, e.g. ``d64-float16-causal-L1024`` (``bwd-`` in front for the backward)."""
+    name = f"d{block_d}-{str(dtype).removeprefix('torch.')}-{'causal' if is_causal else 'full'}-L{bucket}"
+    return "bwd-" + name if backward else name
 
 
 def default_config(block_d: int, q_len: int) -> Config:
-    """The configuration where the table has no entry.
+    """The forward configuration where the table has no entry.
 
     Short queries (decoding, a few speculative tokens) get the smallest row
     tile that holds them: their programs stream keys and values, and rows
@@ -64,59 +122,89 @@ def default_config(block_d: int, q_len: int) -> Config:
     return DEFAULTS[block_d]
 
 
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+def interpreter_config(block_d: int, q_len: int, k_len: int) -> Config:
+    block_m = min(128, max(16, next_power_of_2(q_len)))
+    block_n = min(128 if block_d <= 64 else 64, max(16, next_power_of_2(k_len)))
+    return Config(block_m, block_n, 1, 1)
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """The tile width a head dim is padded to (tl.dot needs at least 16)."""
-    return max(16, next_power_of_2(head_dim))
-
-
-def length_bucket(length: int) -> int:
-    for bucket in LENGTH_BUCKETS:
-        if length <= bucket:
-            return bucket
-    return LENGTH_BUCKETS[-1]
-
-
-def key(block_d: int, dtype: torch.dtype, is_causal: bool, bucket: int) -> str:
-    return f"d{block_d}-{str(dtype).removeprefix('torch.')}-{'causal' if is_causal else 'full'}-L{bucket}"
+def interpreter_backward_config(block_d: int, q_len: int, k_len: int) -> BackwardConfig:
+    block_m = min(64, max(16, next_power_of_2(q_len)))
+    block_n = min(64, max(16, next_power_of_2(k_len)))
+    return BackwardConfig(block_m, block_n, block_m, block_n, 1, 1)
 
 
 class ConfigTable:
-    def __init__(self, path: pathlib.Path, entries: dict[str, Config], meta: dict):
-        self.path = path
+    """One backend's committed table (read-only at run time)."""
+
+    def __init__(self, entries: dict, meta: dict):
         self.entries = entries
         self.meta = meta
 
     @classmethod
-    def load(cls, module_name: str) -> "ConfigTable":
-        """The table in ``configs.json`` beside the module (empty if there is none)."""
-        path = pathlib.Path(sys.modules[module_name].__file__).with_name("configs.json")
-        if not path.exists():
-            return cls(path, {}, {})
-        data = json.loads(path.read_text())
-        entries = {k: Config(*v) for k, v in data.get("entries", {}).items()}
-        return cls(path, entries, data.get("meta", {}))
-
-    def save(self, meta: dict) -> None:
-        data = {
-            "meta": meta,
-            "entries": {k: v.as_list() for k, v in sorted(self.entries.items())},
-        }
-        self.path.write_text(json.dumps(data, indent=1) + "\n")
+    def load(cls, package: str) -> ConfigTable:
+        """The table in ``configs.json`` of ``package`` (empty if there is none); imports no kernel."""
+        resource = importlib.resources.files(package) / "configs.json"
+        if not resource.is_file():
+            return cls({}, {})
+        data = json.loads(resource.read_text())
+        entries = {k: (BackwardConfig(*v) if k.startswith("bwd-") else Config(*v))
+                   for k, v in data.get("entries", {}).items()}
+        return cls(entries, data.get("meta", {}))
 
     @staticmethod
-    def interpreter_config(block_d: int, q_len: int, k_len: int) -> Config:
-        block_m = min(128, max(16, next_power_of_2(q_len)))
-        block_n = min(128 if block_d <= 64 else 64, max(16, next_power_of_2(k_len)))
-        return Config(block_m, block_n, 1, 1)
+    def path(package: str) -> pathlib.Path:
+        """Where ``tune`` writes the table of ``package``."""
+        return pathlib.Path(str(importlib.resources.files(package) / "configs.json"))
 
-    @functools.lru_cache(maxsize=1024)
+    @staticmethod
+    def write(path: pathlib.Path, entries: dict, meta: dict) -> None:
+        data = {"meta": meta, "entries": {k: list(dataclasses.astuple(v)) for k, v in sorted(entries.items())}}
+        path.write_text(json.dumps(data, indent=1) + "\n")
+
     def lookup(self, block_d: int, dtype: torch.dtype, is_causal: bool, q_len: int, k_len: int,
                interpreted: bool) -> Config:
+        """The forward configuration for a call (an override, inside :func:`override`)."""
+        forced = _override.get()
+        if forced is not None:
+            return forced
+        return self._lookup(block_d, dtype, is_causal, length_key(q_len), length_key(k_len), interpreted)
+
+    def lookup_backward(self, block_d: int, dtype: torch.dtype, is_causal: bool, q_len: int, k_len: int,
+                        interpreted: bool) -> BackwardConfig:
+        """The backward configuration for a call (an override, inside :func:`override`)."""
+        forced = _override_backward.get()
+        if forced is not None:
+            return forced
+        return self._lookup_backward(block_d, dtype, is_causal, length_key(q_len), length_key(k_len), interpreted)
+
+    @functools.lru_cache(maxsize=512)  # noqa: B019 - one table per backend, alive for the process
+    def _lookup(self, block_d, dtype, is_causal, q_key, k_key, interpreted) -> Config:
         if interpreted:
-            return self.interpreter_config(block_d, q_len, k_len)
-        config = self.entries.get(key(block_d, dtype, is_causal, length_bucket(q_len)))
-        return config if config is not None else default_config(block_d, q_len)
+            return interpreter_config(block_d, q_key, k_key)
+        config = self.entries.get(key(block_d, dtype, is_causal, length_bucket(q_key)))
+        return config if config is not None else default_config(block_d, q_key)
+
+    @functools.lru_cache(maxsize=512)  # noqa: B019 - one table per backend, alive for the process
+    def _lookup_backward(self, block_d, dtype, is_causal, q_key, k_key, interpreted) -> BackwardConfig:
+        if interpreted:
+            return interpreter_backward_config(block_d, q_key, k_key)
+        config = self.entries.get(key(block_d, dtype, is_causal, length_bucket(q_key), backward=True))
+        return config if config is not None else BACKWARD_DEFAULTS[block_d]
+
+
+_override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("config_override", default=None)
+_override_backward: contextvars.ContextVar[BackwardConfig | None] = contextvars.ContextVar(
+    "backward_config_override", default=None)
+
+
+@contextlib.contextmanager
+def override(config: Config | BackwardConfig):
+    """Inside the block, every call of this thread uses ``config`` for its pass
+    instead of the table (``tune`` times candidates this way)."""
+    var = _override_backward if isinstance(config, BackwardConfig) else _override
+    token = var.set(config)
+    try:
+        yield
+    finally:
+        var.reset(token)

@@ -1,12 +1,20 @@
-"""``attention()``: the one public entry point of both kernels (and of SDPA)."""
+"""The public functions: ``attention()`` and ``attention_backward()``.
+
+Each call: validation (``common.validation``, errors before anything runs),
+the backend (``common.backends``), then either the backend's registered
+operator (``common.ops``; when an input needs a gradient or ``torch.compile``
+is tracing) or, where nobody is watching, the same operator body called
+directly. The body plans the call (``common.plan``) and the backend launches
+its kernels for that plan.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from common import ops
 from common.backends import resolve
-from common.splitkv import pack_gqa
-from common.validation import check_call
+from common.validation import check_backward, check_call
 
 
 def attention(
@@ -25,13 +33,15 @@ def attention(
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     ``softmax(query @ key.T * scale + mask) @ value``, computed by the chosen
-    backend without materialising the score matrix.
+    backend without materialising the score matrix. Differentiable with
+    respect to query, key and value (all backends), and traceable by
+    ``torch.compile`` (one operator per kernel backend).
 
     Args:
         query: (B, H, Lq, D) or (H, Lq, D); float16, bfloat16 or float32; any strides.
         key: (B, H_kv, Lk, D) or (H_kv, Lk, D); same dtype and device as query.
         value: (B, H_kv, Lk, Dv) or (H_kv, Lk, Dv); Dv may differ from D.
-            The Triton backends take head dims 16 <= D, Dv <= 256.
+            The kernel backends take head dims 16 <= D, Dv <= 256.
         is_causal: mask with SDPA's top-left alignment, ``ones(Lq, Lk).tril(0)``:
             query row i sees keys 0..i, also when Lq != Lk.
         scale: multiplies the scores; None means 1/sqrt(D). Any finite float.
@@ -39,7 +49,9 @@ def attention(
             (float32 or query's dtype) added to the scaled scores. Broadcastable
             to (B, H, Lq, Lk); read through its strides, never copied. Not
             together with is_causal (SDPA rejects that pair too). A row whose
-            every key is masked out gives 0, as SDPA does.
+            every key is masked out gives 0 (and zero gradients), as SDPA's
+            math backend does. Gets no gradient: a mask that requires grad is
+            rejected by the kernel backends.
         dropout_p: only 0.0 is supported.
         enable_gqa: allow H_kv < H (grouped-query / multi-query attention); H
             must be a multiple of H_kv; query head h reads K/V head h // (H // H_kv).
@@ -48,17 +60,14 @@ def attention(
             variable ATTENTION_BACKEND, else "triton".
         return_lse: also return the natural-log log-sum-exp of each query row's
             scaled, masked scores: float32, shape (B, H, Lq) or (H, Lq); -inf
-            for a row whose every key is masked out.
+            for a row whose every key is masked out. Differentiable too.
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
         ``return_lse=True`` the pair ``(output, lse)``.
 
     Raises:
-        TypeError, ValueError: for bad input, before any kernel launches. The
-        Triton backends have no backward pass: inputs that require grad (with
-        grad enabled) are rejected rather than given an output with no
-        gradient path.
+        TypeError, ValueError: for bad input, before any kernel launches.
     """
     chosen = resolve(backend)
     call = check_call(
@@ -66,33 +75,71 @@ def attention(
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
     )
-    q, k, v = call.query, call.key, call.value
-    B, H, Lq, _ = q.shape
-    Lk, Dv = k.shape[2], v.shape[3]
-    if B * H * Lq == 0 or Lk == 0:
-        # Nothing to launch. With no keys at all SDPA returns zeros (and the
-        # log-sum-exp of an empty set is -inf).
-        out = q.new_zeros((B, H, Lq, Dv))
-        lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if call.return_lse else None
+    if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
+        out, lse = ops.OPS[chosen.name][0](call.query, call.key, call.value, call.attn_mask, call.is_causal,
+                                           call.scale)
     else:
-        mask, packed = call.attn_mask, None
-        if chosen.uses_triton:
-            if call.is_causal and Lk > Lq:
-                # Top-left alignment: no row sees a key past Lq - 1. Dropping them
-                # (views) keeps split launches from planning work for them.
-                k, v = k[:, :, :Lq], v[:, :, :Lq]
-            packed = pack_gqa(q, k, mask, call.is_causal)
-            if packed is not None:
-                # Each group's query heads as rows of one K/V head (views both ways).
-                q, mask = packed
-        out, lse = chosen.load().forward(
-            q, k, v, is_causal=call.is_causal, scale=call.scale,
-            attn_mask=mask, return_lse=call.return_lse,
-        )
-        if packed is not None:
-            out = out.view(B, H, Lq, Dv)
-            lse = lse.view(B, H, Lq) if lse is not None else None
+        out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
         out = out[0]
         lse = lse[0] if lse is not None else None
     return (out, lse) if call.return_lse else out
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    enable_gqa: bool = False,
+    backend: str | None = None,
+    grad_lse: torch.Tensor | None = None,
+):
+    """The gradients of :func:`attention` with respect to query, key and value.
+
+    A building block for code that schedules attention itself (context
+    parallelism, custom autograd functions): it runs the chosen kernel
+    backend's backward kernels once, with no autograd graph.
+
+    Args:
+        grad_out: (B, H, Lq, Dv) or (H, Lq, Dv): the gradient of the output.
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, backend: as
+            given to :func:`attention` for the forward call.
+        out: the forward's output, (B, H, Lq, Dv) or (H, Lq, Dv).
+        lse: the forward's log-sum-exp (``return_lse=True``), float32,
+            (B, H, Lq) or (H, Lq).
+        grad_lse: optional gradient of the log-sum-exp, same shape as lse.
+
+    Returns:
+        ``(dq, dk, dv)``, shaped and typed like query, key and value (contiguous).
+        Rows with no visible key contribute nothing; keys no row sees get 0.
+
+    Raises:
+        TypeError, ValueError: for bad input (or a backend without a backward
+        kernel), before any kernel launches.
+    """
+    chosen = resolve(backend)
+    call = check_call(
+        chosen, query, key, value,
+        attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa, return_lse=False,
+    )
+    grad_out, out, lse, grad_lse = check_backward(chosen, call, grad_out, out, lse, grad_lse)
+    if torch.compiler.is_compiling():
+        grads = ops.OPS[chosen.name][1](grad_out, call.query, call.key, call.value, call.attn_mask, out, lse,
+                                        grad_lse, call.is_causal, call.scale)
+    else:
+        grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
+    return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)
+
+
+def _needs_grad(call) -> bool:
+    return torch.is_grad_enabled() and (
+        call.query.requires_grad or call.key.requires_grad or call.value.requires_grad)
+

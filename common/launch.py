@@ -32,34 +32,48 @@ _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
 
 
 class CachedLauncher:
-    """Launch one ``@triton.jit`` function; ``args`` always in signature order,
-    constexprs included, each argument in the same role (tensor or scalar) on
-    every call."""
+    """Launch one ``@triton.jit`` function: ``launcher(grid, *args, num_warps=,
+    num_stages=, **constexprs)``, the runtime arguments positionally in
+    signature order, the constexprs by keyword; each argument in the same
+    role (tensor or scalar) on every call. Safe to call from several threads
+    (the caches are dicts written whole; the roles are set in one assignment)."""
 
     def __init__(self, fn):
         self.fn = fn
         self.enabled = isinstance(fn, triton.runtime.JITFunction)  # not under the interpreter
         self._by_value: dict = {}
         self._by_class: dict = {}
-        self._tensors = self._scalars = None  # itemgetters, set on the first call
+        self._roles = None  # (tensor getter, scalar getter, constexpr flags), set on the first call
+        names = [p.name for p in getattr(fn, "params", ()) if p.is_constexpr]
+        # the constexprs in signature order, from the keywords
+        self._constexprs = operator.itemgetter(*names) if len(names) > 1 else (
+            (lambda kw, n=names[0]: (kw[n],)) if names else (lambda kw: ()))
 
-    def __call__(self, grid, args, num_warps: int, num_stages: int) -> None:
+    def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs) -> None:
+        if not self.enabled:
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+            return
+        self.launch(grid, args + self._constexprs(constexprs), num_warps, num_stages)
+
+    def launch(self, grid, args, num_warps: int, num_stages: int) -> None:
+        """Launch with every argument positional, constexprs included, in signature order."""
         if not self.enabled:
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             return
-        if self._tensors is None:
-            self._split_roles(args)
-        tensors, scalars = self._tensors(args), self._scalars(args)
+        roles = self._roles
+        if roles is None:
+            roles = self._roles = self._split_roles(args)
+        tensors, scalars = roles[0](args), roles[1](args)
         device = torch.cuda.current_device()
         layout = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
         key = (scalars, layout, num_warps, num_stages, device)
         kernel = self._by_value.get(key)
         if kernel is None:
-            kernel = self._by_class_lookup(grid, args, scalars, layout, num_warps, num_stages, device)
+            kernel = self._by_class_lookup(grid, args, scalars, layout, num_warps, num_stages, device, roles[2])
             if kernel is None:
                 return  # launched through Triton's own dispatch
             if len(self._by_value) >= _MAX_BY_VALUE:
-                self._by_value.clear()
+                self._by_value = {}
             self._by_value[key] = kernel
         if callable(grid):
             grid = grid({})
@@ -67,23 +81,23 @@ class CachedLauncher:
             grid = (*grid, 1, 1)[:3]
         kernel[grid](*args)
 
-    def _split_roles(self, args) -> None:
+    def _split_roles(self, args):
         tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         scalar_at = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         constexpr_at = {p.num for p in self.fn.params if p.is_constexpr}
-        self._constexpr = tuple(i in constexpr_at for i in scalar_at)
         # itemgetter of one index returns the item, not a 1-tuple
-        self._tensors = operator.itemgetter(*tensor_at) if len(tensor_at) > 1 else (
+        tensors = operator.itemgetter(*tensor_at) if len(tensor_at) > 1 else (
             lambda a, i=tensor_at[0]: (a[i],))
-        self._scalars = operator.itemgetter(*scalar_at) if len(scalar_at) > 1 else (
+        scalars = operator.itemgetter(*scalar_at) if len(scalar_at) > 1 else (
             (lambda a, i=scalar_at[0]: (a[i],)) if scalar_at else (lambda a: ()))
+        return tensors, scalars, tuple(i in constexpr_at for i in scalar_at)
 
-    def _by_class_lookup(self, grid, args, scalars, layout, num_warps, num_stages, device):
+    def _by_class_lookup(self, grid, args, scalars, layout, num_warps, num_stages, device, constexpr):
         classes = tuple([
-            a if constexpr or type(a) not in (int, float)  # constexprs (and bools) by value
+            a if is_constexpr or type(a) not in (int, float)  # constexprs (and bools) by value
             else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31) if type(a) is int
             else float
-            for a, constexpr in zip(scalars, self._constexpr)
+            for a, is_constexpr in zip(scalars, constexpr)
         ])
         key = (classes, layout, num_warps, num_stages, device)
         kernel = self._by_class.get(key)
@@ -109,7 +123,7 @@ class _RoutedKernel:
     def __getitem__(self, grid):
         def run(*args, **options):
             if set(options) <= {"num_warps", "num_stages"}:
-                self.launcher(grid, args, options.get("num_warps", 4), options.get("num_stages", 3))
+                self.launcher.launch(grid, args, options.get("num_warps", 4), options.get("num_stages", 3))
             else:  # anything else: Triton's own dispatch, unchanged
                 self.fn[grid](*args, **options)
 
@@ -134,3 +148,19 @@ def route_generated_launch(handle):
     if len(names) == 1:
         launch.__globals__[names[0]] = _RoutedKernel(kernel)
     return handle
+
+
+def define_constants(handle, constants: dict) -> None:
+    """Define named constants, as ``tl.constexpr``, in the module that
+    ``ninetoothed.make`` generated for ``handle``.
+
+    NineToothed compiles an application's source in a module of its own, where
+    the names of the module that wrote it do not exist; the kernels name their
+    constants (``LOG2E``, the mask kinds) all the same, and this is where those
+    names get their values. Done before the kernel's first launch (when Triton
+    reads the module's globals).
+    """
+    import triton.language as tl
+
+    namespace = handle._launch.__globals__
+    namespace.update({name: tl.constexpr(value) for name, value in constants.items()})

@@ -67,6 +67,19 @@ ERROR_MULTIPLE = 3.0
 ERROR_FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 
 
+# Gradients: the same rule, with a floor relative to the gradient's size (a
+# backward pass sums rounded products over a whole sequence).
+GRAD_ERROR_FLOOR = {torch.float16: 3e-3, torch.bfloat16: 2.4e-2, torch.float32: 2e-5}
+
+
+def grad_error_bound(expected, dtype) -> tuple[float, float]:
+    """(bound, rounding): how far a kernel's ``dtype`` gradient may be from ``expected`` (in float32/64)."""
+    if not expected.numel():
+        return 0.0, 0.0
+    rounding = (expected.to(dtype).to(expected.dtype) - expected).abs().max().item()
+    return ERROR_MULTIPLE * rounding + GRAD_ERROR_FLOOR[dtype] * max(1.0, expected.abs().max().item()), rounding
+
+
 def error_bound(expected, dtype) -> tuple[float, float]:
     """(bound, rounding): how far a kernel's ``dtype`` output may be from ``expected`` (in float32/64)."""
     rounding = (expected.to(dtype).to(expected.dtype) - expected).abs().max().item() if expected.numel() else 0.0

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 
 import torch
 
-from common.backends import Backend
+from common.backends import BACKENDS, BACKWARD, LSE, Backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
 @dataclasses.dataclass
@@ -122,12 +122,13 @@ def check_call(
         )
     if key.shape[3] != D:
         raise ValueError(f"query and key must have the same head dim, got {D} and {key.shape[3]}")
-    if backend.uses_triton:
+    if backend.head_dims is not None:
+        low, high = backend.head_dims
         for name, d in (("query/key", D), ("value", Dv)):
-            if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+            if not low <= d <= high:
                 raise ValueError(
                     f"{name} head dim {d} is not supported by the {backend.name!r} backend: "
-                    f"expected {MIN_HEAD_DIM} <= head_dim <= {MAX_HEAD_DIM}"
+                    f"expected {low} <= head_dim <= {high}"
                 )
 
     if scale is None:
@@ -138,26 +139,42 @@ def check_call(
     if attn_mask is not None:
         attn_mask = _check_mask(attn_mask, query, is_causal, (B, H, Lq, Lk), unbatched)
 
-    if return_lse and not backend.returns_lse:
+    if return_lse and not backend.supports(LSE):
+        with_lse = [name for name, b in BACKENDS.items() if b.supports(LSE)]
         raise ValueError(
             f"the {backend.name!r} backend cannot return the log-sum-exp (return_lse=True); "
-            "use 'triton' or 'ninetoothed'"
+            f"use one of {', '.join(map(repr, with_lse))}"
         )
-    if not backend.differentiable and torch.is_grad_enabled():
-        for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
-            if t is not None and t.requires_grad:
-                raise ValueError(
-                    f"{name} requires grad, but the {backend.name!r} backend has no backward pass yet; "
-                    "call it under torch.no_grad() / torch.inference_mode() or on detached tensors, "
-                    "or use backend='torch' for training"
-                )
-    if backend.uses_triton:
-        _check_triton_device(backend, query.device)
+    if torch.is_grad_enabled():
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.requires_grad and not backend.supports(BACKWARD):
+                raise ValueError(f"{name} requires grad, but the {backend.name!r} backend has no backward pass")
+        if attn_mask is not None and attn_mask.requires_grad and backend.kernels:
+            raise ValueError(
+                "attn_mask requires grad, but an attention mask gets no gradient from the "
+                f"{backend.name!r} backend; pass attn_mask.detach() (or use backend='torch')"
+            )
+    if backend.kernels:
+        _check_kernel_device(backend, query.device)
 
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched)
 
 
+def _is_causal_bias(attn_mask) -> bool:
+    # Only a tensor subclass can be one, and only once its module is imported
+    # (importing it here would pull in torch._dynamo: a second at start-up).
+    if type(attn_mask) is torch.Tensor or "torch.nn.attention.bias" not in sys.modules:
+        return False
+    return isinstance(attn_mask, sys.modules["torch.nn.attention.bias"].CausalBias)
+
+
 def _check_mask(attn_mask, query, is_causal, full_shape, unbatched) -> torch.Tensor:
+    if _is_causal_bias(attn_mask):
+        # A tensor subclass whose data is not a mask: read as one, it would give garbage.
+        raise ValueError(
+            "attn_mask is a torch.nn.attention.bias.CausalBias, which is not supported yet; for "
+            "causal_upper_left(...) pass is_causal=True (top-left alignment) and no attn_mask"
+        )
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if is_causal:
@@ -184,11 +201,11 @@ def _check_mask(attn_mask, query, is_causal, full_shape, unbatched) -> torch.Ten
     return attn_mask.expand(full_shape)
 
 
-def _check_triton_device(backend: Backend, device: torch.device) -> None:
+def _check_kernel_device(backend: Backend, device: torch.device) -> None:
     if device.type == "cuda":
         return
     if device.type == "cpu":
-        if not backend.load().INTERPRETED:
+        if not backend.interpreted():
             raise ValueError(
                 f"the {backend.name!r} backend got CPU tensors but Triton is compiling for a GPU. "
                 "Move the tensors to CUDA, or run on the CPU under Triton's interpreter: set the "
@@ -196,3 +213,39 @@ def _check_triton_device(backend: Backend, device: torch.device) -> None:
             )
         return
     raise ValueError(f"the {backend.name!r} backend runs on CUDA devices (or the CPU interpreter), got {device}")
+
+
+def check_backward(backend: Backend, call: Call, grad_out, out, lse, grad_lse):
+    """Check what :func:`common.attention_backward` takes besides the forward's
+    arguments; return ``(grad_out, out, lse, grad_lse)`` in 4-D form."""
+    if not (backend.kernels and backend.supports(BACKWARD)):
+        usable = [name for name, b in BACKENDS.items() if b.kernels and b.supports(BACKWARD)]
+        raise ValueError(
+            f"the {backend.name!r} backend has no backward kernels to call directly; "
+            f"use one of {', '.join(map(repr, usable))}"
+        )
+    B, H, Lq, _ = call.query.shape
+    Dv = call.value.shape[3]
+    checked = []
+    for name, t, shape, dtype in (
+        ("grad_out", grad_out, (B, H, Lq, Dv), call.query.dtype),
+        ("out", out, (B, H, Lq, Dv), call.query.dtype),
+        ("lse", lse, (B, H, Lq), torch.float32),
+        ("grad_lse", grad_lse, (B, H, Lq), torch.float32),
+    ):
+        if t is None and name == "grad_lse":
+            checked.append(None)
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if call.unbatched and t.ndim == len(shape) - 1:
+            t = t.unsqueeze(0)
+        if tuple(t.shape) != shape:
+            expected = shape[1:] if call.unbatched else shape
+            raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape[call.unbatched:])}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
+        if t.device != call.query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {call.query.device}")
+        checked.append(t)
+    return tuple(checked)

@@ -1,48 +1,123 @@
-"""Scaled-dot-product attention forward, as a NineToothed kernel.
+"""Scaled-dot-product attention, forward and backward, as NineToothed kernels.
 
-The same algorithm as ``impl_triton/attention.py``, with the same names
-(``acc``, ``m_i``, ``l_i``, ``qk``, ``p``), written as NineToothed's
-arrangement + application and compiled to Triton by ``ninetoothed.make``:
+The same algorithms as ``impl_triton/attention.py``, with the same names
+(``acc``, ``m_i``, ``l_i``, ``qk``, ``p``, ``dq``, ``dk``, ``dv``, ``delta``),
+the same units (loop bounds count blocks) and the same named constants,
+written as NineToothed arrangements + applications and compiled to Triton by
+``ninetoothed.make``:
 
-- the *arrangement* says which tiles each program sees: one (BLOCK_M, D) tile
-  of the query and of the output, and the whole key/value sequence of the
-  matching (grouped-query) head as a row of (BLOCK_N, D) tiles (likewise the
-  attention mask); NineToothed writes the pointer arithmetic, strides and
-  bounds masks for every load and store;
-- the *application* is FlashAttention-2's online softmax over those tiles, in
-  base 2, visiting key blocks in two stages (unmasked, then the diagonal band
-  and the ragged tail with masks) and, when causal, never visiting a key block
-  wholly above the diagonal.
+- an *arrangement* says which tiles each program sees; NineToothed writes the
+  pointer arithmetic, strides and bounds masks of every load and store;
+- an *application* is the program, written for those tiles.
 
-Short queries split the keys as the Triton kernel does: the arrangement tiles
-each K/V row once more into splits of ``blocks_per_split`` blocks, one program
-per split, and a second arrangement + application merges the partial outputs
-by their log-sum-exps (``combine_arrangement``, ``combine_application``).
+Forward (``arrangement`` + ``application``): one program per (batch, head,
+block of BLOCK_M query rows), which sees its query and output tiles and the
+whole key/value sequence of its (grouped-query) head as a row of (BLOCK_N, D)
+tiles (likewise the mask); FlashAttention-2's online softmax in base 2, key
+blocks in two stages (unmasked, then the diagonal band and the ragged tail),
+causal programs never visiting a block wholly above the diagonal. Short
+queries split the keys as the Triton kernel does: the arrangement tiles each
+K/V row once more into splits of ``blocks_per_split`` blocks, one program per
+split, and ``combine_arrangement`` + ``combine_application`` merge the
+partial outputs by their log-sum-exps.
 
-Semantics are SDPA's: top-left causal alignment, boolean or additive masks, 0
-for a row whose every key is masked out, optional natural-log log-sum-exp.
+Backward: ``dq_arrangement`` + ``dq_application`` (one program per block of
+query rows, the forward's schedule; it also stores ``delta``), then
+``dkdv_arrangement`` + ``dkdv_application`` (one program per block of keys of
+one K/V head; the arrangement hands it the query rows of every query head of
+its group, so grouped-query gradients are summed in registers).
+
+The named constants (``LOG2E``, ``LN2``, the mask kinds) are defined in each
+generated module by :func:`_make`: NineToothed compiles the application's
+source in a module of its own.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import ninetoothed
 import ninetoothed.language as ntl
-import torch
 from ninetoothed import Tensor
 
-from common.configs import ConfigTable, next_power_of_2, padded_head_dim
+from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
-from common.launch import route_generated_launch
-from common.outputs import new_output
-from common.splitkv import combine_rows, plan_splits
+from common.launch import define_constants, route_generated_launch
+from common.plan import LN2, LOG2E, MaskKind
 
-# attn_mask kinds (the application's MASK_KIND), as in impl_triton
-NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
+NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
+KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK)
 
-CONFIGS = ConfigTable.load(__name__)
 
+# -- arranging tiles (plain Python on symbolic tensors, run once per make) ---------------
+
+def _rows(x, block_m, block_d):
+    """(B, H, L, D) -> programs (B, H, L / BLOCK_M), each a (BLOCK_M, D) tile."""
+    arranged = x.tile((1, 1, block_m, block_d)).squeeze(3)
+    arranged.dtype = arranged.dtype.squeeze((0, 1))
+    return arranged
+
+
+def _row_slices(x, block_m):
+    """(B, H, L) -> programs (B, H, L / BLOCK_M), each a (BLOCK_M,) slice."""
+    arranged = x.tile((1, 1, block_m))
+    arranged.dtype = arranged.dtype.squeeze((0, 1))
+    return arranged
+
+
+def _key_row(x, heads, m_blocks, block_n, block_d, blocks_per_split=None):
+    """(B, H_kv, Lk, D) -> per program of (B, heads, m_blocks[, S]), the row of
+    (BLOCK_N, D) tiles of the K/V head its query head reads (split: its split's
+    part of that row, BLOCKS_PER_SPLIT tiles). Query head h reads K/V head
+    h // GROUP, so the H_kv heads are repeated GROUP times by broadcasting
+    (expand), never by copying."""
+    group = heads // x.shape[1]
+    arranged = x.tile((1, 1, block_n, block_d))
+    if blocks_per_split is None:
+        arranged = arranged.tile((1, 1, -1, -1)).squeeze((2, 3))  # (B, H_kv)
+        arranged = arranged.unsqueeze(2).unsqueeze(3)
+        arranged = arranged.expand((-1, -1, group, m_blocks)).flatten(1, 3)
+    else:
+        arranged = arranged.tile((1, 1, blocks_per_split, -1)).squeeze(3)  # (B, H_kv, S)
+        arranged = arranged.unsqueeze(2).unsqueeze(3)
+        arranged = arranged.expand((-1, -1, group, m_blocks, -1)).flatten(1, 3)
+    arranged.dtype = arranged.dtype.squeeze((0, 1, 3))
+    arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1))
+    return arranged
+
+
+def _mask_row(attn_mask, block_m, block_n, blocks_per_split=None):
+    """(B, H, Lq, Lk), broadcast views welcome -> per program a row of
+    (BLOCK_M, BLOCK_N) tiles (split: BLOCKS_PER_SPLIT of them)."""
+    arranged = attn_mask.tile((1, 1, block_m, block_n))
+    arranged = arranged.tile((1, 1, 1, blocks_per_split if blocks_per_split is not None else -1))
+    if blocks_per_split is None:
+        arranged = arranged.squeeze(3)
+    arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
+    arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1))
+    return arranged
+
+
+def _per_split(arranged, num_splits):
+    """The same tile for each of the S programs of a row block: (B, H, M) -> (B, H, M, S)."""
+    return arranged.unsqueeze(3).expand((-1, -1, -1, num_splits))
+
+
+def _group_rows(x, group, n_blocks, block_m, block_d=None):
+    """(B, H, L[, D]) -> per program of (B, H_kv, n_blocks), the (GROUP, L / BLOCK_M)
+    tiles of (BLOCK_M[, D]) of the query heads that read K/V head h_kv."""
+    if block_d is None:
+        arranged = x.tile((1, 1, block_m)).tile((1, group, -1)).squeeze(2)
+        arranged.dtype = arranged.dtype.squeeze(0)
+    else:
+        arranged = x.tile((1, 1, block_m, block_d)).tile((1, group, -1, -1)).squeeze((2, 3))
+        arranged.dtype = arranged.dtype.squeeze((0, 3))
+    arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1))
+    return arranged.unsqueeze(2).expand((-1, -1, n_blocks))
+
+
+# -- forward ---------------------------------------------------------------------------------
 
 def arrangement(
     query, key, value, attn_mask, scale, output, lse,
@@ -56,60 +131,23 @@ def arrangement(
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
     each program sees ``blocks_per_split`` key blocks instead of all of them.
     """
-    split = blocks_per_split is not None
-
-    def arrange_rows(x, block_size_last):
-        # (B, H, Lq, D) -> programs (B, H, Lq / BLOCK_M), each a (BLOCK_M, D) tile;
-        # split: the same tile for each of the S programs (B, H, Lq / BLOCK_M, S)
-        arranged = x.tile((1, 1, block_m, block_size_last)).squeeze(3)
-        arranged.dtype = arranged.dtype.squeeze((0, 1))
-        if split:
-            arranged = arranged.unsqueeze(3).expand((-1, -1, -1, output_arranged.shape[3]))
-        return arranged
-
-    def arrange_keys(x, block_size_last):
-        # (B, H_kv, Lk, D) -> per program, the row of (BLOCK_N, D) tiles of the
-        # K/V head that its query head reads (split: its split's part of that
-        # row): query head h uses K/V head h // GROUP, so the H_kv heads are
-        # repeated GROUP times by broadcasting (expand), never by copying.
-        group = query.shape[1] // x.shape[1]
-        arranged = x.tile((1, 1, block_n, block_size_last))
-        if split:
-            arranged = arranged.tile((1, 1, blocks_per_split, -1)).squeeze(3)  # (B, H_kv, S)
-            arranged = arranged.unsqueeze(2).unsqueeze(3)
-            arranged = arranged.expand((-1, -1, group, query_arranged.shape[2], -1)).flatten(1, 3)
-        else:
-            arranged = arranged.tile((1, 1, -1, -1)).squeeze((2, 3))  # (B, H_kv)
-            arranged = arranged.unsqueeze(2).unsqueeze(3)
-            arranged = arranged.expand((-1, -1, group, query_arranged.shape[2])).flatten(1, 3)
-        arranged.dtype = arranged.dtype.squeeze((0, 1, 3))
-        arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1))
-        return arranged
-
-    if split:
+    query_arranged = _rows(query, block_m, block_d)
+    m_blocks = query_arranged.shape[2]
+    key_arranged = _key_row(key, query.shape[1], m_blocks, block_n, block_d, blocks_per_split)
+    value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
+    attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
+    if blocks_per_split is None:
+        output_arranged = _rows(output, block_m, block_dv)
+        lse_arranged = _row_slices(lse, block_m)
+    else:
+        num_splits = output.shape[3]
+        query_arranged = _per_split(query_arranged, num_splits)
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
         # (B, H, Lq, S) -> a (BLOCK_M,) slice per program
         lse_arranged = lse.tile((1, 1, block_m, 1))
         lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
-    else:
-        output_arranged = None
-    query_arranged = arrange_rows(query, block_d)
-    key_arranged = arrange_keys(key, block_d)
-    value_arranged = arrange_keys(value, block_dv)
-    # (B, H, Lq, Lk), broadcast views welcome -> per program a row of (BLOCK_M, BLOCK_N) tiles
-    attn_mask_arranged = attn_mask.tile((1, 1, block_m, block_n))
-    attn_mask_arranged = attn_mask_arranged.tile((1, 1, 1, blocks_per_split if split else -1))
-    if not split:
-        attn_mask_arranged = attn_mask_arranged.squeeze(3)
-    attn_mask_arranged.dtype = attn_mask_arranged.dtype.squeeze((0, 1, 2))
-    attn_mask_arranged.dtype.dtype = attn_mask_arranged.dtype.dtype.squeeze((0, 1))
-    if not split:
-        output_arranged = arrange_rows(output, block_dv)
-        # (B, H, Lq) -> a (BLOCK_M,) slice per program
-        lse_arranged = lse.tile((1, 1, block_m))
-        lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1))
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
         output_arranged, lse_arranged, IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
@@ -130,7 +168,7 @@ def _attn_fwd_inner(
     for j in range(lo, hi):
         k = key[j - first]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != 0:
+        if MASKED or MASK_KIND != NO_MASK:
             qk = qk * qk_scale
             if MASKED:
                 offs_n = key[j - first].offsets(-2)
@@ -138,14 +176,14 @@ def _attn_fwd_inner(
                 if IS_CAUSAL:
                     valid = valid & (offs_m[:, None] >= offs_n[None, :])
                 qk = ntl.where(valid, qk, float("-inf"))
-            if MASK_KIND != 0:
+            if MASK_KIND != NO_MASK:
                 mask = attn_mask[j - first]
-                if MASK_KIND == 1:
+                if MASK_KIND == BOOL_MASK:
                     qk = ntl.where(mask, qk, float("-inf"))
                 else:
-                    qk = qk + mask.to(ntl.float32) * 1.4426950408889634
+                    qk = qk + mask.to(ntl.float32) * LOG2E
             m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
-            if MASK_KIND != 0 or SPLIT:
+            if MASK_KIND != NO_MASK or SPLIT:
                 # A row with no visible key yet has m_ij = -inf (a mask, or a
                 # split that starts past a causal row's last key); subtract 0
                 # instead so that its p and alpha are 0, not NaN.
@@ -179,14 +217,14 @@ def application(
 ):
     q = query
     offs_m = query.offsets(-2)
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
 
-    # Stage 1 ends where a block first needs a mask; stage 2 ends at the last
-    # key block any row of this block can see. Both count in key blocks and
-    # stop at the end of this program's blocks [lo, hi): the split's, when split.
+    # In key blocks: stage 1 ends where a block first needs a mask; stage 2
+    # ends at the last block any row of this block can see. Both stop at the
+    # end of this program's blocks [lo, hi): the split's, when split.
     BLOCK_N = key.dtype.shape[0]
     full_end = key.source.shape[-2] // BLOCK_N
     if IS_CAUSAL:
@@ -210,8 +248,8 @@ def application(
     if WITH_LSE:
         # Log-sum-exp of the scaled scores, from base 2 back to natural log;
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
-        lse = (m_i + ntl.log2(l_i)) * 0.6931471805599453  # noqa: F841 (a store)
-    if MASK_KIND != 0 or SPLIT:
+        lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
+    if MASK_KIND != NO_MASK or SPLIT:
         # A row whose every key is masked out (or, in a split, that sees none of
         # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = ntl.where(l_i == 0.0, 1.0, l_i)
@@ -244,48 +282,231 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
         lse = m + ntl.log(l)  # noqa: F841 (a store; log(0) = -inf: no key at all)
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
-    """(arrangement, application, tensors) for one head-dim pair and block shape;
-    with ``blocks_per_split``, the split-KV variant (see ``arrangement``)."""
-    split = blocks_per_split is not None
-    arrangement_ = functools.partial(
-        arrangement,
-        block_m=block_m,
-        block_n=block_n,
-        block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v),
-        blocks_per_split=blocks_per_split,
+# -- backward ----------------------------------------------------------------------------------
+
+def dq_arrangement(
+    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, delta_out, grad_query,
+    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION,
+    block_m, block_n, block_d, block_dv,
+):
+    """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
+    query_arranged = _rows(query, block_m, block_d)
+    m_blocks = query_arranged.shape[2]
+    return (
+        query_arranged,
+        _key_row(key, query.shape[1], m_blocks, block_n, block_d),
+        _key_row(value, query.shape[1], m_blocks, block_n, block_dv),
+        _mask_row(attn_mask, block_m, block_n),
+        _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
+        _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale, _row_slices(delta_out, block_m),
+        _rows(grad_query, block_m, block_d),
+        IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION,
     )
+
+
+def _attn_bwd_dq_inner(
+    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, qk_scale,
+    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION,
+):
+    """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner."""
+    for j in range(lo, hi):
+        k = key[j]
+        v = value[j]
+        qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED or MASK_KIND != NO_MASK:
+            qk = qk * qk_scale
+            if MASKED:
+                offs_n = key[j].offsets(-2)
+                valid = offs_n[None, :] < key.source.shape[-2]
+                if IS_CAUSAL:
+                    valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                qk = ntl.where(valid, qk, float("-inf"))
+            if MASK_KIND != NO_MASK:
+                mask = attn_mask[j]
+                if MASK_KIND == BOOL_MASK:
+                    qk = ntl.where(mask, qk, float("-inf"))
+                else:
+                    qk = qk + mask.to(ntl.float32) * LOG2E
+            p = ntl.exp2(qk - m2[:, None])
+        else:
+            p = ntl.exp2(qk * qk_scale - m2[:, None])
+        dp = ntl.dot(do, ntl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = ntl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+def dq_application(
+    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, delta_out, grad_query,
+    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION,
+):
+    q = query
+    do = grad_out
+    o = out
+    offs_m = query.offsets(-2)
+    delta = ntl.sum(do.to(ntl.float32) * o.to(ntl.float32), 1)
+    if WITH_DLSE:
+        delta = delta - grad_lse
+    delta_out = delta  # noqa: F841 (a store, for the dK/dV pass)
+    # p = exp2(s * log2(e) - m2); a row with no visible key (lse = -inf) gets
+    # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
+    m2 = ntl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    qk_scale = scale * LOG2E
+    dq = ntl.zeros(grad_query.shape, dtype=ntl.float32)
+
+    # In key blocks, as in the forward: unmasked blocks [0, full_end), then
+    # the diagonal band and the ragged tail [full_end, hi).
+    BLOCK_N = key.dtype.shape[0]
+    full_end = key.source.shape[-2] // BLOCK_N
+    if IS_CAUSAL:
+        full_end = ntl.minimum(full_end, ntl.min(offs_m, 0) // BLOCK_N)
+        hi = ntl.cdiv(ntl.minimum(key.source.shape[-2], ntl.max(offs_m, 0) + 1), BLOCK_N)
+    else:
+        hi = ntl.cdiv(key.source.shape[-2], BLOCK_N)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, 0, full_end, qk_scale,
+        IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+    )
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_end, hi, qk_scale,
+        IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+    )
+    grad_query = dq * scale  # noqa: F841 (a store)
+
+
+def dkdv_arrangement(
+    query, key, value, attn_mask, grad_out, lse, delta, scale, grad_key, grad_value,
+    IS_CAUSAL, MASK_KIND, DOT_PRECISION,
+    block_m, block_n, block_d, block_dv,
+):
+    """One program per (batch, K/V head, block of BLOCK_N keys); it sees the
+    (GROUP, Lq / BLOCK_M) query-row tiles of its group's query heads and the
+    matching (BLOCK_N, BLOCK_M) tiles of the mask, transposed."""
+    key_arranged = _rows(key, block_n, block_d)
+    n_blocks = key_arranged.shape[2]
+    group = query.shape[1] // key.shape[1]
+    # (B, H, Lq, Lk) seen as (B, H, Lk, Lq) -> (GROUP, Lq / BLOCK_M) tiles of (BLOCK_N, BLOCK_M)
+    attn_mask_arranged = attn_mask.permute((0, 1, 3, 2)).tile((1, 1, block_n, block_m))
+    attn_mask_arranged = attn_mask_arranged.tile((1, group, 1, -1)).squeeze(3)
+    attn_mask_arranged.dtype = attn_mask_arranged.dtype.squeeze((0, 2))
+    attn_mask_arranged.dtype.dtype = attn_mask_arranged.dtype.dtype.squeeze((0, 1))
+    return (
+        _group_rows(query, group, n_blocks, block_m, block_d),
+        key_arranged, _rows(value, block_n, block_dv), attn_mask_arranged,
+        _group_rows(grad_out, group, n_blocks, block_m, block_dv),
+        _group_rows(lse, group, n_blocks, block_m), _group_rows(delta, group, n_blocks, block_m),
+        scale, _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
+        IS_CAUSAL, MASK_KIND, DOT_PRECISION,
+    )
+
+
+def _attn_bwd_dkdv_inner(
+    dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, qk_scale,
+    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION,
+):
+    """Add query blocks [lo, hi) of query head ``g`` of the group to (dk, dv)
+    (dk unscaled), on transposed scores (keys x rows). MASKED: the blocks may
+    hold rows above the causal diagonal. (Rows past Lq need no mask here:
+    NineToothed loads them as 0 and their lse as +inf, so their p is 0.)"""
+    for i in range(lo, hi):
+        q = query[g, i]
+        m2 = ntl.where(lse[g, i] == float("-inf"), float("inf"), lse[g, i] * LOG2E)
+        qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
+        if MASKED or MASK_KIND != NO_MASK:
+            qkT = qkT * qk_scale
+            if MASKED and IS_CAUSAL:
+                offs_qm = query[g, i].offsets(-2)
+                qkT = ntl.where(offs_qm[None, :] >= offs_kn[:, None], qkT, float("-inf"))
+            if MASK_KIND != NO_MASK:
+                mask = attn_mask[g, i]
+                if MASK_KIND == BOOL_MASK:
+                    qkT = ntl.where(mask, qkT, float("-inf"))
+                else:
+                    qkT = qkT + mask.to(ntl.float32) * LOG2E
+            pT = ntl.exp2(qkT - m2[None, :])
+        else:
+            pT = ntl.exp2(qkT * qk_scale - m2[None, :])
+        do = grad_out[g, i]
+        dv = ntl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = ntl.dot(v, ntl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[g, i][None, :])
+        dk = ntl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+def dkdv_application(
+    query, key, value, attn_mask, grad_out, lse, delta, scale, grad_key, grad_value,
+    IS_CAUSAL, MASK_KIND, DOT_PRECISION,
+):
+    k = key
+    v = value
+    offs_kn = key.offsets(-2)
+    qk_scale = scale * LOG2E
+    dk = ntl.zeros(grad_key.shape, dtype=ntl.float32)
+    dv = ntl.zeros(grad_value.shape, dtype=ntl.float32)
+
+    # In query blocks: the causal band [lo, full_lo) (masked), the blocks wholly
+    # below it [full_lo, full_hi) (unmasked), the ragged tail [full_hi, hi).
+    BLOCK_M = query.dtype.shape[0]
+    BLOCK_N = key.shape[0]
+    n0 = ntl.min(offs_kn, 0)  # this program's first key
+    hi = query.shape[1]
+    if IS_CAUSAL:
+        lo = ntl.minimum(n0 // BLOCK_M, hi)  # the first block with a row that sees a key here
+        full_lo = ntl.minimum(ntl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), hi)
+    else:
+        lo = 0
+        full_lo = 0
+    full_hi = ntl.maximum(full_lo, query.source.shape[-2] // BLOCK_M)
+    for g in range(query.shape[0]):
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, qk_scale,
+            IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, qk_scale,
+            IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, qk_scale,
+            IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        )
+    grad_key = dk * scale  # noqa: F841 (a store)
+    grad_value = dv  # noqa: F841 (a store)
+
+
+# -- premake: (arrangement, application, tensors) per kernel --------------------------------
+
+def _flags(*names):
+    return tuple(Tensor(0, constexpr=True, name=name) for name in names)
+
+
+def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
+    """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
+    arrangement_ = functools.partial(
+        arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
+        block_dv=padded_head_dim(head_dim_v), blocks_per_split=blocks_per_split,
+    )
+    split = blocks_per_split is not None
     # Out-of-range elements must read as 0 (padded head dims enter the dot
     # products; past-the-end keys and values meet p = 0, and 0 * garbage may be
     # NaN); NineToothed leaves them undefined unless told.
-    query = Tensor(4, shape=(None, None, None, head_dim), other=0)
-    key = Tensor(4, shape=(None, None, None, head_dim), other=0)
-    value = Tensor(4, shape=(None, None, None, head_dim_v), other=0)
-    if split:
-        output = Tensor(5, shape=(None, None, None, None, head_dim_v))  # float32 partial outputs
-        lse = Tensor(4)
-    else:
-        output = Tensor(4, shape=(None, None, None, head_dim_v))
-        lse = Tensor(3)
     tensors = (
-        query, key, value,
+        Tensor(4, shape=(None, None, None, head_dim), other=0),  # query
+        Tensor(4, shape=(None, None, None, head_dim), other=0),  # key
+        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # value
         Tensor(4, other=0),  # attn_mask
         Tensor(0),  # scale (runtime float)
-        output,
-        lse,
-        Tensor(0, constexpr=True),  # IS_CAUSAL
-        Tensor(0, constexpr=True),  # MASK_KIND
-        Tensor(0, constexpr=True),  # WITH_LSE
-        Tensor(0, constexpr=True),  # NEGATIVE_SCALE
-        Tensor(0, constexpr=True),  # DOT_PRECISION
-        Tensor(0, constexpr=True),  # SPLIT
+        # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
+        Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
+        Tensor(4 if split else 3),
+        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT"),
     )
     return arrangement_, application, tensors
 
 
 def premake_combine(head_dim_v, block_r, block_s):
-    """(arrangement, application, tensors) of the split merge."""
+    """The split merge."""
     arrangement_ = functools.partial(
         combine_arrangement, block_r=block_r, block_s=block_s, block_dv=padded_head_dim(head_dim_v)
     )
@@ -294,89 +515,148 @@ def premake_combine(head_dim_v, block_r, block_s):
         Tensor(2, other=float("-inf")),  # lse_part (R, S): a missing split weighs 0
         Tensor(2, shape=(None, head_dim_v)),  # output (R, Dv)
         Tensor(1),  # lse (R,)
-        Tensor(0, constexpr=True),  # WITH_LSE
+        *_flags("WITH_LSE"),
     )
     return arrangement_, combine_application, tensors
 
 
-@functools.cache
-def _kernel(head_dim, head_dim_v, block_m, block_n, num_warps, num_stages, blocks_per_split=None):
-    # ninetoothed.make generates, writes and imports Triton code on every call
-    # (0.1-0.5 s): make each kernel once per process.
-    apply_interpreter_fixes()
-    split = "" if blocks_per_split is None else f"_s{blocks_per_split}"
-    return route_generated_launch(ninetoothed.make(
-        *premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split),
-        kernel_name=f"nt_attention_d{head_dim}_dv{head_dim_v}_m{block_m}_n{block_n}{split}",
-        num_warps=num_warps,
-        num_stages=num_stages,
-    ))
+def premake_dq(head_dim, head_dim_v, block_m, block_n):
+    """The backward's dQ pass."""
+    arrangement_ = functools.partial(
+        dq_arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
+        block_dv=padded_head_dim(head_dim_v),
+    )
+    tensors = (
+        Tensor(4, shape=(None, None, None, head_dim), other=0),  # query
+        Tensor(4, shape=(None, None, None, head_dim), other=0),  # key
+        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # value
+        Tensor(4, other=0),  # attn_mask
+        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # out
+        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
+        Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
+        Tensor(3, other=0),  # grad_lse
+        Tensor(0),  # scale
+        Tensor(3),  # delta_out
+        Tensor(4, shape=(None, None, None, head_dim)),  # grad_query
+        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION"),
+    )
+    return arrangement_, dq_application, tensors
 
 
-@functools.cache
-def _combine_kernel(head_dim_v, block_r, block_s):
-    apply_interpreter_fixes()
-    return route_generated_launch(ninetoothed.make(
-        *premake_combine(head_dim_v, block_r, block_s),
-        kernel_name=f"nt_attention_combine_dv{head_dim_v}_r{block_r}_s{block_s}",
-        num_warps=4,
-        num_stages=1,
-    ))
+def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
+    """The backward's dK/dV pass."""
+    arrangement_ = functools.partial(
+        dkdv_arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
+        block_dv=padded_head_dim(head_dim_v),
+    )
+    tensors = (
+        Tensor(4, shape=(None, None, None, head_dim), other=0),  # query
+        Tensor(4, shape=(None, None, None, head_dim), other=0),  # key
+        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # value
+        Tensor(4, other=0),  # attn_mask
+        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
+        Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
+        Tensor(3, other=0),  # delta
+        Tensor(0),  # scale
+        Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
+        Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
+        *_flags("IS_CAUSAL", "MASK_KIND", "DOT_PRECISION"),
+    )
+    return arrangement_, dkdv_application, tensors
+
+
+# -- making kernels: once per process, thread-safe ---------------------------------------------
+
+_made: dict = {}
+_make_lock = threading.Lock()
+
+
+def _make(premake_fn, *args, num_warps: int, num_stages: int):
+    """``ninetoothed.make(*premake_fn(*args))``, made once per process.
+
+    ``make`` generates, writes and imports Triton code on every call (0.1-0.5 s)
+    and sets the application's annotations while it works, so it runs under a
+    lock and its handles are kept. Each handle's generated module gets the
+    kernels' named constants, and its launch goes through a ``CachedLauncher``.
+    """
+    key = (premake_fn, args, num_warps, num_stages)
+    handle = _made.get(key)
+    if handle is not None:
+        return handle
+    with _make_lock:
+        handle = _made.get(key)
+        if handle is None:
+            apply_interpreter_fixes()
+            name = "_".join(["nt_attention", premake_fn.__name__.removeprefix("premake")[1:] or "fwd",
+                             *(str(a) for a in args if a is not None)])
+            handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,
+                                      num_stages=num_stages)
+            define_constants(handle, KERNEL_CONSTANTS)
+            handle = _made[key] = route_generated_launch(handle)
+    return handle
 
 
 INTERPRETED = interpreter_requested()
 
 
-def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None, return_lse: bool = False):
-    """Launch the kernel on validated inputs (see ``common.dispatch``).
+# -- launching a plan ------------------------------------------------------------------------
 
-    Same contract as ``impl_triton.attention.forward``: query (B, H, Lq, D),
-    key (B, H_kv, Lk, D), value (B, H_kv, Lk, Dv), any strides, one dtype;
-    attn_mask None or expanded to (B, H, Lq, Lk). Returns ``(out, lse)``.
-    Splits the keys across programs when the GPU would be short of them
-    (``common.splitkv``).
+def _absent(like, *shape):
+    """A stand-in for a tensor a kernel never touches (a flag turns its use off):
+    a broadcast scalar, no memory."""
+    return like.new_empty(()).expand(*shape)
+
+
+def forward(plan):
+    """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
+
+    Returns ``(plan.out, plan.lse)``, filled in.
     """
-    B, H, Lq, D = query.shape
-    Lk, Dv = key.shape[2], value.shape[3]
-    out = new_output((B, H, Lq, Dv), query.dtype, query.device)
-    if attn_mask is None:
-        mask_kind, attn_mask = NO_MASK, out.new_empty(()).expand(B, H, Lq, Lk)
+    q, k, v, out = plan.query, plan.key, plan.value, plan.out
+    B, H, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    config = plan.config
+    attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(out, B, H, Lq, Lk)
+    if plan.split:
+        o, lse = plan.o_part, plan.lse_part
     else:
-        mask_kind = BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK
-    config = CONFIGS.lookup(
-        max(padded_head_dim(D), padded_head_dim(Dv)), query.dtype, is_causal, Lq, Lk, INTERPRETED
-    )
-    programs = -(-Lq // config.block_m) * B * H
-    num_splits, blocks_per_split = plan_splits(programs, Lk, config.block_n, query.device)
-    split = num_splits > 1
-    if split:
-        # float32 partial outputs and their log-sum-exps, one per split
-        o_part = new_output((B, H, Lq, num_splits, Dv), torch.float32, query.device)
-        lse_part = new_output((B, H, Lq, num_splits), torch.float32, query.device)
-    else:
-        o_part = out
-        if return_lse:
-            lse_part = new_output((B, H, Lq), torch.float32, query.device)
-        else:
-            lse_part = out.new_empty(()).expand(B, H, Lq)  # never written: WITH_LSE is off
-    kernel = _kernel(D, Dv, config.block_m, config.block_n, config.num_warps, config.num_stages,
-                     blocks_per_split if split else None)
+        o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
+                   num_warps=config.num_warps, num_stages=config.num_stages)
     kernel(
-        query, key, value, attn_mask, scale, o_part, lse_part,
-        is_causal, mask_kind, return_lse or split, scale < 0, _dot_precision(query.dtype), split,
+        q, k, v, attn_mask, plan.scale, o, lse,
+        IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
+        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
     )
-    if not split:
-        return out, (lse_part if return_lse else None)
+    if plan.split:
+        merge = plan.merge
+        R = merge.rows
+        lse = plan.lse.view(R) if plan.lse is not None else _absent(out, R)
+        _make(premake_combine, Dv, merge.block_r, merge.block_s, num_warps=4, num_stages=1)(
+            plan.o_part.view(R, plan.num_splits, Dv), plan.lse_part.view(R, plan.num_splits), out.view(R, Dv), lse,
+            WITH_LSE=plan.with_lse,
+        )
+    return out, plan.lse
 
-    R = B * H * Lq
-    lse = new_output((R,), torch.float32, query.device) if return_lse else out.new_empty(()).expand(R)
-    block_r = combine_rows(R, INTERPRETED)
-    _combine_kernel(Dv, block_r, next_power_of_2(num_splits))(
-        o_part.view(R, num_splits, Dv), lse_part.view(R, num_splits), out.view(R, Dv), lse, return_lse,
+
+def backward(plan):
+    """Launch the backward for a ``common.plan.BackwardPlan``: the dQ pass (which
+    also stores delta), then the dK/dV pass. Returns ``(dq, dk, dv)``, filled in."""
+    q, k, v = plan.query, plan.key, plan.value
+    B, H, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    config = plan.config
+    attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
+    grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
+    flags = dict(IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision)
+    _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
+          num_warps=config.num_warps, num_stages=config.num_stages)(
+        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, plan.delta, plan.grad_query,
+        WITH_DLSE=plan.grad_lse is not None, **flags,
     )
-    return out, (lse.view(B, H, Lq) if return_lse else None)
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # as in impl_triton: full-precision float32 products, as torch's default
-    return "ieee" if dtype == torch.float32 else "tf32"
+    _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
+          num_warps=config.num_warps, num_stages=config.num_stages)(
+        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, plan.grad_key, plan.grad_value,
+        **flags,
+    )
+    return plan.grad_query, plan.grad_key, plan.grad_value

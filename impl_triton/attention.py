@@ -1,7 +1,9 @@
-"""Scaled-dot-product attention forward, as a hand-written Triton kernel.
+"""Scaled-dot-product attention, forward and backward, as hand-written Triton kernels.
 
-Algorithm: FlashAttention-2. Each program owns one block of BLOCK_M query rows
-of one (batch, head), keeps it on chip, and streams the keys and values in
+Algorithm: FlashAttention-2.
+
+Forward (``_attn_fwd``). Each program owns one block of BLOCK_M query rows of
+one (batch, head), keeps it on chip, and streams the keys and values in
 blocks of BLOCK_N through an online softmax with float32 accumulators
 (``acc``, the running row sum ``l_i`` and the running row maximum ``m_i``).
 The Lq x Lk score matrix never exists outside registers.
@@ -13,39 +15,68 @@ The Lq x Lk score matrix never exists outside registers.
   all (every key exists and, when causal, lies on or below the diagonal for
   every row of the block), then the few blocks that do (the diagonal band and
   the ragged tail of the keys). Causal programs never visit key blocks that lie
-  wholly above the diagonal.
+  wholly above the diagonal. Loop bounds (``lo``, ``full_end``, ``hi``) count
+  key blocks, as in the NineToothed kernel.
 - Causal masking is SDPA's top-left alignment, ``ones(Lq, Lk).tril(0)``: query
   row i sees keys 0..i, also when Lq != Lk.
-- Grouped-query attention reads key/value head ``h // (H // H_kv)``: no copies.
+- Grouped-query attention reads key/value head ``h // GROUP``: no copies.
 - An optional ``attn_mask`` (boolean: True takes part; or additive) is read
   through its strides, so a broadcast mask costs no memory. A row whose every
   key is masked out gives 0, as SDPA's math backend does.
 - The log-sum-exp of each row's scaled, masked scores (natural log) can be
-  written out, for merging partial results.
+  written out: the backward pass and split merges need it.
 - Short queries (decoding): the keys can be split across programs (grid axis
   2, BLOCKS_PER_SPLIT key blocks each); each program writes a float32 partial
   output and its log-sum-exp, and ``_attn_combine`` merges them. When and how
-  much to split is ``common.splitkv``'s decision, shared with NineToothed.
+  much to split is ``common.plan``'s decision, shared with NineToothed.
+
+Backward, deterministic (no atomics), from the forward's log-sum-exp:
+``p = exp(s - lse)``, ``dv = p^T do``, ``dp = do v^T``, ``ds = p (dp - delta)``
+with ``delta = rowsum(do * o)``, ``dq = scale ds k``, ``dk = scale ds^T q``.
+
+- ``_attn_bwd_dq``: one program per block of BLOCK_M2 query rows, the same
+  schedule as the forward (unmasked key blocks, then the masked band). It
+  also computes ``delta`` for its rows and stores it for the next pass.
+- ``_attn_bwd_dkdv``: one program per block of BLOCK_N1 keys of one K/V head;
+  it walks the query rows of every query head of its group (grouped-query
+  gradients summed in registers, never materialised) in three stages: the
+  causal band (masked), the rows wholly below it (unmasked), the ragged tail
+  of the rows (masked). Causal programs skip the rows above the diagonal.
+- A gradient reaching the log-sum-exp too (``return_lse=True``) enters as
+  ``delta - dlse``: ``d lse / d s = p``.
 
 Every tensor is read through its strides: transposed views need no copy.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from common.configs import ConfigTable, next_power_of_2, padded_head_dim
+from common import plan as _plan
 from common.interpret import apply_interpreter_fixes
 from common.launch import CachedLauncher
-from common.outputs import new_output
-from common.splitkv import combine_rows, plan_splits
 
-# attn_mask kinds (the kernel's MASK_KIND)
-NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
+LOG2E = tl.constexpr(_plan.LOG2E)
+LN2 = tl.constexpr(_plan.LN2)
+NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
+BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
+ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
 
-CONFIGS = ConfigTable.load(__name__)
+
+# -- forward ----------------------------------------------------------------------------
+
+@triton.jit
+def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a 2-D tile, masking rows and/or columns only where it is asked
+    (unmasked loads are the fast path of the inner loops)."""
+    if MASK_ROWS:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    elif MASK_COLS:
+        tile = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
@@ -66,33 +97,28 @@ def _attn_fwd_inner(
     """
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    for j in range(lo, hi):
+        start_n = tl.multiple_of(j * BLOCK_N, BLOCK_N)
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=d_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn)
+        k = _load_tile(k_ptrs + start_n * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != 0:
+        if MASKED or MASK_KIND != NO_MASK:
             qk = qk * qk_scale
             if MASKED:
                 valid = key_ok[None, :]
                 if IS_CAUSAL:
                     valid = valid & (offs_m[:, None] >= offs_kn[None, :])
                 qk = tl.where(valid, qk, float("-inf"))
-            if MASK_KIND != 0:
+            if MASK_KIND != NO_MASK:
                 mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
                 mask = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_ok, other=0)
-                if MASK_KIND == 1:
+                if MASK_KIND == BOOL_MASK:
                     qk = tl.where(mask, qk, float("-inf"))
                 else:
-                    qk = qk + mask.to(tl.float32) * 1.4426950408889634
+                    qk = qk + mask.to(tl.float32) * LOG2E
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            if MASK_KIND != 0 or SPLIT:
+            if MASK_KIND != NO_MASK or SPLIT:
                 # A row with no visible key yet has m_ij = -inf (a mask, or a
                 # split that starts past a causal row's last key); subtract 0
                 # instead so that its p and alpha are 0, not NaN.
@@ -114,12 +140,7 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
-        elif BLOCK_DV != HEAD_DIM_V:
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=dv_ok[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs + start_n * stride_vn)
+        v = _load_tile(v_ptrs + start_n * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -167,22 +188,22 @@ def _attn_fwd(
     mask_ptrs = MASK + off_z * stride_mz + off_h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
-    # Stage 1 ends where a block first needs a mask; stage 2 ends at the last
-    # key any row of this block can see. Both stop at the end of this split's
-    # keys [lo, hi).
-    full_end = (Lk // BLOCK_N) * BLOCK_N
+    # In key blocks: stage 1 ends where a block first needs a mask; stage 2
+    # ends at the last block any row of this block can see. Both stop at the
+    # end of this split's blocks [lo, hi).
+    full_end = Lk // BLOCK_N
     if IS_CAUSAL:
-        full_end = tl.minimum(full_end, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
-        end = tl.minimum(Lk, (start_m + 1) * BLOCK_M)
+        full_end = tl.minimum(full_end, start_m * BLOCK_M // BLOCK_N)
+        end = tl.cdiv(tl.minimum(Lk, (start_m + 1) * BLOCK_M), BLOCK_N)
     else:
-        end = Lk
-    lo = split * BLOCKS_PER_SPLIT * BLOCK_N
-    hi = tl.minimum(lo + BLOCKS_PER_SPLIT * BLOCK_N, end)
+        end = tl.cdiv(Lk, BLOCK_N)
+    lo = split * BLOCKS_PER_SPLIT
+    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, end)
     full_end = tl.maximum(lo, tl.minimum(full_end, hi))
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
@@ -200,9 +221,9 @@ def _attn_fwd(
     if WITH_LSE:
         # Log-sum-exp of the scaled scores, from base 2 back to natural log;
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        lse = (m_i + tl.math.log2(l_i)) * LN2
         tl.store(LSE + (off_hz.to(tl.int64) * Lq + offs_m) * NUM_SPLITS + split, lse, mask=m_ok)
-    if MASK_KIND != 0 or SPLIT:
+    if MASK_KIND != NO_MASK or SPLIT:
         # A row whose every key is masked out (or, in a split, that sees none of
         # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -234,7 +255,7 @@ def _attn_combine(
     m = tl.max(lse_s, 1)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
     w = tl.exp(lse_s - m[:, None])
-    l = tl.sum(w, 1)
+    l = tl.sum(w, 1)  # noqa: E741
     o_s = tl.load(
         O_PART + offs_rs[:, :, None] * HEAD_DIM_V + offs_dv[None, None, :],
         mask=(r_ok[:, None] & s_ok[None, :])[:, :, None] & (offs_dv < HEAD_DIM_V)[None, None, :],
@@ -247,6 +268,269 @@ def _attn_combine(
         tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)  # log(0) = -inf: no key at all
 
 
+# -- backward ---------------------------------------------------------------------------
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq, q, do, m2, delta,
+    k_ptrs, v_ptrs, mask_ptrs,
+    stride_kn, stride_vn, stride_mn,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner."""
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    for j in range(lo, hi):
+        start_n = tl.multiple_of(j * BLOCK_N, BLOCK_N)
+        offs_kn = start_n + offs_n
+        key_ok = offs_kn < Lk
+        k = _load_tile(k_ptrs + start_n * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+        v = _load_tile(v_ptrs + start_n * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED or MASK_KIND != NO_MASK:
+            qk = qk * qk_scale
+            if MASKED:
+                valid = key_ok[None, :]
+                if IS_CAUSAL:
+                    valid = valid & (offs_m[:, None] >= offs_kn[None, :])
+                qk = tl.where(valid, qk, float("-inf"))
+            if MASK_KIND != NO_MASK:
+                mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
+                mask = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_ok, other=0)
+                if MASK_KIND == BOOL_MASK:
+                    qk = tl.where(mask, qk, float("-inf"))
+                else:
+                    qk = qk + mask.to(tl.float32) * LOG2E
+            p = tl.math.exp2(qk - m2[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - m2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK,
+    stride_qz, stride_qh, stride_qm, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_oz, stride_oh, stride_om, stride_od,
+    stride_doz, stride_doh, stride_dom, stride_dod,
+    stride_lz, stride_lh, stride_lm,
+    stride_dlz, stride_dlh, stride_dlm,
+    stride_mz, stride_mh, stride_mm, stride_mn,
+    H, GROUP, Lq, Lk, scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WITH_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: dq of BLOCK_M query rows of one (batch, head), and their
+    delta = rowsum(do * o) - dlse, stored to DELTA (B, H, Lq) for _attn_bwd_dkdv."""
+    start_m = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    off_h_kv = off_h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Lq
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+
+    q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    o_ptrs = O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    do_ptrs = (DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+               + offs_dv[None, :] * stride_dod)
+    k_ptrs = K + off_z * stride_kz + off_h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_z * stride_vz + off_h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    mask_ptrs = MASK + off_z * stride_mz + off_h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(do_ptrs, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+    o = tl.load(o_ptrs, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if WITH_DLSE:
+        delta -= tl.load(DLSE + off_z * stride_dlz + off_h * stride_dlh + offs_m * stride_dlm, mask=m_ok, other=0.0)
+    tl.store(DELTA + off_hz.to(tl.int64) * Lq + offs_m, delta, mask=m_ok)
+    lse = tl.load(LSE + off_z * stride_lz + off_h * stride_lh + offs_m * stride_lm, mask=m_ok, other=float("inf"))
+    # p = exp2(s * log2(e) - m2); a row with no visible key (lse = -inf) gets
+    # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
+    m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    qk_scale = scale * LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # In key blocks, as in the forward: unmasked blocks [0, full_end), then
+    # the diagonal band and the ragged tail [full_end, hi).
+    full_end = Lk // BLOCK_N
+    if IS_CAUSAL:
+        full_end = tl.minimum(full_end, start_m * BLOCK_M // BLOCK_N)
+        hi = tl.cdiv(tl.minimum(Lk, (start_m + 1) * BLOCK_M), BLOCK_N)
+    else:
+        hi = tl.cdiv(Lk, BLOCK_N)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
+        offs_m, offs_n, offs_d, offs_dv, 0, full_end, Lq, Lk, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+    )
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
+        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+    )
+    dq = dq * scale
+    dq_ptrs = DQ + (off_hz.to(tl.int64) * Lq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk, dv, k, v,
+    q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+    stride_qm, stride_dom, stride_lm, stride_mm,
+    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add query blocks [lo, hi) of one query head to (dk, dv) (dk unscaled).
+
+    Works on transposed scores (keys x rows), so that dv = p^T do and
+    dk = ds^T q are plain products. MASKED: the blocks may hold rows past Lq
+    or, when causal, rows above the diagonal; mask them.
+    """
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+    key_ok = offs_kn < Lk
+    for i in range(lo, hi):
+        start_m = tl.multiple_of(i * BLOCK_M, BLOCK_M)
+        offs_qm = start_m + offs_m
+        m_ok = offs_qm < Lq
+        q = _load_tile(q_ptrs + start_m * stride_qm, m_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+        if MASKED:
+            lse = tl.load(lse_ptrs + start_m * stride_lm, mask=m_ok, other=float("inf"))
+        else:
+            lse = tl.load(lse_ptrs + start_m * stride_lm)
+        m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if MASKED or MASK_KIND != NO_MASK:
+            qkT = qkT * qk_scale
+            if MASKED and IS_CAUSAL:
+                qkT = tl.where(offs_qm[None, :] >= offs_kn[:, None], qkT, float("-inf"))
+            if MASK_KIND != NO_MASK:
+                mask = tl.load(mask_ptrs + start_m * stride_mm, mask=key_ok[:, None] & m_ok[None, :], other=0)
+                if MASK_KIND == BOOL_MASK:
+                    qkT = tl.where(mask, qkT, float("-inf"))
+                else:
+                    qkT = qkT + mask.to(tl.float32) * LOG2E
+            pT = tl.math.exp2(qkT - m2[None, :])
+        else:
+            pT = tl.math.exp2(qkT * qk_scale - m2[None, :])
+        do = _load_tile(do_ptrs + start_m * stride_dom, m_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
+        if MASKED:
+            delta = tl.load(delta_ptrs + start_m, mask=m_ok, other=0.0)
+        else:
+            delta = tl.load(delta_ptrs + start_m)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK,
+    stride_qz, stride_qh, stride_qm, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_doz, stride_doh, stride_dom, stride_dod,
+    stride_lz, stride_lh, stride_lm,
+    stride_mz, stride_mh, stride_mm, stride_mn,
+    H_KV, GROUP, Lq, Lk, scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: dk and dv of BLOCK_N keys of one (batch, K/V head), summed
+    over the GROUP query heads that read them."""
+    start_n = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    off_z = (off_hz // H_KV).to(tl.int64)
+    off_h_kv = (off_hz % H_KV).to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_kn = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = offs_kn < Lk
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+
+    k = tl.load(K + off_z * stride_kz + off_h_kv * stride_kh + offs_kn[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + off_z * stride_vz + off_h_kv * stride_vh + offs_kn[:, None] * stride_vn
+                + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+    qk_scale = scale * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    # In query blocks: the causal band [lo, full_lo) (masked), the blocks wholly
+    # below it [full_lo, full_hi) (unmasked), the ragged tail [full_hi, hi).
+    # Keys past Lk need no mask here: their rows of dk and dv are not stored.
+    hi = tl.cdiv(Lq, BLOCK_M)
+    if IS_CAUSAL:
+        lo = tl.minimum(start_n * BLOCK_N // BLOCK_M, hi)  # the first block with a row that sees a key here
+        full_lo = tl.minimum(tl.cdiv(start_n * BLOCK_N + BLOCK_N - 1, BLOCK_M), hi)
+    else:
+        lo = 0
+        full_lo = 0
+    full_hi = tl.maximum(full_lo, Lq // BLOCK_M)
+    for g in range(GROUP):
+        off_h = off_h_kv * GROUP + g
+        q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = (DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+                   + offs_dv[None, :] * stride_dod)
+        lse_ptrs = LSE + off_z * stride_lz + off_h * stride_lh + offs_m * stride_lm
+        delta_ptrs = DELTA + (off_z * H_KV * GROUP + off_h) * Lq + offs_m
+        mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m[None, :] * stride_mm
+                     + offs_kn[:, None] * stride_mn)
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+            stride_qm, stride_dom, stride_lm, stride_mm,
+            offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, qk_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+            stride_qm, stride_dom, stride_lm, stride_mm,
+            offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, qk_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+        )
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+            stride_qm, stride_dom, stride_lm, stride_mm,
+            offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, qk_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        )
+    dk = dk * scale
+    rows = off_hz.to(tl.int64) * Lk + offs_kn[:, None]
+    tl.store(DK + rows * HEAD_DIM + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])
+    tl.store(DV + rows * HEAD_DIM_V + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=key_ok[:, None] & dv_ok[None, :])
+
+
+# -- launching a plan ---------------------------------------------------------------------
+
 def _interpreted() -> bool:
     return not isinstance(_attn_fwd, triton.runtime.JITFunction)
 
@@ -255,70 +539,87 @@ INTERPRETED = _interpreted()
 if INTERPRETED:
     apply_interpreter_fixes()
 
-
-def forward(query, key, value, *, is_causal: bool, scale: float, attn_mask=None, return_lse: bool = False):
-    """Launch the kernel on validated inputs (see ``common.dispatch``).
-
-    query (B, H, Lq, D), key (B, H_kv, Lk, D), value (B, H_kv, Lk, Dv), any
-    strides, one dtype (float16, bfloat16 or float32), H a multiple of H_kv;
-    Lq, Lk >= 1. attn_mask: None, or a bool / floating tensor already
-    expanded (stride-0 views) to (B, H, Lq, Lk). Returns ``(out, lse)``:
-    out (B, H, Lq, Dv) contiguous in value's dtype; lse (B, H, Lq) float32,
-    or None unless ``return_lse``. When the launch would leave the GPU short
-    of programs, the keys are split across programs and merged after (see
-    ``common.splitkv``).
-    """
-    B, H, Lq, D = query.shape
-    H_kv, Lk, Dv = key.shape[1], key.shape[2], value.shape[3]
-    out = new_output((B, H, Lq, Dv), query.dtype, query.device)
-    if attn_mask is None:
-        mask_kind, mask, mask_strides = NO_MASK, out, (0, 0, 0, 0)
-    else:
-        mask_kind = BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK
-        mask, mask_strides = attn_mask, attn_mask.stride()
-    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
-    config = CONFIGS.lookup(max(block_d, block_dv), query.dtype, is_causal, Lq, Lk, INTERPRETED)
-    m_blocks = -(-Lq // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
-    programs = m_blocks * B * H
-    num_splits, blocks_per_split = plan_splits(programs, Lk, config.block_n, query.device)
-    split = num_splits > 1
-    if split:
-        # float32 partial outputs and their log-sum-exps, one per split
-        o_part = new_output((B, H, Lq, num_splits, Dv), torch.float32, query.device)
-        lse_part = new_output((B, H, Lq, num_splits), torch.float32, query.device)
-        o_strides = o_part.stride()
-    else:
-        o_part = out
-        lse_part = new_output((B, H, Lq), torch.float32, query.device) if return_lse else out
-        o_strides = (*out.stride()[:3], 0, out.stride(3))
-    args = (
-        query, key, value, o_part, lse_part, mask,
-        *query.stride(), *key.stride(), *value.stride(), *o_strides, *mask_strides,
-        H, H // H_kv, Lq, Lk, scale, num_splits, blocks_per_split,
-    )
-    constexprs = (
-        D, Dv, config.block_m, config.block_n, block_d, block_dv,
-        is_causal, mask_kind, return_lse or split, scale < 0, _dot_precision(query.dtype), split,
-    )
-    _fwd_launcher((m_blocks, B * H, num_splits), args + constexprs,
-                  config.num_warps, config.num_stages)
-    if not split:
-        return out, (lse_part if return_lse else None)
-
-    lse = new_output((B, H, Lq), torch.float32, query.device) if return_lse else out
-    R = B * H * Lq
-    block_r = combine_rows(R, INTERPRETED)
-    _combine_launcher((-(-R // block_r), 1, 1),
-                      (o_part, lse_part, out, lse, R, num_splits,
-                       Dv, block_r, next_power_of_2(num_splits), block_dv, return_lse), 4, 1)
-    return out, (lse if return_lse else None)
-
-
-_fwd_launcher = CachedLauncher(_attn_fwd)  # compiled kernels, launched without Triton's dispatch
+# compiled kernels, launched without Triton's per-call dispatch
+_fwd_launcher = CachedLauncher(_attn_fwd)
 _combine_launcher = CachedLauncher(_attn_combine)
+_dq_launcher = CachedLauncher(_attn_bwd_dq)
+_dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs get full-precision products, as torch computes them by
-    # default (no TF32); half-precision products are exact on tensor cores anyway.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def forward(plan):
+    """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
+
+    Returns ``(plan.out, plan.lse)``, filled in.
+    """
+    q, k, v, out = plan.query, plan.key, plan.value, plan.out
+    B, H, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    config = plan.config
+    if plan.attn_mask is None:
+        mask, mask_strides = out, (0, 0, 0, 0)  # never read: MASK_KIND is NO_MASK
+    else:
+        mask, mask_strides = plan.attn_mask, plan.attn_mask.stride()
+    if plan.split:
+        o, lse, o_strides = plan.o_part, plan.lse_part, plan.o_part.stride()
+    else:
+        o, o_strides = out, (*out.stride()[:3], 0, out.stride(3))
+        lse = plan.lse if plan.lse is not None else out  # never written without WITH_LSE
+    _fwd_launcher(
+        (plan.m_blocks, B * H, plan.num_splits),
+        q, k, v, o, lse, mask,
+        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides,
+        H, plan.group, Lq, Lk, plan.scale, plan.num_splits, plan.blocks_per_split,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind),
+        WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
+        SPLIT=plan.split,
+    )
+    if plan.split:
+        merge = plan.merge
+        lse = plan.lse if plan.lse is not None else out
+        _combine_launcher(
+            (-(-merge.rows // merge.block_r), 1, 1),
+            plan.o_part, plan.lse_part, out, lse, merge.rows, plan.num_splits,
+            num_warps=4, num_stages=1,
+            HEAD_DIM_V=Dv, BLOCK_R=merge.block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv,
+            WITH_LSE=plan.with_lse,
+        )
+    return out, plan.lse
+
+
+def backward(plan):
+    """Launch the backward for a ``common.plan.BackwardPlan``: the dQ pass (which
+    also stores delta), then the dK/dV pass. Returns ``(dq, dk, dv)``, filled in."""
+    q, k, v = plan.query, plan.key, plan.value
+    B, H, Lq, D = q.shape
+    H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    config = plan.config
+    if plan.attn_mask is None:
+        mask, mask_strides = q, (0, 0, 0, 0)  # never read: MASK_KIND is NO_MASK
+    else:
+        mask, mask_strides = plan.attn_mask, plan.attn_mask.stride()
+    dlse = plan.grad_lse
+    dlse_strides = dlse.stride() if dlse is not None else (0, 0, 0)
+    common = dict(
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
+        IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+    )
+    _dq_launcher(
+        (-(-Lq // config.block_m2), B * H, 1),
+        q, k, v, plan.out, plan.grad_out, plan.lse, dlse if dlse is not None else plan.lse, plan.delta,
+        plan.grad_query, mask,
+        *q.stride(), *k.stride(), *v.stride(), *plan.out.stride(), *plan.grad_out.stride(), *plan.lse.stride(),
+        *dlse_strides, *mask_strides,
+        H, plan.group, Lq, Lk, plan.scale,
+        BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, WITH_DLSE=dlse is not None, **common,
+    )
+    _dkdv_launcher(
+        (-(-Lk // config.block_n1), B * H_kv, 1),
+        q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask,
+        *q.stride(), *k.stride(), *v.stride(), *plan.grad_out.stride(), *plan.lse.stride(), *mask_strides,
+        H_kv, plan.group, Lq, Lk, plan.scale,
+        BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common,
+    )
+    return plan.grad_query, plan.grad_key, plan.grad_value

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from common.reference import error_bound, reference, reference_lse
+from common.reference import error_bound, grad_error_bound, reference, reference_lse
 
 LSE_TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-5}
 
@@ -131,3 +131,33 @@ def check_lse(lse, q, k, **kwargs):
     tolerance = LSE_TOLERANCE[q.dtype] * (1 + ref[finite].abs())
     error = (lse[finite].double() - ref[finite]).abs()
     assert (error <= tolerance).all(), f"lse max error {error.max().item():.3g}"
+
+
+
+def reference_grads(q, k, v, grad_out, *, grad_lse=None, **kwargs):
+    """(dq, dk, dv) of SDPA's math backend in float64 (and of its log-sum-exp, with ``grad_lse``)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = reference(*leaves, **kwargs)
+    loss = (out * grad_out.double()).sum()
+    if grad_lse is not None:
+        lse_kwargs = {name: value for name, value in kwargs.items() if name != "enable_gqa"}
+        loss = loss + (reference_lse(leaves[0], leaves[1], **lse_kwargs) * grad_lse.double()).sum()
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, **kwargs):
+    """Assert (dq, dk, dv) are SDPA's gradients, by the rule of ``common.reference.grad_error_bound``."""
+    refs = reference_grads(q, k, v, grad_out, grad_lse=grad_lse, **kwargs)
+    errors = []
+    for name, grad, ref, like in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
+        assert grad is not None, f"{name} is missing"
+        assert grad.shape == like.shape and grad.dtype == like.dtype, f"{name}: {grad.shape} {grad.dtype}"
+        assert not grad.isnan().any(), f"NaN in {name}"
+        if ref.numel() == 0:
+            continue
+        bound, _ = grad_error_bound(ref, like.dtype)
+        error = (grad.double() - ref).abs().max().item()
+        assert error <= bound, f"{name}: max error {error:.3g} > bound {bound:.3g}"
+        errors.append(error)
+    return errors

@@ -40,7 +40,10 @@ _separate_ninetoothed_caches_per_worker()
 
 
 def pytest_report_header(config):
-    where = "CUDA: " + torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU under Triton's interpreter (no CUDA device)"
+    if DEVICE == "cuda":
+        where = "CUDA: " + torch.cuda.get_device_name()
+    else:
+        where = "CPU under Triton's interpreter (no CUDA device)"
     return f"attention tests on {where}"
 
 

@@ -47,7 +47,8 @@ def test_homework_cases(case, backend, device):
 
 
 # -- lengths: 1, odd, not multiples of any block, Lq != Lk both ways ---------
-LENGTHS = [(1, 1), (17, 17), (63, 63), (65, 65), (1000, 1000), (1, 65), (65, 1), (17, 63), (63, 17), (1, 1000), (1000, 17)]
+LENGTHS = [(1, 1), (17, 17), (63, 63), (65, 65), (1000, 1000), (1, 65), (65, 1), (17, 63), (63, 17), (1, 1000),
+           (1000, 17)]
 if ON_GPU:
     LENGTHS += [(4097, 4097), (129, 3000), (3000, 129), (2048, 2048)]
 
@@ -243,7 +244,7 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("case", params(SPLIT_CASES))
 def test_split_keys(case, num_splits, backend, device):
     """Keys split across programs and merged by the log-sum-exp give SDPA's output and lse."""
-    from common.splitkv import force_splits
+    from common.plan import force_splits
 
     q, k, v, mask = make_inputs(case, device)
     kwargs = sdpa_kwargs(case, mask)
@@ -256,9 +257,9 @@ def test_split_keys(case, num_splits, backend, device):
 
 def test_split_plan():
     """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
-    from common.splitkv import MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
+    from common.plan import MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
 
-    cpu = torch.device("cpu")  # under the interpreter: splitkv.INTERPRETER_SMS
+    cpu = torch.device("cpu")  # under the interpreter: plan.INTERPRETER_SMS
     full = PROGRAMS_PER_SM * 2
     assert plan_splits(full, 1 << 16, 64, cpu) == (1, 1024)  # enough programs already
     assert plan_splits(1, MIN_SPLIT_KEYS - 64, 64, cpu) == (1, MIN_SPLIT_KEYS // 64 - 1)  # too few keys
@@ -273,12 +274,12 @@ def test_split_plan():
 def test_decode_without_forcing(backend, device):
     """A decode-like call big enough that the heuristic itself splits (and packs) it."""
     from common.backends import get_backend
-    from common.splitkv import MIN_SPLIT_KEYS, plan_splits
+    from common.plan import MIN_SPLIT_KEYS, plan_splits
 
     case = Case(1, 2, 1, MIN_SPLIT_KEYS + 100, 64, H_kv=1)
-    # What forward() will plan: the 2 query heads packed into 2 rows of the one K/V head.
-    module = get_backend(backend).load()
-    config = module.CONFIGS.lookup(64, case.dtype, False, 2, case.Lk, module.INTERPRETED)
+    # What the plan will be: the 2 query heads packed into 2 rows of the one K/V head.
+    spec = get_backend(backend)
+    config = spec.configs.lookup(64, case.dtype, False, 2, case.Lk, spec.interpreted())
     num_splits, _ = plan_splits(-(-2 // config.block_m), case.Lk, config.block_n, torch.device(device))
     assert num_splits > 1
     run_case(case, backend, device)

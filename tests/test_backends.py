@@ -35,7 +35,7 @@ def qkv(device):
 
 def test_available_backends():
     assert available_backends() == ("triton", "ninetoothed", "torch")
-    assert common.__all__ == ["attention", "available_backends", "use_backend"]
+    assert common.__all__ == ["attention", "attention_backward", "available_backends", "use_backend"]
 
 
 def test_default_is_triton(calls, qkv):
@@ -70,7 +70,30 @@ def test_every_backend_computes_sdpa(name, qkv):
     torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
 
 
-def test_torch_backend_keeps_gradients(device):
+@pytest.mark.parametrize("name", ["triton", "ninetoothed", "torch"])
+def test_every_backend_keeps_gradients(name, device):
     q, k, v = (torch.randn(1, 2, 8, 16, device=device, requires_grad=True) for _ in range(3))
-    attention(q, k, v, backend="torch").sum().backward()
-    assert q.grad is not None and q.grad.abs().sum() > 0
+    attention(q, k, v, backend=name).sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape
+    assert v.grad.abs().sum() > 0
+
+
+def test_the_library_loads_no_tool():
+    """``import common`` and a call of each backend load no command, plotting, metrics or transformers module."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, common\n"
+        "q = torch.randn(1, 2, 8, 16, device='cuda' if torch.cuda.is_available() else 'cpu')\n"
+        "for name in common.available_backends():\n"
+        "    common.attention(q, q, q, backend=name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('common.tools')\n"
+        "             or m.split('.')[0] in ('matplotlib', 'transformers', 'radon')))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1" if not torch.cuda.is_available() else "0")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

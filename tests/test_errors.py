@@ -130,12 +130,22 @@ def test_dropout_not_supported(qkv, backend):
         attention(*qkv, dropout_p="0", backend=backend)
 
 
-def test_requires_grad(qkv, backend):
-    q = qkv[0].clone().requires_grad_()
-    with pytest.raises(ValueError, match="query requires grad, but the .* backend has no backward pass"):
-        attention(q, *qkv[1:], backend=backend)
+def test_mask_requires_grad(qkv, backend, device):
+    mask = torch.zeros(16, 16, dtype=torch.float16, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires grad, but an attention mask gets no gradient"):
+        attention(*qkv, attn_mask=mask, backend=backend)
     with torch.no_grad(), pytest.raises(AssertionError, match="a kernel was launched"):
-        attention(q, *qkv[1:], backend=backend)  # fine without grad
+        attention(*qkv, attn_mask=mask, backend=backend)  # fine without grad
+    with pytest.raises(AssertionError, match="a kernel was launched"):
+        attention(*qkv, attn_mask=mask.detach(), backend=backend)
+
+
+def test_causal_bias_rejected(qkv, backend):
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    for bias in (causal_upper_left(16, 16), causal_lower_right(16, 16)):
+        with pytest.raises(ValueError, match="CausalBias, which is not supported yet"):
+            attention(*qkv, attn_mask=bias, backend=backend)
 
 
 # -- attn_mask ------------------------------------------------------------------------
@@ -166,7 +176,8 @@ def test_mask_not_a_tensor(qkv, backend):
 
 # -- backends -------------------------------------------------------------------------
 def test_unknown_backend(qkv):
-    with pytest.raises(ValueError, match="unknown attention backend 'cudnn'; expected one of 'triton', 'ninetoothed', 'torch'"):
+    expected = "unknown attention backend 'cudnn'; expected one of 'triton', 'ninetoothed', 'torch'"
+    with pytest.raises(ValueError, match=expected):
         attention(*qkv, backend="cudnn")
     with pytest.raises(ValueError, match="unknown attention backend"):
         with common.use_backend("flash"):
@@ -186,7 +197,7 @@ def test_torch_backend_has_no_lse(qkv):
 
 def test_cpu_tensors_without_interpreter(backend, monkeypatch):
     """Triton compiling for a GPU cannot read CPU tensors: say how to run on a CPU instead."""
-    monkeypatch.setattr(BACKENDS[backend].load(), "INTERPRETED", False)
+    monkeypatch.setattr(BACKENDS[backend].load(), "INTERPRETED", False)  # what Backend.interpreted() reads
     q = torch.randn(1, 2, 8, 32, dtype=torch.float16)
     with pytest.raises(ValueError, match="set the environment variable TRITON_INTERPRET=1"):
         attention(q, q, q, backend=backend)

@@ -27,7 +27,8 @@ class FakeJIT:
     """Stands in for triton.runtime.JITFunction: fn[grid](*args, **options)."""
 
     def __init__(self, constexpr_positions):
-        self.params = [types.SimpleNamespace(num=i, is_constexpr=i in constexpr_positions) for i in range(8)]
+        self.params = [types.SimpleNamespace(num=i, name=f"arg{i}", is_constexpr=i in constexpr_positions)
+                       for i in range(4)]
         self.log, self.compiled = [], 0
 
     def __getitem__(self, grid):
@@ -51,13 +52,13 @@ def test_reuses_the_compiled_kernel(fake):
     fn, launcher = fake
     t = torch.zeros(64)
     args = (t, 64, 0.5, 128)
-    launcher((4, 1, 1), args, 4, 3)  # first call: Triton's dispatch
-    launcher((4, 1, 1), args, 4, 3)  # by class
-    launcher((4, 1, 1), args, 4, 3)  # by value
+    launcher.launch((4, 1, 1), args, 4, 3)  # first call: Triton's dispatch
+    launcher.launch((4, 1, 1), args, 4, 3)  # by class
+    launcher.launch((4, 1, 1), args, 4, 3)  # by value
     assert [entry[0] for entry in fn.log] == ["dispatch", "direct", "direct"]
     assert fn.log[-1][3] == args and fn.log[-1][2] == (4, 1, 1)
     # another length of the same class, another scale: no new kernel
-    launcher((4, 1, 1), (t, 96, 0.25, 128), 4, 3)
+    launcher.launch((4, 1, 1), (t, 96, 0.25, 128), 4, 3)
     assert fn.log[-1][:2] == ("direct", 1)
 
 
@@ -65,7 +66,7 @@ def test_reuses_the_compiled_kernel(fake):
 def test_what_a_kernel_is_specialised_on_goes_back_to_triton(fake, change):
     fn, launcher = fake
     t = torch.zeros(64)
-    launcher((4, 1, 1), (t, 64, 0.5, 128), 4, 3)
+    launcher.launch((4, 1, 1), (t, 64, 0.5, 128), 4, 3)
     args, warps = {
         "constexpr": ((t, 64, 0.5, 64), 4),  # 64 and 128 share an int class; as a constexpr they differ
         "int class": ((t, 1, 0.5, 128), 4),  # 1 is specialised apart from 64
@@ -73,7 +74,7 @@ def test_what_a_kernel_is_specialised_on_goes_back_to_triton(fake, change):
         "dtype": ((t.half(), 64, 0.5, 128), 4),
         "warps": ((t, 64, 0.5, 128), 8),
     }[change]
-    launcher((4, 1, 1), args, warps, 3)
+    launcher.launch((4, 1, 1), args, warps, 3)
     assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("dispatch", 2)]
 
 
@@ -81,9 +82,21 @@ def test_one_dimensional_and_callable_grids(fake):
     """NineToothed's generated launchers pass grid=lambda meta: (n,)."""
     fn, launcher = fake
     t = torch.zeros(64)
-    launcher(lambda meta: (7,), (t, 64, 0.5, 128), 4, 3)
-    launcher(lambda meta: (7,), (t, 64, 0.5, 128), 4, 3)
+    launcher.launch(lambda meta: (7,), (t, 64, 0.5, 128), 4, 3)
+    launcher.launch(lambda meta: (7,), (t, 64, 0.5, 128), 4, 3)
     assert fn.log[-1][:3] == ("direct", 1, (7, 1, 1))
+
+
+def test_constexprs_by_keyword(fake):
+    """launcher(grid, *runtime_args, num_warps=, num_stages=, **constexprs): constexprs join in signature order."""
+    fn, launcher = fake
+    t = torch.zeros(64)
+    launcher((4, 1, 1), t, 64, 0.5, num_warps=4, num_stages=3, arg3=128)
+    launcher((4, 1, 1), t, 64, 0.5, num_warps=4, num_stages=3, arg3=128)
+    assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("direct", 1)]
+    assert fn.log[-1][3] == (t, 64, 0.5, 128)
+    with pytest.raises(KeyError):
+        launcher((4, 1, 1), t, 64, 0.5, num_warps=4, num_stages=3, BLOCK=128)  # no such constexpr
 
 
 def test_routing_a_generated_launcher():

@@ -63,8 +63,25 @@ def test_generation_matches_sdpa(registered, backend, device):
     assert torch.equal(outputs[backend], outputs["sdpa"])
 
 
-def test_training_is_rejected_clearly(registered, backend, device):
-    model = tiny_llama(torch.float32, device, backend)
+def test_training_step_matches_sdpa(registered, backend, device):
+    """Loss, backward and an optimizer step of the same model on our backend and on SDPA agree."""
     input_ids, attention_mask = left_padded_batch(device)
-    with pytest.raises(ValueError, match="requires grad, but the .* backend has no backward pass"):
-        model(input_ids=input_ids, attention_mask=attention_mask)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    results = {}
+    for implementation in (backend, "sdpa"):
+        model = tiny_llama(torch.float32, device, implementation).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        grads = {name: p.grad.norm().item() for name, p in model.named_parameters()}
+        optimizer.step()
+        results[implementation] = (loss.item(), grads, [p.detach().clone() for p in model.parameters()])
+    (loss, grads, params), (sdpa_loss, sdpa_grads, sdpa_params) = results[backend], results["sdpa"]
+    assert abs(loss - sdpa_loss) <= 1e-5 * abs(sdpa_loss)
+    assert grads.keys() == sdpa_grads.keys()
+    attention_grads = [name for name in grads if "self_attn" in name]
+    assert attention_grads and all(grads[name] > 0 for name in attention_grads)
+    for name in grads:
+        assert abs(grads[name] - sdpa_grads[name]) <= 1e-4 * max(sdpa_grads[name], 1e-3), name
+    for p, sdpa_p in zip(params, sdpa_params):
+        torch.testing.assert_close(p, sdpa_p, rtol=1e-5, atol=1e-5)

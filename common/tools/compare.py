@@ -24,20 +24,35 @@ import tempfile
 
 import torch
 
-from common.metrics import IndexCounts, feature_lines, function_metrics
+from common.tools.metrics import IndexCounts, feature_lines, function_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "comparison"
 
+# The functions of each kernel module, by pass: (device code and arrangements, host code).
 KERNEL_FUNCTIONS = {
-    "triton": ["_attn_fwd_inner", "_attn_fwd", "_attn_combine"],
-    "ninetoothed": ["arrangement", "_attn_fwd_inner", "application", "combine_arrangement", "combine_application"],
+    "triton": {
+        "forward": ["_load_tile", "_attn_fwd_inner", "_attn_fwd", "_attn_combine"],
+        "backward": ["_attn_bwd_dq_inner", "_attn_bwd_dq", "_attn_bwd_dkdv_inner", "_attn_bwd_dkdv"],
+    },
+    "ninetoothed": {
+        "forward": ["_rows", "_row_slices", "_key_row", "_mask_row", "_per_split", "arrangement",
+                    "_attn_fwd_inner", "application", "combine_arrangement", "combine_application"],
+        "backward": ["_group_rows", "dq_arrangement", "_attn_bwd_dq_inner", "dq_application", "dkdv_arrangement",
+                     "_attn_bwd_dkdv_inner", "dkdv_application"],
+    },
 }
 HOST_FUNCTIONS = {
-    "triton": ["forward"],
-    "ninetoothed": ["premake", "premake_combine", "_kernel", "_combine_kernel", "forward"],
+    "triton": ["forward", "backward"],
+    "ninetoothed": ["_flags", "premake", "premake_combine", "premake_dq", "premake_dkdv", "_make", "_absent",
+                    "forward", "backward"],
 }
-MODULES = {"triton": "impl_triton.attention", "ninetoothed": "impl_ninetoothed.attention"}
+
+
+def _modules() -> dict[str, str]:
+    from common.backends import get_backend, kernel_backends
+
+    return {name: get_backend(name).module for name in kernel_backends()}
 
 # Which lines serve which feature (common.metrics.feature_lines): identifiers per feature.
 FEATURES = {
@@ -65,7 +80,8 @@ FEATURE_TABLE = [
     ("log-sum-exp output (return_lse)", "yes", "yes", "no"),
     ("short queries: keys split across programs, GQA heads packed", "yes", "yes", "yes (its own kernels)"),
     ("dropout_p > 0", "no (clear error)", "no (clear error)", "yes"),
-    ("backward pass", "no (clear error)", "no (clear error)", "yes"),
+    ("backward pass (autograd, torch.compile), deterministic", "yes", "yes", "yes"),
+    ("attention_backward() building block", "yes", "yes", "no"),
     ("runs on a CPU", "Triton's interpreter", "Triton's interpreter", "yes"),
 ]
 
@@ -73,18 +89,21 @@ FEATURE_TABLE = [
 def _module_source(backend: str) -> str:
     import importlib
 
-    return inspect.getsource(importlib.import_module(MODULES[backend]))
+    return inspect.getsource(importlib.import_module(_modules()[backend]))
 
 
 def code_section() -> tuple[str, dict]:
     data = {}
-    for backend in MODULES:
+    for backend in _modules():
         source = _module_source(backend)
-        kernel = function_metrics(source, KERNEL_FUNCTIONS[backend])
+        functions = KERNEL_FUNCTIONS[backend]
+        kernel = function_metrics(source, functions["forward"] + functions["backward"])
         host = function_metrics(source, HOST_FUNCTIONS[backend])
         data[backend] = dict(
             kernel=kernel, host=host,
-            features=feature_lines(source, KERNEL_FUNCTIONS[backend], FEATURES),
+            forward_lines=sum(f.code_lines for f in function_metrics(source, functions["forward"])),
+            backward_lines=sum(f.code_lines for f in function_metrics(source, functions["backward"])),
+            features=feature_lines(source, functions["forward"] + functions["backward"], FEATURES),
         )
     lines = ["## Code, counted from the source", "",
              "Lines of code exclude blanks, comments and docstrings; complexity is McCabe's; index expressions "
@@ -108,7 +127,11 @@ def code_section() -> tuple[str, dict]:
             index=index.total,
             max_complexity=max(f.complexity for f in d["kernel"]),
         )
+    for backend, d in data.items():
+        totals[backend].update(forward_lines=d["forward_lines"], backward_lines=d["backward_lines"])
     for label, key in (("kernel lines (device code + arrangement)", "kernel_lines"),
+                       ("of which the forward (with the split merge)", "forward_lines"),
+                       ("of which the backward", "backward_lines"),
                        ("launcher lines (host)", "host_lines"),
                        ("hand-written index/pointer/stride/mask expressions in the kernel", "index"),
                        ("highest complexity of a kernel function", "max_complexity")):
@@ -124,16 +147,16 @@ def code_section() -> tuple[str, dict]:
 
 def generated_section() -> str:
     """Save NineToothed's generated Triton code beside ours and count both."""
-    from common.interpret import apply_interpreter_fixes
-    from common.metrics import code_lines, index_expressions
     import ast
 
     import impl_ninetoothed.attention as nt
     import impl_triton.attention as ta
+    from common.interpret import apply_interpreter_fixes
+    from common.tools.metrics import code_lines, index_expressions
 
     apply_interpreter_fixes()
     head_dim, block_m, block_n = 64, 128, 64
-    handle = nt._kernel(head_dim, head_dim, block_m, block_n, 4, 3)
+    handle = nt._make(nt.premake, head_dim, head_dim, block_m, block_n, None, num_warps=4, num_stages=3)
     OUT_DIR.mkdir(exist_ok=True)
     generated_path = OUT_DIR / "ninetoothed_generated.py"
     generated = pathlib.Path(handle._source).read_text()
@@ -144,7 +167,7 @@ def generated_section() -> str:
     )
     ours = inspect.getsource(ta)
     rows = []
-    for label, source, names in (("hand-written Triton (ours)", ours, ["_attn_fwd_inner", "_attn_fwd"]),
+    for label, source, names in (("hand-written Triton (ours)", ours, ["_load_tile", "_attn_fwd_inner", "_attn_fwd"]),
                                  ("NineToothed's generated Triton", generated, None)):
         tree = ast.parse(source)
         functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)
@@ -188,8 +211,9 @@ imported = time.perf_counter()
 codegen = 0.0
 if backend == "ninetoothed":
     import impl_ninetoothed.attention as nt
-    c = nt.CONFIGS.lookup(64, torch.float16, False, 1024, 1024, False)
-    t = time.perf_counter(); nt._kernel(64, 64, c.block_m, c.block_n, c.num_warps, c.num_stages); codegen = time.perf_counter() - t
+    from common.backends import get_backend
+    c = get_backend("ninetoothed").configs.lookup(64, torch.float16, False, 1024, 1024, False)
+    t = time.perf_counter(); nt._make(nt.premake, 64, 64, c.block_m, c.block_n, None, num_warps=c.num_warps, num_stages=c.num_stages); codegen = time.perf_counter() - t
 t = time.perf_counter(); common.attention(q, k, v, backend=backend); torch.cuda.synchronize(); first = time.perf_counter() - t
 t = time.perf_counter(); common.attention(q, k, v, backend=backend); torch.cuda.synchronize(); second = time.perf_counter() - t
 print(json.dumps(dict(import_s=imported - start, codegen_s=codegen, first_call_s=first, second_call_s=second)))
@@ -199,11 +223,11 @@ print(json.dumps(dict(import_s=imported - start, codegen_s=codegen, first_call_s
 def measure_gpu() -> dict:
     """Build cost of a cold first call (fresh process, empty Triton cache) and per-call host overhead."""
     from common import attention
-    from common.bench import environment
-    from common.timing import wall_time_us
+    from common.tools.bench import environment
+    from common.tools.timing import wall_time_us
 
     result = dict(environment=environment(), cold_start={}, host_overhead_us={})
-    for backend in MODULES:
+    for backend in _modules():
         cache = tempfile.mkdtemp(prefix="triton-cache-")
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         proc = subprocess.run([sys.executable, "-c", _COLD_START, backend], capture_output=True, text=True,

@@ -13,7 +13,7 @@ BACKENDS = ("triton", "ninetoothed", "torch")
 def run(device: str, scales=(1.0, None), seed: int = 0) -> list[dict]:
     from common import attention
     from common.reference import reference
-    from common.timing import gpu_time_ms, wall_time_us
+    from common.tools.timing import gpu_time_ms, wall_time_us
 
     rows = []
     torch.manual_seed(seed)

@@ -4,11 +4,10 @@ Everything here reads Python source with ``ast`` and ``tokenize``; nothing
 imports or runs the kernels. The rules are simple on purpose, so that a reader
 can check a count by hand:
 
-- code lines: physical lines holding a token other than a comment, a
-  docstring or a line break;
-- cyclomatic complexity: 1 + one per ``if``/``elif``, loop, conditional
-  expression, ``except``, ``assert``, comprehension ``if``, and each extra
-  operand of ``and``/``or`` (McCabe's count, as radon counts it);
+- lines of code and cyclomatic complexity of a function: radon's (``sloc``
+  and McCabe's count); for a set of lines (features, generated code), the
+  physical lines holding a token other than a comment, a docstring or a line
+  break (:func:`code_lines`);
 - index expressions: hand-written address and bounds arithmetic, in three
   kinds: ``arange`` calls, arithmetic on strides or pointers (an outermost
   ``+ - * // %`` expression that names a ``stride``, ``pointer`` or
@@ -55,18 +54,6 @@ def code_lines(source: str) -> set[int]:
 
 def count_code_lines(source: str) -> int:
     return len(code_lines(source))
-
-
-def cyclomatic_complexity(function: ast.FunctionDef) -> int:
-    complexity = 1
-    for node in ast.walk(function):
-        if isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.IfExp, ast.ExceptHandler, ast.Assert)):
-            complexity += 1
-        elif isinstance(node, ast.BoolOp):
-            complexity += len(node.values) - 1
-        elif isinstance(node, ast.comprehension):
-            complexity += len(node.ifs)
-    return complexity
 
 
 def _names(node) -> list[str]:
@@ -137,17 +124,26 @@ class FunctionMetrics:
 
 
 def function_metrics(source: str, names) -> list[FunctionMetrics]:
-    """Metrics of the named top-level functions of a module's source, in the given order."""
+    """Metrics of the named top-level functions of a module's source, in the given order.
+
+    Lines of code and McCabe complexity are radon's (``radon.raw.analyze``'s
+    ``sloc`` of the function's source, decorators included; ``cc_visit``);
+    index expressions are counted here (radon has no such count).
+    """
+    from radon.complexity import cc_visit
+    from radon.raw import analyze
+
     source = textwrap.dedent(source)
     tree = ast.parse(source)
-    lines = code_lines(source)
+    text = source.splitlines()
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     result = []
     for name in names:
         node = functions[name]
         start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-        count = sum(1 for line in range(start, node.end_lineno + 1) if line in lines)
-        result.append(FunctionMetrics(name, count, cyclomatic_complexity(node), index_expressions(node)))
+        function_source = textwrap.dedent("\n".join(text[start - 1:node.end_lineno]))
+        (block,) = [b for b in cc_visit(function_source) if b.name == name]
+        result.append(FunctionMetrics(name, analyze(function_source).sloc, block.complexity, index_expressions(node)))
     return result
 
 

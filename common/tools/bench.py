@@ -35,6 +35,9 @@ TOKENS, WIDTH = 16384, 2048  # B·L and H·D of the throughput sweep
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 HOMEWORK_SHAPES = [(2, 4, 16, 32), (4, 8, 64, 64), (1, 16, 128, 128), (2, 4, 1024, 64)]
 DECODE = dict(B=8, H=32, H_kv=8, D=128, q_lens=(1, 16), k_lens=(4096, 16384, 65536))
+# FLOPs of a mode, in forwards: the backward does 2.5 forwards' worth of matrix
+# products (as FlashAttention and Triton's tutorial count it).
+MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
 def _caller(backend, q, k, v, is_causal, enable_gqa=False):
@@ -58,27 +61,51 @@ def _inputs(B, H, H_kv, Lq, Lk, D, dtype):
     return q, k, v
 
 
-def measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=False) -> dict:
-    """Check one backend on one shape against SDPA, then time it."""
-    from common.reference import error_bound, reference
-    from common.timing import attention_flops, gpu_time_ms, wall_time_us
+def measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=False, mode="fwd") -> dict:
+    """Check one backend on one shape against SDPA (output, and gradients unless
+    ``mode`` is "fwd"), then time the forward, the backward or both."""
+    from common.reference import error_bound, grad_error_bound, reference
+    from common.tools.timing import attention_flops, gpu_time_ms, wall_time_us
 
     q, k, v = _inputs(B, H, H_kv, Lq, Lk, D, dtype)
     gqa = H != H_kv
     fn = _caller(backend, q, k, v, is_causal, gqa)
-    row = dict(section=section, backend=backend, dtype=str(dtype).removeprefix("torch."), B=B, H=H, H_kv=H_kv,
-               Lq=Lq, Lk=Lk, D=D, causal=is_causal)
+    row = dict(section=section, mode=mode, backend=backend, dtype=str(dtype).removeprefix("torch."), B=B, H=H,
+               H_kv=H_kv, Lq=Lq, Lk=Lk, D=D, causal=is_causal)
+    if mode != "fwd":
+        for t in (q, k, v):
+            t.requires_grad_()
     try:
         out = fn()
-    except Exception as error:  # a backend that cannot run a shape says so in the table
+        if mode != "fwd":
+            grad_out = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    except Exception as error:  # noqa: BLE001 - a backend that cannot run a shape says so in the table
         row.update(status=f"error: {type(error).__name__}: {error}"[:200])
         return row
-    expected = reference(q, k, v, is_causal=is_causal, enable_gqa=gqa, dtype=torch.float32)
+    ref_inputs = [t.detach().float().requires_grad_(mode != "fwd") for t in (q, k, v)]
+    expected = reference(*ref_inputs, is_causal=is_causal, enable_gqa=gqa, dtype=torch.float32)
     bound, _ = error_bound(expected, dtype)
     row["max_error"] = (out.float() - expected).abs().max().item()
-    row["status"] = "ok" if row["max_error"] <= bound else f"WRONG (error > {bound:.3g})"
-    row["ms"] = gpu_time_ms(fn)
-    row["tflops"] = attention_flops(B, H, Lq, Lk, D, causal=is_causal) / (row["ms"] * 1e-3) / 1e12
+    wrong = row["max_error"] > bound
+    if mode != "fwd":
+        expected_grads = torch.autograd.grad(expected, ref_inputs, grad_out.float())
+        errors = [(g.float() - e).abs().max().item() / grad_error_bound(e, dtype)[0]
+                  for g, e in zip(grads, expected_grads)]
+        row["grad_error_vs_bound"] = max(errors)  # <= 1: within the tests' bound
+        wrong = wrong or row["grad_error_vs_bound"] > 1
+        del expected_grads, grads
+    del expected, ref_inputs
+    row["status"] = "ok" if not wrong else "WRONG (error above the tests' bound)"
+    if mode == "bwd":
+        timed = lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)  # noqa: E731
+    elif mode == "fwd+bwd":
+        timed = lambda: torch.autograd.grad(fn(), (q, k, v), grad_out)  # noqa: E731
+    else:
+        timed = fn
+    row["ms"] = gpu_time_ms(timed)
+    flops = attention_flops(B, H, Lq, Lk, D, causal=is_causal) * MODE_FLOPS[mode]
+    row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
     if wall:
         row["wall_us"] = wall_time_us(fn)
     return row
@@ -94,17 +121,18 @@ def plan(args):
                 for is_causal in (False, True):
                     for L in args.lengths:
                         B, H = max(1, TOKENS // L), WIDTH // D
-                        jobs.append(("throughput", B, H, H, L, L, D, dtype, is_causal, False))
+                        for mode in args.modes:
+                            jobs.append(("throughput", B, H, H, L, L, D, dtype, is_causal, False, mode))
     if "homework" in args.sections:
         for B, H, L, D in HOMEWORK_SHAPES:
             for is_causal in (False, True):
-                jobs.append(("homework", B, H, H, L, L, D, torch.float16, is_causal, True))
+                jobs.append(("homework", B, H, H, L, L, D, torch.float16, is_causal, True, "fwd"))
     if "decode" in args.sections:
         for dtype in dtypes[:1]:
             for Lq in DECODE["q_lens"]:
                 for Lk in DECODE["k_lens"]:
                     jobs.append(("decode", DECODE["B"], DECODE["H"], DECODE["H_kv"], Lq, Lk, DECODE["D"], dtype,
-                                 False, True))
+                                 False, True, "fwd"))
     return jobs
 
 
@@ -140,13 +168,15 @@ def _add_ratios(rows):
 
 
 def _shape_key(r):
-    return (r["section"], r["dtype"], r["B"], r["H"], r["H_kv"], r["Lq"], r["Lk"], r["D"], r["causal"])
+    return (r["section"], r.get("mode", "fwd"), r["dtype"], r["B"], r["H"], r["H_kv"], r["Lq"], r["Lk"], r["D"],
+            r["causal"])
 
 
 def _print_row(r):
     shape = f"({r['B']},{r['H']}{'/' + str(r['H_kv']) if r['H_kv'] != r['H'] else ''},{r['Lq']}"
     shape += f"x{r['Lk']},{r['D']})" if r["Lq"] != r["Lk"] else f",{r['D']})"
-    text = f"{r['section']:<10} {r['dtype']:<8} {shape:<26} {'causal' if r['causal'] else 'full':<6} {r['backend']:<12}"
+    text = (f"{r['section']:<10} {r.get('mode', 'fwd'):<7} {r['dtype']:<8} {shape:<26} "
+            f"{'causal' if r['causal'] else 'full':<6} {r['backend']:<12}")
     if "ms" in r:
         text += f" {r['ms'] * 1e3:10.1f} µs {r['tflops']:7.1f} TFLOP/s"
         if "vs_sdpa" in r:
@@ -177,8 +207,8 @@ def plot(rows, env, out_dir: pathlib.Path) -> list[pathlib.Path]:
 
     paths = []
     throughput = [r for r in rows if r["section"] == "throughput" and "tflops" in r]
-    for dtype in sorted({r["dtype"] for r in throughput}):
-        subset = [r for r in throughput if r["dtype"] == dtype]
+    for dtype, mode in sorted({(r["dtype"], r.get("mode", "fwd")) for r in throughput}):
+        subset = [r for r in throughput if r["dtype"] == dtype and r.get("mode", "fwd") == mode]
         head_dims = sorted({r["D"] for r in subset})
         fig, axes = plt.subplots(2, len(head_dims), figsize=(4.5 * len(head_dims), 7), squeeze=False)
         for col, D in enumerate(head_dims):
@@ -195,9 +225,10 @@ def plot(rows, env, out_dir: pathlib.Path) -> list[pathlib.Path]:
                 ax.set_ylabel("TFLOP/s")
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=8)
-        fig.suptitle(f"attention forward, {dtype}, {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
+        title = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward"}[mode]
+        fig.suptitle(f"attention {title}, {dtype}, {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
         fig.tight_layout()
-        path = out_dir / f"throughput_{dtype}.png"
+        path = out_dir / (f"throughput_{dtype}.png" if mode == "fwd" else f"throughput_{dtype}_{mode.replace('+', '_')}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -250,7 +281,7 @@ def markdown(rows, env, plots, notes: str) -> str:
         if not shapes:
             continue
         out += [f"## {title}", ""]
-        columns = [("dtype", lambda s: s["dtype"]), ("B,H,Lq,Lk,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['Lk']},{s['D']}"),
+        columns = [("pass", lambda s: s.get("mode", "fwd")), ("dtype", lambda s: s["dtype"]), ("B,H,Lq,Lk,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['Lk']},{s['D']}"),
                    ("causal", lambda s: "yes" if s["causal"] else "no")]
         for b in backends:
             columns.append((f"{b} TFLOP/s", lambda s, b=b: _num(s["by"].get(b, {}).get("tflops"), ".0f")
@@ -264,7 +295,7 @@ def markdown(rows, env, plots, notes: str) -> str:
             for b in backends:
                 columns.append((f"{b} wall µs", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".0f")))
         table_rows = []
-        for key, by in shapes.items():
+        for by in shapes.values():
             first = next(iter(by.values()))
             table_rows.append(dict(first, by=by))
         out += [_table(table_rows, columns), ""]
@@ -311,9 +342,9 @@ def main(args) -> int:
     jobs = plan(args)
     rows = []
     for i, job in enumerate(jobs):
-        section, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall = job
+        section, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall, mode = job
         for backend in args.backends:
-            row = measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=wall)
+            row = measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=wall, mode=mode)
             rows.append(row)
         _add_ratios(rows)
         for row in rows[-len(args.backends):]:
@@ -338,6 +369,9 @@ def add_arguments(parser):
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
+    parser.add_argument("--modes", nargs="+", default=["fwd"], choices=list(MODE_FLOPS),
+                        help="what the throughput section times: forward, backward (autograd, after one "
+                             "forward), or both; TFLOP/s counts 1, 2.5 and 3.5 forwards (default: fwd)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results.json/csv and plots")
     parser.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"),
                         help="the Markdown report to regenerate ('' for none)")

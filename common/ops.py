@@ -1,0 +1,115 @@
+"""The kernel backends as torch operators: what autograd and torch.compile see.
+
+Each kernel backend gets two operators in the ``twin_attention`` namespace,
+``<backend>_forward`` and ``<backend>_backward``, registered with
+``torch.library.custom_op``: a fake implementation (shapes only, for tracing),
+and an autograd formula that calls the backward operator. ``torch.compile``
+sees each as one opaque node (it never traces into our Triton code), autograd
+sees one differentiable function.
+
+:func:`forward` and :func:`backward` are the operators' bodies: plan, launch,
+return. :mod:`common.dispatch` calls them directly where neither autograd nor
+a compiler is watching (no input needs a gradient, not compiling), which
+spares the operator dispatch on every call of a user's inference loop.
+"""
+
+from typing import Optional
+
+import torch
+
+from common import plan as planning
+from common.backends import BACKENDS, get_backend
+from common.validation import Call
+
+NAMESPACE = "twin_attention"
+
+
+def forward(backend, call: Call, with_lse: bool):
+    """``(out, lse)`` for a validated 4-D call; lse None unless ``with_lse``."""
+    q, v = call.query, call.value
+    B, H, Lq, _ = q.shape
+    Lk, Dv = call.key.shape[2], v.shape[3]
+    if B * H * Lq == 0 or Lk == 0:
+        # Nothing to launch. With no keys at all SDPA returns zeros (and the
+        # log-sum-exp of an empty set is -inf).
+        out = q.new_zeros((B, H, Lq, Dv))
+        lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if with_lse else None
+        return out, lse
+    plan = planning.make_forward(call, backend, with_lse=with_lse)
+    return plan.results(*backend.load().forward(plan))
+
+
+def backward(backend, call: Call, out, lse, grad_out, grad_lse=None):
+    """``(dq, dk, dv)`` for a validated 4-D call, its output and log-sum-exp."""
+    q, k, v = call.query, call.key, call.value
+    B, H, Lq, _ = q.shape
+    if B * H * Lq == 0 or k.shape[2] == 0:
+        # No rows, or no keys: every gradient is zero.
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    plan = planning.make_backward(call, backend, out, lse, grad_out, grad_lse)
+    return backend.load().backward(plan)
+
+
+def _call(query, key, value, attn_mask, is_causal, scale):
+    return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False)
+
+
+def _register(name: str):
+    """Define ``<name>_forward`` and ``<name>_backward`` for the kernel backend ``name``."""
+    backend = get_backend(name)
+
+    @torch.library.custom_op(f"{NAMESPACE}::{name}_forward", mutates_args=())
+    def forward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                   is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(backend, _call(query, key, value, attn_mask, is_causal, scale), with_lse=True)
+
+    @forward_op.register_fake
+    def _(query, key, value, attn_mask, is_causal, scale):
+        B, H, Lq, _ = query.shape
+        return (query.new_empty((B, H, Lq, value.shape[3])),
+                query.new_empty((B, H, Lq), dtype=torch.float32))
+
+    @torch.library.custom_op(f"{NAMESPACE}::{name}_backward", mutates_args=())
+    def backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                    grad_lse: Optional[torch.Tensor], is_causal: bool, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return backward(backend, _call(query, key, value, attn_mask, is_causal, scale), out, lse, grad_out, grad_lse)
+
+    @backward_op.register_fake
+    def _(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale):
+        return (torch.empty_like(query, memory_format=torch.contiguous_format),
+                torch.empty_like(key, memory_format=torch.contiguous_format),
+                torch.empty_like(value, memory_format=torch.contiguous_format))
+
+    def setup_context(ctx, inputs, output):
+        query, key, value, attn_mask, is_causal, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        # An output that takes no part in the loss gets None, not zeros: most
+        # calls use the output alone, and a zero gradient of the lse would
+        # still cost a read in the kernel.
+        ctx.set_materialize_grads(False)
+
+    def backward_formula(ctx, grad_out, grad_lse):
+        query, key, value, attn_mask, out, lse = ctx.saved_tensors
+        if grad_out is None:  # only the lse takes part
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
+                                 ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+    forward_op.register_autograd(backward_formula, setup_context=setup_context)
+
+    def double_backward(ctx, *grads):
+        raise RuntimeError(
+            f"gradients of gradients (double backward) through attention are not supported by the {name!r} "
+            "backend; use backend='torch' for them"
+        )
+
+    backward_op.register_autograd(double_backward, setup_context=lambda ctx, inputs, output: None)
+    return forward_op, backward_op
+
+
+OPS = {name: _register(name) for name, b in BACKENDS.items() if b.kernels}

@@ -1,0 +1,305 @@
+"""The host plan: from a validated call to everything a kernel launch needs.
+
+Both kernel backends launch from the same plan, so every host-side decision is
+made once, here, and a backend keeps only what its programming model needs
+(how to hand the plan's tensors and numbers to its kernels):
+
+- the views the kernels read: for causal calls the keys past Lq - 1 (that no
+  row sees) dropped; for short queries the grouped-query heads packed into rows;
+- the mask kind; block sizes, warps and stages from the backend's table;
+  the dot precision;
+- short queries against long keys: whether to split the keys across
+  programs ("flash-decoding"), into how many ranges, the partial-output
+  buffers and the merge's sizing;
+- every output buffer, allocated once (NaN-poisoned under the tests' switch).
+
+:func:`make_forward` plans a forward call, :func:`make_backward` a backward
+one; both take a :class:`common.validation.Call`.
+
+Short queries: with few query rows (decoding: Lq = 1 or a few speculative
+tokens), one program per block of rows of one head starves the GPU twice
+over: every query head of a grouped-query group re-reads the same K/V head,
+and there are only B·H programs, each walking all of Lk on one SM.
+:func:`pack_gqa` cures the first without touching a kernel (the GROUP query
+heads that share a K/V head become GROUP·Lq rows of one head, a view);
+:func:`plan_splits` cures the second (the keys cut into ``num_splits`` ranges
+of ``blocks_per_split`` key blocks, one program each, each writing a partial
+output and its log-sum-exp, merged by a second kernel:
+``o = sum_s exp(lse_s - lse) o_s`` with ``lse = log(sum_s exp(lse_s))``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import enum
+import functools
+
+import torch
+
+from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
+from common.outputs import allocator
+
+# Constants both kernels name (impl_triton wraps them as tl.constexpr; the
+# NineToothed kernels get them in their generated modules).
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * LN2
+
+
+class MaskKind(enum.IntEnum):
+    """What ``attn_mask`` holds: the kernels' MASK_KIND."""
+
+    NONE = 0
+    BOOL = 1  # True takes part
+    ADDITIVE = 2  # added to the scaled scores
+
+
+# A launch with fewer programs than SMs is split, into enough splits for about
+# this many programs per SM: a decode program streams memory, and more than
+# one of them per SM hides its latency (2 won the decode sweep on the H200).
+PROGRAMS_PER_SM = 2
+# Under the interpreter there are no SMs; pretend there are a few, so that the
+# CPU suite meets split launches on small decode-like shapes.
+INTERPRETER_SMS = 2
+# Pack grouped-query heads only for short queries: for long ones a program is
+# already full of rows of one head, and packing would change nothing but the
+# tile boundaries.
+PACK_MAX_LQ = 64
+# Split only where each program would otherwise walk this many keys or more:
+# below it the merge kernel's launch costs more than the split saves.
+MIN_SPLIT_KEYS = 2048
+# Rows per program of the merge kernel.
+COMBINE_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Merge:
+    """The split merge: ``rows`` rows (B·H·Lq, flattened), BLOCK_R per program,
+    every split of a row at once (BLOCK_S = num_splits rounded up to a power of two)."""
+
+    rows: int
+    block_r: int
+    block_s: int
+
+
+@dataclasses.dataclass(slots=True)
+class ForwardPlan:
+    """Everything a forward launch needs. Shapes are the kernels' view (after
+    packing: H_kv heads of GROUP·Lq rows); ``shape`` is the caller's view."""
+
+    query: torch.Tensor  # (B, Hp, Lqp, D)
+    key: torch.Tensor  # (B, H_kv, Lk, D)
+    value: torch.Tensor  # (B, H_kv, Lk, Dv)
+    attn_mask: torch.Tensor | None  # (B, Hp, Lqp, Lk) view, or None
+    mask_kind: MaskKind
+    scale: float
+    is_causal: bool
+    group: int  # query heads per K/V head in the kernels' view (1 once packed)
+    shape: tuple[int, int, int, int]  # (B, H, Lq, Dv): the caller's output
+    with_lse: bool  # the caller gets the log-sum-exp
+    # Kernel backends only (None for "torch"):
+    config: Config | None = None
+    block_d: int = 0  # head dims padded to a power of two >= 16
+    block_dv: int = 0
+    m_blocks: int = 0  # blocks of BLOCK_M query rows per head
+    num_splits: int = 1  # key ranges per row block; > 1: partial outputs, then the merge
+    blocks_per_split: int = 0  # key blocks per range
+    dot_precision: str = "ieee"
+    out: torch.Tensor | None = None  # (B, Hp, Lqp, Dv), the inputs' dtype
+    lse: torch.Tensor | None = None  # (B, Hp, Lqp) float32, when with_lse
+    o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
+    lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
+    merge: Merge | None = None  # split: the merge's sizing
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+    @property
+    def kernel_lse(self) -> bool:
+        """Whether the attention kernel writes log-sum-exps (the merge needs them too)."""
+        return self.with_lse or self.num_splits > 1
+
+    def results(self, out: torch.Tensor, lse: torch.Tensor | None):
+        """``(out, lse)`` of a backend, in the caller's view (undoes the packing; views)."""
+        B, H, Lq, Dv = self.shape
+        out = out.view(B, H, Lq, Dv)
+        return out, (lse.view(B, H, Lq) if lse is not None else None)
+
+
+@dataclasses.dataclass(slots=True)
+class BackwardPlan:
+    """Everything a backward launch needs: dq, dk, dv from the forward's
+    inputs, output and log-sum-exp and the gradient of the output."""
+
+    query: torch.Tensor  # (B, H, Lq, D)
+    key: torch.Tensor  # (B, H_kv, Lk, D)
+    value: torch.Tensor  # (B, H_kv, Lk, Dv)
+    attn_mask: torch.Tensor | None  # (B, H, Lq, Lk) view, or None
+    mask_kind: MaskKind
+    scale: float
+    is_causal: bool
+    group: int  # query heads per K/V head
+    out: torch.Tensor  # (B, H, Lq, Dv), the forward's output
+    lse: torch.Tensor  # (B, H, Lq) float32, the forward's log-sum-exp
+    grad_out: torch.Tensor  # (B, H, Lq, Dv)
+    grad_lse: torch.Tensor | None  # (B, H, Lq): a gradient reaching the lse too, or None
+    config: BackwardConfig | None = None
+    block_d: int = 0
+    block_dv: int = 0
+    dot_precision: str = "ieee"
+    delta: torch.Tensor | None = None  # (B, H, Lq) float32: rowsum(dO * O) - dlse
+    grad_query: torch.Tensor | None = None  # (B, H, Lq, D), contiguous
+    grad_key: torch.Tensor | None = None  # (B, H_kv, Lk, D)
+    grad_value: torch.Tensor | None = None  # (B, H_kv, Lk, Dv)
+
+
+def mask_kind(attn_mask: torch.Tensor | None) -> MaskKind:
+    if attn_mask is None:
+        return MaskKind.NONE
+    return MaskKind.BOOL if attn_mask.dtype == torch.bool else MaskKind.ADDITIVE
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs get full-precision products, as torch computes them by
+    # default (no TF32); half-precision products are exact on tensor cores anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
+    """Plan the forward pass of a validated call with at least one query row and one key."""
+    q, k, v, mask = call.query, call.key, call.value, call.attn_mask
+    B, H, Lq, D = q.shape
+    H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    plan = ForwardPlan(q, k, v, mask, mask_kind(mask), call.scale, call.is_causal, H // H_kv, (B, H, Lq, Dv),
+                       with_lse)
+    if not backend.kernels:
+        return plan
+    if plan.is_causal and Lk > Lq:
+        # Top-left alignment: no row sees a key past Lq - 1. Dropping them
+        # (views) keeps split launches from planning work for them.
+        Lk = Lq
+        plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
+    packed = pack_gqa(q, H_kv, mask, plan.is_causal)
+    if packed is not None:
+        # Each group's query heads as rows of one K/V head (views both ways).
+        plan.query, plan.attn_mask = packed
+        plan.group = 1
+    _, Hp, Lqp, _ = plan.query.shape
+    plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    interpreted = backend.interpreted()
+    config = plan.config = backend.configs.lookup(
+        max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted)
+    plan.m_blocks = -(-Lqp // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
+    plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device)
+    plan.dot_precision = dot_precision(q.dtype)
+    alloc = allocator()
+    plan.out = alloc((B, Hp, Lqp, Dv), q.dtype, q.device)
+    if with_lse:
+        plan.lse = alloc((B, Hp, Lqp), torch.float32, q.device)
+    if plan.num_splits > 1:
+        plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, q.device)
+        plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, q.device)
+        rows = B * Hp * Lqp
+        plan.merge = Merge(rows, combine_rows(rows, interpreted), next_power_of_2(plan.num_splits))
+    return plan
+
+
+def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardPlan:
+    """Plan the backward pass of a validated call with at least one query row and one key."""
+    q, k, v, mask = call.query, call.key, call.value, call.attn_mask
+    B, H, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    plan = BackwardPlan(q, k, v, mask, mask_kind(mask), call.scale, call.is_causal, H // k.shape[1],
+                        out, lse, grad_out, grad_lse)
+    if not backend.kernels:
+        return plan
+    plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    plan.config = backend.configs.lookup_backward(
+        max(plan.block_d, plan.block_dv), q.dtype, call.is_causal, Lq, Lk, backend.interpreted())
+    plan.dot_precision = dot_precision(q.dtype)
+    alloc = allocator()
+    plan.delta = alloc((B, H, Lq), torch.float32, q.device)
+    plan.grad_query = alloc(q.shape, q.dtype, q.device)
+    plan.grad_key = alloc(k.shape, k.dtype, k.device)
+    plan.grad_value = alloc(v.shape, v.dtype, v.device)
+    return plan
+
+
+# -- short queries: grouped-query packing and split keys ------------------------------
+
+_forced_splits: contextvars.ContextVar[int | None] = contextvars.ContextVar("forced_splits", default=None)
+
+
+@contextlib.contextmanager
+def force_splits(num_splits: int):
+    """Inside the block, split the keys of every call into ``num_splits`` ranges
+    (at most one per key block) whatever the heuristic says; 1 turns splitting off.
+    For tests and benchmarks."""
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    token = _forced_splits.set(num_splits)
+    try:
+        yield
+    finally:
+        _forced_splits.reset(token)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split.
+
+    Splits only when the unsplit launch leaves the GPU short of programs.
+    ``blocks_per_split`` is a power of two (NineToothed makes it a tile size,
+    so each value is a compiled kernel) and every split holds at least one key
+    block; ``num_splits == 1`` means one program walks all the keys.
+    """
+    # Every key block counts (causal calls have already dropped the keys past
+    # Lq - 1 that no row sees); NineToothed's arrangement makes exactly
+    # ceil(k_blocks / blocks_per_split) splits of the same blocks.
+    k_blocks = -(-Lk // block_n)
+    wanted = _forced_splits.get()
+    if wanted is None:
+        target = PROGRAMS_PER_SM * _sm_count(device)
+        if programs >= target // 2 or k_blocks * block_n < MIN_SPLIT_KEYS:
+            return 1, k_blocks
+        wanted = min(-(-target // programs), k_blocks // 2)
+    if wanted <= 1:
+        return 1, k_blocks
+    blocks_per_split = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
+    return -(-k_blocks // blocks_per_split), blocks_per_split
+
+
+def pack_gqa(query, H_kv: int, attn_mask, is_causal: bool):
+    """``(query, attn_mask)`` with each group's query heads packed into rows, or None.
+
+    query (B, H, Lq, D) with H = GROUP·H_kv becomes (B, H_kv, GROUP·Lq, D):
+    row g·Lq + i of K/V head j is row i of query head j·GROUP + g. A view,
+    so it exists only where the strides allow (always for Lq = 1 or a
+    contiguous query); the mask likewise. An output (B, H_kv, GROUP·Lq, Dv)
+    computed from it is, contiguous, the output (B, H, Lq, Dv). Causal calls
+    are not packed (a packed row's position is no longer its row index).
+    """
+    B, H, Lq, D = query.shape
+    if H_kv == H or is_causal or Lq > PACK_MAX_LQ:
+        return None
+    group = H // H_kv
+    try:
+        packed_query = query.view(B, H_kv, group * Lq, D)
+        packed_mask = None if attn_mask is None else attn_mask.view(B, H_kv, group * Lq, attn_mask.shape[3])
+    except RuntimeError:  # strides that no view can merge
+        return None
+    return packed_query, packed_mask
+
+
+def combine_rows(rows: int, interpreted: bool) -> int:
+    """Rows per merge program for ``rows`` merged rows: COMBINE_ROWS, or fewer
+    under the interpreter, where padding rows cost as much as real ones."""
+    return min(COMBINE_ROWS, next_power_of_2(rows)) if interpreted else COMBINE_ROWS

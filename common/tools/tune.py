@@ -1,0 +1,122 @@
+"""``tune``: pick block sizes, warps and stages per case on the GPU, once.
+
+For each kernel backend, pass (forward, backward), padded head dim, causal
+mode and query-length bucket it times a short list of candidate
+configurations on a throughput shape of that bucket (B·L = 16k tokens,
+H·D = 2048) and keeps the fastest. Candidates are timed through
+``common.configs.override``; the live tables are never touched. The new
+entries are merged into each backend's ``configs.json`` (in its package) at
+the end. Users' calls only look the tables up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+
+from common.backends import get_backend, kernel_backends
+from common.configs import LENGTH_BUCKETS, BackwardConfig, Config, ConfigTable, key, override
+
+CANDIDATES = {
+    16: [(128, 64, 4, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+    32: [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3),
+         (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+          (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4)],
+    256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+}
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages)
+BACKWARD_CANDIDATES = {
+    64: [(32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 3),
+         (32, 128, 128, 32, 4, 4), (64, 128, 128, 64, 4, 3), (32, 128, 128, 32, 8, 2)],
+    128: [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 8, 2),
+          (32, 128, 128, 32, 4, 3), (16, 128, 128, 16, 4, 3), (64, 128, 128, 64, 8, 3)],
+}
+PASSES = ("fwd", "bwd")
+
+
+def _inputs(block_d, bucket, dtype, requires_grad=False):
+    B, H = max(1, 16384 // bucket), max(1, 2048 // block_d)
+    return tuple(torch.randn(B, H, bucket, block_d, dtype=dtype, device="cuda", requires_grad=requires_grad)
+                 for _ in range(3))
+
+
+def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, backward=False, verbose=True):
+    """The fastest candidate for one table key, and every candidate's time."""
+    from common import attention, attention_backward
+    from common.tools.timing import gpu_time_ms
+
+    q, k, v = _inputs(block_d, bucket, dtype)
+    if backward:
+        out, lse = attention(q, k, v, is_causal=is_causal, backend=backend, return_lse=True)
+        grad_out = torch.randn_like(out)
+        candidates = [BackwardConfig(*c) for c in BACKWARD_CANDIDATES[block_d]]
+
+        def fn():
+            return attention_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, backend=backend)
+    else:
+        candidates = [Config(*c) for c in CANDIDATES[block_d]]
+
+        def fn():
+            return attention(q, k, v, is_causal=is_causal, backend=backend)
+    times = {}
+    for candidate in candidates:
+        with override(candidate):
+            try:
+                times[candidate] = gpu_time_ms(fn)
+            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory for this tile shape
+                if verbose:
+                    print(f"  {candidate}: {type(error).__name__}: {str(error)[:80]}")
+    best = min(times, key=times.get)
+    if verbose:
+        entry = key(block_d, dtype, is_causal, bucket, backward)
+        ranked = ", ".join(f"{dataclasses.astuple(c)}: {t * 1e3:.0f}us"
+                           for c, t in sorted(times.items(), key=lambda kv: kv[1])[:3])
+        print(f"{backend:<12} {entry:<34} best {best}  ({ranked})", flush=True)
+    return best, times
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print("tune needs a CUDA GPU; this machine has none.")
+        return 2
+    import triton
+
+    for backend in args.backends:
+        spec = get_backend(backend)
+        entries = dict(spec.configs.entries)  # the new table starts from the committed one
+        for pass_ in args.passes:
+            backward = pass_ == "bwd"
+            for block_d in args.head_dims:
+                if backward and block_d not in BACKWARD_CANDIDATES:
+                    continue
+                for is_causal in (False, True):
+                    for bucket in args.buckets:
+                        best, _ = tune_one(backend, block_d, torch.float16, is_causal, bucket, backward)
+                        for dtype_name in args.dtypes:
+                            entries[key(block_d, getattr(torch, dtype_name), is_causal, bucket, backward)] = best
+        meta = dict(
+            gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            how="twin-attention tune (timed in float16, applied to every dtype listed)",
+        )
+        path = ConfigTable.path(spec.package)
+        ConfigTable.write(path, entries, meta)
+        print(f"wrote {path}")
+    return 0
+
+
+def add_arguments(parser):
+    parser.add_argument("--backends", nargs="+", default=list(kernel_backends()), choices=list(kernel_backends()),
+                        help="kernel backends to tune (default: all)")
+    parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES,
+                        help="forward and/or backward (default: both)")
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], choices=sorted(CANDIDATES),
+                        help="padded head dims (default: 64 128)")
+    parser.add_argument("--buckets", nargs="+", type=int, default=[b for b in LENGTH_BUCKETS if b >= 1024],
+                        choices=LENGTH_BUCKETS, help="query-length buckets (default: 1024 4096 16384)")
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"],
+                        help="dtypes that get the tuned entries (default: float16 bfloat16)")

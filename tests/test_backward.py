@@ -1,0 +1,225 @@
+"""Training: gradients of both kernel backends against SDPA's math backend in float64.
+
+Every forward feature is differentiated: causal, any scale, grouped-query
+heads (dK/dV summed over the group), masks (rows with no visible key get zero
+gradients), Dv != D, odd lengths, head dims 16-256, any strides, 3-D inputs,
+all dtypes, empty inputs, the split-KV forward; the log-sum-exp's gradient;
+``attention_backward``; determinism; and the registered operators
+(``torch.library.opcheck``, ``torch.compile`` with ``fullgraph=True``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import attention, attention_backward
+from tests.cases import Case, check_grads, check_output, make_inputs, params, sdpa_kwargs
+from tests.conftest import DEVICE
+
+ON_GPU = DEVICE == "cuda"
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def leaves(*tensors):
+    """Leaf tensors that require grad, keeping each input's strides."""
+    return [t.detach().requires_grad_() for t in tensors]
+
+
+def run_grad_case(case: Case, backend: str, device: str):
+    q, k, v, mask = make_inputs(case, device)
+    q, k, v = leaves(q, k, v)
+    kwargs = sdpa_kwargs(case, mask)
+    out = attention(q, k, v, backend=backend, **kwargs)
+    check_output(out, q, k, v, **kwargs)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    return check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, **kwargs)
+
+
+GRAD_CASES = [
+    # lengths: 1, odd, Lq != Lk both ways, causal both ways
+    *(Case(1, 2, Lq, Lk, 32, causal=causal)
+      for (Lq, Lk) in [(1, 1), (17, 17), (65, 65), (1, 40), (40, 1), (17, 63), (63, 17), (130, 130)]
+      for causal in (False, True)),
+    # head dims, powers of two or not
+    *(Case(1, 2, 33, 47, D, causal=True) for D in (16, 40, 64, 80, 128)),
+    # dtypes
+    *(Case(2, 2, 50, 70, 64, dtype=dtype, causal=True) for dtype in (f16, bf16, f32)),
+    Case(1, 2, 64, 64, 32, dtype=bf16, scale=0.3),
+    # scales, layouts, 3-D
+    Case(1, 2, 40, 40, 32, scale=-0.5),
+    Case(1, 2, 40, 40, 32, scale=2.0, causal=True),
+    Case(2, 3, 40, 56, 32, layout="transposed", causal=True),
+    Case(1, 2, 30, 20, 32, layout="strided"),
+    Case(None, 3, 33, 50, 32),
+    Case(None, 2, 50, 33, 48, causal=True, layout="transposed"),
+    # Dv != D
+    Case(1, 2, 40, 60, 64, Dv=32),
+    Case(1, 2, 60, 40, 32, Dv=64, causal=True),
+    # grouped- and multi-query heads
+    Case(2, 8, 40, 56, 32, H_kv=2, causal=True),
+    Case(1, 4, 33, 33, 32, H_kv=1),
+    Case(None, 6, 20, 30, 32, H_kv=3, causal=True),
+    # masks, broadcast, with rows that see no key at all
+    Case(2, 3, 40, 56, 32, mask="bool", mask_shape="B11Lk"),
+    Case(1, 2, 30, 40, 32, mask="additive", mask_shape="LqLk", dtype=f32),
+    Case(2, 2, 30, 40, 32, mask="bool-empty-rows", mask_shape="B1LqLk"),
+    Case(1, 4, 30, 30, 32, H_kv=2, mask="additive-empty-rows", mask_shape="BHLqLk"),
+]
+if ON_GPU:
+    GRAD_CASES += [
+        Case(1, 2, 33, 47, 256, causal=True), Case(1, 2, 48, 48, 192, Dv=128),
+        Case(2, 4, 1000, 1000, 64, causal=True), Case(1, 4, 777, 1500, 128, H_kv=2, dtype=bf16),
+        Case(2, 8, 2048, 2048, 128, causal=True), Case(1, 4, 4097, 4097, 64, dtype=bf16, causal=True),
+        Case(2, 4, 300, 300, 96, dtype=f32, causal=True),
+    ]
+
+
+@pytest.mark.parametrize("case", params(GRAD_CASES))
+def test_gradients(case, backend, device):
+    run_grad_case(case, backend, device)
+
+
+def test_gradient_of_a_sum(backend, device):
+    """out.sum() hands the backward a broadcast gradient (stride 0): read through its strides."""
+    q, k, v = leaves(*(torch.randn(1, 2, 24, 32, dtype=f16, device=device) for _ in range(3)))
+    out = attention(q, k, v, is_causal=True, backend=backend)
+    out.sum().backward()
+    assert out.grad_fn is not None
+    check_grads((q.grad, k.grad, v.grad), q, k, v, torch.ones_like(out), is_causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [3])
+def test_gradients_through_split_keys(num_splits, backend, device):
+    """A forward that splits the keys across programs (decoding shapes) is differentiable too."""
+    from common.plan import force_splits
+
+    case = Case(1, 8, 2, 300, 64, H_kv=2)
+    q, k, v, _ = make_inputs(case, device)
+    q, k, v = leaves(q, k, v)
+    with force_splits(num_splits):
+        out = attention(q, k, v, enable_gqa=True, backend=backend)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, enable_gqa=True)
+
+
+@pytest.mark.parametrize("case", params([
+    Case(1, 2, 40, 50, 32, causal=True),
+    Case(2, 4, 30, 30, 32, H_kv=2, mask="bool-empty-rows", mask_shape="B1LqLk"),
+]))
+def test_gradient_through_lse(case, backend, device):
+    """return_lse=True: a loss of both the output and the log-sum-exp (d lse / d s = p)."""
+    q, k, v, mask = make_inputs(case, device)
+    q, k, v = leaves(q, k, v)
+    kwargs = sdpa_kwargs(case, mask)
+    out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (grad_out, grad_lse))
+    check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, grad_lse=grad_lse, **kwargs)
+
+    for t in (q, k, v):
+        t.grad = None
+    out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    lse.backward(grad_lse)  # the lse alone
+    check_grads((q.grad, k.grad, v.grad), q, k, v, torch.zeros_like(out), grad_lse=grad_lse, **kwargs)
+
+
+@pytest.mark.parametrize("shape_q, shape_kv", [
+    ((0, 2, 8, 32), (0, 2, 8, 32)),
+    ((2, 2, 0, 32), (2, 2, 8, 32)),
+    ((2, 2, 8, 32), (2, 2, 0, 32)),
+], ids=["B0", "Lq0", "Lk0"])
+def test_empty_gradients(shape_q, shape_kv, backend, device):
+    q, k, v = leaves(*(torch.randn(s, dtype=f16, device=device) for s in (shape_q, shape_kv, shape_kv)))
+    out = attention(q, k, v, backend=backend)
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+def test_deterministic(backend, device):
+    """Same inputs, same gradients, bit for bit (no atomics)."""
+    q, k, v = leaves(*(torch.randn(1, 4, 70, 32, dtype=f16, device=device) for _ in range(3)))
+    grad_out = torch.randn(1, 4, 70, 32, dtype=f16, device=device)
+    grads = []
+    for _ in range(2):
+        out = attention(q, k, v, is_causal=True, backend=backend)
+        grads.append(torch.autograd.grad(out, (q, k, v), grad_out))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+# -- attention_backward: the public building block ------------------------------------
+
+def test_attention_backward_matches_autograd(backend, device):
+    case = Case(2, 4, 33, 47, 32, H_kv=2, causal=True)
+    q, k, v, _ = make_inputs(case, device)
+    out, lse = attention(q, k, v, is_causal=True, enable_gqa=True, backend=backend, return_lse=True)
+    grad_out = torch.randn_like(out)
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, is_causal=True, enable_gqa=True, backend=backend)
+    check_grads((dq, dk, dv), q, k, v, grad_out, is_causal=True, enable_gqa=True)
+    # 3-D inputs give 3-D gradients
+    dq3, dk3, dv3 = attention_backward(grad_out[0], q[0], k[0], v[0], out[0], lse[0], is_causal=True,
+                                       enable_gqa=True, backend=backend)
+    assert dq3.shape == q[0].shape and dk3.shape == k[0].shape
+    torch.testing.assert_close(dq3, dq[0])
+
+
+def test_attention_backward_errors(backend, device):
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=f16, device=device) for _ in range(3))
+    out, lse = attention(q, k, v, backend=backend, return_lse=True)
+    with pytest.raises(ValueError, match=r"lse must have shape \(1, 2, 8\), got \(1, 2, 7\)"):
+        attention_backward(out, q, k, v, out, lse[..., :7], backend=backend)
+    with pytest.raises(TypeError, match="lse must have dtype float32, got float16"):
+        attention_backward(out, q, k, v, out, lse.half(), backend=backend)
+    with pytest.raises(TypeError, match="grad_out must be a torch.Tensor"):
+        attention_backward(None, q, k, v, out, lse, backend=backend)
+    with pytest.raises(ValueError, match="the 'torch' backend has no backward kernels"):
+        attention_backward(out, q, k, v, out, lse, backend="torch")
+
+
+# -- the registered operators ---------------------------------------------------------------
+
+def test_opcheck(backend, device):
+    """torch.library's own checks of the forward and backward operators (schema, fake, autograd)."""
+    from common.ops import OPS
+
+    forward_op, backward_op = OPS[backend]
+    q, k, v = (torch.randn(1, 4, 20, 32, dtype=f32, device=device, requires_grad=True) for _ in range(3))
+    mask = torch.rand(20, 20, device=device) > 0.3
+    for args in ((q, k, v, None, True, 0.2), (q, k[:, :2], v[:, :2], mask.expand(1, 4, 20, 20), False, -0.3)):
+        torch.library.opcheck(forward_op, args)
+    out, lse = forward_op(q, k, v, None, True, 0.2)
+    # (the backward operator has no gradient of its own: inputs that need none)
+    torch.library.opcheck(backward_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), None,
+                                        out.detach(), lse.detach(), torch.randn_like(lse), True, 0.2))
+
+
+def test_double_backward_is_rejected_clearly(backend, device):
+    q, k, v = leaves(*(torch.randn(1, 2, 16, 32, device=device) for _ in range(3)))
+    out = attention(q, k, v, backend=backend)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()
+
+
+def test_torch_compile_fullgraph(backend, device):
+    """One graph, forward and backward, that matches eager execution."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def loss_fn(q, k, v):
+        out = attention(q, k, v, is_causal=True, enable_gqa=True, backend=backend)
+        return (out.float() ** 2).sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    q = torch.randn(2, 4, 33, 32, dtype=f16, device=device, requires_grad=True)
+    k = torch.randn(2, 2, 33, 32, dtype=f16, device=device, requires_grad=True)
+    v = torch.randn(2, 2, 33, 32, dtype=f16, device=device, requires_grad=True)
+    expected = torch.autograd.grad(loss_fn(q, k, v), (q, k, v))
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
