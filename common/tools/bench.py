@@ -28,7 +28,7 @@ import platform
 import torch
 import torch.nn.functional as F
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (common/tools/ is two levels down)
 ALL_BACKENDS = ("triton", "ninetoothed", "torch", "sdpa-flash")
 BASELINE = "torch"
 TOKENS, WIDTH = 16384, 2048  # B·L and H·D of the throughput sweep
@@ -264,10 +264,13 @@ def markdown(rows, env, plots, notes: str) -> str:
         "`benchmarks/NOTES.md`).",
         "",
         f"- GPU: {env['gpu']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
-        f"ninetoothed {env['ninetoothed']}, Python {env['python']}; measured {env['date']}.",
+        f"ninetoothed {env['ninetoothed']}, Python {env['python']}; measured {env['date']}"
+        + (f" (backward rows: {env['date_backward']}, a separate run)" if "date_backward" in env else "") + ".",
         "- Timing: `triton.testing.do_bench`, median; random normal inputs; every result checked against SDPA "
-        "(float32) before timing. TFLOP/s = 4·B·H·Lq·Lk·D, halved when causal. `torch` is SDPA's default "
-        "(cuDNN here), `sdpa-flash` SDPA's FlashAttention-2 backend. Ratios are against `torch` in the same run.",
+        "(float32; gradients too for the backward) before timing. TFLOP/s = 4·B·H·Lq·Lk·D, halved when causal, "
+        "times 2.5 for the backward (`bwd`: `torch.autograd.grad` after one forward) and 3.5 for both. `torch` "
+        "is SDPA's default (cuDNN here), `sdpa-flash` SDPA's FlashAttention-2 backend. Ratios are against "
+        "`torch` in the same run.",
         "",
     ]
     if notes:

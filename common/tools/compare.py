@@ -26,7 +26,7 @@ import torch
 
 from common.tools.metrics import IndexCounts, feature_lines, function_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (common/tools/ is two levels down)
 OUT_DIR = ROOT / "comparison"
 
 # The functions of each kernel module, by pass: (device code and arrangements, host code).
