@@ -41,6 +41,7 @@ import ninetoothed
 import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
+from common.codecache import use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.launch import define_constants, route_generated_launch
@@ -576,7 +577,8 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
 
     ``make`` generates, writes and imports Triton code on every call (0.1-0.5 s)
     and sets the application's annotations while it works, so it runs under a
-    lock and its handles are kept. Each handle's generated module gets the
+    lock and its handles are kept. The code goes to a private directory,
+    written atomically (``common.codecache``). Each handle's generated module gets the
     kernels' named constants, and its launch goes through a ``CachedLauncher``.
     """
     key = (premake_fn, args, num_warps, num_stages)
@@ -587,6 +589,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
         handle = _made.get(key)
         if handle is None:
             apply_interpreter_fixes()
+            use_private_cache()
             name = "_".join(["nt_attention", premake_fn.__name__.removeprefix("premake")[1:] or "fwd",
                              *(str(a) for a in args if a is not None)])
             handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,

@@ -19,32 +19,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_BACKENDS = ("triton", "ninetoothed")
 
 
-def _separate_ninetoothed_caches_per_worker():
-    """Under pytest-xdist, give each worker its own NineToothed source cache.
-
-    ``ninetoothed.make`` writes generated code to ``~/.ninetoothed/<hash>.py``
-    with a check-then-write, then imports it; two workers making the same
-    kernel at once could import a half-written file.
-    """
-    import os
-
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:
-        import ninetoothed.generation as generation
-
-        generation.CACHE_DIR = generation.CACHE_DIR / f"pytest-{worker}"
-        generation.CACHE_DIR.mkdir(parents=True, exist_ok=True)
-
-
-_separate_ninetoothed_caches_per_worker()
+def _where() -> str:
+    if DEVICE == "cuda":
+        return "CUDA: " + torch.cuda.get_device_name()
+    return "the CPU, under Triton's interpreter (no CUDA device)"
 
 
 def pytest_report_header(config):
-    if DEVICE == "cuda":
-        where = "CUDA: " + torch.cuda.get_device_name()
-    else:
-        where = "CPU under Triton's interpreter (no CUDA device)"
-    return f"attention tests on {where}"
+    return f"attention tests on {_where()}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    # The header is hidden by -q (the README's command); this line is not.
+    terminalreporter.write_line(f"attention tests ran on {_where()}")
 
 
 @pytest.fixture(params=KERNEL_BACKENDS)

@@ -12,3 +12,153 @@ def test_commands_write_into_the_repository(module):
 
     root = importlib.import_module(f"common.tools.{module}").ROOT
     assert (root / "pyproject.toml").is_file() and (root / "common").is_dir()
+
+
+# -- the command line: plain help, every option explained, one-line errors ----------------
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "common", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_is_plain_text_and_every_option_has_help():
+    from common.tools.cli import parser
+
+    top = parser()
+    assert "``" not in top.format_help()
+    commands = next(a for a in top._actions if a.dest == "command")
+    assert set(commands.choices) == {"demo", "bench", "tune", "compare"}
+    for name, sub in commands.choices.items():
+        text = sub.format_help()
+        assert "``" not in text, name
+        options = [a for a in sub._actions if a.dest != "help"]
+        for action in options:
+            assert action.help, f"{name} {action.option_strings} has no help text"
+        assert text.count("(default:") == len(options), f"{name}: every option shows its default"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("{", "not a readable results.json"),
+    ('{"rows": 1}', "not a results.json written by bench"),
+])
+def test_bench_from_json_errors_in_one_line(tmp_path, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    result = _cli("bench", "--from-json", str(path))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_extra_is_named(monkeypatch):
+    from common.tools import cli
+
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(cli.CommandError, match=r"bench needs the package 'matplotlib': pip install -e '\.\[bench\]'"):
+        cli.require("matplotlib", "bench", "bench")
+
+
+def test_gpu_commands_without_a_gpu_say_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for command in ("bench", "tune"):
+        result = _cli(command)
+        assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_quiet_run_names_the_interpreter():
+    """The README's `pytest -q` hides pytest's header; the summary line still says where the tests ran."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_tools.py::test_commands_write_into_the_repository"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert "attention tests ran on " in result.stdout
+
+
+# -- NineToothed's generated code: a private directory, atomic writes -----------------------
+
+def test_code_cache_is_private(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    import ninetoothed.generation as generation
+
+    from common import codecache
+
+    monkeypatch.setenv(codecache.ENV_VAR, str(tmp_path / "cache"))
+    monkeypatch.setattr(generation, "CACHE_DIR", generation.CACHE_DIR)
+    monkeypatch.setattr(generation, "cache_source", generation.cache_source)
+    directory = codecache.use_private_cache()
+    assert directory == tmp_path / "cache"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    path = generation.cache_source("x = 1\n")
+    assert path.parent == directory and path.read_text() == "x = 1\n"
+    assert [p.name for p in directory.iterdir()] == [path.name]  # no temporary file left behind
+
+    os.chmod(directory, 0o777)
+    with pytest.raises(PermissionError, match="writable by other users .*chmod 700"):
+        codecache.use_private_cache()
+
+
+def test_code_cache_of_another_user_is_refused(tmp_path, monkeypatch):
+    import os
+
+    from common import codecache
+
+    if not hasattr(os, "getuid") or os.getuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    directory = tmp_path / "theirs"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    monkeypatch.setenv(codecache.ENV_VAR, str(directory))
+    with pytest.raises(PermissionError, match="belongs to another user"):
+        codecache.ensure_private(codecache.cache_dir())
+
+
+def _write_source(args):
+    import ninetoothed.generation as generation
+
+    from common import codecache
+
+    directory, source = args
+    generation.CACHE_DIR = directory
+    path = codecache._cache_source(source)
+    return path.read_text() == source
+
+
+def test_code_cache_writes_are_atomic_across_processes(tmp_path):
+    """Processes writing the same generated module at once: each reads back the whole file."""
+    import multiprocessing
+
+    source = "# generated\n" + "y = 2\n" * 200_000
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        assert all(pool.map(_write_source, [(tmp_path, source)] * 8))
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_no_numpy_warnings_under_the_interpreter(backend, device):
+    """A row with no visible key: log(0) = -inf is the intended value, and nothing is printed about it."""
+    import warnings
+
+    import torch
+
+    from common import attention
+
+    q = torch.randn(1, 2, 20, 32, dtype=torch.float16, device=device)
+    mask = torch.ones(20, 20, dtype=torch.bool, device=device)
+    mask[3] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = attention(q, q, q, attn_mask=mask, backend=backend, return_lse=True)
+    assert (lse[:, :, 3] == float("-inf")).all() and (out[:, :, 3] == 0).all()

@@ -321,9 +321,26 @@ def _us(r):
     return None if not r or "ms" not in r else r["ms"] * 1e3
 
 
+def _load_results(path: str) -> dict:
+    from common.tools.cli import CommandError
+
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+    except FileNotFoundError:
+        raise CommandError(f"--from-json {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CommandError(f"--from-json {path}: not a readable results.json ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or "environment" not in data:
+        raise CommandError(f"--from-json {path}: not a results.json written by bench (no 'environment' and 'rows')")
+    return data
+
+
 def report(args) -> int:
     """Rebuild the plots and BENCHMARKS.md from a results.json, measuring nothing (no GPU needed)."""
-    data = json.loads(pathlib.Path(args.from_json).read_text())
+    from common.tools.cli import require
+
+    data = _load_results(args.from_json)
+    require("matplotlib", "bench", "bench")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot(data["rows"], data["environment"], out_dir)
@@ -337,9 +354,12 @@ def report(args) -> int:
 def main(args) -> int:
     if args.from_json:
         return report(args)
+    from common.tools.cli import CommandError, require
+
     if not torch.cuda.is_available():
-        print("bench needs a CUDA GPU; this machine has none (the CPU interpreter measures nothing useful).")
-        return 2
+        raise CommandError("bench needs a CUDA GPU; this machine has none (the CPU interpreter measures nothing "
+                           "useful; --from-json rebuilds a report without one)")
+    require("matplotlib", "bench", "bench")
     env = environment()
     print(f"{env['gpu']}: torch {env['torch']}, triton {env['triton']}, ninetoothed {env['ninetoothed']}", flush=True)
     jobs = plan(args)
@@ -365,16 +385,29 @@ def main(args) -> int:
     return 1 if any(r["status"].startswith("WRONG") for r in wrong) else 0
 
 
+DESCRIPTION = """\
+The two kernels side by side with SDPA, on a GPU: throughput (forward, backward or both;
+B*L = 16k tokens, H*D = 2048), the homework's shapes (GPU and wall time per call) and
+decode-like shapes. Every result is checked against SDPA before it is timed. Writes
+results.json, results.csv and plots into --out and regenerates --markdown. With
+--from-json it measures nothing and rebuilds the report from an earlier results.json
+(no GPU needed). Plots need matplotlib: pip install -e '.[bench]'.
+"""
+
+
 def add_arguments(parser):
     parser.add_argument("--sections", nargs="+", default=["throughput", "homework", "decode"],
-                        choices=["throughput", "homework", "decode"])
-    parser.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS), choices=list(ALL_BACKENDS))
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
-    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
+                        choices=["throughput", "homework", "decode"], help="which parts of the benchmark to run")
+    parser.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS), choices=list(ALL_BACKENDS),
+                        help="'torch' is SDPA's default, 'sdpa-flash' SDPA forced onto FlashAttention-2")
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"],
+                        help="input dtypes of the throughput section (the decode section uses the first)")
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help="head dims of the throughput section")
+    parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS),
+                        help="sequence lengths L of the throughput section (B = 16384 / L)")
     parser.add_argument("--modes", nargs="+", default=["fwd"], choices=list(MODE_FLOPS),
                         help="what the throughput section times: forward, backward (autograd, after one "
-                             "forward), or both; TFLOP/s counts 1, 2.5 and 3.5 forwards (default: fwd)")
+                             "forward), or both; TFLOP/s counts 1, 2.5 and 3.5 forwards")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results.json/csv and plots")
     parser.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"),
                         help="the Markdown report to regenerate ('' for none)")

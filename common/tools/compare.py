@@ -337,7 +337,9 @@ def feature_section() -> str:
 
 def main(args) -> int:
     from common.interpret import use_interpreter_if_no_gpu
+    from common.tools.cli import require
 
+    require("radon", "bench", "compare")
     interpreted = use_interpreter_if_no_gpu()
     OUT_DIR.mkdir(exist_ok=True)
     gpu_path = OUT_DIR / "gpu.json"
@@ -371,5 +373,14 @@ def main(args) -> int:
     return 0
 
 
+DESCRIPTION = """\
+The two programming models side by side: code metrics counted from the current source
+(lines, complexity, hand-written index expressions, lines per feature), the Triton code
+NineToothed generates, build cost and per-call host time (measured on a GPU, else read
+from comparison/gpu.json) and speed (from benchmarks/results.json). Writes --output and
+comparison/. Needs radon: pip install -e '.[bench]'.
+"""
+
+
 def add_arguments(parser):
-    parser.add_argument("--output", default=str(ROOT / "COMPARISON.md"))
+    parser.add_argument("--output", default=str(ROOT / "COMPARISON.md"), help="the Markdown file to write")

@@ -81,8 +81,9 @@ def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, ba
 
 def main(args) -> int:
     if not torch.cuda.is_available():
-        print("tune needs a CUDA GPU; this machine has none.")
-        return 2
+        from common.tools.cli import CommandError
+
+        raise CommandError("tune needs a CUDA GPU; this machine has none")
     import triton
 
     for backend in args.backends:
@@ -109,14 +110,21 @@ def main(args) -> int:
     return 0
 
 
+DESCRIPTION = """\
+Times candidate block sizes, warps and stages for each kernel backend, pass, padded head
+dim, causal mode and query-length bucket on a GPU (timed in float16), and writes the
+fastest into each backend's committed configs.json. Users' calls only look the tables up.
+"""
+
+
 def add_arguments(parser):
     parser.add_argument("--backends", nargs="+", default=list(kernel_backends()), choices=list(kernel_backends()),
-                        help="kernel backends to tune (default: all)")
+                        help="kernel backends to tune")
     parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES,
-                        help="forward and/or backward (default: both)")
+                        help="the forward and/or the backward")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], choices=sorted(CANDIDATES),
-                        help="padded head dims (default: 64 128)")
+                        help="padded head dims")
     parser.add_argument("--buckets", nargs="+", type=int, default=[b for b in LENGTH_BUCKETS if b >= 1024],
-                        choices=LENGTH_BUCKETS, help="query-length buckets (default: 1024 4096 16384)")
+                        choices=LENGTH_BUCKETS, help="query-length buckets")
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"],
-                        help="dtypes that get the tuned entries (default: float16 bfloat16)")
+                        help="dtypes that get the tuned entries")

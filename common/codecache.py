@@ -1,0 +1,91 @@
+"""Where NineToothed's generated code lives, and keeping it private.
+
+``ninetoothed.make`` writes each kernel's generated Triton source to a file
+and imports it. Code imported from a directory that other users can write is
+code they can run in your process, so the directory we give it is checked
+before anything is generated there:
+
+- it is ``$TWIN_ATTENTION_CACHE_DIR``, else ``$XDG_CACHE_HOME/twin-attention/ninetoothed``
+  (``~/.cache/twin-attention/ninetoothed``);
+- it is created with mode 0700; an existing one must be a directory that
+  belongs to this user and that neither group nor others can write, or the
+  call fails with a ``PermissionError`` that says so;
+- files are written atomically (a temporary file, then a rename), so several
+  processes making the same kernel at once (pytest-xdist workers, torchrun
+  ranks) never import a half-written file.
+
+NineToothed itself still creates ``~/.ninetoothed`` when it is imported; we
+write nothing there. Triton's own cache of compiled kernels is
+``$TRITON_CACHE_DIR`` (``~/.triton/cache``): the same rule applies to it, and
+keeping it private is the user's part (see the README).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import stat
+import tempfile
+
+ENV_VAR = "TWIN_ATTENTION_CACHE_DIR"
+
+
+def cache_dir() -> pathlib.Path:
+    """The directory NineToothed's generated code goes to (not created here)."""
+    chosen = os.environ.get(ENV_VAR)
+    if chosen:
+        return pathlib.Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "twin-attention" / "ninetoothed"
+
+
+def ensure_private(path: pathlib.Path) -> pathlib.Path:
+    """Create ``path`` (mode 0700) if needed; raise PermissionError unless it is
+    a directory of this user that no one else can write."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"the code cache {path} is not a directory")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise PermissionError(
+            f"the code cache {path} belongs to another user (uid {info.st_uid}); code imported from it would "
+            f"run as you. Choose a directory of your own with {ENV_VAR}"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"the code cache {path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}); code "
+            f"imported from it could be replaced by theirs. Run 'chmod 700 {path}' or choose another "
+            f"directory with {ENV_VAR}"
+        )
+    return path
+
+
+def _cache_source(source: str) -> pathlib.Path:
+    """NineToothed's ``cache_source``, with the file written under a temporary
+    name and renamed into place (a rename within one directory is atomic)."""
+    import ninetoothed.generation as generation
+
+    directory = pathlib.Path(generation.CACHE_DIR)
+    path = directory / f"{hashlib.sha256(source.encode('utf-8')).hexdigest()}.py"
+    if not path.exists():
+        fd, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".py")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as file:
+                file.write(source)
+            os.replace(temporary, path)
+        except BaseException:
+            pathlib.Path(temporary).unlink(missing_ok=True)
+            raise
+    return path
+
+
+def use_private_cache() -> pathlib.Path:
+    """Point NineToothed's code generation at :func:`cache_dir`, checked private,
+    with atomic writes. Call before each ``ninetoothed.make``; returns the directory."""
+    import ninetoothed.generation as generation
+
+    directory = ensure_private(cache_dir())
+    generation.CACHE_DIR = directory
+    generation.cache_source = _cache_source
+    return directory
