@@ -482,6 +482,21 @@ def _flags(*names):
     return tuple(Tensor(0, constexpr=True, name=name) for name in names)
 
 
+def _attention_inputs(head_dim, head_dim_v):
+    """query, key, value and attn_mask, as every attention kernel takes them.
+
+    Out-of-range elements must read as 0 (padded head dims enter the dot
+    products; past-the-end keys and values meet p = 0, and 0 * garbage may be
+    NaN); NineToothed leaves them undefined unless told.
+    """
+    return (
+        Tensor(4, shape=(None, None, None, head_dim), other=0),
+        Tensor(4, shape=(None, None, None, head_dim), other=0),
+        Tensor(4, shape=(None, None, None, head_dim_v), other=0),
+        Tensor(4, other=0),
+    )
+
+
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
     """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
     arrangement_ = functools.partial(
@@ -489,14 +504,8 @@ def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
         block_dv=padded_head_dim(head_dim_v), blocks_per_split=blocks_per_split,
     )
     split = blocks_per_split is not None
-    # Out-of-range elements must read as 0 (padded head dims enter the dot
-    # products; past-the-end keys and values meet p = 0, and 0 * garbage may be
-    # NaN); NineToothed leaves them undefined unless told.
     tensors = (
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # query
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # key
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # value
-        Tensor(4, other=0),  # attn_mask
+        *_attention_inputs(head_dim, head_dim_v),
         Tensor(0),  # scale (runtime float)
         # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
         Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
@@ -528,10 +537,7 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         block_dv=padded_head_dim(head_dim_v),
     )
     tensors = (
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # query
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # key
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # value
-        Tensor(4, other=0),  # attn_mask
+        *_attention_inputs(head_dim, head_dim_v),
         Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # out
         Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
         Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
@@ -551,10 +557,7 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         block_dv=padded_head_dim(head_dim_v),
     )
     tensors = (
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # query
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # key
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # value
-        Tensor(4, other=0),  # attn_mask
+        *_attention_inputs(head_dim, head_dim_v),
         Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
         Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
         Tensor(3, other=0),  # delta

@@ -44,7 +44,7 @@ KERNEL_FUNCTIONS = {
 }
 HOST_FUNCTIONS = {
     "triton": ["forward", "backward"],
-    "ninetoothed": ["_flags", "premake", "premake_combine", "premake_dq", "premake_dkdv", "_make", "_absent",
+    "ninetoothed": ["_flags", "_attention_inputs", "premake", "premake_combine", "premake_dq", "premake_dkdv", "_make", "_absent",
                     "forward", "backward"],
 }
 
