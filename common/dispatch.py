@@ -29,6 +29,7 @@ def attention(
     enable_gqa: bool = False,
     backend: str | None = None,
     return_lse: bool = False,
+    dropout_seed: torch.Tensor | None = None,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -52,7 +53,12 @@ def attention(
             every key is masked out gives 0 (and zero gradients), as SDPA's
             math backend does. Gets no gradient: a mask that requires grad is
             rejected by the kernel backends.
-        dropout_p: only 0.0 is supported.
+        dropout_p: the probability of dropping each attention weight, in [0, 1]
+            (SDPA's semantics: applied whenever > 0, training or not; kept
+            weights are scaled by 1 / (1 - dropout_p); the log-sum-exp is that
+            of the scores before dropout). The kernel backends draw the mask
+            from Philox, counted by each score's position, and regenerate it
+            in the backward (never stored).
         enable_gqa: allow H_kv < H (grouped-query / multi-query attention); H
             must be a multiple of H_kv; query head h reads K/V head h // (H // H_kv).
         backend: "triton", "ninetoothed" or "torch" (SDPA itself). When None:
@@ -61,6 +67,10 @@ def attention(
         return_lse: also return the natural-log log-sum-exp of each query row's
             scaled, masked scores: float32, shape (B, H, Lq) or (H, Lq); -inf
             for a row whose every key is masked out. Differentiable too.
+        dropout_seed: kernel backends: the dropout mask's seed, an int64 tensor
+            of one element on the inputs' device; the same seed gives the same
+            mask. None: drawn from the device's default generator, so
+            ``torch.manual_seed`` reproduces a run. Unused when dropout_p = 0.
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
@@ -73,11 +83,13 @@ def attention(
     call = check_call(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+        scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
     )
+    if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
+        call.dropout_seed = ops.new_seed(call.query.device)
     if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.OPS[chosen.name][0](call.query, call.key, call.value, call.attn_mask, call.is_causal,
-                                           call.scale)
+                                           call.scale, call.dropout_p, call.dropout_seed)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
@@ -100,6 +112,8 @@ def attention_backward(
     enable_gqa: bool = False,
     backend: str | None = None,
     grad_lse: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ):
     """The gradients of :func:`attention` with respect to query, key and value.
 
@@ -115,6 +129,8 @@ def attention_backward(
         lse: the forward's log-sum-exp (``return_lse=True``), float32,
             (B, H, Lq) or (H, Lq).
         grad_lse: optional gradient of the log-sum-exp, same shape as lse.
+        dropout_p, dropout_seed: the forward's; with dropout_p > 0 the seed
+            the forward used is required (its mask is regenerated from it).
 
     Returns:
         ``(dq, dk, dv)``, shaped and typed like query, key and value (contiguous).
@@ -127,13 +143,13 @@ def attention_backward(
     chosen = resolve(backend)
     call = check_call(
         chosen, query, key, value,
-        attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa, return_lse=False,
+        attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa, return_lse=False, dropout_seed=dropout_seed,
     )
     grad_out, out, lse, grad_lse = check_backward(chosen, call, grad_out, out, lse, grad_lse)
     if torch.compiler.is_compiling():
         grads = ops.OPS[chosen.name][1](grad_out, call.query, call.key, call.value, call.attn_mask, out, lse,
-                                        grad_lse, call.is_causal, call.scale)
+                                        grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed)
     else:
         grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)

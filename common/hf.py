@@ -10,10 +10,10 @@ boolean (batch, 1, Lq, Lk) masks, or none plus ``is_causal``, that they hand
 SDPA. Grouped-query heads reach the kernel as they are (``enable_gqa``), never
 repeated. transformers is an optional dependency (``pip install -e ".[hf]"``).
 
-Models train through them too (the backends are differentiable). What the
-kernels lack, the call rejects with a clear error instead of computing
-something else: attention dropout while training, soft-capping, position
-biases and attention sinks.
+Models train through them too (the backends are differentiable), attention
+dropout included. What the kernels lack, the call rejects with a clear error
+instead of computing something else: soft-capping, position biases and
+attention sinks.
 """
 
 from __future__ import annotations

@@ -63,8 +63,15 @@ def _quiet(backend):
     return contextlib.nullcontext()
 
 
-def _call(query, key, value, attn_mask, is_causal, scale):
-    return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False)
+def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
+    return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False,
+                dropout_p=dropout_p, dropout_seed=dropout_seed)
+
+
+def new_seed(device) -> torch.Tensor:
+    """A dropout seed drawn from ``device``'s default generator (``torch.manual_seed``
+    makes it reproducible): int64, one element, on ``device`` (no host sync)."""
+    return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=device)  # (torch.compile traces randint)
 
 
 def _register(name: str):
@@ -73,11 +80,13 @@ def _register(name: str):
 
     @torch.library.custom_op(f"{NAMESPACE}::{name}_forward", mutates_args=())
     def forward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                   is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward(backend, _call(query, key, value, attn_mask, is_causal, scale), with_lse=True)
+                   is_causal: bool, scale: float, dropout_p: float, dropout_seed: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
+        return forward(backend, call, with_lse=True)
 
     @forward_op.register_fake
-    def _(query, key, value, attn_mask, is_causal, scale):
+    def _(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
         B, H, Lq, _ = query.shape
         return (query.new_empty((B, H, Lq, value.shape[3])),
                 query.new_empty((B, H, Lq), dtype=torch.float32))
@@ -85,33 +94,34 @@ def _register(name: str):
     @torch.library.custom_op(f"{NAMESPACE}::{name}_backward", mutates_args=())
     def backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
-                    grad_lse: Optional[torch.Tensor], is_causal: bool, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward(backend, _call(query, key, value, attn_mask, is_causal, scale), out, lse, grad_out, grad_lse)
+                    grad_lse: Optional[torch.Tensor], is_causal: bool, scale: float, dropout_p: float,
+                    dropout_seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
+        return backward(backend, call, out, lse, grad_out, grad_lse)
 
     @backward_op.register_fake
-    def _(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale):
+    def _(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p, dropout_seed):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
-        query, key, value, attn_mask, is_causal, scale = inputs
+        query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed = inputs
         out, lse = output
-        ctx.save_for_backward(query, key, value, attn_mask, out, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
+        ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
         # An output that takes no part in the loss gets None, not zeros: most
         # calls use the output alone, and a zero gradient of the lse would
         # still cost a read in the kernel.
         ctx.set_materialize_grads(False)
 
     def backward_formula(ctx, grad_out, grad_lse):
-        query, key, value, attn_mask, out, lse = ctx.saved_tensors
+        query, key, value, attn_mask, out, lse, dropout_seed = ctx.saved_tensors
         if grad_out is None:  # only the lse takes part
             grad_out = torch.zeros_like(out)
         dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
-                                 ctx.is_causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+                                 ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed)
+        return dq, dk, dv, None, None, None, None, None
 
     forward_op.register_autograd(backward_formula, setup_context=setup_context)
 

@@ -45,6 +45,7 @@ from common.outputs import allocator
 # NineToothed kernels get them in their generated modules).
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * LN2
+UNIFORM_24 = 2.0**-24  # dropout: the top 24 bits of a 32-bit random draw, times this, are uniform in [0, 1)
 
 
 class MaskKind(enum.IntEnum):
@@ -98,6 +99,9 @@ class ForwardPlan:
     group: int  # query heads per K/V head in the kernels' view (1 once packed)
     shape: tuple[int, int, int, int]  # (B, H, Lq, Dv): the caller's output
     with_lse: bool  # the caller gets the log-sum-exp
+    dropout_p: float = 0.0  # the probability of dropping each attention weight
+    dropout_scale: float = 1.0  # what kept weights are multiplied by: 1 / (1 - p), 0 for p = 1
+    seed: torch.Tensor | None = None  # dropout: the mask's seed, int64, one element, on the inputs' device
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -115,6 +119,10 @@ class ForwardPlan:
     @property
     def split(self) -> bool:
         return self.num_splits > 1
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0.0
 
     @property
     def kernel_lse(self) -> bool:
@@ -145,6 +153,9 @@ class BackwardPlan:
     lse: torch.Tensor  # (B, H, Lq) float32, the forward's log-sum-exp
     grad_out: torch.Tensor  # (B, H, Lq, Dv)
     grad_lse: torch.Tensor | None  # (B, H, Lq): a gradient reaching the lse too, or None
+    dropout_p: float = 0.0  # as the forward's
+    dropout_scale: float = 1.0
+    seed: torch.Tensor | None = None  # the forward's seed: its mask, regenerated
     config: BackwardConfig | None = None
     block_d: int = 0
     block_dv: int = 0
@@ -153,6 +164,15 @@ class BackwardPlan:
     grad_query: torch.Tensor | None = None  # (B, H, Lq, D), contiguous
     grad_key: torch.Tensor | None = None  # (B, H_kv, Lk, D)
     grad_value: torch.Tensor | None = None  # (B, H_kv, Lk, Dv)
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0.0
+
+
+def dropout_scale(dropout_p: float) -> float:
+    """What dropout multiplies a kept weight by; with p = 1 nothing is kept and the output is 0."""
+    return 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
 
 
 def mask_kind(attn_mask: torch.Tensor | None) -> MaskKind:
@@ -173,7 +193,7 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     B, H, Lq, D = q.shape
     H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     plan = ForwardPlan(q, k, v, mask, mask_kind(mask), call.scale, call.is_causal, H // H_kv, (B, H, Lq, Dv),
-                       with_lse)
+                       with_lse, call.dropout_p, dropout_scale(call.dropout_p), call.dropout_seed)
     if not backend.kernels:
         return plan
     if plan.is_causal and Lk > Lq:
@@ -181,7 +201,8 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
         # (views) keeps split launches from planning work for them.
         Lk = Lq
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
-    packed = pack_gqa(q, H_kv, mask, plan.is_causal)
+    # Dropout's mask is counted by (head, row): packed rows would change it.
+    packed = None if plan.dropout else pack_gqa(q, H_kv, mask, plan.is_causal)
     if packed is not None:
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed
@@ -212,7 +233,8 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     plan = BackwardPlan(q, k, v, mask, mask_kind(mask), call.scale, call.is_causal, H // k.shape[1],
-                        out, lse, grad_out, grad_lse)
+                        out, lse, grad_out, grad_lse, call.dropout_p, dropout_scale(call.dropout_p),
+                        call.dropout_seed)
     if not backend.kernels:
         return plan
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)

@@ -16,6 +16,6 @@ def forward(plan):
     """SDPA on a plan's inputs; returns ``(out, None)`` (SDPA gives no log-sum-exp)."""
     out = F.scaled_dot_product_attention(
         plan.query, plan.key, plan.value, attn_mask=plan.attn_mask, is_causal=plan.is_causal, scale=plan.scale,
-        enable_gqa=plan.group > 1,
+        enable_gqa=plan.group > 1, dropout_p=plan.dropout_p,
     )
     return out, None

@@ -32,6 +32,8 @@ class Call:
     scale: float
     return_lse: bool
     unbatched: bool  # the inputs were 3-D (H, L, D): drop the batch dim of the results
+    dropout_p: float = 0.0
+    dropout_seed: torch.Tensor | None = None  # int64, one element, on the inputs' device
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -58,7 +60,7 @@ def _check_real(name: str, value) -> float:
 def check_call(
     backend: Backend,
     query, key, value, *,
-    attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+    attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -67,8 +69,9 @@ def check_call(
     is_causal = _check_flag("is_causal", is_causal)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)
     return_lse = _check_flag("return_lse", return_lse)
-    if _check_real("dropout_p", dropout_p) != 0.0:
-        raise ValueError(f"dropout_p={dropout_p} is not supported yet: only dropout_p=0.0 (no dropout)")
+    dropout_p = _check_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a probability, 0 <= dropout_p <= 1, got {dropout_p}")
 
     if query.ndim not in (3, 4):
         raise ValueError(
@@ -154,10 +157,28 @@ def check_call(
                 "attn_mask requires grad, but an attention mask gets no gradient from the "
                 f"{backend.name!r} backend; pass attn_mask.detach() (or use backend='torch')"
             )
+    if dropout_seed is not None:
+        _check_seed(backend, dropout_seed, query.device)
     if backend.kernels:
         _check_kernel_device(backend, query.device)
 
-    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched)
+    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed)
+
+
+def _check_seed(backend: Backend, seed, device: torch.device) -> None:
+    if not backend.kernels:
+        raise ValueError(
+            f"dropout_seed is not supported by the {backend.name!r} backend (SDPA draws its own dropout mask)"
+        )
+    if not isinstance(seed, torch.Tensor):
+        raise TypeError(f"dropout_seed must be a torch.Tensor or None, got {type(seed).__name__}")
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(
+            f"dropout_seed must be an int64 tensor of one element, got {_dtype_name(seed.dtype)} "
+            f"of shape {tuple(seed.shape)}"
+        )
+    if seed.device != device:
+        raise ValueError(f"dropout_seed is on {seed.device} but query is on {device}")
 
 
 def _is_causal_bias(attn_mask) -> bool:
@@ -248,4 +269,8 @@ def check_backward(backend: Backend, call: Call, grad_out, out, lse, grad_lse):
         if t.device != call.query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {call.query.device}")
         checked.append(t)
+    if call.dropout_p > 0.0 and call.dropout_seed is None:
+        raise ValueError(
+            "dropout_p > 0 needs the forward's dropout_seed: the backward regenerates the forward's mask from it"
+        )
     return tuple(checked)

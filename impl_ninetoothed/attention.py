@@ -45,10 +45,11 @@ from common.codecache import use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.launch import define_constants, route_generated_launch
-from common.plan import LN2, LOG2E, MaskKind
+from common.plan import LN2, LOG2E, UNIFORM_24, MaskKind
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
-KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK)
+KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
+                        UNIFORM_24=UNIFORM_24)
 
 
 # -- arranging tiles (plain Python on symbolic tensors, run once per make) ---------------
@@ -105,6 +106,14 @@ def _per_split(arranged, num_splits):
     return arranged.unsqueeze(3).expand((-1, -1, -1, num_splits))
 
 
+def _per_program(dropout_seed, arranged):
+    """The dropout seed, a (1,) tensor, as the same (1,) tile for every program of ``arranged``'s grid."""
+    tiled = dropout_seed.tile((1,))
+    for _ in range(len(arranged.shape) - 1):
+        tiled = tiled.unsqueeze(0)
+    return tiled.expand(tuple(arranged.shape))
+
+
 def _group_rows(x, group, n_blocks, block_m, block_d=None):
     """(B, H, L[, D]) -> per program of (B, H_kv, n_blocks), the (GROUP, L / BLOCK_M)
     tiles of (BLOCK_M[, D]) of the query heads that read K/V head h_kv."""
@@ -120,9 +129,19 @@ def _group_rows(x, group, n_blocks, block_m, block_d=None):
 
 # -- forward ---------------------------------------------------------------------------------
 
+def _dropout_keep(seed, head, rows, keys, dropout_p):
+    """Which scores dropout keeps, for the broadcast of ``rows`` and ``keys``; as
+    ``_dropout_keep`` of the Triton kernel: one Philox-4x32-10 draw per score,
+    counted by (key, row, batch·heads + head, 0), kept when its top 24 bits as
+    a uniform in [0, 1) are >= dropout_p. Inlined by NineToothed."""
+    zero = rows * 0 + keys * 0
+    r, _, _, _ = ntl.philox(seed, keys + zero, rows + zero, (head + zero).to(ntl.int32), zero)
+    return (r >> 8).to(ntl.float32) * UNIFORM_24 >= dropout_p
+
+
 def arrangement(
-    query, key, value, attn_mask, scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, output, lse,
+    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     block_m, block_n, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -151,20 +170,22 @@ def arrangement(
         lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
-        output_arranged, lse_arranged, IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale,
+        output_arranged, lse_arranged, IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     )
 
 
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, qk_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, qk_scale, seed, head, dropout_p,
+    IS_CAUSAL, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
     Blocks count from the first key; the program's tiles start at block
     ``first`` (0 unless the keys are split). MASKED: the blocks may hold keys
     past Lk or, when causal, above the diagonal; mask them. Unmasked blocks
-    skip every comparison.
+    skip every comparison. DROPOUT: the row sums take every probability, the
+    output only the kept ones.
     """
     for j in range(lo, hi):
         k = key[j - first]
@@ -206,6 +227,10 @@ def _attn_fwd_inner(
         alpha = ntl.exp2(m_i - m_sub)
         l_i = l_i * alpha + ntl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if DROPOUT:
+            offs_n = key[j - first].offsets(-2)
+            keep = _dropout_keep(seed, head, offs_m[:, None], offs_n[None, :], dropout_p)
+            p = ntl.where(keep, p, 0.0)
         v = value[j - first]
         acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
@@ -213,12 +238,16 @@ def _attn_fwd_inner(
 
 
 def application(
-    query, key, value, attn_mask, scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, output, lse,
+    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
 ):
     q = query
     offs_m = query.offsets(-2)
+    head = query.offsets(0) * query.source.shape[1] + query.offsets(1)  # in (B·H): the dropout mask's
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    seed = 0
+    if DROPOUT:
+        seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
@@ -238,12 +267,12 @@ def application(
     hi = ntl.minimum(first + key.shape[0], end)
     full_end = ntl.maximum(lo, ntl.minimum(full_end, hi))
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, full_end, first, qk_scale,
-        IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, full_end, first, qk_scale, seed, head, dropout_p,
+        IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_end, hi, first, qk_scale,
-        IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_end, hi, first, qk_scale, seed, head, dropout_p,
+        IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     )
 
     if WITH_LSE:
@@ -254,7 +283,10 @@ def application(
         # A row whose every key is masked out (or, in a split, that sees none of
         # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = ntl.where(l_i == 0.0, 1.0, l_i)
-    output = acc / l_i[:, None]  # noqa: F841 (a store)
+    if DROPOUT:
+        output = acc / l_i[:, None] * dropout_scale  # noqa: F841 (a store)
+    else:
+        output = acc / l_i[:, None]  # noqa: F841 (a store)
 
 
 def combine_arrangement(o_part, lse_part, output, lse, WITH_LSE, block_r, block_s, block_dv):
@@ -286,8 +318,9 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
 # -- backward ----------------------------------------------------------------------------------
 
 def dq_arrangement(
-    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, delta_out, grad_query,
-    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION,
+    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
+    delta_out, grad_query,
+    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
@@ -299,17 +332,19 @@ def dq_arrangement(
         _key_row(value, query.shape[1], m_blocks, block_n, block_dv),
         _mask_row(attn_mask, block_m, block_n),
         _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
-        _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale, _row_slices(delta_out, block_m),
+        _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, _row_slices(delta_out, block_m),
         _rows(grad_query, block_m, block_d),
-        IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION,
+        IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
     )
 
 
 def _attn_bwd_dq_inner(
-    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, qk_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION,
+    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, qk_scale, seed, head, dropout_p, dropout_scale,
+    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
 ):
-    """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner."""
+    """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
+    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward."""
     for j in range(lo, hi):
         k = key[j]
         v = value[j]
@@ -332,19 +367,28 @@ def _attn_bwd_dq_inner(
         else:
             p = ntl.exp2(qk * qk_scale - m2[:, None])
         dp = ntl.dot(do, ntl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            offs_n = key[j].offsets(-2)
+            keep = _dropout_keep(seed, head, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = ntl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = ntl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 def dq_application(
-    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, delta_out, grad_query,
-    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION,
+    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
+    delta_out, grad_query,
+    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
 ):
     q = query
     do = grad_out
     o = out
     offs_m = query.offsets(-2)
+    head = query.offsets(0) * query.source.shape[1] + query.offsets(1)  # in (B·H): the dropout mask's
+    seed = 0
+    if DROPOUT:
+        seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
     delta = ntl.sum(do.to(ntl.float32) * o.to(ntl.float32), 1)
     if WITH_DLSE:
         delta = delta - grad_lse
@@ -366,18 +410,19 @@ def dq_application(
         hi = ntl.cdiv(key.source.shape[-2], BLOCK_N)
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, key, value, attn_mask, offs_m, 0, full_end, qk_scale,
-        IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+        seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_end, hi, qk_scale,
-        IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
     )
     grad_query = dq * scale  # noqa: F841 (a store)
 
 
 def dkdv_arrangement(
-    query, key, value, attn_mask, grad_out, lse, delta, scale, grad_key, grad_value,
-    IS_CAUSAL, MASK_KIND, DOT_PRECISION,
+    query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
+    grad_key, grad_value,
+    IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, K/V head, block of BLOCK_N keys); it sees the
@@ -396,19 +441,22 @@ def dkdv_arrangement(
         key_arranged, _rows(value, block_n, block_dv), attn_mask_arranged,
         _group_rows(grad_out, group, n_blocks, block_m, block_dv),
         _group_rows(lse, group, n_blocks, block_m), _group_rows(delta, group, n_blocks, block_m),
-        scale, _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
-        IS_CAUSAL, MASK_KIND, DOT_PRECISION,
+        scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale,
+        _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
+        IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
     )
 
 
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, qk_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION,
+    seed, head, dropout_p, dropout_scale,
+    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
 ):
     """Add query blocks [lo, hi) of query head ``g`` of the group to (dk, dv)
     (dk unscaled), on transposed scores (keys x rows). MASKED: the blocks may
     hold rows above the causal diagonal. (Rows past Lq need no mask here:
-    NineToothed loads them as 0 and their lse as +inf, so their p is 0.)"""
+    NineToothed loads them as 0 and their lse as +inf, so their p is 0.)
+    DROPOUT: the forward's mask, regenerated transposed (``head``: of query head ``g``)."""
     for i in range(lo, hi):
         q = query[g, i]
         m2 = ntl.where(lse[g, i] == float("-inf"), float("inf"), lse[g, i] * LOG2E)
@@ -428,21 +476,32 @@ def _attn_bwd_dkdv_inner(
         else:
             pT = ntl.exp2(qkT * qk_scale - m2[None, :])
         do = grad_out[g, i]
-        dv = ntl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = ntl.dot(v, ntl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            offs_qm = query[g, i].offsets(-2)
+            keepT = _dropout_keep(seed, head, offs_qm[None, :], offs_kn[:, None], dropout_p)
+            dv = ntl.dot(ntl.where(keepT, pT * dropout_scale, 0.0).to(do.dtype), do, dv,
+                         input_precision=DOT_PRECISION)
+            dpT = ntl.where(keepT, dpT * dropout_scale, 0.0)
+        else:
+            dv = ntl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[g, i][None, :])
         dk = ntl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 def dkdv_application(
-    query, key, value, attn_mask, grad_out, lse, delta, scale, grad_key, grad_value,
-    IS_CAUSAL, MASK_KIND, DOT_PRECISION,
+    query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
+    grad_key, grad_value,
+    IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
 ):
     k = key
     v = value
     offs_kn = key.offsets(-2)
     qk_scale = scale * LOG2E
+    seed = 0
+    if DROPOUT:
+        seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
     dk = ntl.zeros(grad_key.shape, dtype=ntl.float32)
     dv = ntl.zeros(grad_value.shape, dtype=ntl.float32)
 
@@ -460,17 +519,20 @@ def dkdv_application(
         full_lo = 0
     full_hi = ntl.maximum(full_lo, query.source.shape[-2] // BLOCK_M)
     for g in range(query.shape[0]):
+        # query head g of this K/V head, in (B·H): the dropout mask's (NineToothed's inliner
+        # mis-names a helper called inside an expression, so this is spelled out)
+        head = key.offsets(0) * query.source.shape[1] + key.offsets(1) * query.shape[0] + g
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, qk_scale,
-            IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, qk_scale,
-            IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, qk_scale,
-            IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
         )
     grad_key = dk * scale  # noqa: F841 (a store)
     grad_value = dv  # noqa: F841 (a store)
@@ -497,6 +559,12 @@ def _attention_inputs(head_dim, head_dim_v):
     )
 
 
+def _dropout_inputs():
+    """seed (a (1,) int64 tensor, read on the device: no host sync), dropout_p and
+    dropout_scale (runtime floats)."""
+    return Tensor(1), Tensor(0), Tensor(0)
+
+
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
     """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
     arrangement_ = functools.partial(
@@ -507,10 +575,11 @@ def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
     tensors = (
         *_attention_inputs(head_dim, head_dim_v),
         Tensor(0),  # scale (runtime float)
+        *_dropout_inputs(),
         # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
         Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
         Tensor(4 if split else 3),
-        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT"),
+        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT"),
     )
     return arrangement_, application, tensors
 
@@ -543,9 +612,10 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
         Tensor(3, other=0),  # grad_lse
         Tensor(0),  # scale
+        *_dropout_inputs(),
         Tensor(3),  # delta_out
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_query
-        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION"),
+        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT"),
     )
     return arrangement_, dq_application, tensors
 
@@ -562,9 +632,10 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
         Tensor(3, other=0),  # delta
         Tensor(0),  # scale
+        *_dropout_inputs(),
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
         Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
-        *_flags("IS_CAUSAL", "MASK_KIND", "DOT_PRECISION"),
+        *_flags("IS_CAUSAL", "MASK_KIND", "DOT_PRECISION", "DROPOUT"),
     )
     return arrangement_, dkdv_application, tensors
 
@@ -613,6 +684,12 @@ def _absent(like, *shape):
     return like.new_empty(()).expand(*shape)
 
 
+def _dropout_args(plan):
+    """(seed, dropout_p, dropout_scale) as the kernels take them; a stand-in seed without dropout."""
+    seed = plan.seed if plan.seed is not None else _absent(plan.query, 1)
+    return seed.view(1), plan.dropout_p, plan.dropout_scale
+
+
 def forward(plan):
     """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
 
@@ -630,9 +707,9 @@ def forward(plan):
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     kernel(
-        q, k, v, attn_mask, plan.scale, o, lse,
+        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), o, lse,
         IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
-        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
+        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
     )
     if plan.split:
         merge = plan.merge
@@ -654,15 +731,17 @@ def backward(plan):
     config = plan.config
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
     grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
-    flags = dict(IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision)
+    flags = dict(IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+                 DROPOUT=plan.dropout)
+    dropout = _dropout_args(plan)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, plan.delta, plan.grad_query,
-        WITH_DLSE=plan.grad_lse is not None, **flags,
+        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, plan.delta,
+        plan.grad_query, WITH_DLSE=plan.grad_lse is not None, **flags,
     )
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, plan.grad_key, plan.grad_value,
-        **flags,
+        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout, plan.grad_key,
+        plan.grad_value, **flags,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value

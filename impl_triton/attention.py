@@ -62,9 +62,27 @@ LN2 = tl.constexpr(_plan.LN2)
 NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
 BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
+UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 
 
 # -- forward ----------------------------------------------------------------------------
+
+@triton.jit
+def _dropout_keep(seed, head, rows, keys, dropout_p):
+    """Which scores dropout keeps: True where kept, for the broadcast of ``rows``
+    and ``keys`` (2-D: (M, 1) x (1, N), or transposed).
+
+    One Philox-4x32-10 draw per score, keyed by the 64-bit ``seed`` and counted
+    by its absolute position (key, row, batch·heads + head, 0): the forward and
+    both backward passes regenerate the same mask from any tiling, and no mask
+    is ever stored. The top 24 bits of the draw are a uniform in [0, 1); a
+    score is kept when it is >= dropout_p. ``common.reference.dropout_keep`` is
+    the same function in plain torch.
+    """
+    zero = rows * 0 + keys * 0  # int32, the broadcast shape
+    r, _, _, _ = tl.philox(seed, keys + zero, rows + zero, (head + zero).to(tl.int32), zero)
+    return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
+
 
 @triton.jit
 def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
@@ -84,16 +102,17 @@ def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
-    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
     MASKED: the blocks may hold keys past Lk or, when causal, above the
-    diagonal; mask them. Unmasked blocks skip every comparison.
+    diagonal; mask them. Unmasked blocks skip every comparison. DROPOUT: the
+    row sums take every probability, the output only the kept ones.
     """
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
@@ -140,6 +159,9 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = _dropout_keep(seed, off_hz, offs_m[:, None], offs_kn[None, :], dropout_p)
+            p = tl.where(keep, p, 0.0)
         v = _load_tile(v_ptrs + start_n * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
@@ -148,24 +170,26 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK,
+    Q, K, V, O, LSE, MASK, SEED,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale, NUM_SPLITS, BLOCKS_PER_SPLIT,
+    H, GROUP, Lq, Lk, scale, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
-    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
 
     SPLIT: O is the float32 partial-output buffer (B, H, Lq, NUM_SPLITS, Dv)
     and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, merged by _attn_combine.
+    DROPOUT: SEED holds the mask's seed (int64); kept probabilities are scaled
+    by dropout_scale = 1 / (1 - dropout_p). The log-sum-exp is dropout's input's.
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -189,6 +213,9 @@ def _attn_fwd(
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -207,15 +234,15 @@ def _attn_fwd(
     full_end = tl.maximum(lo, tl.minimum(full_end, hi))
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, lo, full_end, Lq, Lk, qk_scale,
+        offs_m, offs_n, offs_d, offs_dv, lo, full_end, Lq, Lk, qk_scale, seed, off_hz, dropout_p,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT,
+        DOT_PRECISION, SPLIT, DROPOUT,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale,
+        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT,
+        DOT_PRECISION, SPLIT, DROPOUT,
     )
 
     if WITH_LSE:
@@ -228,6 +255,8 @@ def _attn_fwd(
         # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
+    if DROPOUT:
+        o = o * dropout_scale
     o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + split * stride_os
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
@@ -275,12 +304,14 @@ def _attn_bwd_dq_inner(
     dq, q, do, m2, delta,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
-    """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner."""
+    """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
+    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward."""
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     for j in range(lo, hi):
@@ -308,6 +339,9 @@ def _attn_bwd_dq_inner(
         else:
             p = tl.math.exp2(qk * qk_scale - m2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = _dropout_keep(seed, off_hz, offs_m[:, None], offs_kn[None, :], dropout_p)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -315,7 +349,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK, SEED,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -324,11 +358,12 @@ def _attn_bwd_dq(
     stride_lz, stride_lh, stride_lm,
     stride_dlz, stride_dlh, stride_dlm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale,
+    H, GROUP, Lq, Lk, scale, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WITH_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     """One program: dq of BLOCK_M query rows of one (batch, head), and their
     delta = rowsum(do * o) - dlse, stored to DELTA (B, H, Lq) for _attn_bwd_dkdv."""
@@ -366,6 +401,9 @@ def _attn_bwd_dq(
     # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
     m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # In key blocks, as in the forward: unmasked blocks [0, full_end), then
@@ -378,13 +416,13 @@ def _attn_bwd_dq(
         hi = tl.cdiv(Lk, BLOCK_N)
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, 0, full_end, Lq, Lk, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+        offs_m, offs_n, offs_d, offs_dv, 0, full_end, Lq, Lk, qk_scale, seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
     )
     dq = dq * scale
     dq_ptrs = DQ + (off_hz.to(tl.int64) * Lq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
@@ -396,16 +434,18 @@ def _attn_bwd_dkdv_inner(
     dk, dv, k, v,
     q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
     stride_qm, stride_dom, stride_lm, stride_mm,
-    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale,
+    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale, seed, head, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     """Add query blocks [lo, hi) of one query head to (dk, dv) (dk unscaled).
 
     Works on transposed scores (keys x rows), so that dv = p^T do and
     dk = ds^T q are plain products. MASKED: the blocks may hold rows past Lq
-    or, when causal, rows above the diagonal; mask them.
+    or, when causal, rows above the diagonal; mask them. DROPOUT: the forward's
+    mask, regenerated transposed (``head`` = batch·heads + query head).
     """
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
@@ -439,8 +479,13 @@ def _attn_bwd_dkdv_inner(
             delta = tl.load(delta_ptrs + start_m, mask=m_ok, other=0.0)
         else:
             delta = tl.load(delta_ptrs + start_m)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keepT = _dropout_keep(seed, head, offs_qm[None, :], offs_kn[:, None], dropout_p)
+            dv = tl.dot(tl.where(keepT, pT * dropout_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -448,18 +493,18 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H_KV, GROUP, Lq, Lk, scale,
+    H_KV, GROUP, Lq, Lk, scale, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """One program: dk and dv of BLOCK_N keys of one (batch, K/V head), summed
     over the GROUP query heads that read them."""
@@ -481,6 +526,9 @@ def _attn_bwd_dkdv(
     v = tl.load(V + off_z * stride_vz + off_h_kv * stride_vh + offs_kn[:, None] * stride_vn
                 + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -501,26 +549,30 @@ def _attn_bwd_dkdv(
         do_ptrs = (DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
                    + offs_dv[None, :] * stride_dod)
         lse_ptrs = LSE + off_z * stride_lz + off_h * stride_lh + offs_m * stride_lm
-        delta_ptrs = DELTA + (off_z * H_KV * GROUP + off_h) * Lq + offs_m
+        head = off_z * H_KV * GROUP + off_h  # in (B·H): the rows of DELTA, the dropout mask's head
+        delta_ptrs = DELTA + head * Lq + offs_m
         mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m[None, :] * stride_mm
                      + offs_kn[:, None] * stride_mn)
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, qk_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+            seed, head, dropout_p, dropout_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, qk_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION,
+            seed, head, dropout_p, dropout_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, qk_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION,
+            seed, head, dropout_p, dropout_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
         )
     dk = dk * scale
     rows = off_hz.to(tl.int64) * Lk + offs_kn[:, None]
@@ -564,16 +616,18 @@ def forward(plan):
     else:
         o, o_strides = out, (*out.stride()[:3], 0, out.stride(3))
         lse = plan.lse if plan.lse is not None else out  # never written without WITH_LSE
+    seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     _fwd_launcher(
         (plan.m_blocks, B * H, plan.num_splits),
-        q, k, v, o, lse, mask,
+        q, k, v, o, lse, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides,
-        H, plan.group, Lq, Lk, plan.scale, plan.num_splits, plan.blocks_per_split,
+        H, plan.group, Lq, Lk, plan.scale, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
+        plan.dropout_scale,
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split,
+        SPLIT=plan.split, DROPOUT=plan.dropout,
     )
     if plan.split:
         merge = plan.merge
@@ -601,25 +655,27 @@ def backward(plan):
         mask, mask_strides = plan.attn_mask, plan.attn_mask.stride()
     dlse = plan.grad_lse
     dlse_strides = dlse.stride() if dlse is not None else (0, 0, 0)
+    seed = plan.seed if plan.seed is not None else q  # never read without DROPOUT
     common = dict(
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+        DROPOUT=plan.dropout,
     )
     _dq_launcher(
         (-(-Lq // config.block_m2), B * H, 1),
         q, k, v, plan.out, plan.grad_out, plan.lse, dlse if dlse is not None else plan.lse, plan.delta,
-        plan.grad_query, mask,
+        plan.grad_query, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *plan.out.stride(), *plan.grad_out.stride(), *plan.lse.stride(),
         *dlse_strides, *mask_strides,
-        H, plan.group, Lq, Lk, plan.scale,
+        H, plan.group, Lq, Lk, plan.scale, plan.dropout_p, plan.dropout_scale,
         BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, WITH_DLSE=dlse is not None, **common,
     )
     _dkdv_launcher(
         (-(-Lk // config.block_n1), B * H_kv, 1),
-        q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask,
+        q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *plan.grad_out.stride(), *plan.lse.stride(), *mask_strides,
-        H_kv, plan.group, Lq, Lk, plan.scale,
+        H_kv, plan.group, Lq, Lk, plan.scale, plan.dropout_p, plan.dropout_scale,
         BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value

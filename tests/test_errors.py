@@ -123,9 +123,9 @@ def test_flags_must_be_bool(qkv, backend, name, value):
         attention(*qkv, backend=backend, **{name: value})
 
 
-def test_dropout_not_supported(qkv, backend):
-    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported yet"):
-        attention(*qkv, dropout_p=0.1, backend=backend)
+def test_dropout_p_checked(qkv, backend):
+    with pytest.raises(ValueError, match="dropout_p must be a probability"):
+        attention(*qkv, dropout_p=1.1, backend=backend)
     with pytest.raises(TypeError, match="dropout_p must be a real number"):
         attention(*qkv, dropout_p="0", backend=backend)
 

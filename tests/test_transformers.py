@@ -16,10 +16,11 @@ def registered():
     return common.hf.register()
 
 
-def tiny_llama(dtype, device, implementation):
+def tiny_llama(dtype, device, implementation, attention_dropout=0.0):
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attention_dropout=attention_dropout,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
@@ -85,3 +86,45 @@ def test_training_step_matches_sdpa(registered, backend, device):
         assert abs(grads[name] - sdpa_grads[name]) <= 1e-4 * max(sdpa_grads[name], 1e-3), name
     for p, sdpa_p in zip(params, sdpa_params):
         torch.testing.assert_close(p, sdpa_p, rtol=1e-5, atol=1e-5)
+
+
+def _dropout_reference(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    """Attention with dropout in float64 plain torch, the mask from ``common.reference.dropout_keep``
+    and the seed drawn as our backends draw it: the same model trained on it must
+    match ours exactly (SDPA's own dropout draws other masks)."""
+    from common.ops import new_seed
+    from common.reference import dropout_keep, reference_dropout
+
+    B, H, Lq, _ = query.shape
+    is_causal = bool(getattr(module, "is_causal", True)) and attention_mask is None and Lq > 1
+    keep = dropout_keep(int(new_seed(query.device)), B, H, Lq, key.shape[2], dropout, device=query.device)
+    out = reference_dropout(query, key, value, keep, dropout, is_causal=is_causal, scale=scaling,
+                            attn_mask=attention_mask)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def train_step(implementation, device, attention_dropout):
+    input_ids, attention_mask = left_padded_batch(device)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    model = tiny_llama(torch.float32, device, implementation, attention_dropout).train()
+    torch.manual_seed(42)  # the dropout masks' seeds come from here
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    loss.backward()
+    return loss.item(), {name: p.grad.norm().item() for name, p in model.named_parameters()}
+
+
+def test_training_step_with_attention_dropout(registered, backend, device):
+    """A training step with attention dropout (p = 0.2) equals the same model on a float64
+    reference that drops the same scores; and dropout changes the step."""
+    transformers.AttentionInterface.register("dropout-reference", _dropout_reference)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        "dropout-reference", transformers.masking_utils.sdpa_mask)
+    loss, grads = train_step(backend, device, attention_dropout=0.2)
+    ref_loss, ref_grads = train_step("dropout-reference", device, attention_dropout=0.2)
+    plain_loss, _ = train_step(backend, device, attention_dropout=0.0)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert abs(loss - plain_loss) > 1e-4 * abs(plain_loss), "dropout had no effect"
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert abs(grads[name] - ref_grads[name]) <= 1e-4 * max(ref_grads[name], 1e-3), name
