@@ -36,9 +36,10 @@ def forward(backend, call: Call, with_lse: bool):
         out = q.new_zeros((B, H, Lq, Dv))
         lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if with_lse else None
         return out, lse
-    plan = planning.make_forward(call, backend, with_lse=with_lse)
-    with _quiet(backend):
-        return plan.results(*backend.load().forward(plan))
+    with _on_device(q.device):
+        plan = planning.make_forward(call, backend, with_lse=with_lse)
+        with _quiet(backend):
+            return plan.results(*backend.load().forward(plan))
 
 
 def backward(backend, call: Call, out, lse, grad_out, grad_lse=None):
@@ -48,18 +49,30 @@ def backward(backend, call: Call, out, lse, grad_out, grad_lse=None):
     if B * H * Lq == 0 or k.shape[2] == 0:
         # No rows, or no keys: every gradient is zero.
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    plan = planning.make_backward(call, backend, out, lse, grad_out, grad_lse)
-    with _quiet(backend):
-        return backend.load().backward(plan)
+    with _on_device(q.device):
+        plan = planning.make_backward(call, backend, out, lse, grad_out, grad_lse)
+        with _quiet(backend):
+            return backend.load().backward(plan)
+
+
+def _on_device(device):
+    """Make the tensors' GPU the current one while planning and launching: Triton
+    launches on the current device and its current stream, which need not be
+    theirs (a model spread over GPUs calls a layer on cuda:1 with cuda:0 current)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _quiet(backend):
-    """Under Triton's interpreter the kernels run as NumPy code, and the log of
-    an empty row's zero sum (-inf, the intended value) warns; silence that."""
+    """Under Triton's interpreter the kernels run as NumPy code, which warns where
+    a GPU computes quietly: the log of an empty row's zero sum (-inf, the
+    intended value), and a whole tile cast to half precision before a masked
+    store leaves out its rows past the end (which may hold anything). Silence those."""
     if backend.kernels and backend.interpreted():
         import numpy
 
-        return numpy.errstate(divide="ignore")
+        return numpy.errstate(divide="ignore", over="ignore")
     return contextlib.nullcontext()
 
 

@@ -38,6 +38,7 @@ import functools
 
 import torch
 
+from common.backends import OFFSETS64
 from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
 from common.outputs import allocator
 
@@ -72,6 +73,8 @@ PACK_MAX_LQ = 64
 MIN_SPLIT_KEYS = 2048
 # Rows per program of the merge kernel.
 COMBINE_ROWS = 16
+# CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
+MAX_GRID_AXIS = 65535
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -219,6 +222,8 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     plan.out = alloc((B, Hp, Lqp, Dv), q.dtype, q.device)
     if with_lse:
         plan.lse = alloc((B, Hp, Lqp), torch.float32, q.device)
+    if plan.num_splits > 1 and not backend.supports(OFFSETS64) and B * Hp * Lqp * plan.num_splits * Dv >= 2**31:
+        plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
     if plan.num_splits > 1:
         plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, q.device)
         plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, q.device)
@@ -295,6 +300,7 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device) -> t
         wanted = min(-(-target // programs), k_blocks // 2)
     if wanted <= 1:
         return 1, k_blocks
+    wanted = min(wanted, MAX_GRID_AXIS)
     blocks_per_split = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
     return -(-k_blocks // blocks_per_split), blocks_per_split
 

@@ -15,9 +15,12 @@ import sys
 
 import torch
 
-from common.backends import BACKENDS, BACKWARD, LSE, Backend
+from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, Backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A backend without 64-bit offsets (NineToothed's generated code indexes with
+# 32-bit integers) must see every tensor span fewer elements than this.
+OFFSET_LIMIT = 2**31
 
 
 @dataclasses.dataclass
@@ -157,12 +160,34 @@ def check_call(
                 "attn_mask requires grad, but an attention mask gets no gradient from the "
                 f"{backend.name!r} backend; pass attn_mask.detach() (or use backend='torch')"
             )
+    if not backend.supports(OFFSETS64):
+        _check_offsets(backend, query=query, key=key, value=value, attn_mask=attn_mask,
+                       output=(B * H * Lq * Dv, 1))
     if dropout_seed is not None:
         _check_seed(backend, dropout_seed, query.device)
     if backend.kernels:
         _check_kernel_device(backend, query.device)
 
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed)
+
+
+def span(t) -> int:
+    """How many elements a tensor's indexing reaches: 1 + its largest element offset."""
+    if isinstance(t, tuple):  # (numel, 1): a contiguous tensor still to be made
+        return t[0]
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
+def _check_offsets(backend: Backend, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and span(t) >= OFFSET_LIMIT:
+            raise ValueError(
+                f"the {backend.name!r} backend indexes with 32-bit offsets (NineToothed's generated code), so "
+                f"each tensor must span fewer than 2**31 = {OFFSET_LIMIT} elements, but {name} spans {span(t)}; "
+                "use backend='triton', or split the call (e.g. over the batch)"
+            )
 
 
 def _check_seed(backend: Backend, seed, device: torch.device) -> None:
@@ -269,6 +294,8 @@ def check_backward(backend: Backend, call: Call, grad_out, out, lse, grad_lse):
         if t.device != call.query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {call.query.device}")
         checked.append(t)
+    if not backend.supports(OFFSETS64):
+        _check_offsets(backend, grad_out=checked[0], out=checked[1], lse=checked[2], grad_lse=checked[3])
     if call.dropout_p > 0.0 and call.dropout_seed is None:
         raise ValueError(
             "dropout_p > 0 needs the forward's dropout_seed: the backward regenerates the forward's mask from it"

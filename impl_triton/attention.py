@@ -46,6 +46,10 @@ with ``delta = rowsum(do * o)``, ``dq = scale ds k``, ``dk = scale ds^T q``.
   ``delta - dlse``: ``d lse / d s = p``.
 
 Every tensor is read through its strides: transposed views need no copy.
+Offsets are 64-bit wherever an index meets a stride (``offs_m.to(tl.int64)``,
+``start_n.to(tl.int64)``): a long sequence in a (B, L, H, D) layout passes
+2^31 elements within one head. The (batch·head, block) pair is one grid axis
+(CUDA caps the other two at 65535).
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def _attn_fwd_inner(
         start_n = tl.multiple_of(j * BLOCK_N, BLOCK_N)
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
-        k = _load_tile(k_ptrs + start_n * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+        k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK:
             qk = qk * qk_scale
@@ -131,7 +135,7 @@ def _attn_fwd_inner(
                 qk = tl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
-                mask = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_ok, other=0)
+                mask = tl.load(mask_ptrs + start_n.to(tl.int64) * stride_mn, mask=mask_ok, other=0)
                 if MASK_KIND == BOOL_MASK:
                     qk = tl.where(mask, qk, float("-inf"))
                 else:
@@ -162,7 +166,7 @@ def _attn_fwd_inner(
         if DROPOUT:
             keep = _dropout_keep(seed, off_hz, offs_m[:, None], offs_kn[None, :], dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = _load_tile(v_ptrs + start_n * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
+        v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -176,7 +180,7 @@ def _attn_fwd(
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale,
+    H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -193,9 +197,10 @@ def _attn_fwd(
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
-    start_m = tl.program_id(0)
-    off_hz = tl.program_id(1)
-    split = tl.program_id(2)
+    # One grid axis for (batch·head, row block): CUDA caps axes 1 and 2 at 65535.
+    start_m = tl.program_id(0) % M_BLOCKS
+    off_hz = tl.program_id(0) // M_BLOCKS
+    split = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
     off_h = (off_hz % H).to(tl.int64)
     off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one K/V head
@@ -206,10 +211,14 @@ def _attn_fwd(
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
 
-    q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    k_ptrs = K + off_z * stride_kz + off_h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_z * stride_vz + off_h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    mask_ptrs = MASK + off_z * stride_mz + off_h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    k_ptrs = (K + off_z * stride_kz + off_h_kv * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn
+              + offs_d[None, :] * stride_kd)
+    v_ptrs = (V + off_z * stride_vz + off_h_kv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
+              + offs_dv[None, :] * stride_vd)
+    mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m.to(tl.int64)[:, None] * stride_mm
+                 + offs_n.to(tl.int64)[None, :] * stride_mn)
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
@@ -257,7 +266,7 @@ def _attn_fwd(
     o = acc / l_i[:, None]
     if DROPOUT:
         o = o * dropout_scale
-    o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + split * stride_os
+    o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
@@ -318,8 +327,8 @@ def _attn_bwd_dq_inner(
         start_n = tl.multiple_of(j * BLOCK_N, BLOCK_N)
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
-        k = _load_tile(k_ptrs + start_n * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
-        v = _load_tile(v_ptrs + start_n * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
+        k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+        v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK:
             qk = qk * qk_scale
@@ -330,7 +339,7 @@ def _attn_bwd_dq_inner(
                 qk = tl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
-                mask = tl.load(mask_ptrs + start_n * stride_mn, mask=mask_ok, other=0)
+                mask = tl.load(mask_ptrs + start_n.to(tl.int64) * stride_mn, mask=mask_ok, other=0)
                 if MASK_KIND == BOOL_MASK:
                     qk = tl.where(mask, qk, float("-inf"))
                 else:
@@ -358,7 +367,7 @@ def _attn_bwd_dq(
     stride_lz, stride_lh, stride_lm,
     stride_dlz, stride_dlh, stride_dlm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale, dropout_p, dropout_scale,
+    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -367,8 +376,8 @@ def _attn_bwd_dq(
 ):
     """One program: dq of BLOCK_M query rows of one (batch, head), and their
     delta = rowsum(do * o) - dlse, stored to DELTA (B, H, Lq) for _attn_bwd_dkdv."""
-    start_m = tl.program_id(0)
-    off_hz = tl.program_id(1)
+    start_m = tl.program_id(0) % M_BLOCKS  # one grid axis, as in the forward
+    off_hz = tl.program_id(0) // M_BLOCKS
     off_z = (off_hz // H).to(tl.int64)
     off_h = (off_hz % H).to(tl.int64)
     off_h_kv = off_h // GROUP
@@ -381,22 +390,29 @@ def _attn_bwd_dq(
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
 
-    q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    o_ptrs = O + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
-    do_ptrs = (DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
+              + offs_dv[None, :] * stride_od)
+    do_ptrs = (DO + off_z * stride_doz + off_h * stride_doh + offs_m.to(tl.int64)[:, None] * stride_dom
                + offs_dv[None, :] * stride_dod)
-    k_ptrs = K + off_z * stride_kz + off_h_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_z * stride_vz + off_h_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    mask_ptrs = MASK + off_z * stride_mz + off_h * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+    k_ptrs = (K + off_z * stride_kz + off_h_kv * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn
+              + offs_d[None, :] * stride_kd)
+    v_ptrs = (V + off_z * stride_vz + off_h_kv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
+              + offs_dv[None, :] * stride_vd)
+    mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m.to(tl.int64)[:, None] * stride_mm
+                 + offs_n.to(tl.int64)[None, :] * stride_mn)
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(do_ptrs, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
     o = tl.load(o_ptrs, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if WITH_DLSE:
-        delta -= tl.load(DLSE + off_z * stride_dlz + off_h * stride_dlh + offs_m * stride_dlm, mask=m_ok, other=0.0)
+        delta -= tl.load(DLSE + off_z * stride_dlz + off_h * stride_dlh + offs_m.to(tl.int64) * stride_dlm,
+                         mask=m_ok, other=0.0)
     tl.store(DELTA + off_hz.to(tl.int64) * Lq + offs_m, delta, mask=m_ok)
-    lse = tl.load(LSE + off_z * stride_lz + off_h * stride_lh + offs_m * stride_lm, mask=m_ok, other=float("inf"))
+    lse = tl.load(LSE + off_z * stride_lz + off_h * stride_lh + offs_m.to(tl.int64) * stride_lm,
+                  mask=m_ok, other=float("inf"))
     # p = exp2(s * log2(e) - m2); a row with no visible key (lse = -inf) gets
     # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
     m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
@@ -454,11 +470,11 @@ def _attn_bwd_dkdv_inner(
         start_m = tl.multiple_of(i * BLOCK_M, BLOCK_M)
         offs_qm = start_m + offs_m
         m_ok = offs_qm < Lq
-        q = _load_tile(q_ptrs + start_m * stride_qm, m_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+        q = _load_tile(q_ptrs + start_m.to(tl.int64) * stride_qm, m_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         if MASKED:
-            lse = tl.load(lse_ptrs + start_m * stride_lm, mask=m_ok, other=float("inf"))
+            lse = tl.load(lse_ptrs + start_m.to(tl.int64) * stride_lm, mask=m_ok, other=float("inf"))
         else:
-            lse = tl.load(lse_ptrs + start_m * stride_lm)
+            lse = tl.load(lse_ptrs + start_m.to(tl.int64) * stride_lm)
         m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK:
@@ -466,7 +482,8 @@ def _attn_bwd_dkdv_inner(
             if MASKED and IS_CAUSAL:
                 qkT = tl.where(offs_qm[None, :] >= offs_kn[:, None], qkT, float("-inf"))
             if MASK_KIND != NO_MASK:
-                mask = tl.load(mask_ptrs + start_m * stride_mm, mask=key_ok[:, None] & m_ok[None, :], other=0)
+                mask = tl.load(mask_ptrs + start_m.to(tl.int64) * stride_mm,
+                               mask=key_ok[:, None] & m_ok[None, :], other=0)
                 if MASK_KIND == BOOL_MASK:
                     qkT = tl.where(mask, qkT, float("-inf"))
                 else:
@@ -474,7 +491,7 @@ def _attn_bwd_dkdv_inner(
             pT = tl.math.exp2(qkT - m2[None, :])
         else:
             pT = tl.math.exp2(qkT * qk_scale - m2[None, :])
-        do = _load_tile(do_ptrs + start_m * stride_dom, m_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
+        do = _load_tile(do_ptrs + start_m.to(tl.int64) * stride_dom, m_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         if MASKED:
             delta = tl.load(delta_ptrs + start_m, mask=m_ok, other=0.0)
         else:
@@ -500,7 +517,7 @@ def _attn_bwd_dkdv(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H_KV, GROUP, Lq, Lk, scale, dropout_p, dropout_scale,
+    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -508,8 +525,8 @@ def _attn_bwd_dkdv(
 ):
     """One program: dk and dv of BLOCK_N keys of one (batch, K/V head), summed
     over the GROUP query heads that read them."""
-    start_n = tl.program_id(0)
-    off_hz = tl.program_id(1)
+    start_n = tl.program_id(0) % N_BLOCKS  # one grid axis, as in the forward
+    off_hz = tl.program_id(0) // N_BLOCKS
     off_z = (off_hz // H_KV).to(tl.int64)
     off_h_kv = (off_hz % H_KV).to(tl.int64)
 
@@ -521,9 +538,9 @@ def _attn_bwd_dkdv(
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
 
-    k = tl.load(K + off_z * stride_kz + off_h_kv * stride_kh + offs_kn[:, None] * stride_kn
+    k = tl.load(K + off_z * stride_kz + off_h_kv * stride_kh + offs_kn.to(tl.int64)[:, None] * stride_kn
                 + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + off_z * stride_vz + off_h_kv * stride_vh + offs_kn[:, None] * stride_vn
+    v = tl.load(V + off_z * stride_vz + off_h_kv * stride_vh + offs_kn.to(tl.int64)[:, None] * stride_vn
                 + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
     seed = 0
@@ -545,14 +562,15 @@ def _attn_bwd_dkdv(
     full_hi = tl.maximum(full_lo, Lq // BLOCK_M)
     for g in range(GROUP):
         off_h = off_h_kv * GROUP + g
-        q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = (DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+        q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+                  + offs_d[None, :] * stride_qd)
+        do_ptrs = (DO + off_z * stride_doz + off_h * stride_doh + offs_m.to(tl.int64)[:, None] * stride_dom
                    + offs_dv[None, :] * stride_dod)
-        lse_ptrs = LSE + off_z * stride_lz + off_h * stride_lh + offs_m * stride_lm
+        lse_ptrs = LSE + off_z * stride_lz + off_h * stride_lh + offs_m.to(tl.int64) * stride_lm
         head = off_z * H_KV * GROUP + off_h  # in (B·H): the rows of DELTA, the dropout mask's head
         delta_ptrs = DELTA + head * Lq + offs_m
-        mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m[None, :] * stride_mm
-                     + offs_kn[:, None] * stride_mn)
+        mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m.to(tl.int64)[None, :] * stride_mm
+                     + offs_kn.to(tl.int64)[:, None] * stride_mn)
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
@@ -618,10 +636,10 @@ def forward(plan):
         lse = plan.lse if plan.lse is not None else out  # never written without WITH_LSE
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     _fwd_launcher(
-        (plan.m_blocks, B * H, plan.num_splits),
+        (plan.m_blocks * B * H, plan.num_splits, 1),
         q, k, v, o, lse, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides,
-        H, plan.group, Lq, Lk, plan.scale, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
+        H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
         plan.dropout_scale,
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -662,20 +680,21 @@ def backward(plan):
         IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
         DROPOUT=plan.dropout,
     )
+    m_blocks, n_blocks = -(-Lq // config.block_m2), -(-Lk // config.block_n1)
     _dq_launcher(
-        (-(-Lq // config.block_m2), B * H, 1),
+        (m_blocks * B * H, 1, 1),
         q, k, v, plan.out, plan.grad_out, plan.lse, dlse if dlse is not None else plan.lse, plan.delta,
         plan.grad_query, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *plan.out.stride(), *plan.grad_out.stride(), *plan.lse.stride(),
         *dlse_strides, *mask_strides,
-        H, plan.group, Lq, Lk, plan.scale, plan.dropout_p, plan.dropout_scale,
+        H, plan.group, Lq, Lk, plan.scale, m_blocks, plan.dropout_p, plan.dropout_scale,
         BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, WITH_DLSE=dlse is not None, **common,
     )
     _dkdv_launcher(
-        (-(-Lk // config.block_n1), B * H_kv, 1),
+        (n_blocks * B * H_kv, 1, 1),
         q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *plan.grad_out.stride(), *plan.lse.stride(), *mask_strides,
-        H_kv, plan.group, Lq, Lk, plan.scale, plan.dropout_p, plan.dropout_scale,
+        H_kv, plan.group, Lq, Lk, plan.scale, n_blocks, plan.dropout_p, plan.dropout_scale,
         BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test-seq demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
+# stages: probe test test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
 # (any other word runs as a shell command)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -13,7 +13,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     probe) timeout 120 python3 tools/probe.py 2>&1 | tee "$OUT/probe.log" ;;
-    test) timeout 480 python3 -m pytest tests -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" ;;
+    test) timeout 570 python3 -m pytest tests -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" ;;
     test-seq) timeout 420 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
@@ -24,6 +24,8 @@ for stage in "$@"; do
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    sanitize) timeout 400 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize.py 2>&1 | tail -30 | tee "$OUT/sanitize.log" ;;
+    fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 8 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
     compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;

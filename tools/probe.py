@@ -8,6 +8,10 @@ is written to the project.
   own launcher).
 - host: where the wall time of one small call goes, step by step (backend choice,
   validation, plan, launch), against SDPA's.
+- ops: what the torch.library operators cost on the host, on the homework's
+  shapes: the direct call (no grad), the forward operator called itself, a
+  forward that records autograd, and forward + backward; SDPA alongside.
+- dropout: forward and forward + backward TFLOP/s with and without dropout, with SDPA's.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
 """
@@ -78,6 +82,53 @@ def host():
               f"(compiled kernel: {type(compiled).__name__})", flush=True)
 
 
+def ops():
+    from common.ops import OPS
+
+    for shape in [(2, 4, 16, 32), (4, 8, 64, 64), (1, 16, 128, 128), (2, 4, 1024, 64)]:
+        for backend in ("triton", "ninetoothed"):
+            q, k, v = (torch.randn(*shape, dtype=torch.float16, device="cuda") for _ in range(3))
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            forward_op = OPS[backend][0]
+            scale = shape[-1] ** -0.5
+
+            def fwd_bwd(f):
+                f().sum().backward()
+
+            times = {
+                "direct": wall_time_us(lambda: attention(q, k, v, backend=backend)),
+                "operator": wall_time_us(lambda: forward_op(q, k, v, None, False, scale, 0.0, None)),
+                "grad fwd": wall_time_us(lambda: attention(qg, kg, vg, backend=backend)),
+                "fwd+bwd": wall_time_us(lambda: fwd_bwd(lambda: attention(qg, kg, vg, backend=backend))),
+                "sdpa": wall_time_us(lambda: F.scaled_dot_product_attention(q, k, v)),
+                "sdpa grad fwd": wall_time_us(lambda: F.scaled_dot_product_attention(qg, kg, vg)),
+                "sdpa fwd+bwd": wall_time_us(lambda: fwd_bwd(lambda: F.scaled_dot_product_attention(qg, kg, vg))),
+            }
+            print(shape, backend, "  ".join(f"{name} {t:.1f}" for name, t in times.items()), flush=True)
+
+
+def dropout():
+    """Dropout's cost: forward and forward + backward with p = 0 and p = 0.1, against SDPA's."""
+    for D in (64, 128):
+        for causal in (False, True):
+            L = 4096
+            B, H = 16384 // L, 2048 // D
+            q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                       for _ in range(3))
+            flops = 4 * B * H * L * L * D / (2 if causal else 1)
+            line = [f"D={D} causal={causal}"]
+            for name, f in (("sdpa", lambda p: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)),
+                            ("triton", lambda p: attention(q, k, v, is_causal=causal, dropout_p=p)),
+                            ("ninetoothed", lambda p: attention(q, k, v, is_causal=causal, dropout_p=p,
+                                                                backend="ninetoothed"))):
+                for p in (0.0, 0.1):
+                    with torch.no_grad():
+                        fwd = gpu_time_ms(lambda: f(p))
+                    both = gpu_time_ms(lambda: f(p).backward(torch.ones_like(q)))
+                    line.append(f"{name} p={p}: fwd {flops / fwd / 1e9:.0f} fwd+bwd {3.5 * flops / both / 1e9:.0f}")
+            print("  ".join(line), "(TFLOP/s)", flush=True)
+
+
 def decode():
     B, H, H_kv, D = 8, 32, 8, 128
     per_sm_default = plan.PROGRAMS_PER_SM
@@ -112,5 +163,5 @@ def decode():
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["regs", "host", "decode"]:
+    for name in sys.argv[1:] or ["regs", "host", "ops", "decode"]:
         globals()[name]()

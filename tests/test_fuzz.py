@@ -1,0 +1,81 @@
+"""A fuzzer: random calls of both kernel backends against SDPA's math in float64.
+
+Hypothesis draws the shapes (3-D and 4-D, odd lengths, Lq != Lk both ways),
+head dims (powers of two and not, Dv != D), dtypes, grouped-query groups,
+memory layouts, masks (bool or additive, broadcast from any of their shapes,
+rows with no visible key), scales (negative and large too) and causal or not;
+about one call in three also checks the gradients. Each example must pass the
+same accuracy rule as the hand-written cases.
+
+Two profiles, fixed seeds (derandomised, no example database), picked by the
+device or by the environment variable FUZZ_PROFILE:
+- "cpu": small sizes and few examples, for CI under Triton's interpreter;
+- "gpu": longer sequences and many examples, for the H200.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis", reason="the fuzzer needs hypothesis (extra 'test')")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from common import attention  # noqa: E402
+from tests.cases import Case, check_grads, check_output, make_inputs, sdpa_kwargs  # noqa: E402
+from tests.conftest import DEVICE  # noqa: E402
+
+PROFILES = {
+    "cpu": dict(examples=14, max_len=40),
+    "gpu": dict(examples=250, max_len=300),
+}
+PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
+PROFILE = PROFILES[PROFILE_NAME]
+HEAD_DIMS = (16, 24, 32, 40, 64, 80, 128)
+MASK_SHAPES_4D = ("LqLk", "1Lk", "B11Lk", "B1LqLk", "1HLqLk", "BHLqLk")
+MASK_SHAPES_3D = ("LqLk", "1Lk", "HLqLk")
+
+
+@st.composite
+def cases(draw):
+    B = draw(st.sampled_from([None, 1, 2]))
+    H_kv = draw(st.integers(1, 2))
+    group = draw(st.integers(1, 3))
+    Lq = draw(st.integers(1, PROFILE["max_len"]))
+    Lk = draw(st.integers(1, PROFILE["max_len"]))
+    D = draw(st.sampled_from(HEAD_DIMS))
+    Dv = draw(st.sampled_from((None, *HEAD_DIMS)))
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+    causal = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0).filter(lambda s: abs(s) > 1e-3),
+                           st.sampled_from([-20.0, 12.0])))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    mask, mask_shape = None, "BHLqLk"
+    if not causal:
+        mask = draw(st.sampled_from([None, "bool", "additive", "bool-empty-rows", "additive-empty-rows"]))
+        mask_shape = draw(st.sampled_from(MASK_SHAPES_3D if B is None else MASK_SHAPES_4D))
+    return Case(B, H_kv * group, Lq, Lk, D, Dv=Dv, H_kv=H_kv if group > 1 else None, dtype=dtype, causal=causal,
+                scale=scale, layout=layout, mask=mask, mask_shape=mask_shape)
+
+
+@settings(max_examples=PROFILE["examples"], deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases(), with_grads=st.integers(0, 2), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+def test_fuzz(backend, case, with_grads, seed):
+    torch.manual_seed(seed)
+    q, k, v, mask = make_inputs(case, DEVICE)
+    kwargs = sdpa_kwargs(case, mask)
+    note = f"{case.id} seed={seed}"
+    if with_grads == 0:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v, backend=backend, **kwargs)
+    check_output(out, q, k, v, **kwargs)
+    if with_grads == 0:
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, **kwargs)
+    hypothesis.note(note)

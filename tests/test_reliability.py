@@ -1,0 +1,194 @@
+"""Reliability: any GPU, any size, any thread; bounded memory.
+
+Each test here reproduces a failure seen on the H200 before the fix: tensors
+on a GPU that is not the current one, more than 65535 (batch x heads),
+tensors past 2^31 elements, concurrent first calls from many threads, and a
+long loop of calls with changing shapes. Most need a GPU (sizes the
+interpreter cannot run in minutes, a second device, threads the interpreter
+cannot share); the CPU suite runs what can run there: the 32-bit offset limit
+and the bounded caches.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from common import attention, attention_backward
+from common.launch import _MAX_BY_VALUE
+from common.reference import error_bound, reference
+from common.validation import OFFSET_LIMIT
+from tests.conftest import DEVICE
+
+ON_GPU = DEVICE == "cuda"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="GPU only: too large or too parallel for Triton's interpreter")
+f16 = torch.float16
+
+
+def assert_matches(out, q, k, v, **kwargs):
+    ref = reference(q, k, v, **kwargs)
+    bound, _ = error_bound(ref, q.dtype)
+    error = (out.double() - ref).abs().max().item()
+    assert error <= bound, f"max error {error:.3g} > bound {bound:.3g}"
+
+
+# -- a GPU that is not the current one ----------------------------------------------------------
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_tensors_on_another_gpu(backend):
+    """cuda:1 tensors while cuda:0 is current: forward, backward and split-KV run on
+    cuda:1 (on its current stream) and leave cuda:0 current."""
+    torch.cuda.set_device(0)
+    other = torch.device("cuda", 1)
+    side = torch.cuda.Stream(device=other)
+    q, k, v = (torch.randn(2, 4, 100, 64, dtype=f16, device=other, requires_grad=True) for _ in range(3))
+    with torch.cuda.stream(side):  # a non-default stream on cuda:1 (current there; cuda:0 stays current)
+        out = attention(q, k, v, is_causal=True, backend=backend)
+        out.backward(torch.ones_like(out))
+        decode = attention(q[:, :, :1].detach(), k.detach().repeat(1, 1, 40, 1), v.detach().repeat(1, 1, 40, 1),
+                           backend=backend)
+    side.synchronize()
+    assert torch.cuda.current_device() == 0
+    assert out.device == other and q.grad.device == other and decode.device == other
+    assert_matches(out, q, k, v, is_causal=True)
+    assert_matches(decode, q[:, :, :1], k.repeat(1, 1, 40, 1), v.repeat(1, 1, 40, 1))
+    assert q.grad.isfinite().all() and k.grad.abs().sum() > 0
+
+
+# -- grid limits -----------------------------------------------------------------------------------
+
+@needs_gpu
+def test_more_than_65535_batch_heads(backend):
+    """(2, 40000, 20, 32): 80000 (batch, head) pairs, past CUDA's 65535 on grid axes 1 and 2."""
+    q, k, v = (torch.randn(2, 40000, 20, 32, dtype=f16, device=DEVICE, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v, is_causal=True, backend=backend)
+    assert_matches(out, q, k, v, is_causal=True)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    leaves = [t.detach()[:, -300:].double().requires_grad_() for t in (q, k, v)]  # the last heads, in float64
+    reference(*leaves, is_causal=True).backward(grad_out[:, -300:].double())
+    for grad, leaf in zip((q.grad, k.grad, v.grad), leaves):
+        torch.testing.assert_close(grad[:, -300:].double(), leaf.grad, rtol=2e-2, atol=2e-2)
+
+
+# -- 64-bit offsets --------------------------------------------------------------------------------
+
+@needs_gpu
+def test_tensors_past_2_31_elements_triton():
+    """(1040, 64, 256, 128) fp16, causal: 2.2e9 elements per tensor (the issue's case)."""
+    shape = (1040, 64, 256, 128)
+    q, k, v = (torch.randn(shape, dtype=f16, device=DEVICE) for _ in range(3))
+    assert q.numel() > OFFSET_LIMIT
+    out = attention(q, k, v, is_causal=True, backend="triton")
+    for b in (0, 517, 1039):  # the first, a middle and the last batch (past 2^31 elements from the start)
+        assert_matches(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], is_causal=True)
+    del q, k, v, out
+
+
+@needs_gpu
+def test_long_sequence_in_blhd_layout_triton():
+    """K/V in a (B, L, H, D) buffer with L·H·D > 2^31: every key step's offset
+    (start_n * stride) passes 32 bits within one head; forward (split keys:
+    short queries) and backward."""
+    Lk, H, D = 132_000, 128, 128
+    k, v = (torch.randn(1, Lk, H, D, dtype=f16, device=DEVICE).transpose(1, 2) for _ in range(2))
+    q = torch.randn(1, 16, H, D, dtype=f16, device=DEVICE).transpose(1, 2)
+    assert k.numel() > OFFSET_LIMIT
+    out, lse = attention(q, k, v, backend="triton", return_lse=True)
+    heads = slice(H - 2, H)  # the last heads: offsets past 2^31
+    assert_matches(out[:, heads], q[:, heads], k[:, heads], v[:, heads])
+    grad_out = torch.randn_like(out)
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, backend="triton")
+    leaves = [t[:, heads].double().requires_grad_() for t in (q, k, v)]
+    reference(*leaves).backward(grad_out[:, heads].double())
+    for grad, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(grad[:, heads].double(), leaf.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_ninetoothed_refuses_tensors_past_32_bit_offsets():
+    """NineToothed's generated code indexes with 32-bit integers: a tensor that spans 2^31
+    elements gets a clear error before any launch, naming the limit (not an illegal access)."""
+    q, v = (torch.randn(2, 1, 4, 16, dtype=f16, device=DEVICE) for _ in range(2))
+    storage = torch.empty(OFFSET_LIMIT + 64, dtype=f16, device=DEVICE)  # never touched: no pages on the CPU
+    key = storage.as_strided((2, 1, 4, 16), (OFFSET_LIMIT, 64, 16, 1))  # batch 1 starts 2^31 elements in
+    with pytest.raises(ValueError, match=r"32-bit offsets .* fewer than 2\*\*31 = 2147483648 elements, but key spans"):
+        attention(q, key, v, backend="ninetoothed")
+    out = attention(q, key[:1].expand(2, 1, 4, 16), v, backend="ninetoothed")  # a broadcast view is fine
+    assert out.shape == (2, 1, 4, 16)
+    del storage, key
+
+
+# -- threads ------------------------------------------------------------------------------------------
+
+@needs_gpu
+def test_concurrent_first_calls(backend):
+    """Eight threads each make a configuration nobody has compiled yet, at the same
+    moment (NineToothed's code generation and Triton's compile cache, racing)."""
+    head_dims = (24, 40, 48, 56, 72, 88, 104, 120)
+    inputs = [tuple(torch.randn(1, 2, 50, d, dtype=f16, device=DEVICE) for _ in range(3)) for d in head_dims]
+    barrier = threading.Barrier(len(head_dims))
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            barrier.wait()
+            results[i] = attention(*inputs[i], is_causal=True, backend=backend)
+            torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001 - reported below, with its thread
+            errors.append((head_dims[i], repr(error)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(head_dims))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, (q, k, v) in enumerate(inputs):
+        assert_matches(results[i], q, k, v, is_causal=True)
+
+
+# -- memory -------------------------------------------------------------------------------------------
+
+def _resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@needs_gpu
+def test_no_growth_over_10000_calls(backend):
+    """10,000 calls with changing lengths (and a few with gradients): host memory and
+    device memory stay flat once the compiled kernels exist (measured, asserted)."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 300, (10_000, 2), generator=gen).tolist()
+    k_all = torch.randn(1, 2, 300, 64, dtype=f16, device=DEVICE)
+    q_all = torch.randn(1, 2, 300, 64, dtype=f16, device=DEVICE)
+
+    def calls(pairs):
+        for i, (lq, lk) in enumerate(pairs):
+            q, k = q_all[:, :, :lq], k_all[:, :, :lk]
+            if i % 100 == 0:
+                q = q.detach().requires_grad_()
+                attention(q, k, k, backend=backend).sum().backward()
+            else:
+                attention(q, k, k, is_causal=i % 2 == 0, backend=backend)
+
+    calls(lengths[:2000])  # warm-up: every kernel this loop needs is compiled
+    torch.cuda.synchronize()
+    gc.collect()
+    host, device = _resident_mb(), torch.cuda.memory_allocated()
+    calls(lengths)
+    torch.cuda.synchronize()
+    gc.collect()
+    grown = _resident_mb() - host
+    print(f"{backend}: host memory {host:.0f} MB -> +{grown:.1f} MB over 10,000 calls; "
+          f"device allocated {device} -> {torch.cuda.memory_allocated()} bytes")
+    assert grown < 32, f"host memory grew {grown:.1f} MB over 10,000 calls"
+    assert torch.cuda.memory_allocated() == device
+    if backend == "triton":
+        from impl_triton import attention as kernels
+
+        assert len(kernels._fwd_launcher._by_value) <= _MAX_BY_VALUE
+        assert len(kernels._fwd_launcher._by_class) < 64  # one per specialisation class, not per shape
