@@ -76,6 +76,12 @@ BACKWARD_DEFAULTS = {
     128: BackwardConfig(64, 128, 128, 64, 8, 3),
     256: BackwardConfig(16, 64, 64, 16, 8, 2),
 }
+# float32 tiles take twice the shared memory: the D = 128 default above runs out of it.
+FLOAT32_BACKWARD_DEFAULTS = {
+    **BACKWARD_DEFAULTS,
+    128: BackwardConfig(32, 128, 128, 32, 4, 3),
+    256: BackwardConfig(16, 32, 32, 16, 4, 1),
+}
 
 
 def next_power_of_2(n: int) -> int:
@@ -190,7 +196,9 @@ class ConfigTable:
         if interpreted:
             return interpreter_backward_config(block_d, q_key, k_key)
         config = self.entries.get(key(block_d, dtype, is_causal, length_bucket(q_key), backward=True))
-        return config if config is not None else BACKWARD_DEFAULTS[block_d]
+        if config is not None:
+            return config
+        return (FLOAT32_BACKWARD_DEFAULTS if dtype == torch.float32 else BACKWARD_DEFAULTS)[block_d]
 
 
 _override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("config_override", default=None)

@@ -39,6 +39,8 @@ import threading
 
 import ninetoothed
 import ninetoothed.language as ntl
+import triton
+import triton.language as tl
 from ninetoothed import Tensor
 
 from common.codecache import use_private_cache
@@ -129,14 +131,22 @@ def _group_rows(x, group, n_blocks, block_m, block_d=None):
 
 # -- forward ---------------------------------------------------------------------------------
 
+@triton.jit
 def _dropout_keep(seed, head, rows, keys, dropout_p):
     """Which scores dropout keeps, for the broadcast of ``rows`` and ``keys``; as
     ``_dropout_keep`` of the Triton kernel: one Philox-4x32-10 draw per score,
     counted by (key, row, batch·heads + head, 0), kept when its top 24 bits as
-    a uniform in [0, 1) are >= dropout_p. Inlined by NineToothed."""
+    a uniform in [0, 1) are >= dropout_p.
+
+    A ``@triton.jit`` helper, not a plain one: NineToothed copies it into each
+    generated module as it is (``_make`` defines ``tl`` there), whereas its
+    inliner gives a value-returning plain helper, called inside an inlined
+    loop, the same temporary name as the loop helper's own result (a "loop
+    carried variable changed type" compile error on the GPU).
+    """
     zero = rows * 0 + keys * 0
-    r, _, _, _ = ntl.philox(seed, keys + zero, rows + zero, (head + zero).to(ntl.int32), zero)
-    return (r >> 8).to(ntl.float32) * UNIFORM_24 >= dropout_p
+    r, _, _, _ = tl.philox(seed, keys + zero, rows + zero, (head + zero).to(tl.int32), zero)
+    return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
 
 
 def arrangement(
@@ -669,6 +679,11 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
             handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)
+            # NineToothed copies the module's @triton.jit helpers into the generated
+            # code as written (they say ``tl``), but not under the interpreter
+            # (they are not JITFunctions there).
+            handle._launch.__globals__.setdefault("tl", tl)
+            handle._launch.__globals__.setdefault("_dropout_keep", _dropout_keep)
             handle = _made[key] = route_generated_launch(handle)
     return handle
 

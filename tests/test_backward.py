@@ -46,6 +46,9 @@ GRAD_CASES = [
     *(Case(1, 2, 33, 47, D, causal=True) for D in (16, 40, 64, 80, 128)),
     # dtypes
     *(Case(2, 2, 50, 70, 64, dtype=dtype, causal=True) for dtype in (f16, bf16, f32)),
+    # float32 at the widest head dims (twice the shared memory of half precision)
+    Case(1, 1, 40, 72, 256, dtype=f32, causal=True),
+    Case(1, 1, 70, 40, 200, dtype=f32),
     Case(1, 2, 64, 64, 32, dtype=bf16, scale=0.3),
     # scales, layouts, 3-D
     Case(1, 2, 40, 40, 32, scale=-0.5),
