@@ -30,7 +30,7 @@ from tests.conftest import DEVICE  # noqa: E402
 
 PROFILES = {
     "cpu": dict(examples=14, max_len=40),
-    "gpu": dict(examples=250, max_len=300),
+    "gpu": dict(examples=120, max_len=300),
 }
 PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
 PROFILE = PROFILES[PROFILE_NAME]
