@@ -24,11 +24,13 @@ through it.
 from __future__ import annotations
 
 import operator
+import threading
 
 import torch
 import triton
 
 _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
+_compile_lock = threading.RLock()
 
 
 class CachedLauncher:
@@ -36,7 +38,8 @@ class CachedLauncher:
     num_stages=, **constexprs)``, the runtime arguments positionally in
     signature order, the constexprs by keyword; each argument in the same
     role (tensor or scalar) on every call. Safe to call from several threads
-    (the caches are dicts written whole; the roles are set in one assignment)."""
+    (the caches are dicts written whole; the roles are set in one assignment;
+    a miss, which compiles, holds a lock)."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -102,7 +105,10 @@ class CachedLauncher:
         key = (classes, layout, num_warps, num_stages, device)
         kernel = self._by_class.get(key)
         if kernel is None:
-            compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            # Triton's own dispatch compiles on a miss; first calls from several
+            # threads at once go through it one at a time (a first call only).
+            with _compile_lock:
+                compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             # A Triton whose launch returns no launchable kernel keeps the slow path.
             if not hasattr(compiled, "__getitem__"):
                 return None

@@ -8,7 +8,8 @@ about one call in three also checks the gradients. Each example must pass the
 same accuracy rule as the hand-written cases.
 
 Two profiles, fixed seeds (derandomised, no example database), picked by the
-device or by the environment variable FUZZ_PROFILE:
+device or by the environment variable FUZZ_PROFILE (FUZZ_EXAMPLES sets the
+number of examples):
 - "cpu": small sizes and few examples, for CI under Triton's interpreter;
 - "gpu": longer sequences and many examples, for the H200.
 """
@@ -33,7 +34,9 @@ PROFILES = {
     "gpu": dict(examples=120, max_len=300),
 }
 PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
-PROFILE = PROFILES[PROFILE_NAME]
+PROFILE = dict(PROFILES[PROFILE_NAME])
+if "FUZZ_EXAMPLES" in os.environ:  # a longer (or shorter) run of the same profile
+    PROFILE["examples"] = int(os.environ["FUZZ_EXAMPLES"])
 HEAD_DIMS = (16, 24, 32, 40, 64, 80, 128)
 MASK_SHAPES_4D = ("LqLk", "1Lk", "B11Lk", "B1LqLk", "1HLqLk", "BHLqLk")
 MASK_SHAPES_3D = ("LqLk", "1Lk", "HLqLk")
