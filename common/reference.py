@@ -7,11 +7,12 @@ to materialise the scores, SDPA picks its own fused kernel.)
 
 The accuracy rule: a kernel's error against the reference may be at most
 ERROR_MULTIPLE times the error SDPA's math backend makes in the same dtype,
-plus a floor per dtype. That math backend computes in float32 and rounds the
-result, so its error is the rounding of the exact answer to the dtype, which
-we compute directly (no second SDPA call, and no dependence on which fused
-SDPA kernel a device picks: on CUDA those disagree with the math backend for
-negative scales and for rows whose every key is masked out). Flash-style
+plus a floor per dtype. That error is at least the rounding of the exact
+answer to the dtype (at least half an ulp of the largest value), computed
+directly; the tests also run the math backend itself in the dtype
+(:func:`same_dtype_math`, always the math backend: the fused CUDA kernels
+disagree with it for negative scales and rows whose every key is masked out),
+because with large scales its own error passes that rounding. Flash-style
 kernels round the probabilities to the input dtype before the second product,
 so they land a few roundings above; the floor absorbs that on small outputs.
 """
@@ -39,6 +40,16 @@ def reference(query, key, value, *, is_causal=False, scale=None, attn_mask=None,
             query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=_upcast(attn_mask, dtype),
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
         )
+
+
+def same_dtype_math(query, key, value, *, is_causal=False, scale=None, attn_mask=None, enable_gqa=False):
+    """SDPA's math backend in the inputs' own dtype: the error it makes is the
+    measure the accuracy rule scales (an additive mask is cast to that dtype)."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(query.dtype)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
 
 
 def reference_lse(query, key, *, is_causal=False, scale=None, attn_mask=None, dtype=torch.float64) -> torch.Tensor:
@@ -103,15 +114,13 @@ def dropout_keep(seed: int, B: int, H: int, Lq: int, Lk: int, dropout_p: float, 
     return uniform >= torch.tensor(dropout_p, dtype=torch.float32).item()
 
 
-def reference_dropout(query, key, value, keep, dropout_p, *, is_causal=False, scale=None, attn_mask=None,
-                      dtype=torch.float64) -> torch.Tensor:
-    """SDPA with dropout, given the mask ``keep`` ((B, H, Lq, Lk) bool): the
-    softmax of the scaled, masked scores, kept weights scaled by 1 / (1 - p),
-    times value; in ``dtype``. A row whose every key is masked out gives 0."""
-    q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+def reference_probs(query, key, *, is_causal=False, scale=None, attn_mask=None, dtype=torch.float64) -> torch.Tensor:
+    """The attention weights, softmax of the scaled, masked scores, in ``dtype``:
+    (..., H, Lq, Lk) with grouped-query heads expanded; 0 in rows with no visible key.
+    Materialises the scores: for tests only."""
+    q, k = query.to(dtype), key.to(dtype)
     if k.shape[-3] != q.shape[-3]:  # grouped-query heads
-        group = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     lse = reference_lse(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask, dtype=dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ k.transpose(-2, -1) * scale
@@ -122,7 +131,18 @@ def reference_dropout(query, key, value, keep, dropout_p, *, is_causal=False, sc
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask.to(dtype)
     lse = torch.where(lse == float("-inf"), 0.0, lse)
-    weights = torch.exp(scores - lse[..., None])  # 0 where masked, and in rows with no key
+    return torch.exp(scores - lse[..., None])  # 0 where masked, and in rows with no key
+
+
+def reference_dropout(query, key, value, keep, dropout_p, *, is_causal=False, scale=None, attn_mask=None,
+                      dtype=torch.float64) -> torch.Tensor:
+    """SDPA with dropout, given the mask ``keep`` ((B, H, Lq, Lk) bool): the
+    softmax of the scaled, masked scores, kept weights scaled by 1 / (1 - p),
+    times value; in ``dtype``. A row whose every key is masked out gives 0."""
+    v = value.to(dtype)
+    if v.shape[-3] != query.shape[-3]:
+        v = v.repeat_interleave(query.shape[-3] // v.shape[-3], dim=-3)
+    weights = reference_probs(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask, dtype=dtype)
     kept = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
     return (weights * keep * kept) @ v
 
@@ -136,15 +156,58 @@ ERROR_FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 GRAD_ERROR_FLOOR = {torch.float16: 3e-3, torch.bfloat16: 2.4e-2, torch.float32: 2e-5}
 
 
-def grad_error_bound(expected, dtype) -> tuple[float, float]:
-    """(bound, rounding): how far a kernel's ``dtype`` gradient may be from ``expected`` (in float32/64)."""
+def _rounding(expected, dtype) -> float:
+    """The rounding of the exact answer to ``dtype``: what it is on these values, or half
+    an ulp of the largest one, whichever is larger (a kernel one ulp off the correctly
+    rounded value is as good as the dtype allows, even where the exact values happen
+    to lie close to representable ones)."""
+    if not expected.numel():
+        return 0.0
+    realised = (expected.to(dtype).to(expected.dtype) - expected).abs().max().item()
+    return max(realised, expected.abs().max().item() * torch.finfo(dtype).eps / 2)
+
+
+def grad_error_bound(expected, dtype, same_dtype_error: float = 0.0, from_output: float = 0.0
+                     ) -> tuple[float, float]:
+    """(bound, rounding): how far a kernel's ``dtype`` gradient may be from ``expected`` (in float32/64).
+
+    ``same_dtype_error``: the error of SDPA's math backend run in ``dtype``, where
+    known (large scales make it exceed the rounding of the answer).
+    ``from_output``: for dq and dk, how far the exact gradient moves when delta =
+    rowsum(dO * O) is taken from the output rounded to ``dtype``, as every
+    FlashAttention-style backward takes it (:func:`delta_rounding_effect`; it
+    grows with the scale).
+    """
     if not expected.numel():
         return 0.0, 0.0
-    rounding = (expected.to(dtype).to(expected.dtype) - expected).abs().max().item()
+    rounding = max(_rounding(expected, dtype), same_dtype_error) + from_output
     return ERROR_MULTIPLE * rounding + GRAD_ERROR_FLOOR[dtype] * max(1.0, expected.abs().max().item()), rounding
 
 
-def error_bound(expected, dtype) -> tuple[float, float]:
-    """(bound, rounding): how far a kernel's ``dtype`` output may be from ``expected`` (in float32/64)."""
-    rounding = (expected.to(dtype).to(expected.dtype) - expected).abs().max().item() if expected.numel() else 0.0
+def delta_rounding_effect(query, key, value, out, grad_out, *, is_causal=False, scale=None, attn_mask=None):
+    """(dq, dk): how far, at most, the rounding of delta = rowsum(dO * O) can move the
+    largest elements of dq and dk in a FlashAttention-style backward, which takes
+    delta from the output as stored (rounded to the inputs' dtype: ``out`` is exact,
+    float64) and computes it and dp = dO V^T in float32. ds = p (dp - delta), so an
+    error e_i in row i moves dq_i by at most |scale| |e_i| sum_j p_ij |k_j| and dk_j
+    by |scale| sum_i p_ij |e_i| |q_i|: negligible at the usual scales, large where
+    |scale| makes the softmax nearly one-hot."""
+    probs = reference_probs(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+    q, k, v, do = query.double(), key.double(), value.double(), grad_out.double()
+    group = q.shape[-3] // k.shape[-3]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    eps32 = torch.finfo(torch.float32).eps
+    largest_v = v.abs().amax(dim=-2, keepdim=True).repeat_interleave(group, dim=-3)  # (..., H, 1, Dv)
+    e = ((do * (out.to(query.dtype).double() - out)).sum(-1, keepdim=True).abs()
+         + eps32 * (do.abs() * (out.abs() + largest_v)).sum(-1, keepdim=True))  # (..., H, Lq, 1)
+    dq = abs(scale) * e * (probs @ k.abs().repeat_interleave(group, dim=-3))
+    dk = abs(scale) * (probs * e).transpose(-2, -1) @ q.abs()
+    dk = dk.unflatten(-3, (k.shape[-3], group)).sum(-3)
+    return dq.max().item() if dq.numel() else 0.0, dk.max().item() if dk.numel() else 0.0
+
+
+def error_bound(expected, dtype, same_dtype_error: float = 0.0) -> tuple[float, float]:
+    """(bound, rounding): how far a kernel's ``dtype`` output may be from ``expected`` (in float32/64);
+    ``same_dtype_error`` as for :func:`grad_error_bound`."""
+    rounding = max(_rounding(expected, dtype), same_dtype_error)
     return ERROR_MULTIPLE * rounding + ERROR_FLOOR[dtype], rounding
