@@ -184,11 +184,13 @@ def grad_error_bound(expected, dtype, same_dtype_error: float = 0.0, from_output
     return ERROR_MULTIPLE * rounding + GRAD_ERROR_FLOOR[dtype] * max(1.0, expected.abs().max().item()), rounding
 
 
-def delta_rounding_effect(query, key, value, out, grad_out, *, is_causal=False, scale=None, attn_mask=None):
+def delta_rounding_effect(query, key, value, out, grad_out, *, is_causal=False, scale=None, attn_mask=None,
+                          stored=None):
     """(dq, dk): how far, at most, the rounding of delta = rowsum(dO * O) can move the
     largest elements of dq and dk in a FlashAttention-style backward, which takes
-    delta from the output as stored (rounded to the inputs' dtype: ``out`` is exact,
-    float64) and computes it and dp = dO V^T in float32. ds = p (dp - delta), so an
+    delta from the output as stored (``stored``, the kernel's output; by default the
+    exact ``out``, float64, rounded to the inputs' dtype) and computes it and
+    dp = dO V^T in float32. ds = p (dp - delta), so an
     error e_i in row i moves dq_i by at most |scale| |e_i| sum_j p_ij |k_j| and dk_j
     by |scale| sum_i p_ij |e_i| |q_i|: negligible at the usual scales, large where
     |scale| makes the softmax nearly one-hot."""
@@ -198,7 +200,8 @@ def delta_rounding_effect(query, key, value, out, grad_out, *, is_causal=False, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     eps32 = torch.finfo(torch.float32).eps
     largest_v = v.abs().amax(dim=-2, keepdim=True).repeat_interleave(group, dim=-3)  # (..., H, 1, Dv)
-    e = ((do * (out.to(query.dtype).double() - out)).sum(-1, keepdim=True).abs()
+    stored = out.to(query.dtype) if stored is None else stored
+    e = ((do * (stored.double() - out)).sum(-1, keepdim=True).abs()
          + eps32 * (do.abs() * (out.abs() + largest_v)).sum(-1, keepdim=True))  # (..., H, Lq, 1)
     dq = abs(scale) * e * (probs @ k.abs().repeat_interleave(group, dim=-3))
     dk = abs(scale) * (probs * e).transpose(-2, -1) @ q.abs()

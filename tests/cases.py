@@ -164,8 +164,9 @@ def reference_grads(q, k, v, grad_out, *, grad_lse=None, **kwargs):
     return [t.grad for t in leaves]
 
 
-def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, **kwargs):
-    """Assert (dq, dk, dv) are SDPA's gradients, by the rule of ``common.reference.grad_error_bound``."""
+def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, out=None, **kwargs):
+    """Assert (dq, dk, dv) are SDPA's gradients, by the rule of ``common.reference.grad_error_bound``;
+    ``out``: the forward's output the backward used (its rounding moves dq and dk)."""
     refs = reference_grads(q, k, v, grad_out, grad_lse=grad_lse, **kwargs)
     same = [0.0, 0.0, 0.0]
     if grad_lse is None:  # SDPA's math in the inputs' dtype, differentiated the same way
@@ -174,8 +175,9 @@ def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, **kwargs):
         same = [_max_error(g, r) for g, r in zip(grads_same, refs)]
     lse_kwargs = {name: value for name, value in kwargs.items() if name != "enable_gqa"}
     with torch.no_grad():
-        out = reference(q, k, v, **kwargs)
-    from_output = [*delta_rounding_effect(q, k, v, out, grad_out, **lse_kwargs), 0.0]
+        exact = reference(q, k, v, **kwargs)
+        stored = out.detach() if out is not None else None
+    from_output = [*delta_rounding_effect(q, k, v, exact, grad_out, stored=stored, **lse_kwargs), 0.0]
     errors = []
     for name, grad, ref, like, same_error, moved in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), same,
                                                          from_output):

@@ -34,7 +34,7 @@ def run_grad_case(case: Case, backend: str, device: str):
     check_output(out, q, k, v, **kwargs)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    return check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, **kwargs)
+    return check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
 
 
 GRAD_CASES = [

@@ -80,5 +80,5 @@ def test_fuzz(backend, case, with_grads, seed):
     if with_grads == 0:
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
-        check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, **kwargs)
+        check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
     hypothesis.note(note)

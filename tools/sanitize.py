@@ -44,7 +44,7 @@ def main() -> int:
             check_output(out, q, k, v, **kwargs)
             grad_out = torch.randn_like(out)
             out.backward(grad_out)
-            check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, **kwargs)
+            check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
             runs += 1
         with force_splits(3):
             case = Case(1, 2, 7, 200, 32)
