@@ -52,11 +52,9 @@ def same_dtype_math(query, key, value, *, is_causal=False, scale=None, attn_mask
                                               scale=scale, enable_gqa=enable_gqa)
 
 
-def reference_lse(query, key, *, is_causal=False, scale=None, attn_mask=None, dtype=torch.float64) -> torch.Tensor:
-    """Natural-log log-sum-exp over the keys of each row's scaled, masked scores.
-
-    Materialises the (..., Lq, Lk) scores: for tests only. Shape (..., Lq).
-    """
+def reference_scores(query, key, *, is_causal=False, scale=None, attn_mask=None, dtype=torch.float64):
+    """The scaled, masked scores in ``dtype``, (..., H, Lq, Lk), grouped-query heads
+    expanded; -inf where masked. Materialises them: for tests only."""
     q, k = query.to(dtype), key.to(dtype)
     if k.shape[-3] != q.shape[-3]:  # grouped-query heads
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
@@ -71,6 +69,15 @@ def reference_lse(query, key, *, is_causal=False, scale=None, attn_mask=None, dt
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.to(dtype)
+    return scores
+
+
+def reference_lse(query, key, *, is_causal=False, scale=None, attn_mask=None, dtype=torch.float64) -> torch.Tensor:
+    """Natural-log log-sum-exp over the keys of each row's scaled, masked scores.
+
+    Materialises the (..., Lq, Lk) scores: for tests only. Shape (..., Lq).
+    """
+    scores = reference_scores(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask, dtype=dtype)
     return torch.logsumexp(scores, dim=-1)
 
 
@@ -118,20 +125,9 @@ def reference_probs(query, key, *, is_causal=False, scale=None, attn_mask=None, 
     """The attention weights, softmax of the scaled, masked scores, in ``dtype``:
     (..., H, Lq, Lk) with grouped-query heads expanded; 0 in rows with no visible key.
     Materialises the scores: for tests only."""
-    q, k = query.to(dtype), key.to(dtype)
-    if k.shape[-3] != q.shape[-3]:  # grouped-query heads
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    lse = reference_lse(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask, dtype=dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.transpose(-2, -1) * scale
-    Lq, Lk = scores.shape[-2:]
-    if is_causal:
-        scores = scores.masked_fill(~torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(0), float("-inf"))
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-            else scores + attn_mask.to(dtype)
-    lse = torch.where(lse == float("-inf"), 0.0, lse)
-    return torch.exp(scores - lse[..., None])  # 0 where masked, and in rows with no key
+    scores = reference_scores(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask, dtype=dtype)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse))  # 0 where masked, and in empty rows
 
 
 def reference_dropout(query, key, value, keep, dropout_p, *, is_causal=False, scale=None, attn_mask=None,
