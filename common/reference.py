@@ -89,9 +89,9 @@ _PHILOX_KEY_STEP = (0x9E3779B9, 0xBB67AE85)  # and its Weyl key increments
 _PHILOX_ROUNDS = 10
 
 
-def _philox_first(seed: int, c0, c1, c2, c3):
-    """The first of Philox-4x32-10's four outputs, on int64 tensors holding uint32
-    values (products wrap mod 2^64 in int64, so their low 64 bits are exact)."""
+def _philox(seed: int, c0, c1, c2, c3):
+    """Philox-4x32-10's four outputs, on int64 tensors holding uint32 values
+    (products wrap mod 2^64 in int64, so their low 64 bits are exact)."""
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     a, b = _PHILOX_ROUND
     for _ in range(_PHILOX_ROUNDS):
@@ -103,20 +103,22 @@ def _philox_first(seed: int, c0, c1, c2, c3):
             prod_a & _M32,
         )
         k0, k1 = (k0 + _PHILOX_KEY_STEP[0]) & _M32, (k1 + _PHILOX_KEY_STEP[1]) & _M32
-    return c0
+    return c0, c1, c2, c3
 
 
 def dropout_keep(seed: int, B: int, H: int, Lq: int, Lk: int, dropout_p: float, device="cpu") -> torch.Tensor:
     """The kernels' dropout mask, (B, H, Lq, Lk) bool (True = kept), written from
-    the definition (not from the kernels): score (b, h, i, j) draws Philox-4x32-10
-    with key ``seed`` and counter (j, i, b·H + h, 0); its top 24 bits, times
-    2^-24, are a uniform u; the score is kept when u >= dropout_p (compared in
-    float32, as the kernels do). For tests: materialises (B, H, Lq, Lk)."""
+    the definition (not from the kernels): Philox-4x32-10 with key ``seed`` and
+    counter (j // 4, i, b·H + h, 0) gives four outputs, the (j % 4)-th of which
+    decides score (b, h, i, j); its top 24 bits, times 2^-24, are a uniform u;
+    the score is kept when u >= dropout_p (compared in float32, as the kernels
+    do). For tests: materialises (B, H, Lq, Lk)."""
     rows = torch.arange(Lq, dtype=torch.int64, device=device).view(1, 1, Lq, 1)
     keys = torch.arange(Lk, dtype=torch.int64, device=device).view(1, 1, 1, Lk)
     heads = torch.arange(B * H, dtype=torch.int64, device=device).view(B, H, 1, 1)
     zero = torch.zeros((B, H, Lq, Lk), dtype=torch.int64, device=device)
-    r = _philox_first(int(seed), keys + zero, rows + zero, heads + zero, zero)
+    outputs = torch.stack(_philox(int(seed), keys // 4 + zero, rows + zero, heads + zero, zero))
+    r = outputs.gather(0, (keys % 4 + zero).unsqueeze(0))[0]
     uniform = (r >> 8).to(torch.float64) * 2.0**-24
     return uniform >= torch.tensor(dropout_p, dtype=torch.float32).item()
 

@@ -133,10 +133,11 @@ def _group_rows(x, group, n_blocks, block_m, block_d=None):
 
 @triton.jit
 def _dropout_keep(seed, head, rows, keys, dropout_p):
-    """Which scores dropout keeps, for the broadcast of ``rows`` and ``keys``; as
-    ``_dropout_keep`` of the Triton kernel: one Philox-4x32-10 draw per score,
-    counted by (key, row, batch·heads + head, 0), kept when its top 24 bits as
-    a uniform in [0, 1) are >= dropout_p.
+    """Which scores dropout keeps: (M, N) for rows (M,) and consecutive keys (N,),
+    as ``_dropout_keep`` of the Triton kernel: one Philox-4x32-10 draw per four
+    keys of a row, counted by (key // 4, row, batch·heads + head, 0), its i-th
+    output for key 4·(key // 4) + i, kept when its top 24 bits as a uniform in
+    [0, 1) are >= dropout_p.
 
     A ``@triton.jit`` helper, not a plain one: NineToothed copies it into each
     generated module as it is (``_make`` defines ``tl`` there), whereas its
@@ -144,8 +145,13 @@ def _dropout_keep(seed, head, rows, keys, dropout_p):
     loop, the same temporary name as the loop helper's own result (a "loop
     carried variable changed type" compile error on the GPU).
     """
-    zero = rows * 0 + keys * 0
-    r, _, _, _ = tl.philox(seed, keys + zero, rows + zero, (head + zero).to(tl.int32), zero)
+    M: tl.constexpr = rows.shape[0]
+    N: tl.constexpr = keys.shape[0]
+    quads = tl.min(tl.reshape(keys, (N // 4, 4)), 1) // 4  # each run of four keys starts at a multiple of 4
+    zero = rows[:, None] * 0 + quads[None, :] * 0  # int32, (M, N / 4)
+    r0, r1, r2, r3 = tl.philox(seed, quads[None, :] + zero, rows[:, None] + zero, (head + zero).to(tl.int32), zero)
+    # join stacks on a new last axis: [q, a, b] is join(join(r0, r2), join(r1, r3))[q, a, b] = r_(2a + b)
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (M, N))  # output i for key 4q + i
     return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
 
 
@@ -239,7 +245,7 @@ def _attn_fwd_inner(
         acc = acc * alpha[:, None]
         if DROPOUT:
             offs_n = key[j - first].offsets(-2)
-            keep = _dropout_keep(seed, head, offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = _dropout_keep(seed, head, offs_m, offs_n, dropout_p)
             p = ntl.where(keep, p, 0.0)
         v = value[j - first]
         acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -379,7 +385,7 @@ def _attn_bwd_dq_inner(
         dp = ntl.dot(do, ntl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
             offs_n = key[j].offsets(-2)
-            keep = _dropout_keep(seed, head, offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = _dropout_keep(seed, head, offs_m, offs_n, dropout_p)
             dp = ntl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = ntl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -489,7 +495,7 @@ def _attn_bwd_dkdv_inner(
         dpT = ntl.dot(v, ntl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
             offs_qm = query[g, i].offsets(-2)
-            keepT = _dropout_keep(seed, head, offs_qm[None, :], offs_kn[:, None], dropout_p)
+            keepT = ntl.trans(_dropout_keep(seed, head, offs_qm, offs_kn, dropout_p))
             dv = ntl.dot(ntl.where(keepT, pT * dropout_scale, 0.0).to(do.dtype), do, dv,
                          input_precision=DOT_PRECISION)
             dpT = ntl.where(keepT, dpT * dropout_scale, 0.0)

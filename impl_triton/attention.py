@@ -73,18 +73,24 @@ UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 
 @triton.jit
 def _dropout_keep(seed, head, rows, keys, dropout_p):
-    """Which scores dropout keeps: True where kept, for the broadcast of ``rows``
-    and ``keys`` (2-D: (M, 1) x (1, N), or transposed).
+    """Which scores dropout keeps: (M, N), True where kept, for query rows
+    ``rows`` (M,) and keys ``keys`` (N,: consecutive, from a multiple of 4).
 
-    One Philox-4x32-10 draw per score, keyed by the 64-bit ``seed`` and counted
-    by its absolute position (key, row, batch·heads + head, 0): the forward and
-    both backward passes regenerate the same mask from any tiling, and no mask
-    is ever stored. The top 24 bits of the draw are a uniform in [0, 1); a
-    score is kept when it is >= dropout_p. ``common.reference.dropout_keep`` is
-    the same function in plain torch.
+    One Philox-4x32-10 draw per four consecutive keys of a row, keyed by the
+    64-bit ``seed`` and counted by absolute position (key // 4, row,
+    batch·heads + head, 0); its i-th output decides key 4·(key // 4) + i. The
+    forward and both backward passes regenerate the same mask from any tiling
+    (the dK/dV pass transposes it), and no mask is ever stored. The top 24 bits
+    of an output are a uniform in [0, 1); a score is kept when it is >=
+    dropout_p. ``common.reference.dropout_keep`` is the same function in plain torch.
     """
-    zero = rows * 0 + keys * 0  # int32, the broadcast shape
-    r, _, _, _ = tl.philox(seed, keys + zero, rows + zero, (head + zero).to(tl.int32), zero)
+    M: tl.constexpr = rows.shape[0]
+    N: tl.constexpr = keys.shape[0]
+    quads = tl.min(tl.reshape(keys, (N // 4, 4)), 1) // 4  # each run of four keys starts at a multiple of 4
+    zero = rows[:, None] * 0 + quads[None, :] * 0  # int32, (M, N / 4)
+    r0, r1, r2, r3 = tl.philox(seed, quads[None, :] + zero, rows[:, None] + zero, (head + zero).to(tl.int32), zero)
+    # join stacks on a new last axis: [q, a, b] is join(join(r0, r2), join(r1, r3))[q, a, b] = r_(2a + b)
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (M, N))  # output i for key 4q + i
     return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
 
 
@@ -164,7 +170,7 @@ def _attn_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _dropout_keep(seed, off_hz, offs_m[:, None], offs_kn[None, :], dropout_p)
+            keep = _dropout_keep(seed, off_hz, offs_m, offs_kn, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -349,7 +355,7 @@ def _attn_bwd_dq_inner(
             p = tl.math.exp2(qk * qk_scale - m2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = _dropout_keep(seed, off_hz, offs_m[:, None], offs_kn[None, :], dropout_p)
+            keep = _dropout_keep(seed, off_hz, offs_m, offs_kn, dropout_p)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -498,7 +504,7 @@ def _attn_bwd_dkdv_inner(
             delta = tl.load(delta_ptrs + start_m)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keepT = _dropout_keep(seed, head, offs_qm[None, :], offs_kn[:, None], dropout_p)
+            keepT = tl.trans(_dropout_keep(seed, head, offs_qm, offs_kn, dropout_p))
             dv = tl.dot(tl.where(keepT, pT * dropout_scale, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
         else:
