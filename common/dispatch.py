@@ -88,8 +88,8 @@ def attention(
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
     if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
-        out, lse = ops.OPS[chosen.name][0](call.query, call.key, call.value, call.attn_mask, call.is_causal,
-                                           call.scale, call.dropout_p, call.dropout_seed)
+        out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
+                                                    call.is_causal, call.scale, call.dropout_p, call.dropout_seed)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:

@@ -14,7 +14,6 @@ spares the operator dispatch on every call of a user's inference loop.
 """
 
 import contextlib
-from typing import Optional
 
 import torch
 
@@ -88,65 +87,86 @@ def new_seed(device) -> torch.Tensor:
     return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, device=device)  # (torch.compile traces randint)
 
 
+_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+_FORWARD_SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float scale, "
+                   "float dropout_p, Tensor? dropout_seed) -> (Tensor, Tensor)")
+_BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor out, "
+                    "Tensor lse, Tensor? grad_lse, bool is_causal, float scale, float dropout_p, "
+                    "Tensor? dropout_seed) -> (Tensor, Tensor, Tensor)")
+
+
 def _register(name: str):
-    """Define ``<name>_forward`` and ``<name>_backward`` for the kernel backend ``name``."""
+    """Define ``<name>_forward`` and ``<name>_backward`` for the kernel backend ``name``,
+    and the ``autograd.Function`` that differentiates the first with the second.
+
+    The operators are defined with the Library API and carry no autograd kernel of
+    their own: ``custom_op`` + ``register_autograd`` put a Python autograd kernel
+    in front of every call (measured on the CPU: 105 µs for a call that records
+    autograd and 37 µs for one that does not, against 28 and 12 µs this way).
+    Autograd goes through :class:`torch.autograd.Function` instead, which
+    ``torch.compile`` traces (forward and backward) like the operators.
+    """
     backend = get_backend(name)
 
-    @torch.library.custom_op(f"{NAMESPACE}::{name}_forward", mutates_args=())
-    def forward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                   is_causal: bool, scale: float, dropout_p: float, dropout_seed: Optional[torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_impl(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
         call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
         return forward(backend, call, with_lse=True)
 
-    @forward_op.register_fake
-    def _(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
+    def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
         B, H, Lq, _ = query.shape
         return (query.new_empty((B, H, Lq, value.shape[3])),
                 query.new_empty((B, H, Lq), dtype=torch.float32))
 
-    @torch.library.custom_op(f"{NAMESPACE}::{name}_backward", mutates_args=())
-    def backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
-                    grad_lse: Optional[torch.Tensor], is_causal: bool, scale: float, dropout_p: float,
-                    dropout_seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_impl(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
+                      dropout_seed):
         call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
         return backward(backend, call, out, lse, grad_out, grad_lse)
 
-    @backward_op.register_fake
-    def _(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p, dropout_seed):
+    def backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
+                      dropout_seed):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format))
 
-    def setup_context(ctx, inputs, output):
-        query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed = inputs
-        out, lse = output
-        ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
-        ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
-        # An output that takes no part in the loss gets None, not zeros: most
-        # calls use the output alone, and a zero gradient of the lse would
-        # still cost a read in the kernel.
-        ctx.set_materialize_grads(False)
+    for op, schema, impl, fake in ((f"{name}_forward", _FORWARD_SCHEMA, forward_impl, forward_fake),
+                                   (f"{name}_backward", _BACKWARD_SCHEMA, backward_impl, backward_fake)):
+        _LIBRARY.define(op + schema)
+        _LIBRARY.impl(op, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{op}", fake, lib=_LIBRARY)
+    forward_op = getattr(torch.ops.twin_attention, f"{name}_forward").default
+    backward_op = getattr(torch.ops.twin_attention, f"{name}_backward").default
 
-    def backward_formula(ctx, grad_out, grad_lse):
-        query, key, value, attn_mask, out, lse, dropout_seed = ctx.saved_tensors
-        if grad_out is None:  # only the lse takes part
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
-                                 ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed)
-        return dq, dk, dv, None, None, None, None, None
+    class Attention(torch.autograd.Function):
+        """query, key, value -> (out, lse), differentiable in query, key and value."""
 
-    forward_op.register_autograd(backward_formula, setup_context=setup_context)
+        @staticmethod
+        def forward(ctx, query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
+            out, lse = forward_op(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
+            ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
+            ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
+            # An output that takes no part in the loss gets None, not zeros: most
+            # calls use the output alone, and a zero gradient of the lse would
+            # still cost a read in the kernel.
+            ctx.set_materialize_grads(False)
+            return out, lse
 
-    def double_backward(ctx, *grads):
-        raise RuntimeError(
-            f"gradients of gradients (double backward) through attention are not supported by the {name!r} "
-            "backend; use backend='torch' for them"
-        )
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
+                raise RuntimeError(
+                    f"gradients of gradients (double backward) through attention are not supported by the "
+                    f"{name!r} backend; use backend='torch' for them"
+                )
+            query, key, value, attn_mask, out, lse, dropout_seed = ctx.saved_tensors
+            if grad_out is None:  # only the lse takes part
+                grad_out = torch.zeros_like(out)
+            dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
+                                     ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed)
+            return dq, dk, dv, None, None, None, None, None
 
-    backward_op.register_autograd(double_backward, setup_context=lambda ctx, inputs, output: None)
-    return forward_op, backward_op
+    return forward_op, backward_op, Attention
 
 
-OPS = {name: _register(name) for name, b in BACKENDS.items() if b.kernels}
+_REGISTERED = {name: _register(name) for name, b in BACKENDS.items() if b.kernels}
+OPS = {name: registered[:2] for name, registered in _REGISTERED.items()}  # (forward, backward) operators
+FUNCTIONS = {name: registered[2] for name, registered in _REGISTERED.items()}  # their autograd.Functions
