@@ -136,12 +136,13 @@ def resolve(name: str | None) -> Backend:
 
 
 def _interpreted(module: str) -> bool:
-    loaded = sys.modules.get(module)
-    if loaded is None:
-        # Not imported yet (and torch.compile cannot trace an import): the
-        # module will read the same switch when it is.
+    # Not imported yet, or still being imported by another thread (sys.modules
+    # holds it before its body has run): the module will read the same switch.
+    # (torch.compile cannot trace an import, so this never imports.)
+    interpreted = getattr(sys.modules.get(module), "INTERPRETED", None)
+    if interpreted is None:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return loaded.INTERPRETED
+    return interpreted
 
 
 @contextlib.contextmanager

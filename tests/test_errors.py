@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -201,3 +203,15 @@ def test_cpu_tensors_without_interpreter(backend, monkeypatch):
     q = torch.randn(1, 2, 8, 32, dtype=torch.float16)
     with pytest.raises(ValueError, match="set the environment variable TRITON_INTERPRET=1"):
         attention(q, q, q, backend=backend)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_interpreted_while_another_thread_imports(backend, monkeypatch, interpret):
+    """A first call on one thread while another thread is still importing the backend:
+    sys.modules holds the module before its body has defined INTERPRETED, and the
+    answer must come from the switch the module will read (was an AttributeError)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, BACKENDS[backend].module, types.ModuleType("half-imported"))
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    assert BACKENDS[backend].interpreted() is (interpret == "1")
