@@ -2,10 +2,13 @@
 
 ``attention`` computes what ``torch.nn.functional.scaled_dot_product_attention``
 computes, forward and backward, on the backend of your choice;
-``attention_backward`` runs a backend's backward kernels directly.
+``attention_backward`` runs a backend's backward kernels directly;
+``ring_attention`` spreads one sequence over the ranks of a process group.
 """
 
 from common.backends import available_backends, use_backend
 from common.dispatch import attention, attention_backward
+from common.ring import ring_attention, shard_sequence, unshard_sequence
 
-__all__ = ["attention", "attention_backward", "available_backends", "use_backend"]
+__all__ = ["attention", "attention_backward", "available_backends", "ring_attention", "shard_sequence",
+           "unshard_sequence", "use_backend"]
