@@ -1,11 +1,12 @@
 """The kernel backends as torch operators: what autograd and torch.compile see.
 
 Each kernel backend gets two operators in the ``twin_attention`` namespace,
-``<backend>_forward`` and ``<backend>_backward``, registered with
-``torch.library.custom_op``: a fake implementation (shapes only, for tracing),
-and an autograd formula that calls the backward operator. ``torch.compile``
-sees each as one opaque node (it never traces into our Triton code), autograd
-sees one differentiable function.
+``<backend>_forward`` and ``<backend>_backward``, defined with the
+``torch.library.Library`` API: an implementation and a fake one (shapes only,
+for tracing), no autograd kernel. An ``autograd.Function`` per backend
+(:data:`FUNCTIONS`) calls the forward operator and differentiates it with the
+backward one. ``torch.compile`` sees each operator as one opaque node (it never
+traces into our Triton code), autograd sees one differentiable function.
 
 :func:`forward` and :func:`backward` are the operators' bodies: plan, launch,
 return. :mod:`common.dispatch` calls them directly where neither autograd nor
