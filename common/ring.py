@@ -89,8 +89,7 @@ def ring_attention(
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("ring_attention needs torch.distributed initialised (init_process_group) first")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    _check_layout(layout)
     chosen = resolve(backend)
     problem, call = None, None
     try:
@@ -112,8 +111,7 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, *, layout: str =
     ``2 * world_size - 1 - rank`` of 2·world_size equal chunks, concatenated
     (the length must divide by 2·world_size).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    _check_layout(layout)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     length = x.shape[dim]
@@ -130,13 +128,17 @@ def shard_sequence(x: torch.Tensor, rank: int, world_size: int, *, layout: str =
 def unshard_sequence(shards, *, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
     """The full sequence from every rank's shard (a list in rank order, e.g. from
     ``all_gather``): the inverse of :func:`shard_sequence`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    _check_layout(layout)
     shards = list(shards)
     if layout == "contiguous":
         return torch.cat(shards, dim)
     halves = [s.chunk(2, dim) for s in shards]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+
+def _check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
 
 
 def _even_bounds(length: int, parts: int) -> list[int]:
