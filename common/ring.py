@@ -89,15 +89,16 @@ def ring_attention(
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("ring_attention needs torch.distributed initialised (init_process_group) first")
-    _check_layout(layout)
-    chosen = resolve(backend)
-    problem, call = None, None
-    try:
+    problem, call, chosen = None, None, None
+    try:  # an error here is raised after the exchange, on every rank (no rank left waiting)
+        _check_layout(layout)
+        chosen = resolve(backend)
         call = check_call(chosen, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=is_causal,
                           scale=scale, enable_gqa=enable_gqa, return_lse=False)
+        _check_group_device(group, call.query.device)
     except (TypeError, ValueError) as error:
         problem = error
-    ring = _Ring.agree(group, call, problem, device=_device(group, query))
+    ring = _Ring.agree(group, call, problem, device=_exchange_device(group, query))
     ring.check_layout(call.is_causal, layout)
     out = _RingAttention.apply(call.query, call.key, call.value, call.is_causal, call.scale, chosen, ring, layout)
     return out[0] if call.unbatched else out
@@ -162,7 +163,7 @@ class _Ring:
         import torch.distributed as dist
 
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        if call is None:
+        if problem is not None:
             meta = [0] * 9
         else:
             B, H, Lq, D = call.query.shape
@@ -210,18 +211,24 @@ class _Ring:
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _device(group, query) -> torch.device:
-    """Where the ranks exchange their shapes: the tensors' device, which the group's
-    backend must carry (NCCL only CUDA tensors; gloo CPU ones too)."""
+def _exchange_device(group, query) -> torch.device:
+    """Where the ranks exchange their shapes: a device the group's backend carries (NCCL: the
+    query's GPU, or the current one; gloo: the CPU, or the query's device)."""
     import torch.distributed as dist
 
-    nccl = dist.get_backend(group) == "nccl"
-    if not isinstance(query, torch.Tensor):  # the error is raised after the exchange, on every rank
-        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    if nccl and query.device.type != "cuda":
+    if dist.get_backend(group) == "nccl":
+        if isinstance(query, torch.Tensor) and query.device.type == "cuda":
+            return query.device
+        return torch.device("cuda", torch.cuda.current_device())
+    return query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
+
+
+def _check_group_device(group, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
         raise ValueError(f"the process group's backend is NCCL, which carries CUDA tensors only; "
-                         f"query is on {query.device} (use a gloo group for CPU tensors)")
-    return query.device
+                         f"query is on {device} (use a gloo group for CPU tensors)")
 
 
 def _global(group, rank: int) -> int:

@@ -109,6 +109,13 @@ def check_errors(backend: str, device) -> None:
         assert "same query heads" in str(error), f"rank {rank}: {error}"
     else:
         raise AssertionError(f"rank {rank}: no error for shards with different numbers of heads")
+    try:  # a bad layout on rank 0 only: an error on every rank, no rank left waiting
+        ring_attention(q, q, q, backend=backend, layout="striped" if rank == 0 else "contiguous")
+    except ValueError as error:
+        expected = "layout must be one of" if rank == 0 else r"rank\(s\) \[0\]"
+        assert re.search(expected, str(error)), f"rank {rank}: {error}"
+    else:
+        raise AssertionError(f"rank {rank}: no error for a bad layout on rank 0")
     lengths = torch.randn(1, 2, 8 + 2 * rank, 16, device=device)  # uneven: no zigzag with is_causal
     try:
         ring_attention(lengths, lengths, lengths, is_causal=True, backend=backend, layout="zigzag")
