@@ -63,12 +63,11 @@ def step(fn, mode, inputs):
     if mode == "fwd":
         return lambda: fn(*inputs)
 
-    def both():
-        out = fn(*inputs)
-        out.backward(grad)
-    grad = None
     with torch.no_grad():
         grad = torch.randn_like(fn(*inputs))
+
+    def both():
+        fn(*inputs).backward(grad)
     return both
 
 
