@@ -30,6 +30,8 @@ def attention(
     backend: str | None = None,
     return_lse: bool = False,
     dropout_seed: torch.Tensor | None = None,
+    alignment: str = "top_left",
+    window: tuple[int, int] | None = None,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -71,6 +73,15 @@ def attention(
             of one element on the inputs' device; the same seed gives the same
             mask. None: drawn from the device's default generator, so
             ``torch.manual_seed`` reproduces a run. Unused when dropout_p = 0.
+        alignment: where query rows sit against the keys: "top_left" (row i
+            at position i, SDPA's is_causal) or "bottom_right" (row i at
+            i + Lk - Lq: the last query row is the last key, a KV cache's and
+            FlashAttention's convention). Key j sits at position j.
+        window: None, or (left, right): row i sees only the keys within left
+            positions before and right after its position (-1: unbounded on
+            that side, FlashAttention's convention; (left, 0) with is_causal is
+            a sliding window). Combines with is_causal and attn_mask; the
+            kernels never visit key blocks outside the window.
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
@@ -84,12 +95,14 @@ def attention(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
+        alignment=alignment, window=window,
     )
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
     if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
-                                                    call.is_causal, call.scale, call.dropout_p, call.dropout_seed)
+                                                    call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
+                                                    ops.band_spec(call))
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
@@ -114,6 +127,8 @@ def attention_backward(
     grad_lse: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
+    alignment: str = "top_left",
+    window: tuple[int, int] | None = None,
 ):
     """The gradients of :func:`attention` with respect to query, key and value.
 
@@ -123,8 +138,8 @@ def attention_backward(
 
     Args:
         grad_out: (B, H, Lq, Dv) or (H, Lq, Dv): the gradient of the output.
-        query, key, value, attn_mask, is_causal, scale, enable_gqa, backend: as
-            given to :func:`attention` for the forward call.
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, backend,
+            alignment, window: as given to :func:`attention` for the forward call.
         out: the forward's output, (B, H, Lq, Dv) or (H, Lq, Dv).
         lse: the forward's log-sum-exp (``return_lse=True``), float32,
             (B, H, Lq) or (H, Lq).
@@ -145,11 +160,13 @@ def attention_backward(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=False, dropout_seed=dropout_seed,
+        alignment=alignment, window=window,
     )
     grad_out, out, lse, grad_lse = check_backward(chosen, call, grad_out, out, lse, grad_lse)
     if torch.compiler.is_compiling():
         grads = ops.OPS[chosen.name][1](grad_out, call.query, call.key, call.value, call.attn_mask, out, lse,
-                                        grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed)
+                                        grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
+                                        ops.band_spec(call))
     else:
         grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)

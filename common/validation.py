@@ -37,6 +37,8 @@ class Call:
     unbatched: bool  # the inputs were 3-D (H, L, D): drop the batch dim of the results
     dropout_p: float = 0.0
     dropout_seed: torch.Tensor | None = None  # int64, one element, on the inputs' device
+    window: tuple[int, int] | None = None  # (left, right) keys around a row's position; -1: unbounded
+    bottom_right: bool = False  # query row i sits at position i + Lk - Lq (else i)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -64,6 +66,7 @@ def check_call(
     backend: Backend,
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
+    alignment="top_left", window=None,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -168,7 +171,32 @@ def check_call(
     if backend.kernels:
         _check_kernel_device(backend, query.device)
 
-    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed)
+    bottom_right = _check_alignment(alignment)
+    window = _check_window(window)
+    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
+                window, bottom_right)
+
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _check_alignment(alignment) -> bool:
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {', '.join(map(repr, ALIGNMENTS))}, got {alignment!r}")
+    return alignment == "bottom_right"
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints, got {window!r}")
+    for side, n in zip(("left", "right"), window):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"window's {side} bound must be an int (-1: unbounded), got {type(n).__name__}")
+        if n < -1:
+            raise ValueError(f"window's {side} bound must be >= 0, or -1 for unbounded, got {n}")
+    return None if window[0] == window[1] == -1 else (int(window[0]), int(window[1]))
 
 
 def span(t) -> int:

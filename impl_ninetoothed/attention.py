@@ -155,9 +155,37 @@ def _dropout_keep(seed, head, rows, keys, dropout_p):
     return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
 
 
+@triton.jit
+def _in_band(rows, keys, band_lo, band_hi):
+    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi."""
+    return (keys[None, :] >= rows[:, None] + band_lo) & (keys[None, :] <= rows[:, None] + band_hi)
+
+
+@triton.jit
+def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr, BANDED: tl.constexpr):
+    """Key-block bounds for rows row0..row1 within blocks [lo, hi): (first, full_lo,
+    full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
+    edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
+    key outside [first, end). (A @triton.jit helper, as in the Triton kernel:
+    NineToothed copies it into the generated code.)"""
+    end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
+    full_hi = Lk // BLOCK_N
+    first = lo
+    full_lo = lo
+    if BANDED:
+        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, row1 + band_hi + 1), 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, row0 + band_hi + 1), 0) // BLOCK_N)
+        first = tl.maximum(lo, tl.maximum(row0 + band_lo, 0) // BLOCK_N)
+        full_lo = tl.cdiv(tl.maximum(row1 + band_lo, 0), BLOCK_N)
+    end = tl.maximum(end, first)
+    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return first, full_lo, full_hi, end
+
+
 def arrangement(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     block_m, block_n, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -186,20 +214,21 @@ def arrangement(
         lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
-        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale,
-        output_arranged, lse_arranged, IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi,
+        output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     )
 
 
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, qk_scale, seed, head, dropout_p,
-    IS_CAUSAL, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, seed, head,
+    dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
     Blocks count from the first key; the program's tiles start at block
     ``first`` (0 unless the keys are split). MASKED: the blocks may hold keys
-    past Lk or, when causal, above the diagonal; mask them. Unmasked blocks
+    past Lk or, when BANDED, outside a row's band (row i sees keys i + band_lo
+    .. i + band_hi); mask them. Unmasked blocks
     skip every comparison. DROPOUT: the row sums take every probability, the
     output only the kept ones.
     """
@@ -211,8 +240,8 @@ def _attn_fwd_inner(
             if MASKED:
                 offs_n = key[j - first].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
-                if IS_CAUSAL:
-                    valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                if BANDED:
+                    valid = valid & _in_band(offs_m, offs_n, band_lo, band_hi)
                 qk = ntl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = attn_mask[j - first]
@@ -221,9 +250,10 @@ def _attn_fwd_inner(
                 else:
                     qk = qk + mask.to(ntl.float32) * LOG2E
             m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
-            if MASK_KIND != NO_MASK or SPLIT:
-                # A row with no visible key yet has m_ij = -inf (a mask, or a
-                # split that starts past a causal row's last key); subtract 0
+            if MASK_KIND != NO_MASK or SPLIT or BANDED:
+                # A row with no visible key yet has m_ij = -inf (a mask, a band
+                # that hides every key of the block from it, or a split that
+                # starts past a causal row's last key); subtract 0
                 # instead so that its p and alpha are 0, not NaN.
                 m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)
             else:
@@ -254,8 +284,8 @@ def _attn_fwd_inner(
 
 
 def application(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
 ):
     q = query
     offs_m = query.offsets(-2)
@@ -268,36 +298,37 @@ def application(
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
 
-    # In key blocks: stage 1 ends where a block first needs a mask; stage 2
-    # ends at the last block any row of this block can see. Both stop at the
-    # end of this program's blocks [lo, hi): the split's, when split.
+    # In key blocks of this program's [lo, hi) (the split's, when split): the
+    # band's left edge [first, full_lo) (masked; BANDED only), the blocks every
+    # row sees whole [full_lo, full_hi) (unmasked), then the band's right edge
+    # (the causal diagonal) and the ragged end of the keys [full_hi, end) (masked).
     BLOCK_N = key.dtype.shape[0]
-    full_end = key.source.shape[-2] // BLOCK_N
-    if IS_CAUSAL:
-        full_end = ntl.minimum(full_end, ntl.min(offs_m, 0) // BLOCK_N)
-        end = ntl.cdiv(ntl.minimum(key.source.shape[-2], ntl.max(offs_m, 0) + 1), BLOCK_N)
-    else:
-        end = ntl.cdiv(key.source.shape[-2], BLOCK_N)
-    first = ntl.min(key[0].offsets(-2), 0) // BLOCK_N  # the split's first key block
-    lo = first
-    hi = ntl.minimum(first + key.shape[0], end)
-    full_end = ntl.maximum(lo, ntl.minimum(full_end, hi))
+    Lk = key.source.shape[-2]
+    lo = ntl.min(key[0].offsets(-2), 0) // BLOCK_N  # the split's first key block
+    first, full_lo, full_hi, end = _key_stages(
+        ntl.min(offs_m, 0), ntl.max(offs_m, 0), lo, lo + key.shape[0], Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    if BANDED:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, band_lo, band_hi, qk_scale,
+            seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, full_end, first, qk_scale, seed, head, dropout_p,
-        IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, band_lo, band_hi, qk_scale,
+        seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_end, hi, first, qk_scale, seed, head, dropout_p,
-        IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, band_lo, band_hi, qk_scale,
+        seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
     )
 
     if WITH_LSE:
         # Log-sum-exp of the scaled scores, from base 2 back to natural log;
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
         lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
-    if MASK_KIND != NO_MASK or SPLIT:
-        # A row whose every key is masked out (or, in a split, that sees none of
-        # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
+    if MASK_KIND != NO_MASK or SPLIT or BANDED:
+        # A row whose every key is masked out (a mask, a band that leaves it no
+        # key, or a split none of whose keys it sees) has acc = 0 and l_i = 0:
+        # SDPA returns 0.
         l_i = ntl.where(l_i == 0.0, 1.0, l_i)
     if DROPOUT:
         output = acc / l_i[:, None] * dropout_scale  # noqa: F841 (a store)
@@ -335,8 +366,8 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
 
 def dq_arrangement(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    delta_out, grad_query,
-    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
@@ -349,15 +380,16 @@ def dq_arrangement(
         _mask_row(attn_mask, block_m, block_n),
         _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
         _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
-        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, _row_slices(delta_out, block_m),
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi,
+        _row_slices(delta_out, block_m),
         _rows(grad_query, block_m, block_d),
-        IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
     )
 
 
 def _attn_bwd_dq_inner(
-    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, qk_scale, seed, head, dropout_p, dropout_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, band_lo, band_hi, qk_scale, seed, head,
+    dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
     DROPOUT: dp reaches only the kept probabilities, scaled as in the forward."""
@@ -370,8 +402,8 @@ def _attn_bwd_dq_inner(
             if MASKED:
                 offs_n = key[j].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
-                if IS_CAUSAL:
-                    valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                if BANDED:
+                    valid = valid & _in_band(offs_m, offs_n, band_lo, band_hi)
                 qk = ntl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = attn_mask[j]
@@ -394,8 +426,8 @@ def _attn_bwd_dq_inner(
 
 def dq_application(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    delta_out, grad_query,
-    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
 ):
     q = query
     do = grad_out
@@ -415,30 +447,33 @@ def dq_application(
     qk_scale = scale * LOG2E
     dq = ntl.zeros(grad_query.shape, dtype=ntl.float32)
 
-    # In key blocks, as in the forward: unmasked blocks [0, full_end), then
-    # the diagonal band and the ragged tail [full_end, hi).
+    # In key blocks, as in the forward: the band's left edge [first, full_lo)
+    # (masked), the blocks every row sees whole, then the band's right edge and
+    # the ragged end of the keys (masked).
     BLOCK_N = key.dtype.shape[0]
-    full_end = key.source.shape[-2] // BLOCK_N
-    if IS_CAUSAL:
-        full_end = ntl.minimum(full_end, ntl.min(offs_m, 0) // BLOCK_N)
-        hi = ntl.cdiv(ntl.minimum(key.source.shape[-2], ntl.max(offs_m, 0) + 1), BLOCK_N)
-    else:
-        hi = ntl.cdiv(key.source.shape[-2], BLOCK_N)
+    Lk = key.source.shape[-2]
+    first, full_lo, full_hi, end = _key_stages(
+        ntl.min(offs_m, 0), ntl.max(offs_m, 0), 0, ntl.cdiv(Lk, BLOCK_N), Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    if BANDED:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, m2, delta, key, value, attn_mask, offs_m, first, full_lo, band_lo, band_hi, qk_scale,
+            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, m2, delta, key, value, attn_mask, offs_m, 0, full_end, qk_scale,
-        seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, band_lo, band_hi, qk_scale,
+        seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_end, hi, qk_scale,
-        seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, band_lo, band_hi, qk_scale,
+        seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
     )
     grad_query = dq * scale  # noqa: F841 (a store)
 
 
 def dkdv_arrangement(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    grad_key, grad_value,
-    IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, K/V head, block of BLOCK_N keys); it sees the
@@ -457,20 +492,20 @@ def dkdv_arrangement(
         key_arranged, _rows(value, block_n, block_dv), attn_mask_arranged,
         _group_rows(grad_out, group, n_blocks, block_m, block_dv),
         _group_rows(lse, group, n_blocks, block_m), _group_rows(delta, group, n_blocks, block_m),
-        scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale,
+        scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi,
         _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
-        IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
+        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT,
     )
 
 
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, qk_scale,
+    dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, band_lo, band_hi, qk_scale,
     seed, head, dropout_p, dropout_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
 ):
     """Add query blocks [lo, hi) of query head ``g`` of the group to (dk, dv)
     (dk unscaled), on transposed scores (keys x rows). MASKED: the blocks may
-    hold rows above the causal diagonal. (Rows past Lq need no mask here:
+    hold rows whose band misses some of these keys. (Rows past Lq need no mask here:
     NineToothed loads them as 0 and their lse as +inf, so their p is 0.)
     DROPOUT: the forward's mask, regenerated transposed (``head``: of query head ``g``)."""
     for i in range(lo, hi):
@@ -479,9 +514,9 @@ def _attn_bwd_dkdv_inner(
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK:
             qkT = qkT * qk_scale
-            if MASKED and IS_CAUSAL:
+            if MASKED and BANDED:
                 offs_qm = query[g, i].offsets(-2)
-                qkT = ntl.where(offs_qm[None, :] >= offs_kn[:, None], qkT, float("-inf"))
+                qkT = ntl.where(ntl.trans(_in_band(offs_qm, offs_kn, band_lo, band_hi)), qkT, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = attn_mask[g, i]
                 if MASK_KIND == BOOL_MASK:
@@ -508,8 +543,8 @@ def _attn_bwd_dkdv_inner(
 
 def dkdv_application(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    grad_key, grad_value,
-    IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT,
 ):
     k = key
     v = value
@@ -521,34 +556,44 @@ def dkdv_application(
     dk = ntl.zeros(grad_key.shape, dtype=ntl.float32)
     dv = ntl.zeros(grad_value.shape, dtype=ntl.float32)
 
-    # In query blocks: the causal band [lo, full_lo) (masked), the blocks wholly
-    # below it [full_lo, full_hi) (unmasked), the ragged tail [full_hi, hi).
+    # In query blocks: the rows on the band's right edge (the causal diagonal)
+    # [lo, full_lo) (masked), the rows that see every key here [full_lo, full_hi)
+    # (unmasked), the rows on the band's left edge and the ragged end of the rows
+    # [full_hi, hi) (masked). Row i sees key j iff j - band_hi <= i <= j - band_lo.
     BLOCK_M = query.dtype.shape[0]
     BLOCK_N = key.shape[0]
-    n0 = ntl.min(offs_kn, 0)  # this program's first key
+    Lq = query.source.shape[-2]
     hi = query.shape[1]
-    if IS_CAUSAL:
-        lo = ntl.minimum(n0 // BLOCK_M, hi)  # the first block with a row that sees a key here
-        full_lo = ntl.minimum(ntl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), hi)
-    else:
-        lo = 0
-        full_lo = 0
-    full_hi = ntl.maximum(full_lo, query.source.shape[-2] // BLOCK_M)
+    lo = 0
+    full_lo = 0
+    full_hi = Lq // BLOCK_M
+    if BANDED:
+        key0 = ntl.min(offs_kn, 0)  # this program's first key
+        key1 = key0 + BLOCK_N - 1
+        hi = ntl.minimum(hi, ntl.cdiv(ntl.maximum(ntl.minimum(Lq, key1 - band_lo + 1), 0), BLOCK_M))
+        full_hi = ntl.minimum(full_hi, ntl.maximum(ntl.minimum(Lq, key0 - band_lo + 1), 0) // BLOCK_M)
+        lo = ntl.maximum(key0 - band_hi, 0) // BLOCK_M
+        full_lo = ntl.cdiv(ntl.maximum(key1 - band_hi, 0), BLOCK_M)
+    hi = ntl.maximum(hi, lo)
+    lo = ntl.minimum(lo, hi)
+    full_lo = ntl.minimum(ntl.maximum(full_lo, lo), hi)
+    full_hi = ntl.minimum(ntl.maximum(full_hi, full_lo), hi)
     for g in range(query.shape[0]):
         # query head g of this K/V head, in (B·H): the dropout mask's (NineToothed's inliner
         # mis-names a helper called inside an expression, so this is spelled out)
         head = key.offsets(0) * query.source.shape[1] + key.offsets(1) * query.shape[0] + g
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, qk_scale,
-            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, band_lo, band_hi, qk_scale,
+            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, qk_scale,
-            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, band_lo, band_hi,
+            qk_scale,
+            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, qk_scale,
-            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, band_lo, band_hi, qk_scale,
+            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
         )
     grad_key = dk * scale  # noqa: F841 (a store)
     grad_value = dv  # noqa: F841 (a store)
@@ -581,6 +626,11 @@ def _dropout_inputs():
     return Tensor(1), Tensor(0), Tensor(0)
 
 
+def _band_inputs():
+    """band_lo, band_hi (runtime ints): row i sees keys i + band_lo .. i + band_hi when BANDED."""
+    return Tensor(0), Tensor(0)
+
+
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
     """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
     arrangement_ = functools.partial(
@@ -592,10 +642,11 @@ def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
         *_attention_inputs(head_dim, head_dim_v),
         Tensor(0),  # scale (runtime float)
         *_dropout_inputs(),
+        *_band_inputs(),
         # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
         Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
         Tensor(4 if split else 3),
-        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT"),
     )
     return arrangement_, application, tensors
 
@@ -629,9 +680,10 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         Tensor(3, other=0),  # grad_lse
         Tensor(0),  # scale
         *_dropout_inputs(),
+        *_band_inputs(),
         Tensor(3),  # delta_out
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_query
-        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT"),
     )
     return arrangement_, dq_application, tensors
 
@@ -649,9 +701,10 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         Tensor(3, other=0),  # delta
         Tensor(0),  # scale
         *_dropout_inputs(),
+        *_band_inputs(),
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
         Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
-        *_flags("IS_CAUSAL", "MASK_KIND", "DOT_PRECISION", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT"),
     )
     return arrangement_, dkdv_application, tensors
 
@@ -689,7 +742,9 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
             # code as written (they say ``tl``), but not under the interpreter
             # (they are not JITFunctions there).
             handle._launch.__globals__.setdefault("tl", tl)
-            handle._launch.__globals__.setdefault("_dropout_keep", _dropout_keep)
+            for name, helper in (("_dropout_keep", _dropout_keep), ("_in_band", _in_band),
+                                 ("_key_stages", _key_stages)):
+                handle._launch.__globals__.setdefault(name, helper)
             handle = _made[key] = route_generated_launch(handle)
     return handle
 
@@ -711,6 +766,11 @@ def _dropout_args(plan):
     return seed.view(1), plan.dropout_p, plan.dropout_scale
 
 
+def _band_args(plan) -> tuple[int, int]:
+    """(band_lo, band_hi): what BANDED kernels compare against; unread (0, 0) otherwise."""
+    return plan.band if plan.band is not None else (0, 0)
+
+
 def forward(plan):
     """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
 
@@ -728,8 +788,8 @@ def forward(plan):
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     kernel(
-        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), o, lse,
-        IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
+        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan), o, lse,
+        BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
     )
     if plan.split:
@@ -752,17 +812,17 @@ def backward(plan):
     config = plan.config
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
     grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
-    flags = dict(IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+    flags = dict(BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
                  DROPOUT=plan.dropout)
-    dropout = _dropout_args(plan)
+    dropout, band = _dropout_args(plan), _band_args(plan)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, plan.delta,
+        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *band, plan.delta,
         plan.grad_query, WITH_DLSE=plan.grad_lse is not None, **flags,
     )
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout, plan.grad_key,
+        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout, *band, plan.grad_key,
         plan.grad_value, **flags,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value
