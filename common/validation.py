@@ -145,6 +145,9 @@ def check_call(
     else:
         scale = _check_real("scale", scale)
 
+    if attn_mask is not None and _is_causal_bias(attn_mask):
+        is_causal, alignment = _from_causal_bias(attn_mask, is_causal, alignment, Lq, Lk)
+        attn_mask = None
     if attn_mask is not None:
         attn_mask = _check_mask(attn_mask, query, is_causal, (B, H, Lq, Lk), unbatched)
 
@@ -242,13 +245,25 @@ def _is_causal_bias(attn_mask) -> bool:
     return isinstance(attn_mask, sys.modules["torch.nn.attention.bias"].CausalBias)
 
 
+def _from_causal_bias(bias, is_causal, alignment, Lq: int, Lk: int) -> tuple[bool, str]:
+    """SDPA's CausalBias objects (``causal_upper_left`` / ``causal_lower_right``) as what
+    they mean: is_causal with top-left or bottom-right alignment. No mask tensor is read
+    (the subclass's data is not a mask)."""
+    from torch.nn.attention.bias import CausalVariant
+
+    if is_causal:
+        raise ValueError("attn_mask is a CausalBias, which is already causal: pass is_causal=False with it")
+    if (bias.seq_len_q, bias.seq_len_kv) != (Lq, Lk):
+        raise ValueError(f"attn_mask is a CausalBias for {bias.seq_len_q} query rows and {bias.seq_len_kv} keys, "
+                         f"but the call has {Lq} and {Lk}")
+    implied = "top_left" if bias.variant == CausalVariant.UPPER_LEFT else "bottom_right"
+    if alignment != "top_left" and alignment != implied:
+        raise ValueError(f"attn_mask is a CausalBias that means alignment={implied!r}, but alignment={alignment!r} "
+                         "was passed too")
+    return True, implied
+
+
 def _check_mask(attn_mask, query, is_causal, full_shape, unbatched) -> torch.Tensor:
-    if _is_causal_bias(attn_mask):
-        # A tensor subclass whose data is not a mask: read as one, it would give garbage.
-        raise ValueError(
-            "attn_mask is a torch.nn.attention.bias.CausalBias, which is not supported yet; for "
-            "causal_upper_left(...) pass is_causal=True (top-left alignment) and no attn_mask"
-        )
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if is_causal:
