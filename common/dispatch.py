@@ -32,6 +32,7 @@ def attention(
     dropout_seed: torch.Tensor | None = None,
     alignment: str = "top_left",
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -82,6 +83,9 @@ def attention(
             that side, FlashAttention's convention; (left, 0) with is_causal is
             a sliding window). Combines with is_causal and attn_mask; the
             kernels never visit key blocks outside the window.
+        softcap: None, or a positive float: each scaled score s becomes
+            softcap * tanh(s / softcap) before any mask (Gemma 2's attention
+            logit soft-capping); differentiable.
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
@@ -95,14 +99,14 @@ def attention(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
-        alignment=alignment, window=window,
+        alignment=alignment, window=window, softcap=softcap,
     )
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
     if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
                                                     call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
-                                                    ops.band_spec(call))
+                                                    *ops.extras(call))
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
@@ -129,6 +133,7 @@ def attention_backward(
     dropout_seed: torch.Tensor | None = None,
     alignment: str = "top_left",
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ):
     """The gradients of :func:`attention` with respect to query, key and value.
 
@@ -139,7 +144,7 @@ def attention_backward(
     Args:
         grad_out: (B, H, Lq, Dv) or (H, Lq, Dv): the gradient of the output.
         query, key, value, attn_mask, is_causal, scale, enable_gqa, backend,
-            alignment, window: as given to :func:`attention` for the forward call.
+            alignment, window, softcap: as given to :func:`attention` for the forward call.
         out: the forward's output, (B, H, Lq, Dv) or (H, Lq, Dv).
         lse: the forward's log-sum-exp (``return_lse=True``), float32,
             (B, H, Lq) or (H, Lq).
@@ -160,13 +165,13 @@ def attention_backward(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=False, dropout_seed=dropout_seed,
-        alignment=alignment, window=window,
+        alignment=alignment, window=window, softcap=softcap,
     )
     grad_out, out, lse, grad_lse = check_backward(chosen, call, grad_out, out, lse, grad_lse)
     if torch.compiler.is_compiling():
         grads = ops.OPS[chosen.name][1](grad_out, call.query, call.key, call.value, call.attn_mask, out, lse,
                                         grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
-                                        ops.band_spec(call))
+                                        *ops.extras(call))
     else:
         grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)

@@ -77,17 +77,19 @@ def _quiet(backend):
     return contextlib.nullcontext()
 
 
-def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec):
+def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap):
     left, right, bottom_right = band_spec
     window = None if left == right == -1 else (left, right)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False,
-                dropout_p=dropout_p, dropout_seed=dropout_seed, window=window, bottom_right=bool(bottom_right))
+                dropout_p=dropout_p, dropout_seed=dropout_seed, window=window, bottom_right=bool(bottom_right),
+                softcap=softcap if softcap > 0.0 else None)
 
 
-def band_spec(call: Call) -> list[int]:
-    """A call's window and alignment as the operators take them: [left, right, bottom_right]."""
+def extras(call: Call) -> tuple[list[int], float]:
+    """A call's window, alignment and soft-capping as the operators take them:
+    ([left, right, bottom_right], softcap or 0.0)."""
     left, right = call.window if call.window is not None else (-1, -1)
-    return [left, right, int(call.bottom_right)]
+    return [left, right, int(call.bottom_right)], call.softcap or 0.0
 
 
 def new_seed(device) -> torch.Tensor:
@@ -98,10 +100,10 @@ def new_seed(device) -> torch.Tensor:
 
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 _FORWARD_SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float scale, "
-                   "float dropout_p, Tensor? dropout_seed, int[] band_spec) -> (Tensor, Tensor)")
+                   "float dropout_p, Tensor? dropout_seed, int[] band_spec, float softcap) -> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor out, "
                     "Tensor lse, Tensor? grad_lse, bool is_causal, float scale, float dropout_p, "
-                    "Tensor? dropout_seed, int[] band_spec) -> (Tensor, Tensor, Tensor)")
+                    "Tensor? dropout_seed, int[] band_spec, float softcap) -> (Tensor, Tensor, Tensor)")
 
 
 def _register(name: str):
@@ -117,22 +119,22 @@ def _register(name: str):
     """
     backend = get_backend(name)
 
-    def forward_impl(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec):
-        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec)
+    def forward_impl(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap):
+        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap)
         return forward(backend, call, with_lse=True)
 
-    def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec):
+    def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap):
         B, H, Lq, _ = query.shape
         return (query.new_empty((B, H, Lq, value.shape[3])),
                 query.new_empty((B, H, Lq), dtype=torch.float32))
 
     def backward_impl(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed, band_spec):
-        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec)
+                      dropout_seed, band_spec, softcap):
+        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap)
         return backward(backend, call, out, lse, grad_out, grad_lse)
 
     def backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed, band_spec):
+                      dropout_seed, band_spec, softcap):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format))
@@ -149,10 +151,12 @@ def _register(name: str):
         """query, key, value -> (out, lse), differentiable in query, key and value."""
 
         @staticmethod
-        def forward(ctx, query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec):
-            out, lse = forward_op(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec)
+        def forward(ctx, query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap):
+            out, lse = forward_op(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec,
+                                  softcap)
             ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
-            ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.band_spec = is_causal, scale, dropout_p, band_spec
+            ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
+            ctx.band_spec, ctx.softcap = band_spec, softcap
             # An output that takes no part in the loss gets None, not zeros: most
             # calls use the output alone, and a zero gradient of the lse would
             # still cost a read in the kernel.
@@ -170,8 +174,9 @@ def _register(name: str):
             if grad_out is None:  # only the lse takes part
                 grad_out = torch.zeros_like(out)
             dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
-                                     ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.band_spec)
-            return dq, dk, dv, None, None, None, None, None, None
+                                     ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.band_spec,
+                                     ctx.softcap)
+            return dq, dk, dv, None, None, None, None, None, None, None
 
     return forward_op, backward_op, Attention
 

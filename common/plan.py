@@ -106,6 +106,7 @@ class ForwardPlan:
     dropout_scale: float = 1.0  # what kept weights are multiplied by: 1 / (1 - p), 0 for p = 1
     seed: torch.Tensor | None = None  # dropout: the mask's seed, int64, one element, on the inputs' device
     band: tuple[int, int] | None = None  # row i sees keys i + band[0] .. i + band[1] (see band()); None: all
+    softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -161,6 +162,7 @@ class BackwardPlan:
     dropout_scale: float = 1.0
     seed: torch.Tensor | None = None  # the forward's seed: its mask, regenerated
     band: tuple[int, int] | None = None  # as the forward's
+    softcap: float = 0.0
     config: BackwardConfig | None = None
     block_d: int = 0
     block_dv: int = 0
@@ -229,6 +231,7 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     plan = ForwardPlan(q, k, v, mask, mask_kind(mask), call.scale, call.is_causal, H // H_kv, (B, H, Lq, Dv),
                        with_lse, call.dropout_p, dropout_scale(call.dropout_p), call.dropout_seed)
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
+    plan.softcap = call.softcap or 0.0
     if not backend.kernels:
         return plan
     if plan.band is not None and Lq + plan.band[1] < Lk:
@@ -273,6 +276,7 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
                         out, lse, grad_out, grad_lse, call.dropout_p, dropout_scale(call.dropout_p),
                         call.dropout_seed)
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
+    plan.softcap = call.softcap or 0.0
     if not backend.kernels:
         return plan
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, Backend
+from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, SOFTCAP, Backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A backend without 64-bit offsets (NineToothed's generated code indexes with
@@ -39,6 +39,7 @@ class Call:
     dropout_seed: torch.Tensor | None = None  # int64, one element, on the inputs' device
     window: tuple[int, int] | None = None  # (left, right) keys around a row's position; -1: unbounded
     bottom_right: bool = False  # query row i sits at position i + Lk - Lq (else i)
+    softcap: float | None = None  # scores s become softcap * tanh(s / softcap), before any mask
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -66,7 +67,7 @@ def check_call(
     backend: Backend,
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
-    alignment="top_left", window=None,
+    alignment="top_left", window=None, softcap=None,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -176,8 +177,16 @@ def check_call(
 
     bottom_right = _check_alignment(alignment)
     window = _check_window(window)
+    if softcap is not None:
+        softcap = _check_real("softcap", softcap)
+        if not softcap > 0.0:
+            raise ValueError(f"softcap must be a positive number (or None), got {softcap}")
+        if not backend.supports(SOFTCAP):
+            usable = [name for name, b in BACKENDS.items() if b.supports(SOFTCAP)]
+            raise ValueError(f"the {backend.name!r} backend cannot soft-cap scores (softcap=); use one of "
+                             f"{', '.join(map(repr, usable))}")
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
-                window, bottom_right)
+                window, bottom_right, softcap)
 
 
 ALIGNMENTS = ("top_left", "bottom_right")

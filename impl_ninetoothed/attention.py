@@ -156,6 +156,24 @@ def _dropout_keep(seed, head, rows, keys, dropout_p):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2, 1 - 2 / (e^(2x) + 1): saturates to +-1 (Triton has no tanh that every
+    target and the interpreter run)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _cap_factors(scale, softcap, SOFTCAP: tl.constexpr):
+    """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
+    cap_in = 0.0
+    cap_out = 0.0
+    if SOFTCAP:
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
+    return cap_in, cap_out
+
+
+@triton.jit
 def _in_band(rows, keys, band_lo, band_hi):
     """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi."""
     return (keys[None, :] >= rows[:, None] + band_lo) & (keys[None, :] <= rows[:, None] + band_hi)
@@ -184,8 +202,8 @@ def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr,
 
 
 def arrangement(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     block_m, block_n, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -214,14 +232,15 @@ def arrangement(
         lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
-        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi,
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        SOFTCAP,
     )
 
 
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, seed, head,
-    dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, cap_in, cap_out,
+    seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
@@ -235,8 +254,11 @@ def _attn_fwd_inner(
     for j in range(lo, hi):
         k = key[j - first]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+                qk = _tanh(qk * cap_in) * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 offs_n = key[j - first].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
@@ -284,13 +306,14 @@ def _attn_fwd_inner(
 
 
 def application(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
 ):
     q = query
     offs_m = query.offsets(-2)
     head = query.offsets(0) * query.source.shape[1] + query.offsets(1)  # in (B·H): the dropout mask's
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
@@ -310,15 +333,18 @@ def application(
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, band_lo, band_hi, qk_scale,
-            seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+            cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+            DROPOUT, SOFTCAP,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, band_lo, band_hi, qk_scale,
-        seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+        DROPOUT, SOFTCAP,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, band_lo, band_hi, qk_scale,
-        seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+        DROPOUT, SOFTCAP,
     )
 
     if WITH_LSE:
@@ -366,8 +392,8 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
 
 def dq_arrangement(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, delta_out, grad_query,
-    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
@@ -380,25 +406,30 @@ def dq_arrangement(
         _mask_row(attn_mask, block_m, block_n),
         _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
         _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
-        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi,
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         _row_slices(delta_out, block_m),
         _rows(grad_query, block_m, block_d),
-        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
 
 
 def _attn_bwd_dq_inner(
-    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, band_lo, band_hi, qk_scale, seed, head,
-    dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, band_lo, band_hi, qk_scale, cap_in, cap_out,
+    seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
-    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward."""
+    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward.
+    SOFTCAP: ds passes through the cap's derivative, 1 - tanh^2."""
     for j in range(lo, hi):
         k = key[j]
         v = value[j]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                cap = _tanh(qk * cap_in)
+                qk = cap * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 offs_n = key[j].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
@@ -420,14 +451,16 @@ def _attn_bwd_dq_inner(
             keep = _dropout_keep(seed, head, offs_m, offs_n, dropout_p)
             dp = ntl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - cap * cap)
         dq = ntl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 def dq_application(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, delta_out, grad_query,
-    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     q = query
     do = grad_out
@@ -445,6 +478,7 @@ def dq_application(
     # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
     m2 = ntl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     dq = ntl.zeros(grad_query.shape, dtype=ntl.float32)
 
     # In key blocks, as in the forward: the band's left edge [first, full_lo)
@@ -457,23 +491,26 @@ def dq_application(
     if BANDED:
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, key, value, attn_mask, offs_m, first, full_lo, band_lo, band_hi, qk_scale,
-            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, band_lo, band_hi, qk_scale,
-        seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        SOFTCAP,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, band_lo, band_hi, qk_scale,
-        seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        SOFTCAP,
     )
     grad_query = dq * scale  # noqa: F841 (a store)
 
 
 def dkdv_arrangement(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, grad_key, grad_value,
-    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, K/V head, block of BLOCK_N keys); it sees the
@@ -492,16 +529,16 @@ def dkdv_arrangement(
         key_arranged, _rows(value, block_n, block_dv), attn_mask_arranged,
         _group_rows(grad_out, group, n_blocks, block_m, block_dv),
         _group_rows(lse, group, n_blocks, block_m), _group_rows(delta, group, n_blocks, block_m),
-        scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi,
+        scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
-        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT,
+        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
 
 
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, band_lo, band_hi, qk_scale,
-    seed, head, dropout_p, dropout_scale,
-    BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    cap_in, cap_out, seed, head, dropout_p, dropout_scale,
+    BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     """Add query blocks [lo, hi) of query head ``g`` of the group to (dk, dv)
     (dk unscaled), on transposed scores (keys x rows). MASKED: the blocks may
@@ -512,8 +549,12 @@ def _attn_bwd_dkdv_inner(
         q = query[g, i]
         m2 = ntl.where(lse[g, i] == float("-inf"), float("inf"), lse[g, i] * LOG2E)
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qkT = qkT * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                capT = _tanh(qkT * cap_in)
+                qkT = capT * cap_out
+            else:
+                qkT = qkT * qk_scale
             if MASKED and BANDED:
                 offs_qm = query[g, i].offsets(-2)
                 qkT = ntl.where(ntl.trans(_in_band(offs_qm, offs_kn, band_lo, band_hi)), qkT, float("-inf"))
@@ -537,19 +578,22 @@ def _attn_bwd_dkdv_inner(
         else:
             dv = ntl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[g, i][None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - capT * capT)
         dk = ntl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 def dkdv_application(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, grad_key, grad_value,
-    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     k = key
     v = value
     offs_kn = key.offsets(-2)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
@@ -584,16 +628,19 @@ def dkdv_application(
         head = key.offsets(0) * query.source.shape[1] + key.offsets(1) * query.shape[0] + g
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, band_lo, band_hi, qk_scale,
-            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, band_lo, band_hi,
             qk_scale,
-            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION,
+            DROPOUT, SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, band_lo, band_hi, qk_scale,
-            seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
     grad_key = dk * scale  # noqa: F841 (a store)
     grad_value = dv  # noqa: F841 (a store)
@@ -627,8 +674,9 @@ def _dropout_inputs():
 
 
 def _band_inputs():
-    """band_lo, band_hi (runtime ints): row i sees keys i + band_lo .. i + band_hi when BANDED."""
-    return Tensor(0), Tensor(0)
+    """band_lo, band_hi (runtime ints): row i sees keys i + band_lo .. i + band_hi when BANDED;
+    softcap (runtime float), read when SOFTCAP."""
+    return Tensor(0), Tensor(0), Tensor(0)
 
 
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
@@ -646,7 +694,7 @@ def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
         # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
         Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
         Tensor(4 if split else 3),
-        *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP"),
     )
     return arrangement_, application, tensors
 
@@ -683,7 +731,7 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         *_band_inputs(),
         Tensor(3),  # delta_out
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_query
-        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT", "SOFTCAP"),
     )
     return arrangement_, dq_application, tensors
 
@@ -704,7 +752,7 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         *_band_inputs(),
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
         Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
-        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP"),
     )
     return arrangement_, dkdv_application, tensors
 
@@ -743,7 +791,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
             # (they are not JITFunctions there).
             handle._launch.__globals__.setdefault("tl", tl)
             for name, helper in (("_dropout_keep", _dropout_keep), ("_in_band", _in_band),
-                                 ("_key_stages", _key_stages)):
+                                 ("_key_stages", _key_stages), ("_tanh", _tanh), ("_cap_factors", _cap_factors)):
                 handle._launch.__globals__.setdefault(name, helper)
             handle = _made[key] = route_generated_launch(handle)
     return handle
@@ -766,9 +814,9 @@ def _dropout_args(plan):
     return seed.view(1), plan.dropout_p, plan.dropout_scale
 
 
-def _band_args(plan) -> tuple[int, int]:
-    """(band_lo, band_hi): what BANDED kernels compare against; unread (0, 0) otherwise."""
-    return plan.band if plan.band is not None else (0, 0)
+def _band_args(plan) -> tuple[int, int, float]:
+    """(band_lo, band_hi, softcap): what BANDED and SOFTCAP kernels read; unread (0, 0) and 0.0 otherwise."""
+    return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap)
 
 
 def forward(plan):
@@ -791,6 +839,7 @@ def forward(plan):
         q, k, v, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan), o, lse,
         BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
+        SOFTCAP=plan.softcap > 0.0,
     )
     if plan.split:
         merge = plan.merge
@@ -813,7 +862,7 @@ def backward(plan):
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
     grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
     flags = dict(BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
-                 DROPOUT=plan.dropout)
+                 DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0)
     dropout, band = _dropout_args(plan), _band_args(plan)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(

@@ -108,6 +108,24 @@ def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.cons
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2, 1 - 2 / (e^(2x) + 1): saturates to +-1 (Triton has no tanh that every
+    target and the interpreter run)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _cap_factors(scale, softcap, SOFTCAP: tl.constexpr):
+    """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
+    cap_in = 0.0
+    cap_out = 0.0
+    if SOFTCAP:
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
+    return cap_in, cap_out
+
+
+@triton.jit
 def _in_band(rows, keys, band_lo, band_hi):
     """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi."""
     return (keys[None, :] >= rows[:, None] + band_lo) & (keys[None, :] <= rows[:, None] + band_hi)
@@ -139,11 +157,13 @@ def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz, dropout_p,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, off_hz,
+    dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
@@ -159,8 +179,11 @@ def _attn_fwd_inner(
         key_ok = offs_kn < Lk
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+                qk = _tanh(qk * cap_in) * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -215,11 +238,13 @@ def _attn_fwd(
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
+    softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -256,6 +281,7 @@ def _attn_fwd(
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -273,21 +299,21 @@ def _attn_fwd(
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz,
-            dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT,
+            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+            seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz,
-        dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz,
-        dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
 
     if WITH_LSE:
@@ -350,15 +376,16 @@ def _attn_bwd_dq_inner(
     dq, q, do, m2, delta,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz, dropout_p,
-    dropout_scale,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, off_hz,
+    dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
-    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward."""
+    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward.
+    SOFTCAP: ds passes through the cap's derivative, 1 - tanh^2."""
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     for j in range(lo, hi):
@@ -368,8 +395,12 @@ def _attn_bwd_dq_inner(
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                cap = _tanh(qk * cap_in)
+                qk = cap * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -390,6 +421,8 @@ def _attn_bwd_dq_inner(
             keep = _dropout_keep(seed, off_hz, offs_m, offs_kn, dropout_p)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - cap * cap)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -405,12 +438,12 @@ def _attn_bwd_dq(
     stride_lz, stride_lh, stride_lm,
     stride_dlz, stride_dlh, stride_dlm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi,
+    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One program: dq of BLOCK_M query rows of one (batch, head), and their
     delta = rowsum(do * o) - dlse, stored to DELTA (B, H, Lq) for _attn_bwd_dkdv."""
@@ -455,6 +488,7 @@ def _attn_bwd_dq(
     # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
     m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -468,21 +502,22 @@ def _attn_bwd_dq(
     if BANDED:
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz,
-            dropout_p, dropout_scale,
+            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+            seed, off_hz, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz,
-        dropout_p, dropout_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, seed, off_hz,
-        dropout_p, dropout_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
     dq = dq * scale
     dq_ptrs = DQ + (off_hz.to(tl.int64) * Lq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
@@ -494,12 +529,12 @@ def _attn_bwd_dkdv_inner(
     dk, dv, k, v,
     q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
     stride_qm, stride_dom, stride_lm, stride_mm,
-    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, seed, head, dropout_p,
-    dropout_scale,
+    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head,
+    dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Add query blocks [lo, hi) of one query head to (dk, dv) (dk unscaled).
 
@@ -522,8 +557,12 @@ def _attn_bwd_dkdv_inner(
             lse = tl.load(lse_ptrs + start_m.to(tl.int64) * stride_lm)
         m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qkT = qkT * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                capT = _tanh(qkT * cap_in)
+                qkT = capT * cap_out
+            else:
+                qkT = qkT * qk_scale
             if MASKED and BANDED:
                 qkT = tl.where(tl.trans(_in_band(offs_qm, offs_kn, band_lo, band_hi)), qkT, float("-inf"))
             if MASK_KIND != NO_MASK:
@@ -549,6 +588,8 @@ def _attn_bwd_dkdv_inner(
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - capT * capT)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -562,11 +603,12 @@ def _attn_bwd_dkdv(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi,
+    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program: dk and dv of BLOCK_N keys of one (batch, K/V head), summed
     over the GROUP query heads that read them."""
@@ -588,6 +630,7 @@ def _attn_bwd_dkdv(
     v = tl.load(V + off_z * stride_vz + off_h_kv * stride_vh + offs_kn.to(tl.int64)[:, None] * stride_vn
                 + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -628,23 +671,26 @@ def _attn_bwd_dkdv(
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
-            offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, band_lo, band_hi, qk_scale,
+            offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
-            offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale,
+            offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
-            offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, band_lo, band_hi, qk_scale,
+            offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
     dk = dk * scale
     rows = off_hz.to(tl.int64) * Lk + offs_kn[:, None]
@@ -670,9 +716,9 @@ _dq_launcher = CachedLauncher(_attn_bwd_dq)
 _dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
 
 
-def _band_args(plan) -> tuple[int, int]:
-    """(band_lo, band_hi): what BANDED kernels compare against; unread (0, 0) otherwise."""
-    return plan.band if plan.band is not None else (0, 0)
+def _band_args(plan) -> tuple[int, int, float]:
+    """(band_lo, band_hi, softcap): what BANDED and SOFTCAP kernels read; unread (0, 0) and 0.0 otherwise."""
+    return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap)
 
 
 def forward(plan):
@@ -704,7 +750,7 @@ def forward(plan):
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split, DROPOUT=plan.dropout,
+        SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0,
     )
     if plan.split:
         merge = plan.merge
@@ -737,7 +783,7 @@ def backward(plan):
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
-        DROPOUT=plan.dropout,
+        DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0,
     )
     m_blocks, n_blocks = -(-Lq // config.block_m2), -(-Lk // config.block_n1)
     _dq_launcher(

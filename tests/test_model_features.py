@@ -1,10 +1,11 @@
-"""Bottom-right alignment, sliding windows and SDPA's CausalBias objects, forward and
-backward, against SDPA's math in float64 given the same band as a boolean mask.
+"""Model features beyond SDPA, forward and backward: bottom-right alignment, sliding
+windows and SDPA's CausalBias objects (against SDPA's math in float64 given the same band
+as a boolean mask), and soft-capping (against the formula in float64).
 
 Row i sits at position i (top-left) or i + Lk - Lq (bottom-right); ``window=(left,
 right)`` keeps the keys within left before and right after it (-1: unbounded); with
 is_causal nothing after it. The kernels skip key blocks outside the band, and mask the
-blocks on its edges.
+blocks on its edges. ``softcap`` turns each scaled score s into softcap * tanh(s / softcap).
 """
 
 from __future__ import annotations
@@ -128,3 +129,57 @@ def test_causal_bias_errors():
         attention(q, q, q, attn_mask=causal_lower_right(8, 9))
     with pytest.raises(ValueError, match="means alignment='top_left', but alignment='bottom_right'"):
         attention(q, q, q, attn_mask=causal_upper_left(8, 8), alignment="bottom_right")
+
+
+# -- soft-capping (Gemma 2) --------------------------------------------------------------------
+
+def _capped_reference(q, k, v, softcap, *, scale=None, mask=None):
+    """softmax(softcap * tanh(scale q k^T / softcap) masked) v in float64, and its leaves."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    qd, kd, vd = leaves
+    group = qd.shape[1] // kd.shape[1]
+    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    s = qd @ kd.transpose(-1, -2) * (scale if scale is not None else qd.shape[-1] ** -0.5)
+    s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a row with no visible key gives 0
+    return p @ vd, leaves
+
+
+SOFTCAP_CASES = [  # (Lq, Lk, is_causal, alignment, window, scale, softcap, dtype)
+    (37, 37, False, "top_left", None, None, 5.0, f32),
+    (37, 37, True, "top_left", None, None, 2.0, f16),
+    (20, 53, True, "bottom_right", (6, 0), -0.8, 3.0, f32),  # with a window, negative scale
+    (1, 70, False, "top_left", None, 2.0, 1.0, f32),  # one row: the split-keys path
+    (45, 45, False, "top_left", (4, 4), None, 50.0, f32),  # a cap that hardly bites
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=[f"{c[0]}x{c[1]}-cap{c[6]}" for c in SOFTCAP_CASES])
+def test_softcap_forward_and_backward(backend, case):
+    Lq, Lk, is_causal, alignment, window, scale, softcap, dtype = case
+    q, k, v = _inputs(2, 4, 2, Lq, Lk, 32, 32, dtype)
+    q = q * 2  # scores large enough for the cap to matter
+    mask = _reference_mask(is_causal, alignment, window, Lq, Lk)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, is_causal, scale, enable_gqa=True, backend=backend, alignment=alignment, window=window,
+                    softcap=softcap)
+    expected, ref_leaves = _capped_reference(q, k, v, softcap, scale=scale, mask=mask)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    tol = {f32: 2e-4, f16: 1e-2}[dtype]
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
+    for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_softcap_errors():
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="softcap must be a positive number"):
+        attention(q, q, q, softcap=0.0)
+    with pytest.raises(TypeError, match="softcap must be a real number"):
+        attention(q, q, q, softcap="1")
+    with pytest.raises(ValueError, match="the 'torch' backend cannot soft-cap scores"):
+        attention(q, q, q, softcap=5.0, backend="torch")
