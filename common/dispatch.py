@@ -33,6 +33,7 @@ def attention(
     alignment: str = "top_left",
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -86,6 +87,10 @@ def attention(
         softcap: None, or a positive float: each scaled score s becomes
             softcap * tanh(s / softcap) before any mask (Gemma 2's attention
             logit soft-capping); differentiable.
+        sinks: None, or a float tensor (H,): one learned logit per query head
+            that joins every row's softmax denominator and contributes no
+            value (gpt-oss's attention sinks); the log-sum-exp includes it, a
+            row with no visible key gives 0. Differentiable (sinks.grad).
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
@@ -99,14 +104,14 @@ def attention(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
-        alignment=alignment, window=window, softcap=softcap,
+        alignment=alignment, window=window, softcap=softcap, sinks=sinks,
     )
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
     if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
                                                     call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
-                                                    *ops.extras(call))
+                                                    *ops.extras(call), call.sinks)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
@@ -147,7 +152,8 @@ def attention_backward(
             alignment, window, softcap: as given to :func:`attention` for the forward call.
         out: the forward's output, (B, H, Lq, Dv) or (H, Lq, Dv).
         lse: the forward's log-sum-exp (``return_lse=True``), float32,
-            (B, H, Lq) or (H, Lq).
+            (B, H, Lq) or (H, Lq). (With attention sinks it includes them, which
+            is all the backward kernels need of them.)
         grad_lse: optional gradient of the log-sum-exp, same shape as lse.
         dropout_p, dropout_seed: the forward's; with dropout_p > 0 the seed
             the forward used is required (its mask is regenerated from it).
@@ -179,5 +185,6 @@ def attention_backward(
 
 def _needs_grad(call) -> bool:
     return torch.is_grad_enabled() and (
-        call.query.requires_grad or call.key.requires_grad or call.value.requires_grad)
+        call.query.requires_grad or call.key.requires_grad or call.value.requires_grad
+        or (call.sinks is not None and call.sinks.requires_grad))
 

@@ -107,6 +107,7 @@ class ForwardPlan:
     seed: torch.Tensor | None = None  # dropout: the mask's seed, int64, one element, on the inputs' device
     band: tuple[int, int] | None = None  # row i sees keys i + band[0] .. i + band[1] (see band()); None: all
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
+    sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -234,13 +235,16 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     plan.softcap = call.softcap or 0.0
     if not backend.kernels:
         return plan
+    if call.sinks is not None:
+        plan.sinks = call.sinks.float().view(1, H, 1).expand(B, H, Lq)
     if plan.band is not None and Lq + plan.band[1] < Lk:
         # No row sees a key past Lq - 1 + band[1] (top-left causal: Lq - 1).
         # Dropping them (views) keeps split launches from planning work for them.
         Lk = max(1, Lq + plan.band[1])
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
     # Dropout's mask is counted by (head, row): packed rows would change it.
-    packed = None if plan.dropout else pack_gqa(q, H_kv, mask, plan.band is not None)
+    # (Sinks are per query head: packed rows would mix them.)
+    packed = None if plan.dropout or plan.sinks is not None else pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None:
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, SOFTCAP, Backend
+from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, SINKS, SOFTCAP, Backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A backend without 64-bit offsets (NineToothed's generated code indexes with
@@ -40,6 +40,7 @@ class Call:
     window: tuple[int, int] | None = None  # (left, right) keys around a row's position; -1: unbounded
     bottom_right: bool = False  # query row i sits at position i + Lk - Lq (else i)
     softcap: float | None = None  # scores s become softcap * tanh(s / softcap), before any mask
+    sinks: torch.Tensor | None = None  # (H,): a logit per query head in every row's softmax denominator
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -67,7 +68,7 @@ def check_call(
     backend: Backend,
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
-    alignment="top_left", window=None, softcap=None,
+    alignment="top_left", window=None, softcap=None, sinks=None,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -185,8 +186,25 @@ def check_call(
             usable = [name for name, b in BACKENDS.items() if b.supports(SOFTCAP)]
             raise ValueError(f"the {backend.name!r} backend cannot soft-cap scores (softcap=); use one of "
                              f"{', '.join(map(repr, usable))}")
+    if sinks is not None:
+        _check_sinks(backend, sinks, H, query.device)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
-                window, bottom_right, softcap)
+                window, bottom_right, softcap, sinks)
+
+
+def _check_sinks(backend: Backend, sinks, H: int, device) -> None:
+    if not backend.supports(SINKS):
+        usable = [name for name, b in BACKENDS.items() if b.supports(SINKS)]
+        raise ValueError(f"the {backend.name!r} backend has no attention sinks (sinks=); use one of "
+                         f"{', '.join(map(repr, usable))}")
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"sinks must be a float tensor (float16, bfloat16 or float32), got {_dtype_name(sinks.dtype)}")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(f"sinks must have shape ({H},): one logit per query head, got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
 
 
 ALIGNMENTS = ("top_left", "bottom_right")
