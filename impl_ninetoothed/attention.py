@@ -202,8 +202,9 @@ def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr,
 
 
 def arrangement(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, sinks,
+    output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
     block_m, block_n, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -218,12 +219,14 @@ def arrangement(
     key_arranged = _key_row(key, query.shape[1], m_blocks, block_n, block_d, blocks_per_split)
     value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
     attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
+    sinks_arranged = _row_slices(sinks, block_m)  # (B, H, Lq): stride 0 but over H
     if blocks_per_split is None:
         output_arranged = _rows(output, block_m, block_dv)
         lse_arranged = _row_slices(lse, block_m)
     else:
         num_splits = output.shape[3]
         query_arranged = _per_split(query_arranged, num_splits)
+        sinks_arranged = _per_split(sinks_arranged, num_splits)
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
@@ -233,8 +236,8 @@ def arrangement(
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
-        output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
-        SOFTCAP,
+        sinks_arranged, output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION,
+        SPLIT, DROPOUT, SOFTCAP, SINKS,
     )
 
 
@@ -306,8 +309,9 @@ def _attn_fwd_inner(
 
 
 def application(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, sinks,
+    output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
 ):
     q = query
     offs_m = query.offsets(-2)
@@ -320,14 +324,17 @@ def application(
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
+    BLOCK_N = key.dtype.shape[0]
+    lo = ntl.min(key[0].offsets(-2), 0) // BLOCK_N  # the split's first key block
+    if SINKS:  # a logit with no value: it starts the online softmax, once per row
+        m_i = ntl.where(lo == 0, sinks * LOG2E, m_i)
+        l_i = ntl.where(lo == 0, 1.0, l_i)
 
     # In key blocks of this program's [lo, hi) (the split's, when split): the
     # band's left edge [first, full_lo) (masked; BANDED only), the blocks every
     # row sees whole [full_lo, full_hi) (unmasked), then the band's right edge
     # (the causal diagonal) and the ragged end of the keys [full_hi, end) (masked).
-    BLOCK_N = key.dtype.shape[0]
     Lk = key.source.shape[-2]
-    lo = ntl.min(key[0].offsets(-2), 0) // BLOCK_N  # the split's first key block
     first, full_lo, full_hi, end = _key_stages(
         ntl.min(offs_m, 0), ntl.max(offs_m, 0), lo, lo + key.shape[0], Lk, band_lo, band_hi, BLOCK_N, BANDED)
     if BANDED:
@@ -691,10 +698,12 @@ def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
         Tensor(0),  # scale (runtime float)
         *_dropout_inputs(),
         *_band_inputs(),
+        Tensor(3, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
         Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
         Tensor(4 if split else 3),
-        *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP"),
+        *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP",
+                 "SINKS"),
     )
     return arrangement_, application, tensors
 
@@ -836,10 +845,11 @@ def forward(plan):
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     kernel(
-        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan), o, lse,
+        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
+        plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
         BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
-        SOFTCAP=plan.softcap > 0.0,
+        SOFTCAP=plan.softcap > 0.0, SINKS=plan.sinks is not None,
     )
     if plan.split:
         merge = plan.merge

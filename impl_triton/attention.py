@@ -231,12 +231,13 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, SEED,
+    Q, K, V, O, LSE, MASK, SEED, SINK,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
+    stride_sz, stride_sh, stride_sm,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
     softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -244,7 +245,7 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -253,6 +254,8 @@ def _attn_fwd(
     and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, merged by _attn_combine.
     DROPOUT: SEED holds the mask's seed (int64); kept probabilities are scaled
     by dropout_scale = 1 / (1 - dropout_p). The log-sum-exp is dropout's input's.
+    SINKS: SINK (B, H, Lq; strides) holds each row's sink logit, which joins the
+    softmax of the split that starts at the first key (m_i = sink, l_i = 1).
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -288,12 +291,17 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    lo = split * BLOCKS_PER_SPLIT
+    if SINKS:  # a logit with no value: it starts the online softmax, once per row
+        sink = tl.load(SINK + off_z * stride_sz + off_h * stride_sh + offs_m.to(tl.int64) * stride_sm, mask=m_ok,
+                       other=0.0)
+        m_i = tl.where(lo == 0, sink * LOG2E, m_i)
+        l_i = tl.where(lo == 0, 1.0, l_i)
 
     # In key blocks of this split's [lo, lo + BLOCKS_PER_SPLIT): the band's left edge
     # [first, full_lo) (masked; BANDED only), the blocks every row sees whole
     # [full_lo, full_hi) (unmasked), then the band's right edge (the causal diagonal)
     # and the ragged end of the keys [full_hi, end) (masked).
-    lo = split * BLOCKS_PER_SPLIT
     first, full_lo, full_hi, end = _key_stages(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, lo,
                                                lo + BLOCKS_PER_SPLIT, Lk, band_lo, band_hi, BLOCK_N, BANDED)
     if BANDED:
@@ -740,17 +748,18 @@ def forward(plan):
         o, o_strides = out, (*out.stride()[:3], 0, out.stride(3))
         lse = plan.lse if plan.lse is not None else out  # never written without WITH_LSE
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
+    sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     _fwd_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, k, v, o, lse, mask, seed,
-        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides,
+        q, k, v, o, lse, mask, seed, sinks,
+        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
         plan.dropout_scale, *_band_args(plan),
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0,
+        SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0, SINKS=plan.sinks is not None,
     )
     if plan.split:
         merge = plan.merge

@@ -1,11 +1,12 @@
 """Model features beyond SDPA, forward and backward: bottom-right alignment, sliding
 windows and SDPA's CausalBias objects (against SDPA's math in float64 given the same band
-as a boolean mask), and soft-capping (against the formula in float64).
+as a boolean mask), soft-capping and attention sinks (against their formulas in float64).
 
 Row i sits at position i (top-left) or i + Lk - Lq (bottom-right); ``window=(left,
 right)`` keeps the keys within left before and right after it (-1: unbounded); with
 is_causal nothing after it. The kernels skip key blocks outside the band, and mask the
 blocks on its edges. ``softcap`` turns each scaled score s into softcap * tanh(s / softcap).
+``sinks`` (H,) adds one logit per query head to every row's softmax, with no value.
 """
 
 from __future__ import annotations
@@ -183,3 +184,66 @@ def test_softcap_errors():
         attention(q, q, q, softcap="1")
     with pytest.raises(ValueError, match="the 'torch' backend cannot soft-cap scores"):
         attention(q, q, q, softcap=5.0, backend="torch")
+
+
+# -- attention sinks (gpt-oss) ------------------------------------------------------------------
+
+def _sinks_reference(q, k, v, sinks, *, is_causal=False, alignment="top_left", window=None, softcap=None):
+    """softmax over [scores, sink] in float64, the sink's column dropped; and the leaves."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    qd, kd, vd, sd = leaves
+    group = qd.shape[1] // kd.shape[1]
+    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    s = qd @ kd.transpose(-1, -2) * qd.shape[-1] ** -0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    mask = _reference_mask(is_causal, alignment, window, q.shape[2], k.shape[2])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    column = sd[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1)
+    p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+    return p @ vd, leaves
+
+
+SINK_CASES = [  # (Lq, Lk, is_causal, alignment, window, softcap, splits, dtype)
+    (37, 37, False, "top_left", None, None, None, f32),
+    (30, 30, True, "top_left", None, None, None, f16),
+    (20, 53, True, "bottom_right", (6, 0), 3.0, None, f32),  # with a window and soft-capping
+    (53, 20, True, "bottom_right", None, None, None, f32),  # rows with no key: 0, and lse = the sink
+    (2, 150, False, "top_left", None, None, 3, f32),  # split keys: the sink joins one split only
+]
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=[f"{c[0]}x{c[1]}-{'causal-' if c[2] else ''}{c[3]}"
+                                                  f"{'-split' if c[6] else ''}" for c in SINK_CASES])
+def test_sinks_forward_and_backward(backend, case):
+    import contextlib
+
+    Lq, Lk, is_causal, alignment, window, softcap, splits, dtype = case
+    q, k, v = _inputs(2, 4, 2, Lq, Lk, 32, 32, dtype)
+    sinks = torch.randn(4, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    with force_splits(splits) if splits else contextlib.nullcontext():
+        out = attention(*leaves[:3], is_causal, enable_gqa=True, backend=backend, alignment=alignment, window=window,
+                        softcap=softcap, sinks=leaves[3])
+    expected, ref_leaves = _sinks_reference(q, k, v, sinks, is_causal=is_causal, alignment=alignment, window=window,
+                                            softcap=softcap)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    tol = {f32: 2e-4, f16: 2e-2}[dtype]
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
+    for name, leaf, ref in zip(("dq", "dk", "dv", "dsinks"), leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_sinks_errors():
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(2,\): one logit per query head"):
+        attention(q, q, q, sinks=torch.zeros(3, device=DEVICE))
+    with pytest.raises(TypeError, match="sinks must be a float tensor"):
+        attention(q, q, q, sinks=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(TypeError, match="sinks must be a torch.Tensor"):
+        attention(q, q, q, sinks=[0.0, 0.0])
+    with pytest.raises(ValueError, match="the 'torch' backend has no attention sinks"):
+        attention(q, q, q, sinks=torch.zeros(2, device=DEVICE), backend="torch")

@@ -176,9 +176,34 @@ def test_mistral_style_sliding_window_matches_sdpa(registered, backend, device):
     assert torch.equal(outputs[backend, "generate"], outputs["sdpa", "generate"])
 
 
-def test_attention_sinks_are_rejected_clearly(backend, device):
-    """What the kernels lack (gpt-oss's sinks, position biases) is an error, never ignored."""
+def test_position_bias_is_rejected_clearly(backend, device):
+    """What the kernels lack (T5-style position biases) is an error, never ignored."""
     q = torch.randn(1, 2, 4, 16, device=device)
-    for feature in ("s_aux", "sinks", "position_bias"):
-        with pytest.raises(ValueError, match=f"does not support {feature}"):
-            common.hf._attention_forward(backend, None, q, q, q, None, **{feature: torch.zeros(2, device=device)})
+    with pytest.raises(ValueError, match="does not support position_bias"):
+        common.hf._attention_forward(backend, None, q, q, q, None, position_bias=torch.zeros(2, device=device))
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no-padding"])
+def test_gpt_oss_style_model_with_sinks_matches_eager(registered, backend, padded, device):
+    """Attention sinks (a learned logit per head in every softmax) and alternating sliding-window
+    layers (gpt-oss), against transformers' eager attention."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    config = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4, num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    input_ids, attention_mask = left_padded_batch(device, padded)
+    logits = {}
+    for implementation in (backend, "eager"):
+        torch.manual_seed(0)
+        model = transformers.GptOssForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()  # initialised to zeros: make them matter
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[backend][real], logits["eager"][real], rtol=2e-4, atol=2e-4)

@@ -97,7 +97,8 @@ def ops():
 
             times = {
                 "direct": wall_time_us(lambda: attention(q, k, v, backend=backend)),
-                "operator": wall_time_us(lambda: forward_op(q, k, v, None, False, scale, 0.0, None)),
+                "operator": wall_time_us(lambda: forward_op(q, k, v, None, False, scale, 0.0, None, [-1, -1, 0], 0.0,
+                                                                  None)),
                 "grad fwd": wall_time_us(lambda: attention(qg, kg, vg, backend=backend)),
                 "fwd+bwd": wall_time_us(lambda: fwd_bwd(lambda: attention(qg, kg, vg, backend=backend))),
                 "sdpa": wall_time_us(lambda: F.scaled_dot_product_attention(q, k, v)),
