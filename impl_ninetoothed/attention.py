@@ -14,8 +14,10 @@ Forward (``arrangement`` + ``application``): one program per (batch, head,
 block of BLOCK_M query rows), which sees its query and output tiles and the
 whole key/value sequence of its (grouped-query) head as a row of (BLOCK_N, D)
 tiles (likewise the mask); FlashAttention-2's online softmax in base 2, key
-blocks in two stages (unmasked, then the diagonal band and the ragged tail),
-causal programs never visiting a block wholly above the diagonal. Short
+blocks in three stages (the band's left edge masked, the blocks every row sees
+whole unmasked, the right edge and the ragged tail masked; causal, bottom-right
+and windowed calls are all bands), blocks outside the band never visited;
+soft-capping and attention sinks as in the Triton kernel. Short
 queries split the keys as the Triton kernel does: the arrangement tiles each
 K/V row once more into splits of ``blocks_per_split`` blocks, one program per
 split, and ``combine_arrangement`` + ``combine_application`` merge the

@@ -17,8 +17,16 @@ The Lq x Lk score matrix never exists outside registers.
   the ragged tail of the keys). Causal programs never visit key blocks that lie
   wholly above the diagonal. Loop bounds (``lo``, ``full_end``, ``hi``) count
   key blocks, as in the NineToothed kernel.
-- Causal masking is SDPA's top-left alignment, ``ones(Lq, Lk).tril(0)``: query
-  row i sees keys 0..i, also when Lq != Lk.
+- Causal masking, bottom-right alignment and sliding windows are one band
+  (``BANDED``): row i sees keys i + band_lo .. i + band_hi (``common.plan.band``;
+  top-left causal, SDPA's ``ones(Lq, Lk).tril(0)``, is band_hi = 0). Key blocks
+  come in three stages: the band's left edge (masked), the blocks every row of
+  the program sees whole (unmasked), the right edge and the ragged end of the
+  keys (masked); blocks outside the band are never visited.
+- SOFTCAP: scores become softcap * tanh(s / softcap) (tanh from exp2); the
+  backward multiplies ds by 1 - tanh^2. SINKS: a per-head logit starts each
+  row's online softmax (m_i = sink, l_i = 1), so it joins the denominator with
+  no value; the log-sum-exp includes it, and the backward needs nothing more.
 - Grouped-query attention reads key/value head ``h // GROUP``: no copies.
 - An optional ``attn_mask`` (boolean: True takes part; or additive) is read
   through its strides, so a broadcast mask costs no memory. A row whose every
@@ -35,13 +43,14 @@ Backward, deterministic (no atomics), from the forward's log-sum-exp:
 with ``delta = rowsum(do * o)``, ``dq = scale ds k``, ``dk = scale ds^T q``.
 
 - ``_attn_bwd_dq``: one program per block of BLOCK_M2 query rows, the same
-  schedule as the forward (unmasked key blocks, then the masked band). It
+  schedule as the forward (the band's stages, as in the forward). It
   also computes ``delta`` for its rows and stores it for the next pass.
 - ``_attn_bwd_dkdv``: one program per block of BLOCK_N1 keys of one K/V head;
   it walks the query rows of every query head of its group (grouped-query
   gradients summed in registers, never materialised) in three stages: the
-  causal band (masked), the rows wholly below it (unmasked), the ragged tail
-  of the rows (masked). Causal programs skip the rows above the diagonal.
+  rows on the band's right edge (masked), the rows that see every key of the
+  block (unmasked), the band's left edge and the ragged tail of the rows
+  (masked). Rows outside the band are never visited.
 - A gradient reaching the log-sum-exp too (``return_lse=True``) enters as
   ``delta - dlse``: ``d lse / d s = p``.
 

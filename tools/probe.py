@@ -12,6 +12,8 @@ is written to the project.
   shapes: the direct call (no grad), the forward operator called itself, a
   forward that records autograd, and forward + backward; SDPA alongside.
 - dropout: forward and forward + backward TFLOP/s with and without dropout, with SDPA's.
+- features: sliding window (4096 at L = 32k causal) against the full causal call and
+  against SDPA with the window as a mask; soft-capping's and sinks' cost.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
 """
@@ -128,6 +130,29 @@ def dropout():
                     both = gpu_time_ms(lambda: f(p).backward(torch.ones_like(q)))
                     line.append(f"{name} p={p}: fwd {flops / fwd / 1e9:.0f} fwd+bwd {3.5 * flops / both / 1e9:.0f}")
             print("  ".join(line), "(TFLOP/s)", flush=True)
+
+
+def features():
+    """Issue 14's targets: a 4096-key sliding window at L = 32k causal against the full causal call and
+    against SDPA given the same window as a boolean mask; soft-capping's and sinks' cost (bf16, D = 128)."""
+    B, H, D, L, W = 1, 16, 128, 32768, 4096
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    offset = torch.arange(L, device="cuda")[None, :] - torch.arange(L, device="cuda")[:, None]
+    window_mask = (offset <= 0) & (offset >= -(W - 1))
+    sinks = torch.randn(H, device="cuda")
+    with torch.no_grad():
+        for backend in ("triton", "ninetoothed"):
+            full = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend))
+            windowed = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend, window=(W - 1, 0)))
+            capped = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend, softcap=50.0))
+            sunk = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend, sinks=sinks))
+            print(f"{backend}: causal {full:.2f} ms, window {W} {windowed:.2f} ms ({full / windowed:.2f}x faster), "
+                  f"softcap {capped:.2f} ms ({capped / full - 1:+.1%}), sinks {sunk:.2f} ms ({sunk / full - 1:+.1%})",
+                  flush=True)
+        sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask))
+        ours = gpu_time_ms(lambda: attention(q, k, v, True, window=(W - 1, 0)))
+        print(f"SDPA with the window as a boolean mask: {sdpa:.2f} ms; triton's window {sdpa / ours:.2f}x faster",
+              flush=True)
 
 
 def decode():
