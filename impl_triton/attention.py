@@ -43,7 +43,7 @@ Backward, deterministic (no atomics), from the forward's log-sum-exp:
 with ``delta = rowsum(do * o)``, ``dq = scale ds k``, ``dk = scale ds^T q``.
 
 - ``_attn_bwd_dq``: one program per block of BLOCK_M2 query rows, the same
-  schedule as the forward (the band's stages, as in the forward). It
+  schedule as the forward (the band's three stages of key blocks). It
   also computes ``delta`` for its rows and stores it for the next pass.
 - ``_attn_bwd_dkdv``: one program per block of BLOCK_N1 keys of one K/V head;
   it walks the query rows of every query head of its group (grouped-query
