@@ -57,6 +57,14 @@ class MaskKind(enum.IntEnum):
     ADDITIVE = 2  # added to the scaled scores
 
 
+class Softcap(enum.IntEnum):
+    """How the kernels compute soft-capping's tanh: their SOFTCAP."""
+
+    OFF = 0
+    EXP2 = 1  # 1 - 2 / (e^(2x) + 1): runs everywhere, the interpreter too
+    APPROX = 2  # the GPU's tanh.approx.f32 (NVIDIA, sm_75+): one special-function op where EXP2 takes two
+
+
 # A launch with fewer programs than SMs is split, into enough splits for about
 # this many programs per SM: a decode program streams memory, and more than
 # one of them per SM hides its latency (2 won the decode sweep on the H200).
@@ -107,6 +115,7 @@ class ForwardPlan:
     seed: torch.Tensor | None = None  # dropout: the mask's seed, int64, one element, on the inputs' device
     band: tuple[int, int] | None = None  # row i sees keys i + band[0] .. i + band[1] (see band()); None: all
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
+    softcap_kind: Softcap = Softcap.OFF
     sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
@@ -164,6 +173,7 @@ class BackwardPlan:
     seed: torch.Tensor | None = None  # the forward's seed: its mask, regenerated
     band: tuple[int, int] | None = None  # as the forward's
     softcap: float = 0.0
+    softcap_kind: Softcap = Softcap.OFF
     config: BackwardConfig | None = None
     block_d: int = 0
     block_dv: int = 0
@@ -193,6 +203,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs get full-precision products, as torch computes them by
     # default (no TF32); half-precision products are exact on tensor cores anyway.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def softcap_kind(softcap: float, dtype: torch.dtype, device: torch.device, interpreted: bool) -> Softcap:
+    """Soft-capping's tanh for these inputs. tanh.approx.f32's relative error (about
+    2^-11) is below what 16-bit inputs and probabilities carry, and it halves the
+    special-function work per score (that unit bounds the soft-capped kernel); float32
+    inputs keep the exact form, as does every target without the instruction."""
+    if not softcap:
+        return Softcap.OFF
+    if interpreted or dtype == torch.float32 or device.type != "cuda" or not _has_tanh_approx(device):
+        return Softcap.EXP2
+    return Softcap.APPROX
+
+
+@functools.lru_cache(maxsize=16)
+def _has_tanh_approx(device: torch.device) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (7, 5)
 
 
 UNBOUNDED = 2**30  # a band edge no position reaches (lengths stay below it; int32 sums stay in range)
@@ -235,6 +262,7 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     plan.softcap = call.softcap or 0.0
     if not backend.kernels:
         return plan
+    plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
     if call.sinks is not None:
         plan.sinks = call.sinks.float().view(1, H, 1).expand(B, H, Lq)
     if plan.band is not None and Lq + plan.band[1] < Lk:
@@ -283,6 +311,7 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.softcap = call.softcap or 0.0
     if not backend.kernels:
         return plan
+    plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.config = backend.configs.lookup_backward(
         max(plan.block_d, plan.block_dv), q.dtype, call.is_causal, Lq, Lk, backend.interpreted())

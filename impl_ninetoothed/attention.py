@@ -49,11 +49,12 @@ from common.codecache import use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.launch import define_constants, route_generated_launch
-from common.plan import LN2, LOG2E, UNIFORM_24, MaskKind
+from common.plan import LN2, LOG2E, UNIFORM_24, MaskKind, Softcap
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
+TANH_APPROX = int(Softcap.APPROX)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
-                        UNIFORM_24=UNIFORM_24)
+                        UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX)
 
 
 # -- arranging tiles (plain Python on symbolic tensors, run once per make) ---------------
@@ -158,14 +159,19 @@ def _dropout_keep(seed, head, rows, keys, dropout_p):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp2, 1 - 2 / (e^(2x) + 1): saturates to +-1 (Triton has no tanh that every
-    target and the interpreter run)."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+def _tanh(x, APPROX: triton.language.constexpr):
+    """tanh(x). APPROX: the GPU's tanh.approx.f32 (one special-function op); otherwise
+    1 - 2 / (e^(2x) + 1) from exp2, which saturates to +-1 and runs on every target
+    and the interpreter."""
+    if APPROX:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
 
 
 @triton.jit
-def _cap_factors(scale, softcap, SOFTCAP: tl.constexpr):
+def _cap_factors(scale, softcap, SOFTCAP: triton.language.constexpr):
     """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
     cap_in = 0.0
     cap_out = 0.0
@@ -182,7 +188,8 @@ def _in_band(rows, keys, band_lo, band_hi):
 
 
 @triton.jit
-def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr, BANDED: tl.constexpr):
+def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi,
+                BLOCK_N: triton.language.constexpr, BANDED: triton.language.constexpr):
     """Key-block bounds for rows row0..row1 within blocks [lo, hi): (first, full_lo,
     full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
     edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
@@ -261,7 +268,7 @@ def _attn_fwd_inner(
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-                qk = _tanh(qk * cap_in) * cap_out
+                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
                 qk = qk * qk_scale
             if MASKED:
@@ -435,7 +442,7 @@ def _attn_bwd_dq_inner(
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:
-                cap = _tanh(qk * cap_in)
+                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
                 qk = cap * cap_out
             else:
                 qk = qk * qk_scale
@@ -560,7 +567,7 @@ def _attn_bwd_dkdv_inner(
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:
-                capT = _tanh(qkT * cap_in)
+                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
                 qkT = capT * cap_out
             else:
                 qkT = qkT * qk_scale
@@ -798,15 +805,19 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)
             # NineToothed copies the module's @triton.jit helpers into the generated
-            # code as written (they say ``tl``), but not under the interpreter
-            # (they are not JITFunctions there).
+            # code as written (their bodies say ``tl``), but not under the
+            # interpreter (they are not JITFunctions there).
             handle._launch.__globals__.setdefault("tl", tl)
-            for name, helper in (("_dropout_keep", _dropout_keep), ("_in_band", _in_band),
-                                 ("_key_stages", _key_stages), ("_tanh", _tanh), ("_cap_factors", _cap_factors)):
-                handle._launch.__globals__.setdefault(name, helper)
+            for helper in JIT_HELPERS:
+                handle._launch.__globals__.setdefault(helper.__name__, helper)
             handle = _made[key] = route_generated_launch(handle)
     return handle
 
+
+# The @triton.jit helpers the applications call. The generated module that they are
+# copied into imports ``triton`` and ``triton.language`` only, and defining a function
+# evaluates its parameters' annotations: those say ``triton.language.constexpr``.
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _in_band, _key_stages)
 
 INTERPRETED = interpreter_requested()
 
@@ -851,7 +862,7 @@ def forward(plan):
         plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
         BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
-        SOFTCAP=plan.softcap > 0.0, SINKS=plan.sinks is not None,
+        SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
     )
     if plan.split:
         merge = plan.merge
@@ -874,7 +885,7 @@ def backward(plan):
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
     grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
     flags = dict(BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
-                 DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0)
+                 DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind))
     dropout, band = _dropout_args(plan), _band_args(plan)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(

@@ -76,6 +76,7 @@ NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
 BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
 UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
+TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 
 
 # -- forward ----------------------------------------------------------------------------
@@ -117,10 +118,15 @@ def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.cons
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp2, 1 - 2 / (e^(2x) + 1): saturates to +-1 (Triton has no tanh that every
-    target and the interpreter run)."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+def _tanh(x, APPROX: tl.constexpr):
+    """tanh(x). APPROX: the GPU's tanh.approx.f32 (one special-function op); otherwise
+    1 - 2 / (e^(2x) + 1) from exp2, which saturates to +-1 and runs on every target
+    and the interpreter."""
+    if APPROX:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
 
 
 @triton.jit
@@ -190,7 +196,7 @@ def _attn_fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-                qk = _tanh(qk * cap_in) * cap_out
+                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
                 qk = qk * qk_scale
             if MASKED:
@@ -414,7 +420,7 @@ def _attn_bwd_dq_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:
-                cap = _tanh(qk * cap_in)
+                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
                 qk = cap * cap_out
             else:
                 qk = qk * qk_scale
@@ -576,7 +582,7 @@ def _attn_bwd_dkdv_inner(
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:
-                capT = _tanh(qkT * cap_in)
+                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
                 qkT = capT * cap_out
             else:
                 qkT = qkT * qk_scale
@@ -768,7 +774,7 @@ def forward(plan):
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0, SINKS=plan.sinks is not None,
+        SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
     )
     if plan.split:
         merge = plan.merge
@@ -801,7 +807,7 @@ def backward(plan):
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
-        DROPOUT=plan.dropout, SOFTCAP=plan.softcap > 0.0,
+        DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind),
     )
     m_blocks, n_blocks = -(-Lq // config.block_m2), -(-Lk // config.block_n1)
     _dq_launcher(

@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import attention
+from common import attention, plan
 from common.plan import band, band_mask, force_splits
 from tests.cases import check_grads, check_lse, check_output
 from tests.conftest import DEVICE
 
-f16, f32 = torch.float16, torch.float32
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 
 # (B, H, H_kv, Lq, Lk, D, Dv, is_causal, alignment, window, dtype)
 CASES = [
@@ -154,6 +154,7 @@ SOFTCAP_CASES = [  # (Lq, Lk, is_causal, alignment, window, scale, softcap, dtyp
     (20, 53, True, "bottom_right", (6, 0), -0.8, 3.0, f32),  # with a window, negative scale
     (1, 70, False, "top_left", None, 2.0, 1.0, f32),  # one row: the split-keys path
     (45, 45, False, "top_left", (4, 4), None, 50.0, f32),  # a cap that hardly bites
+    (70, 70, True, "top_left", None, None, 50.0, bf16),  # Gemma 2's cap (on a GPU: tanh.approx)
 ]
 
 
@@ -170,10 +171,27 @@ def test_softcap_forward_and_backward(backend, case):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     expected.backward(grad_out.double())
-    tol = {f32: 2e-4, f16: 1e-2}[dtype]
+    tol = {f32: 2e-4, f16: 1e-2, bf16: 2e-2}[dtype]
     torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
     for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, ref_leaves):
-        torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+        # (bf16's 8-bit mantissa: an error relative to the gradient's largest element)
+        atol = tol * max(1.0, ref.grad.abs().max().item()) if dtype == bf16 else tol
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_softcap_kind(monkeypatch):
+    """16-bit inputs on a GPU with tanh.approx get it; float32 inputs, other targets and
+    the interpreter compute tanh from exp2."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(plan, "_has_tanh_approx", lambda device: True)
+    assert plan.softcap_kind(0.0, bf16, cuda, False) == plan.Softcap.OFF
+    assert plan.softcap_kind(50.0, bf16, cuda, False) == plan.Softcap.APPROX
+    assert plan.softcap_kind(50.0, f16, cuda, False) == plan.Softcap.APPROX
+    assert plan.softcap_kind(50.0, f32, cuda, False) == plan.Softcap.EXP2
+    assert plan.softcap_kind(50.0, bf16, cuda, True) == plan.Softcap.EXP2
+    assert plan.softcap_kind(50.0, bf16, torch.device("cpu"), False) == plan.Softcap.EXP2
+    monkeypatch.setattr(plan, "_has_tanh_approx", lambda device: False)
+    assert plan.softcap_kind(50.0, bf16, cuda, False) == plan.Softcap.EXP2
 
 
 def test_softcap_errors():
