@@ -63,7 +63,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_BANDED: triton.la
             ninetoothed_temporary_0_qk = triton.language.dot(q, triton.language.trans(ninetoothed_temporary_0_k), input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
             if True or ninetoothed_constexpr_prefix_MASK_KIND != NO_MASK or ninetoothed_constexpr_prefix_SOFTCAP:
                 if ninetoothed_constexpr_prefix_SOFTCAP:
-                    ninetoothed_temporary_0_qk = _tanh(ninetoothed_temporary_0_qk * cap_in) * cap_out
+                    ninetoothed_temporary_0_qk = _tanh(ninetoothed_temporary_0_qk * cap_in, ninetoothed_constexpr_prefix_SOFTCAP == TANH_APPROX) * cap_out
                 else:
                     ninetoothed_temporary_0_qk = ninetoothed_temporary_0_qk * qk_scale
                 if True:
@@ -110,7 +110,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_BANDED: triton.la
         ninetoothed_temporary_2_qk = triton.language.dot(q, triton.language.trans(ninetoothed_temporary_2_k), input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
         if False or ninetoothed_constexpr_prefix_MASK_KIND != NO_MASK or ninetoothed_constexpr_prefix_SOFTCAP:
             if ninetoothed_constexpr_prefix_SOFTCAP:
-                ninetoothed_temporary_2_qk = _tanh(ninetoothed_temporary_2_qk * cap_in) * cap_out
+                ninetoothed_temporary_2_qk = _tanh(ninetoothed_temporary_2_qk * cap_in, ninetoothed_constexpr_prefix_SOFTCAP == TANH_APPROX) * cap_out
             else:
                 ninetoothed_temporary_2_qk = ninetoothed_temporary_2_qk * qk_scale
             if False:
@@ -157,7 +157,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_BANDED: triton.la
         ninetoothed_temporary_4_qk = triton.language.dot(q, triton.language.trans(ninetoothed_temporary_4_k), input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
         if True or ninetoothed_constexpr_prefix_MASK_KIND != NO_MASK or ninetoothed_constexpr_prefix_SOFTCAP:
             if ninetoothed_constexpr_prefix_SOFTCAP:
-                ninetoothed_temporary_4_qk = _tanh(ninetoothed_temporary_4_qk * cap_in) * cap_out
+                ninetoothed_temporary_4_qk = _tanh(ninetoothed_temporary_4_qk * cap_in, ninetoothed_constexpr_prefix_SOFTCAP == TANH_APPROX) * cap_out
             else:
                 ninetoothed_temporary_4_qk = ninetoothed_temporary_4_qk * qk_scale
             if True:
