@@ -44,7 +44,9 @@ LSE = "lse"  # returns the log-sum-exp of each row (return_lse=True)
 BACKWARD = "backward"  # has a backward pass
 CPU = "cpu"  # runs on CPU tensors without Triton's interpreter
 OFFSETS64 = "offsets64"  # indexes with 64-bit offsets: tensors may span 2^31 elements or more
-CAPABILITIES = (LSE, BACKWARD, CPU, OFFSETS64)
+SOFTCAP = "softcap"  # soft-caps the scores (softcap=)
+SINKS = "sinks"  # attention sinks: a logit per head in every row's softmax (sinks=)
+CAPABILITIES = (LSE, BACKWARD, CPU, OFFSETS64, SOFTCAP, SINKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +95,10 @@ BACKENDS = {
     b.name: b
     for b in (
         Backend("triton", "impl_triton.attention", "hand-written Triton kernels",
-                kernels=True, capabilities=frozenset({LSE, BACKWARD, OFFSETS64}), head_dims=_KERNEL_HEAD_DIMS),
+                kernels=True, capabilities=frozenset({LSE, BACKWARD, OFFSETS64, SOFTCAP, SINKS}),
+                head_dims=_KERNEL_HEAD_DIMS),
         Backend("ninetoothed", "impl_ninetoothed.attention", "NineToothed arrangements + applications",
-                kernels=True, capabilities=frozenset({LSE, BACKWARD}), head_dims=_KERNEL_HEAD_DIMS),
+                kernels=True, capabilities=frozenset({LSE, BACKWARD, SOFTCAP, SINKS}), head_dims=_KERNEL_HEAD_DIMS),
         Backend("torch", "common.torch_backend", "torch.nn.functional.scaled_dot_product_attention",
                 kernels=False, capabilities=frozenset({BACKWARD, CPU, OFFSETS64}), head_dims=None),
     )

@@ -30,6 +30,10 @@ def attention(
     backend: str | None = None,
     return_lse: bool = False,
     dropout_seed: torch.Tensor | None = None,
+    alignment: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -71,6 +75,22 @@ def attention(
             of one element on the inputs' device; the same seed gives the same
             mask. None: drawn from the device's default generator, so
             ``torch.manual_seed`` reproduces a run. Unused when dropout_p = 0.
+        alignment: where query rows sit against the keys: "top_left" (row i
+            at position i, SDPA's is_causal) or "bottom_right" (row i at
+            i + Lk - Lq: the last query row is the last key, a KV cache's and
+            FlashAttention's convention). Key j sits at position j.
+        window: None, or (left, right): row i sees only the keys within left
+            positions before and right after its position (-1: unbounded on
+            that side, FlashAttention's convention; (left, 0) with is_causal is
+            a sliding window). Combines with is_causal and attn_mask; the
+            kernels never visit key blocks outside the window.
+        softcap: None, or a positive float: each scaled score s becomes
+            softcap * tanh(s / softcap) before any mask (Gemma 2's attention
+            logit soft-capping); differentiable.
+        sinks: None, or a float tensor (H,): one learned logit per query head
+            that joins every row's softmax denominator and contributes no
+            value (gpt-oss's attention sinks); the log-sum-exp includes it, a
+            row with no visible key gives 0. Differentiable (sinks.grad).
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
@@ -84,12 +104,14 @@ def attention(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
+        alignment=alignment, window=window, softcap=softcap, sinks=sinks,
     )
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
     if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
-                                                    call.is_causal, call.scale, call.dropout_p, call.dropout_seed)
+                                                    call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
+                                                    *ops.extras(call), call.sinks)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
@@ -114,6 +136,9 @@ def attention_backward(
     grad_lse: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
+    alignment: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ):
     """The gradients of :func:`attention` with respect to query, key and value.
 
@@ -123,11 +148,12 @@ def attention_backward(
 
     Args:
         grad_out: (B, H, Lq, Dv) or (H, Lq, Dv): the gradient of the output.
-        query, key, value, attn_mask, is_causal, scale, enable_gqa, backend: as
-            given to :func:`attention` for the forward call.
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, backend,
+            alignment, window, softcap: as given to :func:`attention` for the forward call.
         out: the forward's output, (B, H, Lq, Dv) or (H, Lq, Dv).
         lse: the forward's log-sum-exp (``return_lse=True``), float32,
-            (B, H, Lq) or (H, Lq).
+            (B, H, Lq) or (H, Lq). (With attention sinks it includes them, which
+            is all the backward kernels need of them.)
         grad_lse: optional gradient of the log-sum-exp, same shape as lse.
         dropout_p, dropout_seed: the forward's; with dropout_p > 0 the seed
             the forward used is required (its mask is regenerated from it).
@@ -145,11 +171,13 @@ def attention_backward(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=False, dropout_seed=dropout_seed,
+        alignment=alignment, window=window, softcap=softcap,
     )
     grad_out, out, lse, grad_lse = check_backward(chosen, call, grad_out, out, lse, grad_lse)
     if torch.compiler.is_compiling():
         grads = ops.OPS[chosen.name][1](grad_out, call.query, call.key, call.value, call.attn_mask, out, lse,
-                                        grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed)
+                                        grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
+                                        *ops.extras(call))
     else:
         grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)
@@ -157,5 +185,6 @@ def attention_backward(
 
 def _needs_grad(call) -> bool:
     return torch.is_grad_enabled() and (
-        call.query.requires_grad or call.key.requires_grad or call.value.requires_grad)
+        call.query.requires_grad or call.key.requires_grad or call.value.requires_grad
+        or (call.sinks is not None and call.sinks.requires_grad))
 

@@ -77,9 +77,32 @@ def _quiet(backend):
     return contextlib.nullcontext()
 
 
-def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
+def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
+          sinks=None):
+    left, right, bottom_right = band_spec
+    window = None if left == right == -1 else (left, right)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False,
-                dropout_p=dropout_p, dropout_seed=dropout_seed)
+                dropout_p=dropout_p, dropout_seed=dropout_seed, window=window, bottom_right=bool(bottom_right),
+                softcap=softcap if softcap > 0.0 else None, sinks=sinks)
+
+
+def extras(call: Call) -> tuple[list[int], float]:
+    """A call's window, alignment and soft-capping as the operators take them:
+    ([left, right, bottom_right], softcap or 0.0)."""
+    left, right = call.window if call.window is not None else (-1, -1)
+    return [left, right, int(call.bottom_right)], call.softcap or 0.0
+
+
+def sinks_grad(sinks, out, lse, grad_out, grad_lse=None) -> torch.Tensor:
+    """d loss / d sinks, (H,): a sink's probability in row i is p = exp(sink - lse_i) (the
+    lse includes the sink) and d out_i / d sink = -p out_i, so the gradient is
+    -sum over batch and rows of p * delta_i, delta_i = rowsum(dO_i * O_i) - dlse_i (a
+    gradient of the lse adds p * dlse_i). The backward kernels need nothing else of the sinks."""
+    delta = (grad_out.float() * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    p = torch.exp(sinks.float()[None, :, None] - lse)
+    return -(p * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def new_seed(device) -> torch.Tensor:
@@ -90,10 +113,11 @@ def new_seed(device) -> torch.Tensor:
 
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 _FORWARD_SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float scale, "
-                   "float dropout_p, Tensor? dropout_seed) -> (Tensor, Tensor)")
+                   "float dropout_p, Tensor? dropout_seed, int[] band_spec, float softcap, Tensor? sinks) "
+                   "-> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor out, "
                     "Tensor lse, Tensor? grad_lse, bool is_causal, float scale, float dropout_p, "
-                    "Tensor? dropout_seed) -> (Tensor, Tensor, Tensor)")
+                    "Tensor? dropout_seed, int[] band_spec, float softcap) -> (Tensor, Tensor, Tensor)")
 
 
 def _register(name: str):
@@ -109,22 +133,25 @@ def _register(name: str):
     """
     backend = get_backend(name)
 
-    def forward_impl(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
-        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
+    def forward_impl(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
+                     sinks):
+        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
+                     sinks)
         return forward(backend, call, with_lse=True)
 
-    def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
+    def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
+                     sinks):
         B, H, Lq, _ = query.shape
         return (query.new_empty((B, H, Lq, value.shape[3])),
                 query.new_empty((B, H, Lq), dtype=torch.float32))
 
     def backward_impl(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed):
-        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
+                      dropout_seed, band_spec, softcap):
+        call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap)
         return backward(backend, call, out, lse, grad_out, grad_lse)
 
     def backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed):
+                      dropout_seed, band_spec, softcap):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format))
@@ -141,10 +168,13 @@ def _register(name: str):
         """query, key, value -> (out, lse), differentiable in query, key and value."""
 
         @staticmethod
-        def forward(ctx, query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed):
-            out, lse = forward_op(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed)
-            ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed)
+        def forward(ctx, query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
+                    sinks):
+            out, lse = forward_op(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec,
+                                  softcap, sinks)
+            ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, sinks)
             ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
+            ctx.band_spec, ctx.softcap = band_spec, softcap
             # An output that takes no part in the loss gets None, not zeros: most
             # calls use the output alone, and a zero gradient of the lse would
             # still cost a read in the kernel.
@@ -158,12 +188,14 @@ def _register(name: str):
                     f"gradients of gradients (double backward) through attention are not supported by the "
                     f"{name!r} backend; use backend='torch' for them"
                 )
-            query, key, value, attn_mask, out, lse, dropout_seed = ctx.saved_tensors
+            query, key, value, attn_mask, out, lse, dropout_seed, sinks = ctx.saved_tensors
             if grad_out is None:  # only the lse takes part
                 grad_out = torch.zeros_like(out)
             dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
-                                     ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed)
-            return dq, dk, dv, None, None, None, None, None
+                                     ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.band_spec,
+                                     ctx.softcap)
+            dsinks = sinks_grad(sinks, out, lse, grad_out, grad_lse) if ctx.needs_input_grad[10] else None
+            return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
     return forward_op, backward_op, Attention
 

@@ -57,6 +57,14 @@ class MaskKind(enum.IntEnum):
     ADDITIVE = 2  # added to the scaled scores
 
 
+class Softcap(enum.IntEnum):
+    """How the kernels compute soft-capping's tanh: their SOFTCAP."""
+
+    OFF = 0
+    EXP2 = 1  # 1 - 2 / (e^(2x) + 1): runs everywhere, the interpreter too
+    APPROX = 2  # the GPU's tanh.approx.f32 (NVIDIA, sm_75+): one special-function op where EXP2 takes two
+
+
 # A launch with fewer programs than SMs is split, into enough splits for about
 # this many programs per SM: a decode program streams memory, and more than
 # one of them per SM hides its latency (2 won the decode sweep on the H200).
@@ -105,6 +113,10 @@ class ForwardPlan:
     dropout_p: float = 0.0  # the probability of dropping each attention weight
     dropout_scale: float = 1.0  # what kept weights are multiplied by: 1 / (1 - p), 0 for p = 1
     seed: torch.Tensor | None = None  # dropout: the mask's seed, int64, one element, on the inputs' device
+    band: tuple[int, int] | None = None  # row i sees keys i + band[0] .. i + band[1] (see band()); None: all
+    softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
+    softcap_kind: Softcap = Softcap.OFF
+    sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -159,6 +171,9 @@ class BackwardPlan:
     dropout_p: float = 0.0  # as the forward's
     dropout_scale: float = 1.0
     seed: torch.Tensor | None = None  # the forward's seed: its mask, regenerated
+    band: tuple[int, int] | None = None  # as the forward's
+    softcap: float = 0.0
+    softcap_kind: Softcap = Softcap.OFF
     config: BackwardConfig | None = None
     block_d: int = 0
     block_dv: int = 0
@@ -190,6 +205,52 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def softcap_kind(softcap: float, dtype: torch.dtype, device: torch.device, interpreted: bool) -> Softcap:
+    """Soft-capping's tanh for these inputs. tanh.approx.f32's relative error (about
+    2^-11) is below what 16-bit inputs and probabilities carry, and it halves the
+    special-function work per score (that unit bounds the soft-capped kernel); float32
+    inputs keep the exact form, as does every target without the instruction."""
+    if not softcap:
+        return Softcap.OFF
+    if interpreted or dtype == torch.float32 or device.type != "cuda" or not _has_tanh_approx(device):
+        return Softcap.EXP2
+    return Softcap.APPROX
+
+
+@functools.lru_cache(maxsize=16)
+def _has_tanh_approx(device: torch.device) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (7, 5)
+
+
+UNBOUNDED = 2**30  # a band edge no position reaches (lengths stay below it; int32 sums stay in range)
+
+
+def band(is_causal: bool, window, bottom_right: bool, Lq: int, Lk: int) -> tuple[int, int] | None:
+    """Which keys each query row sees, as offsets from its index: row i sees keys
+    i + lo ... i + hi (then clipped to [0, Lk)); None when it sees them all.
+
+    Row i sits at position i (top-left) or i + Lk - Lq (bottom-right), key j at j;
+    ``is_causal`` keeps keys at or before the row's position, ``window`` (left,
+    right) those within left before and right after it (-1: unbounded)."""
+    if not is_causal and window is None:
+        return None
+    shift = Lk - Lq if bottom_right else 0
+    left, right = window if window is not None else (-1, -1)
+    hi = UNBOUNDED if right < 0 else shift + right
+    if is_causal:
+        hi = min(hi, shift)
+    lo = -UNBOUNDED if left < 0 else shift - left
+    if lo <= 1 - Lq and hi >= Lk - 1:
+        return None  # every row sees every key (e.g. one query row, bottom-right causal: decoding)
+    return lo, hi
+
+
+def band_mask(band: tuple[int, int], Lq: int, Lk: int, device) -> torch.Tensor:
+    """The band as a boolean (Lq, Lk) mask, True where row i sees key j (for SDPA and the reference)."""
+    offset = torch.arange(Lk, device=device)[None, :] - torch.arange(Lq, device=device)[:, None]
+    return (offset >= band[0]) & (offset <= band[1])
+
+
 def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     """Plan the forward pass of a validated call with at least one query row and one key."""
     q, k, v, mask = call.query, call.key, call.value, call.attn_mask
@@ -197,15 +258,21 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     plan = ForwardPlan(q, k, v, mask, mask_kind(mask), call.scale, call.is_causal, H // H_kv, (B, H, Lq, Dv),
                        with_lse, call.dropout_p, dropout_scale(call.dropout_p), call.dropout_seed)
+    plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
+    plan.softcap = call.softcap or 0.0
     if not backend.kernels:
         return plan
-    if plan.is_causal and Lk > Lq:
-        # Top-left alignment: no row sees a key past Lq - 1. Dropping them
-        # (views) keeps split launches from planning work for them.
-        Lk = Lq
+    plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
+    if call.sinks is not None:
+        plan.sinks = call.sinks.float().view(1, H, 1).expand(B, H, Lq)
+    if plan.band is not None and Lq + plan.band[1] < Lk:
+        # No row sees a key past Lq - 1 + band[1] (top-left causal: Lq - 1).
+        # Dropping them (views) keeps split launches from planning work for them.
+        Lk = max(1, Lq + plan.band[1])
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
     # Dropout's mask is counted by (head, row): packed rows would change it.
-    packed = None if plan.dropout else pack_gqa(q, H_kv, mask, plan.is_causal)
+    # (Sinks are per query head: packed rows would mix them.)
+    packed = None if plan.dropout or plan.sinks is not None else pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None:
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed
@@ -240,8 +307,11 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan = BackwardPlan(q, k, v, mask, mask_kind(mask), call.scale, call.is_causal, H // k.shape[1],
                         out, lse, grad_out, grad_lse, call.dropout_p, dropout_scale(call.dropout_p),
                         call.dropout_seed)
+    plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
+    plan.softcap = call.softcap or 0.0
     if not backend.kernels:
         return plan
+    plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.config = backend.configs.lookup_backward(
         max(plan.block_d, plan.block_dv), q.dtype, call.is_causal, Lq, Lk, backend.interpreted())
@@ -305,18 +375,18 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device) -> t
     return -(-k_blocks // blocks_per_split), blocks_per_split
 
 
-def pack_gqa(query, H_kv: int, attn_mask, is_causal: bool):
+def pack_gqa(query, H_kv: int, attn_mask, banded: bool):
     """``(query, attn_mask)`` with each group's query heads packed into rows, or None.
 
     query (B, H, Lq, D) with H = GROUP·H_kv becomes (B, H_kv, GROUP·Lq, D):
     row g·Lq + i of K/V head j is row i of query head j·GROUP + g. A view,
     so it exists only where the strides allow (always for Lq = 1 or a
     contiguous query); the mask likewise. An output (B, H_kv, GROUP·Lq, Dv)
-    computed from it is, contiguous, the output (B, H, Lq, Dv). Causal calls
-    are not packed (a packed row's position is no longer its row index).
+    computed from it is, contiguous, the output (B, H, Lq, Dv). Causal and
+    windowed calls are not packed (a packed row's position is no longer its row index).
     """
     B, H, Lq, D = query.shape
-    if H_kv == H or is_causal or Lq > PACK_MAX_LQ:
+    if H_kv == H or banded or Lq > PACK_MAX_LQ:
         return None
     group = H // H_kv
     try:

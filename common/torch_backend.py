@@ -7,15 +7,29 @@ treats all three alike; autograd differentiates it natively.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
+
+from common.plan import band_mask
 
 INTERPRETED = False
 
 
 def forward(plan):
     """SDPA on a plan's inputs; returns ``(out, None)`` (SDPA gives no log-sum-exp)."""
+    attn_mask, is_causal = plan.attn_mask, plan.is_causal
+    if plan.band is not None:  # a window or bottom-right causal: SDPA takes them as a mask
+        Lq, Lk = plan.query.shape[2], plan.key.shape[2]
+        allowed = band_mask(plan.band, Lq, Lk, plan.query.device)
+        if attn_mask is None:
+            attn_mask = allowed
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & allowed
+        else:
+            attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+        is_causal = False
     out = F.scaled_dot_product_attention(
-        plan.query, plan.key, plan.value, attn_mask=plan.attn_mask, is_causal=plan.is_causal, scale=plan.scale,
+        plan.query, plan.key, plan.value, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale,
         enable_gqa=plan.group > 1, dropout_p=plan.dropout_p,
     )
     return out, None

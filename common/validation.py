@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, Backend
+from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, SINKS, SOFTCAP, Backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A backend without 64-bit offsets (NineToothed's generated code indexes with
@@ -37,6 +37,10 @@ class Call:
     unbatched: bool  # the inputs were 3-D (H, L, D): drop the batch dim of the results
     dropout_p: float = 0.0
     dropout_seed: torch.Tensor | None = None  # int64, one element, on the inputs' device
+    window: tuple[int, int] | None = None  # (left, right) keys around a row's position; -1: unbounded
+    bottom_right: bool = False  # query row i sits at position i + Lk - Lq (else i)
+    softcap: float | None = None  # scores s become softcap * tanh(s / softcap), before any mask
+    sinks: torch.Tensor | None = None  # (H,): a logit per query head in every row's softmax denominator
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -64,6 +68,7 @@ def check_call(
     backend: Backend,
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
+    alignment="top_left", window=None, softcap=None, sinks=None,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -142,6 +147,9 @@ def check_call(
     else:
         scale = _check_real("scale", scale)
 
+    if attn_mask is not None and _is_causal_bias(attn_mask):
+        is_causal, alignment = _from_causal_bias(attn_mask, is_causal, alignment, Lq, Lk)
+        attn_mask = None
     if attn_mask is not None:
         attn_mask = _check_mask(attn_mask, query, is_causal, (B, H, Lq, Lk), unbatched)
 
@@ -168,7 +176,57 @@ def check_call(
     if backend.kernels:
         _check_kernel_device(backend, query.device)
 
-    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed)
+    bottom_right = _check_alignment(alignment)
+    window = _check_window(window)
+    if softcap is not None:
+        softcap = _check_real("softcap", softcap)
+        if not softcap > 0.0:
+            raise ValueError(f"softcap must be a positive number (or None), got {softcap}")
+        if not backend.supports(SOFTCAP):
+            usable = [name for name, b in BACKENDS.items() if b.supports(SOFTCAP)]
+            raise ValueError(f"the {backend.name!r} backend cannot soft-cap scores (softcap=); use one of "
+                             f"{', '.join(map(repr, usable))}")
+    if sinks is not None:
+        _check_sinks(backend, sinks, H, query.device)
+    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
+                window, bottom_right, softcap, sinks)
+
+
+def _check_sinks(backend: Backend, sinks, H: int, device) -> None:
+    if not backend.supports(SINKS):
+        usable = [name for name, b in BACKENDS.items() if b.supports(SINKS)]
+        raise ValueError(f"the {backend.name!r} backend has no attention sinks (sinks=); use one of "
+                         f"{', '.join(map(repr, usable))}")
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"sinks must be a float tensor (float16, bfloat16 or float32), got {_dtype_name(sinks.dtype)}")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(f"sinks must have shape ({H},): one logit per query head, got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
+
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _check_alignment(alignment) -> bool:
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {', '.join(map(repr, ALIGNMENTS))}, got {alignment!r}")
+    return alignment == "bottom_right"
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints, got {window!r}")
+    for side, n in zip(("left", "right"), window):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"window's {side} bound must be an int (-1: unbounded), got {type(n).__name__}")
+        if n < -1:
+            raise ValueError(f"window's {side} bound must be >= 0, or -1 for unbounded, got {n}")
+    return None if window[0] == window[1] == -1 else (int(window[0]), int(window[1]))
 
 
 def span(t) -> int:
@@ -214,13 +272,25 @@ def _is_causal_bias(attn_mask) -> bool:
     return isinstance(attn_mask, sys.modules["torch.nn.attention.bias"].CausalBias)
 
 
+def _from_causal_bias(bias, is_causal, alignment, Lq: int, Lk: int) -> tuple[bool, str]:
+    """SDPA's CausalBias objects (``causal_upper_left`` / ``causal_lower_right``) as what
+    they mean: is_causal with top-left or bottom-right alignment. No mask tensor is read
+    (the subclass's data is not a mask)."""
+    from torch.nn.attention.bias import CausalVariant
+
+    if is_causal:
+        raise ValueError("attn_mask is a CausalBias, which is already causal: pass is_causal=False with it")
+    if (bias.seq_len_q, bias.seq_len_kv) != (Lq, Lk):
+        raise ValueError(f"attn_mask is a CausalBias for {bias.seq_len_q} query rows and {bias.seq_len_kv} keys, "
+                         f"but the call has {Lq} and {Lk}")
+    implied = "top_left" if bias.variant == CausalVariant.UPPER_LEFT else "bottom_right"
+    if alignment != "top_left" and alignment != implied:
+        raise ValueError(f"attn_mask is a CausalBias that means alignment={implied!r}, but alignment={alignment!r} "
+                         "was passed too")
+    return True, implied
+
+
 def _check_mask(attn_mask, query, is_causal, full_shape, unbatched) -> torch.Tensor:
-    if _is_causal_bias(attn_mask):
-        # A tensor subclass whose data is not a mask: read as one, it would give garbage.
-        raise ValueError(
-            "attn_mask is a torch.nn.attention.bias.CausalBias, which is not supported yet; for "
-            "causal_upper_left(...) pass is_causal=True (top-left alignment) and no attn_mask"
-        )
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if is_causal:

@@ -14,8 +14,10 @@ Forward (``arrangement`` + ``application``): one program per (batch, head,
 block of BLOCK_M query rows), which sees its query and output tiles and the
 whole key/value sequence of its (grouped-query) head as a row of (BLOCK_N, D)
 tiles (likewise the mask); FlashAttention-2's online softmax in base 2, key
-blocks in two stages (unmasked, then the diagonal band and the ragged tail),
-causal programs never visiting a block wholly above the diagonal. Short
+blocks in three stages (the band's left edge masked, the blocks every row sees
+whole unmasked, the right edge and the ragged tail masked; causal, bottom-right
+and windowed calls are all bands), blocks outside the band never visited;
+soft-capping and attention sinks as in the Triton kernel. Short
 queries split the keys as the Triton kernel does: the arrangement tiles each
 K/V row once more into splits of ``blocks_per_split`` blocks, one program per
 split, and ``combine_arrangement`` + ``combine_application`` merge the
@@ -47,11 +49,12 @@ from common.codecache import use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.launch import define_constants, route_generated_launch
-from common.plan import LN2, LOG2E, UNIFORM_24, MaskKind
+from common.plan import LN2, LOG2E, UNIFORM_24, MaskKind, Softcap
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
+TANH_APPROX = int(Softcap.APPROX)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
-                        UNIFORM_24=UNIFORM_24)
+                        UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX)
 
 
 # -- arranging tiles (plain Python on symbolic tensors, run once per make) ---------------
@@ -155,9 +158,62 @@ def _dropout_keep(seed, head, rows, keys, dropout_p):
     return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
 
 
+@triton.jit
+def _tanh(x, APPROX: triton.language.constexpr):
+    """tanh(x). APPROX: the GPU's tanh.approx.f32 (one special-function op); otherwise
+    1 - 2 / (e^(2x) + 1) from exp2, which saturates to +-1 and runs on every target
+    and the interpreter."""
+    if APPROX:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
+
+
+@triton.jit
+def _cap_factors(scale, softcap, SOFTCAP: triton.language.constexpr):
+    """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
+    cap_in = 0.0
+    cap_out = 0.0
+    if SOFTCAP:
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
+    return cap_in, cap_out
+
+
+@triton.jit
+def _in_band(rows, keys, band_lo, band_hi):
+    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi."""
+    return (keys[None, :] >= rows[:, None] + band_lo) & (keys[None, :] <= rows[:, None] + band_hi)
+
+
+@triton.jit
+def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi,
+                BLOCK_N: triton.language.constexpr, BANDED: triton.language.constexpr):
+    """Key-block bounds for rows row0..row1 within blocks [lo, hi): (first, full_lo,
+    full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
+    edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
+    key outside [first, end). (A @triton.jit helper, as in the Triton kernel:
+    NineToothed copies it into the generated code.)"""
+    end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
+    full_hi = Lk // BLOCK_N
+    first = lo
+    full_lo = lo
+    if BANDED:
+        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, row1 + band_hi + 1), 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, row0 + band_hi + 1), 0) // BLOCK_N)
+        first = tl.maximum(lo, tl.maximum(row0 + band_lo, 0) // BLOCK_N)
+        full_lo = tl.cdiv(tl.maximum(row1 + band_lo, 0), BLOCK_N)
+    end = tl.maximum(end, first)
+    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return first, full_lo, full_hi, end
+
+
 def arrangement(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, sinks,
+    output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
     block_m, block_n, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -172,12 +228,14 @@ def arrangement(
     key_arranged = _key_row(key, query.shape[1], m_blocks, block_n, block_d, blocks_per_split)
     value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
     attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
+    sinks_arranged = _row_slices(sinks, block_m)  # (B, H, Lq): stride 0 but over H
     if blocks_per_split is None:
         output_arranged = _rows(output, block_m, block_dv)
         lse_arranged = _row_slices(lse, block_m)
     else:
         num_splits = output.shape[3]
         query_arranged = _per_split(query_arranged, num_splits)
+        sinks_arranged = _per_split(sinks_arranged, num_splits)
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
@@ -186,33 +244,38 @@ def arrangement(
         lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
-        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale,
-        output_arranged, lse_arranged, IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
+        sinks_arranged, output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION,
+        SPLIT, DROPOUT, SOFTCAP, SINKS,
     )
 
 
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, qk_scale, seed, head, dropout_p,
-    IS_CAUSAL, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, cap_in, cap_out,
+    seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
     Blocks count from the first key; the program's tiles start at block
     ``first`` (0 unless the keys are split). MASKED: the blocks may hold keys
-    past Lk or, when causal, above the diagonal; mask them. Unmasked blocks
+    past Lk or, when BANDED, outside a row's band (row i sees keys i + band_lo
+    .. i + band_hi); mask them. Unmasked blocks
     skip every comparison. DROPOUT: the row sums take every probability, the
     output only the kept ones.
     """
     for j in range(lo, hi):
         k = key[j - first]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 offs_n = key[j - first].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
-                if IS_CAUSAL:
-                    valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                if BANDED:
+                    valid = valid & _in_band(offs_m, offs_n, band_lo, band_hi)
                 qk = ntl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = attn_mask[j - first]
@@ -221,9 +284,10 @@ def _attn_fwd_inner(
                 else:
                     qk = qk + mask.to(ntl.float32) * LOG2E
             m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
-            if MASK_KIND != NO_MASK or SPLIT:
-                # A row with no visible key yet has m_ij = -inf (a mask, or a
-                # split that starts past a causal row's last key); subtract 0
+            if MASK_KIND != NO_MASK or SPLIT or BANDED:
+                # A row with no visible key yet has m_ij = -inf (a mask, a band
+                # that hides every key of the block from it, or a split that
+                # starts past a causal row's last key); subtract 0
                 # instead so that its p and alpha are 0, not NaN.
                 m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)
             else:
@@ -254,50 +318,59 @@ def _attn_fwd_inner(
 
 
 def application(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, output, lse,
-    IS_CAUSAL, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, sinks,
+    output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
 ):
     q = query
     offs_m = query.offsets(-2)
     head = query.offsets(0) * query.source.shape[1] + query.offsets(1)  # in (B·H): the dropout mask's
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
-
-    # In key blocks: stage 1 ends where a block first needs a mask; stage 2
-    # ends at the last block any row of this block can see. Both stop at the
-    # end of this program's blocks [lo, hi): the split's, when split.
     BLOCK_N = key.dtype.shape[0]
-    full_end = key.source.shape[-2] // BLOCK_N
-    if IS_CAUSAL:
-        full_end = ntl.minimum(full_end, ntl.min(offs_m, 0) // BLOCK_N)
-        end = ntl.cdiv(ntl.minimum(key.source.shape[-2], ntl.max(offs_m, 0) + 1), BLOCK_N)
-    else:
-        end = ntl.cdiv(key.source.shape[-2], BLOCK_N)
-    first = ntl.min(key[0].offsets(-2), 0) // BLOCK_N  # the split's first key block
-    lo = first
-    hi = ntl.minimum(first + key.shape[0], end)
-    full_end = ntl.maximum(lo, ntl.minimum(full_end, hi))
+    lo = ntl.min(key[0].offsets(-2), 0) // BLOCK_N  # the split's first key block
+    if SINKS:  # a logit with no value: it starts the online softmax, once per row
+        m_i = ntl.where(lo == 0, sinks * LOG2E, m_i)
+        l_i = ntl.where(lo == 0, 1.0, l_i)
+
+    # In key blocks of this program's [lo, hi) (the split's, when split): the
+    # band's left edge [first, full_lo) (masked; BANDED only), the blocks every
+    # row sees whole [full_lo, full_hi) (unmasked), then the band's right edge
+    # (the causal diagonal) and the ragged end of the keys [full_hi, end) (masked).
+    Lk = key.source.shape[-2]
+    first, full_lo, full_hi, end = _key_stages(
+        ntl.min(offs_m, 0), ntl.max(offs_m, 0), lo, lo + key.shape[0], Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    if BANDED:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, band_lo, band_hi, qk_scale,
+            cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+            DROPOUT, SOFTCAP,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, full_end, first, qk_scale, seed, head, dropout_p,
-        IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, band_lo, band_hi, qk_scale,
+        cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+        DROPOUT, SOFTCAP,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_end, hi, first, qk_scale, seed, head, dropout_p,
-        IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, band_lo, band_hi, qk_scale,
+        cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+        DROPOUT, SOFTCAP,
     )
 
     if WITH_LSE:
         # Log-sum-exp of the scaled scores, from base 2 back to natural log;
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
         lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
-    if MASK_KIND != NO_MASK or SPLIT:
-        # A row whose every key is masked out (or, in a split, that sees none of
-        # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
+    if MASK_KIND != NO_MASK or SPLIT or BANDED:
+        # A row whose every key is masked out (a mask, a band that leaves it no
+        # key, or a split none of whose keys it sees) has acc = 0 and l_i = 0:
+        # SDPA returns 0.
         l_i = ntl.where(l_i == 0.0, 1.0, l_i)
     if DROPOUT:
         output = acc / l_i[:, None] * dropout_scale  # noqa: F841 (a store)
@@ -335,8 +408,8 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
 
 def dq_arrangement(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    delta_out, grad_query,
-    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
@@ -349,29 +422,35 @@ def dq_arrangement(
         _mask_row(attn_mask, block_m, block_n),
         _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
         _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
-        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, _row_slices(delta_out, block_m),
+        _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
+        _row_slices(delta_out, block_m),
         _rows(grad_query, block_m, block_d),
-        IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
 
 
 def _attn_bwd_dq_inner(
-    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, qk_scale, seed, head, dropout_p, dropout_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, band_lo, band_hi, qk_scale, cap_in, cap_out,
+    seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
-    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward."""
+    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward.
+    SOFTCAP: ds passes through the cap's derivative, 1 - tanh^2."""
     for j in range(lo, hi):
         k = key[j]
         v = value[j]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
+                qk = cap * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 offs_n = key[j].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
-                if IS_CAUSAL:
-                    valid = valid & (offs_m[:, None] >= offs_n[None, :])
+                if BANDED:
+                    valid = valid & _in_band(offs_m, offs_n, band_lo, band_hi)
                 qk = ntl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = attn_mask[j]
@@ -388,14 +467,16 @@ def _attn_bwd_dq_inner(
             keep = _dropout_keep(seed, head, offs_m, offs_n, dropout_p)
             dp = ntl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - cap * cap)
         dq = ntl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 def dq_application(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    delta_out, grad_query,
-    IS_CAUSAL, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     q = query
     do = grad_out
@@ -413,32 +494,39 @@ def dq_application(
     # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
     m2 = ntl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     dq = ntl.zeros(grad_query.shape, dtype=ntl.float32)
 
-    # In key blocks, as in the forward: unmasked blocks [0, full_end), then
-    # the diagonal band and the ragged tail [full_end, hi).
+    # In key blocks, as in the forward: the band's left edge [first, full_lo)
+    # (masked), the blocks every row sees whole, then the band's right edge and
+    # the ragged end of the keys (masked).
     BLOCK_N = key.dtype.shape[0]
-    full_end = key.source.shape[-2] // BLOCK_N
-    if IS_CAUSAL:
-        full_end = ntl.minimum(full_end, ntl.min(offs_m, 0) // BLOCK_N)
-        hi = ntl.cdiv(ntl.minimum(key.source.shape[-2], ntl.max(offs_m, 0) + 1), BLOCK_N)
-    else:
-        hi = ntl.cdiv(key.source.shape[-2], BLOCK_N)
+    Lk = key.source.shape[-2]
+    first, full_lo, full_hi, end = _key_stages(
+        ntl.min(offs_m, 0), ntl.max(offs_m, 0), 0, ntl.cdiv(Lk, BLOCK_N), Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    if BANDED:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, m2, delta, key, value, attn_mask, offs_m, first, full_lo, band_lo, band_hi, qk_scale,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
+        )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, m2, delta, key, value, attn_mask, offs_m, 0, full_end, qk_scale,
-        seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, band_lo, band_hi, qk_scale,
+        cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        SOFTCAP,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_end, hi, qk_scale,
-        seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, band_lo, band_hi, qk_scale,
+        cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        SOFTCAP,
     )
     grad_query = dq * scale  # noqa: F841 (a store)
 
 
 def dkdv_arrangement(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    grad_key, grad_value,
-    IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, K/V head, block of BLOCK_N keys); it sees the
@@ -457,31 +545,35 @@ def dkdv_arrangement(
         key_arranged, _rows(value, block_n, block_dv), attn_mask_arranged,
         _group_rows(grad_out, group, n_blocks, block_m, block_dv),
         _group_rows(lse, group, n_blocks, block_m), _group_rows(delta, group, n_blocks, block_m),
-        scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale,
+        scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
-        IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
+        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
 
 
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, qk_scale,
-    seed, head, dropout_p, dropout_scale,
-    IS_CAUSAL, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, band_lo, band_hi, qk_scale,
+    cap_in, cap_out, seed, head, dropout_p, dropout_scale,
+    BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     """Add query blocks [lo, hi) of query head ``g`` of the group to (dk, dv)
     (dk unscaled), on transposed scores (keys x rows). MASKED: the blocks may
-    hold rows above the causal diagonal. (Rows past Lq need no mask here:
+    hold rows whose band misses some of these keys. (Rows past Lq need no mask here:
     NineToothed loads them as 0 and their lse as +inf, so their p is 0.)
     DROPOUT: the forward's mask, regenerated transposed (``head``: of query head ``g``)."""
     for i in range(lo, hi):
         q = query[g, i]
         m2 = ntl.where(lse[g, i] == float("-inf"), float("inf"), lse[g, i] * LOG2E)
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qkT = qkT * qk_scale
-            if MASKED and IS_CAUSAL:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
+                qkT = capT * cap_out
+            else:
+                qkT = qkT * qk_scale
+            if MASKED and BANDED:
                 offs_qm = query[g, i].offsets(-2)
-                qkT = ntl.where(offs_qm[None, :] >= offs_kn[:, None], qkT, float("-inf"))
+                qkT = ntl.where(ntl.trans(_in_band(offs_qm, offs_kn, band_lo, band_hi)), qkT, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = attn_mask[g, i]
                 if MASK_KIND == BOOL_MASK:
@@ -502,53 +594,69 @@ def _attn_bwd_dkdv_inner(
         else:
             dv = ntl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[g, i][None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - capT * capT)
         dk = ntl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 def dkdv_application(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    grad_key, grad_value,
-    IS_CAUSAL, MASK_KIND, DOT_PRECISION, DROPOUT,
+    band_lo, band_hi, softcap, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     k = key
     v = value
     offs_kn = key.offsets(-2)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
     dk = ntl.zeros(grad_key.shape, dtype=ntl.float32)
     dv = ntl.zeros(grad_value.shape, dtype=ntl.float32)
 
-    # In query blocks: the causal band [lo, full_lo) (masked), the blocks wholly
-    # below it [full_lo, full_hi) (unmasked), the ragged tail [full_hi, hi).
+    # In query blocks: the rows on the band's right edge (the causal diagonal)
+    # [lo, full_lo) (masked), the rows that see every key here [full_lo, full_hi)
+    # (unmasked), the rows on the band's left edge and the ragged end of the rows
+    # [full_hi, hi) (masked). Row i sees key j iff j - band_hi <= i <= j - band_lo.
     BLOCK_M = query.dtype.shape[0]
     BLOCK_N = key.shape[0]
-    n0 = ntl.min(offs_kn, 0)  # this program's first key
+    Lq = query.source.shape[-2]
     hi = query.shape[1]
-    if IS_CAUSAL:
-        lo = ntl.minimum(n0 // BLOCK_M, hi)  # the first block with a row that sees a key here
-        full_lo = ntl.minimum(ntl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), hi)
-    else:
-        lo = 0
-        full_lo = 0
-    full_hi = ntl.maximum(full_lo, query.source.shape[-2] // BLOCK_M)
+    lo = 0
+    full_lo = 0
+    full_hi = Lq // BLOCK_M
+    if BANDED:
+        key0 = ntl.min(offs_kn, 0)  # this program's first key
+        key1 = key0 + BLOCK_N - 1
+        hi = ntl.minimum(hi, ntl.cdiv(ntl.maximum(ntl.minimum(Lq, key1 - band_lo + 1), 0), BLOCK_M))
+        full_hi = ntl.minimum(full_hi, ntl.maximum(ntl.minimum(Lq, key0 - band_lo + 1), 0) // BLOCK_M)
+        lo = ntl.maximum(key0 - band_hi, 0) // BLOCK_M
+        full_lo = ntl.cdiv(ntl.maximum(key1 - band_hi, 0), BLOCK_M)
+    hi = ntl.maximum(hi, lo)
+    lo = ntl.minimum(lo, hi)
+    full_lo = ntl.minimum(ntl.maximum(full_lo, lo), hi)
+    full_hi = ntl.minimum(ntl.maximum(full_hi, full_lo), hi)
     for g in range(query.shape[0]):
         # query head g of this K/V head, in (B·H): the dropout mask's (NineToothed's inliner
         # mis-names a helper called inside an expression, so this is spelled out)
         head = key.offsets(0) * query.source.shape[1] + key.offsets(1) * query.shape[0] + g
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, qk_scale,
-            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, band_lo, band_hi, qk_scale,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, qk_scale,
-            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, band_lo, band_hi,
+            qk_scale,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION,
+            DROPOUT, SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, qk_scale,
-            seed, head, dropout_p, dropout_scale, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, band_lo, band_hi, qk_scale,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
     grad_key = dk * scale  # noqa: F841 (a store)
     grad_value = dv  # noqa: F841 (a store)
@@ -581,6 +689,12 @@ def _dropout_inputs():
     return Tensor(1), Tensor(0), Tensor(0)
 
 
+def _band_inputs():
+    """band_lo, band_hi (runtime ints): row i sees keys i + band_lo .. i + band_hi when BANDED;
+    softcap (runtime float), read when SOFTCAP."""
+    return Tensor(0), Tensor(0), Tensor(0)
+
+
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
     """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
     arrangement_ = functools.partial(
@@ -592,10 +706,13 @@ def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
         *_attention_inputs(head_dim, head_dim_v),
         Tensor(0),  # scale (runtime float)
         *_dropout_inputs(),
+        *_band_inputs(),
+        Tensor(3, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
         Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
         Tensor(4 if split else 3),
-        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP",
+                 "SINKS"),
     )
     return arrangement_, application, tensors
 
@@ -629,9 +746,10 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         Tensor(3, other=0),  # grad_lse
         Tensor(0),  # scale
         *_dropout_inputs(),
+        *_band_inputs(),
         Tensor(3),  # delta_out
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_query
-        *_flags("IS_CAUSAL", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT", "SOFTCAP"),
     )
     return arrangement_, dq_application, tensors
 
@@ -649,9 +767,10 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         Tensor(3, other=0),  # delta
         Tensor(0),  # scale
         *_dropout_inputs(),
+        *_band_inputs(),
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
         Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
-        *_flags("IS_CAUSAL", "MASK_KIND", "DOT_PRECISION", "DROPOUT"),
+        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP"),
     )
     return arrangement_, dkdv_application, tensors
 
@@ -686,13 +805,19 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)
             # NineToothed copies the module's @triton.jit helpers into the generated
-            # code as written (they say ``tl``), but not under the interpreter
-            # (they are not JITFunctions there).
+            # code as written (their bodies say ``tl``), but not under the
+            # interpreter (they are not JITFunctions there).
             handle._launch.__globals__.setdefault("tl", tl)
-            handle._launch.__globals__.setdefault("_dropout_keep", _dropout_keep)
+            for helper in JIT_HELPERS:
+                handle._launch.__globals__.setdefault(helper.__name__, helper)
             handle = _made[key] = route_generated_launch(handle)
     return handle
 
+
+# The @triton.jit helpers the applications call. The generated module that they are
+# copied into imports ``triton`` and ``triton.language`` only, and defining a function
+# evaluates its parameters' annotations: those say ``triton.language.constexpr``.
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _in_band, _key_stages)
 
 INTERPRETED = interpreter_requested()
 
@@ -709,6 +834,11 @@ def _dropout_args(plan):
     """(seed, dropout_p, dropout_scale) as the kernels take them; a stand-in seed without dropout."""
     seed = plan.seed if plan.seed is not None else _absent(plan.query, 1)
     return seed.view(1), plan.dropout_p, plan.dropout_scale
+
+
+def _band_args(plan) -> tuple[int, int, float]:
+    """(band_lo, band_hi, softcap): what BANDED and SOFTCAP kernels read; unread (0, 0) and 0.0 otherwise."""
+    return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap)
 
 
 def forward(plan):
@@ -728,9 +858,11 @@ def forward(plan):
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     kernel(
-        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), o, lse,
-        IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
+        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
+        plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
+        BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
+        SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
     )
     if plan.split:
         merge = plan.merge
@@ -752,17 +884,17 @@ def backward(plan):
     config = plan.config
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
     grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
-    flags = dict(IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
-                 DROPOUT=plan.dropout)
-    dropout = _dropout_args(plan)
+    flags = dict(BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+                 DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind))
+    dropout, band = _dropout_args(plan), _band_args(plan)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, plan.delta,
+        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *band, plan.delta,
         plan.grad_query, WITH_DLSE=plan.grad_lse is not None, **flags,
     )
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout, plan.grad_key,
+        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout, *band, plan.grad_key,
         plan.grad_value, **flags,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value

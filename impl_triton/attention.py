@@ -17,8 +17,16 @@ The Lq x Lk score matrix never exists outside registers.
   the ragged tail of the keys). Causal programs never visit key blocks that lie
   wholly above the diagonal. Loop bounds (``lo``, ``full_end``, ``hi``) count
   key blocks, as in the NineToothed kernel.
-- Causal masking is SDPA's top-left alignment, ``ones(Lq, Lk).tril(0)``: query
-  row i sees keys 0..i, also when Lq != Lk.
+- Causal masking, bottom-right alignment and sliding windows are one band
+  (``BANDED``): row i sees keys i + band_lo .. i + band_hi (``common.plan.band``;
+  top-left causal, SDPA's ``ones(Lq, Lk).tril(0)``, is band_hi = 0). Key blocks
+  come in three stages: the band's left edge (masked), the blocks every row of
+  the program sees whole (unmasked), the right edge and the ragged end of the
+  keys (masked); blocks outside the band are never visited.
+- SOFTCAP: scores become softcap * tanh(s / softcap) (tanh from exp2); the
+  backward multiplies ds by 1 - tanh^2. SINKS: a per-head logit starts each
+  row's online softmax (m_i = sink, l_i = 1), so it joins the denominator with
+  no value; the log-sum-exp includes it, and the backward needs nothing more.
 - Grouped-query attention reads key/value head ``h // GROUP``: no copies.
 - An optional ``attn_mask`` (boolean: True takes part; or additive) is read
   through its strides, so a broadcast mask costs no memory. A row whose every
@@ -35,13 +43,14 @@ Backward, deterministic (no atomics), from the forward's log-sum-exp:
 with ``delta = rowsum(do * o)``, ``dq = scale ds k``, ``dk = scale ds^T q``.
 
 - ``_attn_bwd_dq``: one program per block of BLOCK_M2 query rows, the same
-  schedule as the forward (unmasked key blocks, then the masked band). It
+  schedule as the forward (the band's three stages of key blocks). It
   also computes ``delta`` for its rows and stores it for the next pass.
 - ``_attn_bwd_dkdv``: one program per block of BLOCK_N1 keys of one K/V head;
   it walks the query rows of every query head of its group (grouped-query
   gradients summed in registers, never materialised) in three stages: the
-  causal band (masked), the rows wholly below it (unmasked), the ragged tail
-  of the rows (masked). Causal programs skip the rows above the diagonal.
+  rows on the band's right edge (masked), the rows that see every key of the
+  block (unmasked), the band's left edge and the ragged tail of the rows
+  (masked). Rows outside the band are never visited.
 - A gradient reaching the log-sum-exp too (``return_lse=True``) enters as
   ``delta - dlse``: ``d lse / d s = p``.
 
@@ -67,6 +76,7 @@ NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
 BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
 UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
+TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 
 
 # -- forward ----------------------------------------------------------------------------
@@ -108,20 +118,72 @@ def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.cons
 
 
 @triton.jit
+def _tanh(x, APPROX: tl.constexpr):
+    """tanh(x). APPROX: the GPU's tanh.approx.f32 (one special-function op); otherwise
+    1 - 2 / (e^(2x) + 1) from exp2, which saturates to +-1 and runs on every target
+    and the interpreter."""
+    if APPROX:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
+
+
+@triton.jit
+def _cap_factors(scale, softcap, SOFTCAP: tl.constexpr):
+    """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
+    cap_in = 0.0
+    cap_out = 0.0
+    if SOFTCAP:
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
+    return cap_in, cap_out
+
+
+@triton.jit
+def _in_band(rows, keys, band_lo, band_hi):
+    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi."""
+    return (keys[None, :] >= rows[:, None] + band_lo) & (keys[None, :] <= rows[:, None] + band_hi)
+
+
+@triton.jit
+def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr, BANDED: tl.constexpr):
+    """Key-block bounds for rows row0..row1 within blocks [lo, hi): (first, full_lo,
+    full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
+    edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
+    key outside [first, end)."""
+    end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
+    full_hi = Lk // BLOCK_N
+    first = lo
+    full_lo = lo
+    if BANDED:
+        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, row1 + band_hi + 1), 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, row0 + band_hi + 1), 0) // BLOCK_N)
+        first = tl.maximum(lo, tl.maximum(row0 + band_lo, 0) // BLOCK_N)
+        full_lo = tl.cdiv(tl.maximum(row1 + band_lo, 0), BLOCK_N)
+    end = tl.maximum(end, first)
+    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return first, full_lo, full_hi, end
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, off_hz,
+    dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
+    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
-    MASKED: the blocks may hold keys past Lk or, when causal, above the
-    diagonal; mask them. Unmasked blocks skip every comparison. DROPOUT: the
+    MASKED: the blocks may hold keys past Lk or, when BANDED, outside a row's
+    band (row i sees keys i + band_lo .. i + band_hi); mask them. Unmasked blocks skip every comparison. DROPOUT: the
     row sums take every probability, the output only the kept ones.
     """
     d_ok = offs_d < HEAD_DIM
@@ -132,12 +194,15 @@ def _attn_fwd_inner(
         key_ok = offs_kn < Lk
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 valid = key_ok[None, :]
-                if IS_CAUSAL:
-                    valid = valid & (offs_m[:, None] >= offs_kn[None, :])
+                if BANDED:
+                    valid = valid & _in_band(offs_m, offs_kn, band_lo, band_hi)
                 qk = tl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
@@ -147,9 +212,10 @@ def _attn_fwd_inner(
                 else:
                     qk = qk + mask.to(tl.float32) * LOG2E
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            if MASK_KIND != NO_MASK or SPLIT:
-                # A row with no visible key yet has m_ij = -inf (a mask, or a
-                # split that starts past a causal row's last key); subtract 0
+            if MASK_KIND != NO_MASK or SPLIT or BANDED:
+                # A row with no visible key yet has m_ij = -inf (a mask, a band
+                # that hides every key of the block from it, or a split that
+                # starts past a causal row's last key); subtract 0
                 # instead so that its p and alpha are 0, not NaN.
                 m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             else:
@@ -180,18 +246,21 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, SEED,
+    Q, K, V, O, LSE, MASK, SEED, SINK,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale,
+    stride_sz, stride_sh, stride_sm,
+    H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
+    softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
+    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -200,6 +269,8 @@ def _attn_fwd(
     and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, merged by _attn_combine.
     DROPOUT: SEED holds the mask's seed (int64); kept probabilities are scaled
     by dropout_scale = 1 / (1 - dropout_p). The log-sum-exp is dropout's input's.
+    SINKS: SINK (B, H, Lq; strides) holds each row's sink logit, which joins the
+    softmax of the split that starts at the first key (m_i = sink, l_i = 1).
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -228,36 +299,44 @@ def _attn_fwd(
 
     q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-
-    # In key blocks: stage 1 ends where a block first needs a mask; stage 2
-    # ends at the last block any row of this block can see. Both stop at the
-    # end of this split's blocks [lo, hi).
-    full_end = Lk // BLOCK_N
-    if IS_CAUSAL:
-        full_end = tl.minimum(full_end, start_m * BLOCK_M // BLOCK_N)
-        end = tl.cdiv(tl.minimum(Lk, (start_m + 1) * BLOCK_M), BLOCK_N)
-    else:
-        end = tl.cdiv(Lk, BLOCK_N)
     lo = split * BLOCKS_PER_SPLIT
-    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, end)
-    full_end = tl.maximum(lo, tl.minimum(full_end, hi))
+    if SINKS:  # a logit with no value: it starts the online softmax, once per row
+        sink = tl.load(SINK + off_z * stride_sz + off_h * stride_sh + offs_m.to(tl.int64) * stride_sm, mask=m_ok,
+                       other=0.0)
+        m_i = tl.where(lo == 0, sink * LOG2E, m_i)
+        l_i = tl.where(lo == 0, 1.0, l_i)
+
+    # In key blocks of this split's [lo, lo + BLOCKS_PER_SPLIT): the band's left edge
+    # [first, full_lo) (masked; BANDED only), the blocks every row sees whole
+    # [full_lo, full_hi) (unmasked), then the band's right edge (the causal diagonal)
+    # and the ragged end of the keys [full_hi, end) (masked).
+    first, full_lo, full_hi, end = _key_stages(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, lo,
+                                               lo + BLOCKS_PER_SPLIT, Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    if BANDED:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
+            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+            seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, lo, full_end, Lq, Lk, qk_scale, seed, off_hz, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
 
     if WITH_LSE:
@@ -265,9 +344,10 @@ def _attn_fwd(
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
         lse = (m_i + tl.math.log2(l_i)) * LN2
         tl.store(LSE + (off_hz.to(tl.int64) * Lq + offs_m) * NUM_SPLITS + split, lse, mask=m_ok)
-    if MASK_KIND != NO_MASK or SPLIT:
-        # A row whose every key is masked out (or, in a split, that sees none of
-        # the split's keys) has acc = 0 and l_i = 0: SDPA returns 0.
+    if MASK_KIND != NO_MASK or SPLIT or BANDED:
+        # A row whose every key is masked out (a mask, a band that leaves it no
+        # key, or a split none of whose keys it sees) has acc = 0 and l_i = 0:
+        # SDPA returns 0.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
     if DROPOUT:
@@ -319,14 +399,16 @@ def _attn_bwd_dq_inner(
     dq, q, do, m2, delta,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p, dropout_scale,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, off_hz,
+    dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
-    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward."""
+    DROPOUT: dp reaches only the kept probabilities, scaled as in the forward.
+    SOFTCAP: ds passes through the cap's derivative, 1 - tanh^2."""
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     for j in range(lo, hi):
@@ -336,12 +418,16 @@ def _attn_bwd_dq_inner(
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
+                qk = cap * cap_out
+            else:
+                qk = qk * qk_scale
             if MASKED:
                 valid = key_ok[None, :]
-                if IS_CAUSAL:
-                    valid = valid & (offs_m[:, None] >= offs_kn[None, :])
+                if BANDED:
+                    valid = valid & _in_band(offs_m, offs_kn, band_lo, band_hi)
                 qk = tl.where(valid, qk, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask_ok = (offs_m[:, None] < Lq) & key_ok[None, :]
@@ -358,6 +444,8 @@ def _attn_bwd_dq_inner(
             keep = _dropout_keep(seed, off_hz, offs_m, offs_kn, dropout_p)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - cap * cap)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -373,12 +461,12 @@ def _attn_bwd_dq(
     stride_lz, stride_lh, stride_lm,
     stride_dlz, stride_dlh, stride_dlm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale,
+    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WITH_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One program: dq of BLOCK_M query rows of one (batch, head), and their
     delta = rowsum(do * o) - dlse, stored to DELTA (B, H, Lq) for _attn_bwd_dkdv."""
@@ -423,28 +511,36 @@ def _attn_bwd_dq(
     # m2 = +inf, so its p is 0 (SDPA's math backend: zero gradient).
     m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # In key blocks, as in the forward: unmasked blocks [0, full_end), then
-    # the diagonal band and the ragged tail [full_end, hi).
-    full_end = Lk // BLOCK_N
-    if IS_CAUSAL:
-        full_end = tl.minimum(full_end, start_m * BLOCK_M // BLOCK_N)
-        hi = tl.cdiv(tl.minimum(Lk, (start_m + 1) * BLOCK_M), BLOCK_N)
-    else:
-        hi = tl.cdiv(Lk, BLOCK_N)
+    # In key blocks, as in the forward: the band's left edge [first, full_lo)
+    # (masked), the blocks every row sees whole, then the band's right edge and
+    # the ragged end of the keys (masked).
+    first, full_lo, full_hi, end = _key_stages(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, 0,
+                                               tl.cdiv(Lk, BLOCK_N), Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    if BANDED:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
+            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+            seed, off_hz, dropout_p, dropout_scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
+        )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, 0, full_end, Lq, Lk, qk_scale, seed, off_hz, dropout_p, dropout_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_end, hi, Lq, Lk, qk_scale, seed, off_hz, dropout_p, dropout_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
     dq = dq * scale
     dq_ptrs = DQ + (off_hz.to(tl.int64) * Lq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
@@ -456,17 +552,18 @@ def _attn_bwd_dkdv_inner(
     dk, dv, k, v,
     q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
     stride_qm, stride_dom, stride_lm, stride_mm,
-    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, qk_scale, seed, head, dropout_p, dropout_scale,
+    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head,
+    dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Add query blocks [lo, hi) of one query head to (dk, dv) (dk unscaled).
 
     Works on transposed scores (keys x rows), so that dv = p^T do and
     dk = ds^T q are plain products. MASKED: the blocks may hold rows past Lq
-    or, when causal, rows above the diagonal; mask them. DROPOUT: the forward's
+    or, when BANDED, rows whose band misses some of these keys; mask them. DROPOUT: the forward's
     mask, regenerated transposed (``head`` = batch·heads + query head).
     """
     d_ok = offs_d < HEAD_DIM
@@ -483,10 +580,14 @@ def _attn_bwd_dkdv_inner(
             lse = tl.load(lse_ptrs + start_m.to(tl.int64) * stride_lm)
         m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
-            qkT = qkT * qk_scale
-            if MASKED and IS_CAUSAL:
-                qkT = tl.where(offs_qm[None, :] >= offs_kn[:, None], qkT, float("-inf"))
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
+            if SOFTCAP:
+                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
+                qkT = capT * cap_out
+            else:
+                qkT = qkT * qk_scale
+            if MASKED and BANDED:
+                qkT = tl.where(tl.trans(_in_band(offs_qm, offs_kn, band_lo, band_hi)), qkT, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = tl.load(mask_ptrs + start_m.to(tl.int64) * stride_mm,
                                mask=key_ok[:, None] & m_ok[None, :], other=0)
@@ -510,6 +611,8 @@ def _attn_bwd_dkdv_inner(
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - capT * capT)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -523,11 +626,12 @@ def _attn_bwd_dkdv(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale,
+    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program: dk and dv of BLOCK_N keys of one (batch, K/V head), summed
     over the GROUP query heads that read them."""
@@ -549,23 +653,33 @@ def _attn_bwd_dkdv(
     v = tl.load(V + off_z * stride_vz + off_h_kv * stride_vh + offs_kn.to(tl.int64)[:, None] * stride_vn
                 + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    # In query blocks: the causal band [lo, full_lo) (masked), the blocks wholly
-    # below it [full_lo, full_hi) (unmasked), the ragged tail [full_hi, hi).
+    # In query blocks: the rows on the band's right edge (the causal diagonal)
+    # [lo, full_lo) (masked), the rows that see every key here [full_lo, full_hi)
+    # (unmasked), the rows on the band's left edge and the ragged end of the rows
+    # [full_hi, hi) (masked). Row i sees key j iff j - band_hi <= i <= j - band_lo.
     # Keys past Lk need no mask here: their rows of dk and dv are not stored.
     hi = tl.cdiv(Lq, BLOCK_M)
-    if IS_CAUSAL:
-        lo = tl.minimum(start_n * BLOCK_N // BLOCK_M, hi)  # the first block with a row that sees a key here
-        full_lo = tl.minimum(tl.cdiv(start_n * BLOCK_N + BLOCK_N - 1, BLOCK_M), hi)
-    else:
-        lo = 0
-        full_lo = 0
-    full_hi = tl.maximum(full_lo, Lq // BLOCK_M)
+    lo = 0
+    full_lo = 0
+    full_hi = Lq // BLOCK_M
+    if BANDED:
+        key0 = start_n * BLOCK_N
+        key1 = key0 + BLOCK_N - 1
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(tl.minimum(Lq, key1 - band_lo + 1), 0), BLOCK_M))
+        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lq, key0 - band_lo + 1), 0) // BLOCK_M)
+        lo = tl.maximum(key0 - band_hi, 0) // BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(key1 - band_hi, 0), BLOCK_M)
+    hi = tl.maximum(hi, lo)
+    lo = tl.minimum(lo, hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     for g in range(GROUP):
         off_h = off_h_kv * GROUP + g
         q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
@@ -580,23 +694,26 @@ def _attn_bwd_dkdv(
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
-            offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, qk_scale,
+            offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
-            offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, qk_scale,
+            offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
             stride_qm, stride_dom, stride_lm, stride_mm,
-            offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, qk_scale,
+            offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+            SOFTCAP,
         )
     dk = dk * scale
     rows = off_hz.to(tl.int64) * Lk + offs_kn[:, None]
@@ -622,6 +739,11 @@ _dq_launcher = CachedLauncher(_attn_bwd_dq)
 _dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
 
 
+def _band_args(plan) -> tuple[int, int, float]:
+    """(band_lo, band_hi, softcap): what BANDED and SOFTCAP kernels read; unread (0, 0) and 0.0 otherwise."""
+    return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap)
+
+
 def forward(plan):
     """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
 
@@ -641,17 +763,18 @@ def forward(plan):
         o, o_strides = out, (*out.stride()[:3], 0, out.stride(3))
         lse = plan.lse if plan.lse is not None else out  # never written without WITH_LSE
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
+    sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     _fwd_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, k, v, o, lse, mask, seed,
-        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides,
+        q, k, v, o, lse, mask, seed, sinks,
+        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
-        plan.dropout_scale,
+        plan.dropout_scale, *_band_args(plan),
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind),
+        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split, DROPOUT=plan.dropout,
+        SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
     )
     if plan.split:
         merge = plan.merge
@@ -683,8 +806,8 @@ def backward(plan):
     common = dict(
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
-        IS_CAUSAL=plan.is_causal, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
-        DROPOUT=plan.dropout,
+        BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+        DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind),
     )
     m_blocks, n_blocks = -(-Lq // config.block_m2), -(-Lk // config.block_n1)
     _dq_launcher(
@@ -693,14 +816,14 @@ def backward(plan):
         plan.grad_query, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *plan.out.stride(), *plan.grad_out.stride(), *plan.lse.stride(),
         *dlse_strides, *mask_strides,
-        H, plan.group, Lq, Lk, plan.scale, m_blocks, plan.dropout_p, plan.dropout_scale,
+        H, plan.group, Lq, Lk, plan.scale, m_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
         BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, WITH_DLSE=dlse is not None, **common,
     )
     _dkdv_launcher(
         (n_blocks * B * H_kv, 1, 1),
         q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask, seed,
         *q.stride(), *k.stride(), *v.stride(), *plan.grad_out.stride(), *plan.lse.stride(), *mask_strides,
-        H_kv, plan.group, Lq, Lk, plan.scale, n_blocks, plan.dropout_p, plan.dropout_scale,
+        H_kv, plan.group, Lq, Lk, plan.scale, n_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
         BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value

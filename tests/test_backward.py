@@ -194,13 +194,18 @@ def test_opcheck(backend, device):
     # ops.FUNCTIONS, checked by every gradient test; opcheck sees inputs without grad)
     q, k, v = (torch.randn(1, 4, 20, 32, dtype=f32, device=device) for _ in range(3))
     mask = torch.rand(20, 20, device=device) > 0.3
-    for args in ((q, k, v, None, True, 0.2, 0.0, None),
-                 (q, k[:, :2], v[:, :2], mask.expand(1, 4, 20, 20), False, -0.3, 0.0, None)):
+    plain = ([-1, -1, 0], 0.0)  # no window, top-left, no soft-capping
+    sinks = torch.randn(4, device=device)
+    for args in ((q, k, v, None, True, 0.2, 0.0, None, *plain, None),
+                 (q, k[:, :2], v[:, :2], mask.expand(1, 4, 20, 20), False, -0.3, 0.0, None, *plain, None),
+                 (q, k, v, None, True, 0.2, 0.0, None, [6, 0, 1], 3.0, sinks)):  # window, bottom-right, capped, sinks
         torch.library.opcheck(forward_op, args)
-    out, lse = forward_op(q, k, v, None, True, 0.2, 0.0, None)
-    # (the backward operator has no gradient of its own: inputs that need none)
-    torch.library.opcheck(backward_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), None,
-                                        out.detach(), lse.detach(), torch.randn_like(lse), True, 0.2, 0.0, None))
+    for extras in (plain, ([6, 0, 1], 3.0)):
+        out, lse = forward_op(q, k, v, None, True, 0.2, 0.0, None, *extras, None)
+        # (the backward operator has no gradient of its own: inputs that need none)
+        torch.library.opcheck(backward_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), None,
+                                            out.detach(), lse.detach(), torch.randn_like(lse), True, 0.2, 0.0, None,
+                                            *extras))
 
 
 def test_double_backward_is_rejected_clearly(backend, device):

@@ -227,7 +227,7 @@ def test_opcheck_with_dropout(backend, device):
     forward_op, backward_op = OPS[backend]
     q, k, v = (torch.randn(1, 2, 20, 32, dtype=f32, device=device) for _ in range(3))
     seed = seed_tensor(11, device)
-    torch.library.opcheck(forward_op, (q, k, v, None, False, 0.2, 0.3, seed))
-    out, lse = forward_op(q, k, v, None, False, 0.2, 0.3, seed)
+    torch.library.opcheck(forward_op, (q, k, v, None, False, 0.2, 0.3, seed, [-1, -1, 0], 0.0, None))
+    out, lse = forward_op(q, k, v, None, False, 0.2, 0.3, seed, [-1, -1, 0], 0.0, None)
     torch.library.opcheck(backward_op, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), None,
-                                        out.detach(), lse.detach(), None, False, 0.2, 0.3, seed))
+                                        out.detach(), lse.detach(), None, False, 0.2, 0.3, seed, [-1, -1, 0], 0.0))

@@ -142,14 +142,6 @@ def test_mask_requires_grad(qkv, backend, device):
         attention(*qkv, attn_mask=mask.detach(), backend=backend)
 
 
-def test_causal_bias_rejected(qkv, backend):
-    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
-
-    for bias in (causal_upper_left(16, 16), causal_lower_right(16, 16)):
-        with pytest.raises(ValueError, match="CausalBias, which is not supported yet"):
-            attention(*qkv, attn_mask=bias, backend=backend)
-
-
 # -- attn_mask ------------------------------------------------------------------------
 def test_mask_with_causal(qkv, backend, device):
     mask = torch.ones(16, 16, dtype=torch.bool, device=device)

@@ -115,3 +115,24 @@ def test_routing_a_generated_launcher():
         assert isinstance(namespace["launch"](None), launch._RoutedKernel)
     else:  # under the interpreter: left alone
         assert namespace["launch"](None) is kernel
+
+
+def test_ninetoothed_helpers_define_in_a_generated_module():
+    """NineToothed copies the kernels' @triton.jit helpers into a module that imports
+    ``triton`` and ``triton.language`` only (on a GPU; not under the interpreter), and
+    defining a function there evaluates its annotations: each helper must define in
+    such a namespace (a ``tl.constexpr`` annotation raised NameError on the H200)."""
+    import inspect
+    import textwrap
+
+    import triton
+
+    import impl_ninetoothed.attention as nt
+
+    for helper in nt.JIT_HELPERS:
+        source = textwrap.dedent(inspect.getsource(getattr(helper, "fn", helper)))
+        assert source.startswith("@triton.jit\n")
+        namespace = {"triton": triton}
+        # (dont_inherit: not this module's ``from __future__ import annotations``)
+        exec(compile(source.removeprefix("@triton.jit\n"), "generated", "exec", dont_inherit=True), namespace)
+        assert callable(namespace[helper.__name__])

@@ -128,3 +128,82 @@ def test_training_step_with_attention_dropout(registered, backend, device):
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         assert abs(grads[name] - ref_grads[name]) <= 1e-4 * max(ref_grads[name], 1e-3), name
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no-padding"])
+def test_gemma2_style_model_matches_eager(registered, backend, padded, device):
+    """Soft-capped attention logits and alternating sliding-window layers (Gemma 2), against
+    transformers' eager attention (SDPA cannot soft-cap)."""
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
+        attn_logit_softcapping=2.0, final_logit_softcapping=None, query_pre_attn_scalar=16,
+    )
+    input_ids, attention_mask = left_padded_batch(device, padded)
+    logits = {}
+    for implementation in (backend, "eager"):
+        torch.manual_seed(0)
+        model = transformers.Gemma2ForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[backend][real], logits["eager"][real], rtol=2e-4, atol=2e-4)
+
+
+def test_mistral_style_sliding_window_matches_sdpa(registered, backend, device):
+    """A sliding window shorter than the sequence, with and without a padding mask, and generation."""
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=5,
+    )
+    outputs = {}
+    for implementation in (backend, "sdpa"):
+        torch.manual_seed(0)
+        model = transformers.MistralForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            for padded in (False, True):
+                input_ids, attention_mask = left_padded_batch(device, padded)
+                outputs[implementation, padded] = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            input_ids, attention_mask = left_padded_batch(device)
+            outputs[implementation, "generate"] = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    for padded in (False, True):
+        real = left_padded_batch(device, padded)[1].bool()
+        torch.testing.assert_close(outputs[backend, padded][real], outputs["sdpa", padded][real], rtol=2e-4,
+                                   atol=2e-4)
+    assert torch.equal(outputs[backend, "generate"], outputs["sdpa", "generate"])
+
+
+def test_position_bias_is_rejected_clearly(backend, device):
+    """What the kernels lack (T5-style position biases) is an error, never ignored."""
+    q = torch.randn(1, 2, 4, 16, device=device)
+    with pytest.raises(ValueError, match="does not support position_bias"):
+        common.hf._attention_forward(backend, None, q, q, q, None, position_bias=torch.zeros(2, device=device))
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no-padding"])
+def test_gpt_oss_style_model_with_sinks_matches_eager(registered, backend, padded, device):
+    """Attention sinks (a learned logit per head in every softmax) and alternating sliding-window
+    layers (gpt-oss), against transformers' eager attention."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    config = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4, num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    input_ids, attention_mask = left_padded_batch(device, padded)
+    logits = {}
+    for implementation in (backend, "eager"):
+        torch.manual_seed(0)
+        model = transformers.GptOssForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()  # initialised to zeros: make them matter
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[backend][real], logits["eager"][real], rtol=2e-4, atol=2e-4)

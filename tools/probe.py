@@ -12,6 +12,8 @@ is written to the project.
   shapes: the direct call (no grad), the forward operator called itself, a
   forward that records autograd, and forward + backward; SDPA alongside.
 - dropout: forward and forward + backward TFLOP/s with and without dropout, with SDPA's.
+- features: sliding window (4096 at L = 32k causal) against the full causal call and
+  against SDPA with the window as a mask; soft-capping's and sinks' cost.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
 """
@@ -97,7 +99,8 @@ def ops():
 
             times = {
                 "direct": wall_time_us(lambda: attention(q, k, v, backend=backend)),
-                "operator": wall_time_us(lambda: forward_op(q, k, v, None, False, scale, 0.0, None)),
+                "operator": wall_time_us(lambda: forward_op(q, k, v, None, False, scale, 0.0, None, [-1, -1, 0], 0.0,
+                                                                  None)),
                 "grad fwd": wall_time_us(lambda: attention(qg, kg, vg, backend=backend)),
                 "fwd+bwd": wall_time_us(lambda: fwd_bwd(lambda: attention(qg, kg, vg, backend=backend))),
                 "sdpa": wall_time_us(lambda: F.scaled_dot_product_attention(q, k, v)),
@@ -127,6 +130,52 @@ def dropout():
                     both = gpu_time_ms(lambda: f(p).backward(torch.ones_like(q)))
                     line.append(f"{name} p={p}: fwd {flops / fwd / 1e9:.0f} fwd+bwd {3.5 * flops / both / 1e9:.0f}")
             print("  ".join(line), "(TFLOP/s)", flush=True)
+
+
+def features():
+    """Issue 14's targets: a 4096-key sliding window at L = 32k causal against the full causal call and
+    against SDPA given the same window as a boolean mask; soft-capping's and sinks' cost (bf16, D = 128),
+    soft-capping with tanh.approx (the default for 16-bit inputs) and with the exp2 form."""
+    B, H, D, L, W = 1, 16, 128, 32768, 4096
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    offset = torch.arange(L, device="cuda")[None, :] - torch.arange(L, device="cuda")[:, None]
+    window_mask = (offset <= 0) & (offset >= -(W - 1))
+    sinks = torch.randn(H, device="cuda")
+    exact_kind = plan.softcap_kind
+
+    def exp2_kind(softcap, dtype, device, interpreted):
+        return plan.Softcap.EXP2 if softcap else plan.Softcap.OFF
+
+    with torch.no_grad():
+        for backend in ("triton", "ninetoothed"):
+            full = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend))
+            windowed = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend, window=(W - 1, 0)))
+            capped = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend, softcap=50.0))
+            plan.softcap_kind = exp2_kind
+            try:
+                capped_exp2 = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend, softcap=50.0))
+            finally:
+                plan.softcap_kind = exact_kind
+            sunk = gpu_time_ms(lambda: attention(q, k, v, True, backend=backend, sinks=sinks))
+            print(f"{backend}: causal {full:.2f} ms, window {W} {windowed:.2f} ms ({full / windowed:.2f}x faster), "
+                  f"softcap {capped:.2f} ms ({capped / full - 1:+.1%}; exp2 form {capped_exp2:.2f} ms, "
+                  f"{capped_exp2 / full - 1:+.1%}), sinks {sunk:.2f} ms ({sunk / full - 1:+.1%})", flush=True)
+        sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask))
+        sdpa_causal = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        ours = gpu_time_ms(lambda: attention(q, k, v, True, window=(W - 1, 0)))
+        print(f"SDPA with the window as a boolean mask: {sdpa:.2f} ms (SDPA causal, no window: {sdpa_causal:.2f} ms); "
+              f"triton's window {sdpa / ours:.2f}x faster", flush=True)
+    for backend in ("triton", "ninetoothed"):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        grad = torch.randn_like(q)
+
+        def step(**extra):
+            return lambda: torch.autograd.grad(attention(*leaves, True, backend=backend, **extra), leaves, grad)
+
+        full, windowed = gpu_time_ms(step()), gpu_time_ms(step(window=(W - 1, 0)))
+        capped = gpu_time_ms(step(softcap=50.0))
+        print(f"{backend} fwd+bwd: causal {full:.2f} ms, window {W} {windowed:.2f} ms ({full / windowed:.2f}x), "
+              f"softcap {capped:.2f} ms ({capped / full - 1:+.1%})", flush=True)
 
 
 def decode():
