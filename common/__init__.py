@@ -3,12 +3,14 @@
 ``attention`` computes what ``torch.nn.functional.scaled_dot_product_attention``
 computes, forward and backward, on the backend of your choice;
 ``attention_backward`` runs a backend's backward kernels directly;
-``ring_attention`` spreads one sequence over the ranks of a process group.
+``ring_attention`` spreads one sequence over the ranks of a process group;
+``varlen_attention`` attends within each sequence of a packed batch.
 """
 
 from common.backends import available_backends, use_backend
 from common.dispatch import attention, attention_backward
 from common.ring import ring_attention, shard_sequence, unshard_sequence
+from common.varlen import varlen_attention
 
 __all__ = ["attention", "attention_backward", "available_backends", "ring_attention", "shard_sequence",
-           "unshard_sequence", "use_backend"]
+           "unshard_sequence", "use_backend", "varlen_attention"]

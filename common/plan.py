@@ -117,6 +117,7 @@ class ForwardPlan:
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
     softcap_kind: Softcap = Softcap.OFF
     sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
+    row_bands: torch.Tensor | None = None  # per-row bands instead of band (see row_bands())
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -138,6 +139,11 @@ class ForwardPlan:
     @property
     def dropout(self) -> bool:
         return self.dropout_p > 0.0
+
+    @property
+    def banded(self) -> int:
+        """The kernels' BANDED: 0 (every row sees every key), 1 (band), ROW_BANDS."""
+        return ROW_BANDS if self.row_bands is not None else int(self.band is not None)
 
     @property
     def kernel_lse(self) -> bool:
@@ -172,6 +178,7 @@ class BackwardPlan:
     dropout_scale: float = 1.0
     seed: torch.Tensor | None = None  # the forward's seed: its mask, regenerated
     band: tuple[int, int] | None = None  # as the forward's
+    row_bands: torch.Tensor | None = None  # as the forward's
     softcap: float = 0.0
     softcap_kind: Softcap = Softcap.OFF
     config: BackwardConfig | None = None
@@ -186,6 +193,8 @@ class BackwardPlan:
     @property
     def dropout(self) -> bool:
         return self.dropout_p > 0.0
+
+    banded = ForwardPlan.banded
 
 
 def dropout_scale(dropout_p: float) -> float:
@@ -223,6 +232,7 @@ def _has_tanh_approx(device: torch.device) -> bool:
 
 
 UNBOUNDED = 2**30  # a band edge no position reaches (lengths stay below it; int32 sums stay in range)
+ROW_BANDS = 2  # BANDED for per-row bands: packed variable-length sequences (common.varlen)
 
 
 def band(is_causal: bool, window, bottom_right: bool, Lq: int, Lk: int) -> tuple[int, int] | None:
@@ -260,19 +270,22 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
                        with_lse, call.dropout_p, dropout_scale(call.dropout_p), call.dropout_seed)
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
     plan.softcap = call.softcap or 0.0
+    plan.row_bands = call.row_bands
     if not backend.kernels:
         return plan
     plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
     if call.sinks is not None:
         plan.sinks = call.sinks.float().view(1, H, 1).expand(B, H, Lq)
-    if plan.band is not None and Lq + plan.band[1] < Lk:
+    if plan.row_bands is None and plan.band is not None and Lq + plan.band[1] < Lk:
         # No row sees a key past Lq - 1 + band[1] (top-left causal: Lq - 1).
         # Dropping them (views) keeps split launches from planning work for them.
         Lk = max(1, Lq + plan.band[1])
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
     # Dropout's mask is counted by (head, row): packed rows would change it.
     # (Sinks are per query head: packed rows would mix them.)
-    packed = None if plan.dropout or plan.sinks is not None else pack_gqa(q, H_kv, mask, plan.band is not None)
+    # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
+    unpackable = plan.dropout or plan.sinks is not None or plan.row_bands is not None
+    packed = None if unpackable else pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None:
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed
@@ -284,6 +297,8 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
         max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted)
     plan.m_blocks = -(-Lqp // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
     plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device)
+    if plan.row_bands is not None:  # packed sequences: each row block sees its own few
+        plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     plan.dot_precision = dot_precision(q.dtype)
     alloc = allocator()
     plan.out = alloc((B, Hp, Lqp, Dv), q.dtype, q.device)
@@ -309,6 +324,7 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
                         call.dropout_seed)
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
     plan.softcap = call.softcap or 0.0
+    plan.row_bands = call.row_bands
     if not backend.kernels:
         return plan
     plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())

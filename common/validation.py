@@ -41,6 +41,7 @@ class Call:
     bottom_right: bool = False  # query row i sits at position i + Lk - Lq (else i)
     softcap: float | None = None  # scores s become softcap * tanh(s / softcap), before any mask
     sinks: torch.Tensor | None = None  # (H,): a logit per query head in every row's softmax denominator
+    row_bands: torch.Tensor | None = None  # packed sequences: per-row bands (common.varlen), B = 1
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -49,12 +49,13 @@ from common.codecache import use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.launch import define_constants, route_generated_launch
-from common.plan import LN2, LOG2E, UNIFORM_24, MaskKind, Softcap
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
-                        UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX)
+                        UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
+                        ROW_BANDS=ROW_BANDS)
 
 
 # -- arranging tiles (plain Python on symbolic tensors, run once per make) ---------------
@@ -183,27 +184,31 @@ def _cap_factors(scale, softcap, SOFTCAP: triton.language.constexpr):
 
 @triton.jit
 def _in_band(rows, keys, band_lo, band_hi):
-    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi."""
-    return (keys[None, :] >= rows[:, None] + band_lo) & (keys[None, :] <= rows[:, None] + band_hi)
+    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi (band_lo and
+    band_hi: scalars, or (M,) vectors of per-row offsets)."""
+    return (keys[None, :] >= (rows + band_lo)[:, None]) & (keys[None, :] <= (rows + band_hi)[:, None])
 
 
 @triton.jit
-def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi,
+def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
                 BLOCK_N: triton.language.constexpr, BANDED: triton.language.constexpr):
-    """Key-block bounds for rows row0..row1 within blocks [lo, hi): (first, full_lo,
+    """Key-block bounds for these rows within blocks [lo, hi): (first, full_lo,
     full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
     edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
-    key outside [first, end). (A @triton.jit helper, as in the Triton kernel:
-    NineToothed copies it into the generated code.)"""
+    key outside [first, end). (Read with rows and keys swapped, it gives the
+    backward's query-block stages for a block of keys. A @triton.jit helper, as
+    in the Triton kernel: NineToothed copies it into the generated code.)"""
     end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
     full_hi = Lk // BLOCK_N
     first = lo
     full_lo = lo
     if BANDED:
-        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, row1 + band_hi + 1), 0), BLOCK_N))
-        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, row0 + band_hi + 1), 0) // BLOCK_N)
-        first = tl.maximum(lo, tl.maximum(row0 + band_lo, 0) // BLOCK_N)
-        full_lo = tl.cdiv(tl.maximum(row1 + band_lo, 0), BLOCK_N)
+        first_keys = rows + band_lo
+        last_keys = rows + band_hi
+        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, tl.max(last_keys, 0) + 1), 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, tl.min(last_keys, 0) + 1), 0) // BLOCK_N)
+        first = tl.maximum(lo, tl.maximum(tl.min(first_keys, 0), 0) // BLOCK_N)
+        full_lo = tl.cdiv(tl.maximum(tl.max(first_keys, 0), 0), BLOCK_N)
     end = tl.maximum(end, first)
     full_lo = tl.minimum(tl.maximum(full_lo, first), end)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
@@ -211,8 +216,8 @@ def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi,
 
 
 def arrangement(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, sinks,
-    output, lse,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap,
+    row_bands_lo, row_bands_hi, sinks, output, lse,
     BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
     block_m, block_n, block_d, block_dv, blocks_per_split=None,
 ):
@@ -229,6 +234,7 @@ def arrangement(
     value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
     attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
     sinks_arranged = _row_slices(sinks, block_m)  # (B, H, Lq): stride 0 but over H
+    row_bands_arranged = [_row_slices(x, block_m) for x in (row_bands_lo, row_bands_hi)]  # (B, H, Lq), stride 0
     if blocks_per_split is None:
         output_arranged = _rows(output, block_m, block_dv)
         lse_arranged = _row_slices(lse, block_m)
@@ -236,6 +242,7 @@ def arrangement(
         num_splits = output.shape[3]
         query_arranged = _per_split(query_arranged, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
+        row_bands_arranged = [_per_split(x, num_splits) for x in row_bands_arranged]
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
@@ -245,8 +252,8 @@ def arrangement(
     return (
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
-        sinks_arranged, output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION,
-        SPLIT, DROPOUT, SOFTCAP, SINKS,
+        *row_bands_arranged, sinks_arranged, output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
     )
 
 
@@ -318,8 +325,8 @@ def _attn_fwd_inner(
 
 
 def application(
-    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, sinks,
-    output, lse,
+    query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap,
+    row_bands_lo, row_bands_hi, sinks, output, lse,
     BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
 ):
     q = query
@@ -344,21 +351,25 @@ def application(
     # row sees whole [full_lo, full_hi) (unmasked), then the band's right edge
     # (the causal diagonal) and the ragged end of the keys [full_hi, end) (masked).
     Lk = key.source.shape[-2]
-    first, full_lo, full_hi, end = _key_stages(
-        ntl.min(offs_m, 0), ntl.max(offs_m, 0), lo, lo + key.shape[0], Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    row_lo = band_lo
+    row_hi = band_hi
+    if BANDED == ROW_BANDS:  # each row's own band (packed sequences)
+        row_lo = row_bands_lo
+        row_hi = row_bands_hi
+    first, full_lo, full_hi, end = _key_stages(offs_m, lo, lo + key.shape[0], Lk, row_lo, row_hi, BLOCK_N, BANDED)
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, band_lo, band_hi, qk_scale,
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
             DROPOUT, SOFTCAP,
         )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, band_lo, band_hi, qk_scale,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
         cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
         DROPOUT, SOFTCAP,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, band_lo, band_hi, qk_scale,
+        acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, row_lo, row_hi, qk_scale,
         cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
         DROPOUT, SOFTCAP,
     )
@@ -408,7 +419,7 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
 
 def dq_arrangement(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, delta_out, grad_query,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
     BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
     block_m, block_n, block_d, block_dv,
 ):
@@ -423,7 +434,7 @@ def dq_arrangement(
         _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
         _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
-        _row_slices(delta_out, block_m),
+        _row_slices(row_bands_lo, block_m), _row_slices(row_bands_hi, block_m), _row_slices(delta_out, block_m),
         _rows(grad_query, block_m, block_d),
         BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
@@ -475,7 +486,7 @@ def _attn_bwd_dq_inner(
 
 def dq_application(
     query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, delta_out, grad_query,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
     BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     q = query
@@ -502,21 +513,25 @@ def dq_application(
     # the ragged end of the keys (masked).
     BLOCK_N = key.dtype.shape[0]
     Lk = key.source.shape[-2]
-    first, full_lo, full_hi, end = _key_stages(
-        ntl.min(offs_m, 0), ntl.max(offs_m, 0), 0, ntl.cdiv(Lk, BLOCK_N), Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    row_lo = band_lo
+    row_hi = band_hi
+    if BANDED == ROW_BANDS:
+        row_lo = row_bands_lo
+        row_hi = row_bands_hi
+    first, full_lo, full_hi, end = _key_stages(offs_m, 0, ntl.cdiv(Lk, BLOCK_N), Lk, row_lo, row_hi, BLOCK_N, BANDED)
     if BANDED:
         dq = _attn_bwd_dq_inner(
-            dq, q, do, m2, delta, key, value, attn_mask, offs_m, first, full_lo, band_lo, band_hi, qk_scale,
+            dq, q, do, m2, delta, key, value, attn_mask, offs_m, first, full_lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
             SOFTCAP,
         )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, band_lo, band_hi, qk_scale,
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi, qk_scale,
         cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
         SOFTCAP,
     )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, band_lo, band_hi, qk_scale,
+        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, row_lo, row_hi, qk_scale,
         cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
         SOFTCAP,
     )
@@ -525,7 +540,7 @@ def dq_application(
 
 def dkdv_arrangement(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, grad_key, grad_value,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, key_bands_lo, key_bands_hi, grad_key, grad_value,
     BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
     block_m, block_n, block_d, block_dv,
 ):
@@ -546,13 +561,16 @@ def dkdv_arrangement(
         _group_rows(grad_out, group, n_blocks, block_m, block_dv),
         _group_rows(lse, group, n_blocks, block_m), _group_rows(delta, group, n_blocks, block_m),
         scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
+        _group_rows(row_bands_lo, group, n_blocks, block_m), _group_rows(row_bands_hi, group, n_blocks, block_m),
+        _row_slices(key_bands_lo, block_n), _row_slices(key_bands_hi, block_n),
         _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
         BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
 
 
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, hi, band_lo, band_hi, qk_scale,
+    dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, lo, hi, band_lo,
+    band_hi, qk_scale,
     cap_in, cap_out, seed, head, dropout_p, dropout_scale,
     BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
@@ -573,7 +591,12 @@ def _attn_bwd_dkdv_inner(
                 qkT = qkT * qk_scale
             if MASKED and BANDED:
                 offs_qm = query[g, i].offsets(-2)
-                qkT = ntl.where(ntl.trans(_in_band(offs_qm, offs_kn, band_lo, band_hi)), qkT, float("-inf"))
+                row_lo = band_lo
+                row_hi = band_hi
+                if BANDED == ROW_BANDS:
+                    row_lo = row_bands_lo[g, i]
+                    row_hi = row_bands_hi[g, i]
+                qkT = ntl.where(ntl.trans(_in_band(offs_qm, offs_kn, row_lo, row_hi)), qkT, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = attn_mask[g, i]
                 if MASK_KIND == BOOL_MASK:
@@ -602,7 +625,7 @@ def _attn_bwd_dkdv_inner(
 
 def dkdv_application(
     query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, grad_key, grad_value,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, key_bands_lo, key_bands_hi, grad_key, grad_value,
     BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
 ):
     k = key
@@ -619,44 +642,35 @@ def dkdv_application(
     # In query blocks: the rows on the band's right edge (the causal diagonal)
     # [lo, full_lo) (masked), the rows that see every key here [full_lo, full_hi)
     # (unmasked), the rows on the band's left edge and the ragged end of the rows
-    # [full_hi, hi) (masked). Row i sees key j iff j - band_hi <= i <= j - band_lo.
+    # [full_hi, hi) (masked). Row i sees key j iff j - band_hi <= i <= j - band_lo
+    # (ROW_BANDS: iff j + key_lo_j <= i <= j + key_hi_j): _key_stages with rows
+    # and keys swapped.
     BLOCK_M = query.dtype.shape[0]
-    BLOCK_N = key.shape[0]
     Lq = query.source.shape[-2]
-    hi = query.shape[1]
-    lo = 0
-    full_lo = 0
-    full_hi = Lq // BLOCK_M
-    if BANDED:
-        key0 = ntl.min(offs_kn, 0)  # this program's first key
-        key1 = key0 + BLOCK_N - 1
-        hi = ntl.minimum(hi, ntl.cdiv(ntl.maximum(ntl.minimum(Lq, key1 - band_lo + 1), 0), BLOCK_M))
-        full_hi = ntl.minimum(full_hi, ntl.maximum(ntl.minimum(Lq, key0 - band_lo + 1), 0) // BLOCK_M)
-        lo = ntl.maximum(key0 - band_hi, 0) // BLOCK_M
-        full_lo = ntl.cdiv(ntl.maximum(key1 - band_hi, 0), BLOCK_M)
-    hi = ntl.maximum(hi, lo)
-    lo = ntl.minimum(lo, hi)
-    full_lo = ntl.minimum(ntl.maximum(full_lo, lo), hi)
-    full_hi = ntl.minimum(ntl.maximum(full_hi, full_lo), hi)
+    key_lo = -band_hi
+    key_hi = -band_lo
+    if BANDED == ROW_BANDS:
+        key_lo = key_bands_lo
+        key_hi = key_bands_hi
+    lo, full_lo, full_hi, hi = _key_stages(offs_kn, 0, query.shape[1], Lq, key_lo, key_hi, BLOCK_M, BANDED)
     for g in range(query.shape[0]):
         # query head g of this K/V head, in (B·H): the dropout mask's (NineToothed's inliner
         # mis-names a helper called inside an expression, so this is spelled out)
         head = key.offsets(0) * query.source.shape[1] + key.offsets(1) * query.shape[0] + g
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, lo, full_lo, band_lo, band_hi, qk_scale,
-            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
-            SOFTCAP,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, lo, full_lo,
+            band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
+            True, DOT_PRECISION, DROPOUT, SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_lo, full_hi, band_lo, band_hi,
-            qk_scale,
-            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION,
-            DROPOUT, SOFTCAP,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, full_lo,
+            full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED,
+            MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, g, offs_kn, full_hi, hi, band_lo, band_hi, qk_scale,
-            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
-            SOFTCAP,
+            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, full_hi, hi,
+            band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
+            True, DOT_PRECISION, DROPOUT, SOFTCAP,
         )
     grad_key = dk * scale  # noqa: F841 (a store)
     grad_value = dv  # noqa: F841 (a store)
@@ -689,10 +703,16 @@ def _dropout_inputs():
     return Tensor(1), Tensor(0), Tensor(0)
 
 
-def _band_inputs():
+def _band_inputs(keys=False):
     """band_lo, band_hi (runtime ints): row i sees keys i + band_lo .. i + band_hi when BANDED;
-    softcap (runtime float), read when SOFTCAP."""
-    return Tensor(0), Tensor(0), Tensor(0)
+    softcap (runtime float), read when SOFTCAP; then, read when BANDED == ROW_BANDS, each
+    row's own band_lo and band_hi ((B, H, Lq) int32 views, stride 0 but over Lq) and, with
+    ``keys``, each key's rows (key j: rows j + lo .. j + hi; (B, H_kv, Lk) views). Rows and
+    keys past the end see nothing."""
+    def per_row():
+        return Tensor(3, other=UNBOUNDED), Tensor(3, other=-UNBOUNDED)
+
+    return Tensor(0), Tensor(0), Tensor(0), *per_row(), *(per_row() if keys else ())
 
 
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
@@ -767,7 +787,7 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         Tensor(3, other=0),  # delta
         Tensor(0),  # scale
         *_dropout_inputs(),
-        *_band_inputs(),
+        *_band_inputs(keys=True),
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
         Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
         *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP"),
@@ -836,9 +856,19 @@ def _dropout_args(plan):
     return seed.view(1), plan.dropout_p, plan.dropout_scale
 
 
-def _band_args(plan) -> tuple[int, int, float]:
-    """(band_lo, band_hi, softcap): what BANDED and SOFTCAP kernels read; unread (0, 0) and 0.0 otherwise."""
-    return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap)
+def _band_args(plan, keys=False) -> tuple:
+    """(band_lo, band_hi, softcap, row_lo, row_hi[, key_lo, key_hi]): what BANDED and
+    SOFTCAP kernels read (see _band_inputs); unread (0, 0), 0.0 and stand-ins otherwise."""
+    B, H, Lq, _ = plan.query.shape
+    H_kv, Lk = plan.key.shape[1], plan.key.shape[2]
+    if plan.row_bands is None:
+        per_row = (_absent(plan.query, B, H, Lq),) * 2
+        per_key = (_absent(plan.query, B, H_kv, Lk),) * 2
+    else:
+        bands = plan.row_bands
+        per_row = tuple(bands[i, :Lq].expand(B, H, Lq) for i in (0, 1))
+        per_key = tuple(bands[i, Lq:].expand(B, H_kv, Lk) for i in (0, 1))
+    return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap, *per_row, *(per_key if keys else ()))
 
 
 def forward(plan):
@@ -860,7 +890,7 @@ def forward(plan):
     kernel(
         q, k, v, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
         plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
-        BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
+        BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
     )
@@ -884,17 +914,17 @@ def backward(plan):
     config = plan.config
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
     grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
-    flags = dict(BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+    flags = dict(BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
                  DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind))
-    dropout, band = _dropout_args(plan), _band_args(plan)
+    dropout = _dropout_args(plan)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *band, plan.delta,
-        plan.grad_query, WITH_DLSE=plan.grad_lse is not None, **flags,
+        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan),
+        plan.delta, plan.grad_query, WITH_DLSE=plan.grad_lse is not None, **flags,
     )
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout, *band, plan.grad_key,
-        plan.grad_value, **flags,
+        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout,
+        *_band_args(plan, keys=True), plan.grad_key, plan.grad_value, **flags,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value

@@ -77,6 +77,8 @@ BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
 UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
+ROW_BANDS = tl.constexpr(_plan.ROW_BANDS)
+UNBOUNDED = tl.constexpr(_plan.UNBOUNDED)
 
 
 # -- forward ----------------------------------------------------------------------------
@@ -142,25 +144,40 @@ def _cap_factors(scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _in_band(rows, keys, band_lo, band_hi):
-    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi."""
-    return (keys[None, :] >= rows[:, None] + band_lo) & (keys[None, :] <= rows[:, None] + band_hi)
+    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi (band_lo and
+    band_hi: scalars, or (M,) vectors of per-row offsets)."""
+    return (keys[None, :] >= (rows + band_lo)[:, None]) & (keys[None, :] <= (rows + band_hi)[:, None])
 
 
 @triton.jit
-def _key_stages(row0, row1, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr, BANDED: tl.constexpr):
-    """Key-block bounds for rows row0..row1 within blocks [lo, hi): (first, full_lo,
+def _row_band(lo_ptr, hi_ptr, rows, rows_ok, band_lo, band_hi, BANDED: tl.constexpr):
+    """(band_lo, band_hi) for these rows: the scalars as given or, when BANDED ==
+    ROW_BANDS, each row's own offsets (int32 vectors at lo_ptr and hi_ptr, indexed
+    by row); rows past the end see nothing."""
+    if BANDED == ROW_BANDS:
+        band_lo = tl.load(lo_ptr + rows, mask=rows_ok, other=UNBOUNDED)
+        band_hi = tl.load(hi_ptr + rows, mask=rows_ok, other=-UNBOUNDED)
+    return band_lo, band_hi
+
+
+@triton.jit
+def _key_stages(rows, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr, BANDED: tl.constexpr):
+    """Key-block bounds for these rows within blocks [lo, hi): (first, full_lo,
     full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
     edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
-    key outside [first, end)."""
+    key outside [first, end). (Read with rows and keys swapped, it gives the
+    backward's query-block stages for a block of keys.)"""
     end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
     full_hi = Lk // BLOCK_N
     first = lo
     full_lo = lo
     if BANDED:
-        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, row1 + band_hi + 1), 0), BLOCK_N))
-        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, row0 + band_hi + 1), 0) // BLOCK_N)
-        first = tl.maximum(lo, tl.maximum(row0 + band_lo, 0) // BLOCK_N)
-        full_lo = tl.cdiv(tl.maximum(row1 + band_lo, 0), BLOCK_N)
+        first_keys = rows + band_lo
+        last_keys = rows + band_hi
+        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, tl.max(last_keys, 0) + 1), 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, tl.min(last_keys, 0) + 1), 0) // BLOCK_N)
+        first = tl.maximum(lo, tl.maximum(tl.min(first_keys, 0), 0) // BLOCK_N)
+        full_lo = tl.cdiv(tl.maximum(tl.max(first_keys, 0), 0), BLOCK_N)
     end = tl.maximum(end, first)
     full_lo = tl.minimum(tl.maximum(full_lo, first), end)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
@@ -246,7 +263,7 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, SEED, SINK,
+    Q, K, V, O, LSE, MASK, SEED, SINK, ROW_LO, ROW_HI,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -317,24 +334,25 @@ def _attn_fwd(
     # [first, full_lo) (masked; BANDED only), the blocks every row sees whole
     # [full_lo, full_hi) (unmasked), then the band's right edge (the causal diagonal)
     # and the ragged end of the keys [full_hi, end) (masked).
-    first, full_lo, full_hi, end = _key_stages(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, lo,
-                                               lo + BLOCKS_PER_SPLIT, Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    row_lo, row_hi = _row_band(ROW_LO, ROW_HI, offs_m, m_ok, band_lo, band_hi, BANDED)
+    first, full_lo, full_hi, end = _key_stages(offs_m, lo, lo + BLOCKS_PER_SPLIT, Lk, row_lo, row_hi, BLOCK_N,
+                                               BANDED)
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
             NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False,
         NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
         NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
@@ -452,7 +470,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK, SEED,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK, SEED, ROW_LO, ROW_HI,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -520,25 +538,26 @@ def _attn_bwd_dq(
     # In key blocks, as in the forward: the band's left edge [first, full_lo)
     # (masked), the blocks every row sees whole, then the band's right edge and
     # the ragged end of the keys (masked).
-    first, full_lo, full_hi, end = _key_stages(start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1, 0,
-                                               tl.cdiv(Lk, BLOCK_N), Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    row_lo, row_hi = _row_band(ROW_LO, ROW_HI, offs_m, m_ok, band_lo, band_hi, BANDED)
+    first, full_lo, full_hi, end = _key_stages(offs_m, 0, tl.cdiv(Lk, BLOCK_N), Lk, row_lo, row_hi, BLOCK_N,
+                                               BANDED)
     if BANDED:
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+            offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             seed, off_hz, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
             SOFTCAP,
         )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, dropout_scale,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+        offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, dropout_scale,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP,
     )
@@ -550,7 +569,7 @@ def _attn_bwd_dq(
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v,
-    q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+    q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, row_lo_ptr, row_hi_ptr,
     stride_qm, stride_dom, stride_lm, stride_mm,
     offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head,
     dropout_p, dropout_scale,
@@ -587,7 +606,8 @@ def _attn_bwd_dkdv_inner(
             else:
                 qkT = qkT * qk_scale
             if MASKED and BANDED:
-                qkT = tl.where(tl.trans(_in_band(offs_qm, offs_kn, band_lo, band_hi)), qkT, float("-inf"))
+                row_lo, row_hi = _row_band(row_lo_ptr, row_hi_ptr, offs_qm, m_ok, band_lo, band_hi, BANDED)
+                qkT = tl.where(tl.trans(_in_band(offs_qm, offs_kn, row_lo, row_hi)), qkT, float("-inf"))
             if MASK_KIND != NO_MASK:
                 mask = tl.load(mask_ptrs + start_m.to(tl.int64) * stride_mm,
                                mask=key_ok[:, None] & m_ok[None, :], other=0)
@@ -619,7 +639,7 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED, ROW_LO, ROW_HI, KEY_LO, KEY_HI,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -663,23 +683,12 @@ def _attn_bwd_dkdv(
     # In query blocks: the rows on the band's right edge (the causal diagonal)
     # [lo, full_lo) (masked), the rows that see every key here [full_lo, full_hi)
     # (unmasked), the rows on the band's left edge and the ragged end of the rows
-    # [full_hi, hi) (masked). Row i sees key j iff j - band_hi <= i <= j - band_lo.
-    # Keys past Lk need no mask here: their rows of dk and dv are not stored.
-    hi = tl.cdiv(Lq, BLOCK_M)
-    lo = 0
-    full_lo = 0
-    full_hi = Lq // BLOCK_M
-    if BANDED:
-        key0 = start_n * BLOCK_N
-        key1 = key0 + BLOCK_N - 1
-        hi = tl.minimum(hi, tl.cdiv(tl.maximum(tl.minimum(Lq, key1 - band_lo + 1), 0), BLOCK_M))
-        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lq, key0 - band_lo + 1), 0) // BLOCK_M)
-        lo = tl.maximum(key0 - band_hi, 0) // BLOCK_M
-        full_lo = tl.cdiv(tl.maximum(key1 - band_hi, 0), BLOCK_M)
-    hi = tl.maximum(hi, lo)
-    lo = tl.minimum(lo, hi)
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    # [full_hi, hi) (masked). Row i sees key j iff j - band_hi <= i <= j - band_lo
+    # (ROW_BANDS: iff j + key_lo_j <= i <= j + key_hi_j): _key_stages with rows
+    # and keys swapped. Keys past Lk need no mask here: their rows of dk and dv
+    # are not stored.
+    key_lo, key_hi = _row_band(KEY_LO, KEY_HI, offs_kn, key_ok, -band_hi, -band_lo, BANDED)
+    lo, full_lo, full_hi, hi = _key_stages(offs_kn, 0, tl.cdiv(Lq, BLOCK_M), Lq, key_lo, key_hi, BLOCK_M, BANDED)
     for g in range(GROUP):
         off_h = off_h_kv * GROUP + g
         q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
@@ -692,7 +701,7 @@ def _attn_bwd_dkdv(
         mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m.to(tl.int64)[None, :] * stride_mm
                      + offs_kn.to(tl.int64)[:, None] * stride_mn)
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
@@ -700,7 +709,7 @@ def _attn_bwd_dkdv(
             SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
@@ -708,7 +717,7 @@ def _attn_bwd_dkdv(
             SOFTCAP,
         )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs,
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
             seed, head, dropout_p, dropout_scale,
@@ -744,6 +753,16 @@ def _band_args(plan) -> tuple[int, int, float]:
     return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap)
 
 
+def _row_band_args(plan, unread) -> tuple:
+    """(ROW_LO, ROW_HI, KEY_LO, KEY_HI): the ROW_BANDS kernels' per-row and per-key
+    offsets (views of ``plan.row_bands``); ``unread`` where there are none."""
+    if plan.row_bands is None:
+        return unread, unread, unread, unread
+    Lq = plan.query.shape[2]
+    bands = plan.row_bands
+    return bands[0, :Lq], bands[1, :Lq], bands[0, Lq:], bands[1, Lq:]
+
+
 def forward(plan):
     """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
 
@@ -764,15 +783,16 @@ def forward(plan):
         lse = plan.lse if plan.lse is not None else out  # never written without WITH_LSE
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
+    row_lo, row_hi, _, _ = _row_band_args(plan, out)
     _fwd_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, k, v, o, lse, mask, seed, sinks,
+        q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
         plan.dropout_scale, *_band_args(plan),
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind),
+        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
     )
@@ -803,17 +823,18 @@ def backward(plan):
     dlse = plan.grad_lse
     dlse_strides = dlse.stride() if dlse is not None else (0, 0, 0)
     seed = plan.seed if plan.seed is not None else q  # never read without DROPOUT
+    row_lo, row_hi, key_lo, key_hi = _row_band_args(plan, q)
     common = dict(
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
-        BANDED=plan.band is not None, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
+        BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
         DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind),
     )
     m_blocks, n_blocks = -(-Lq // config.block_m2), -(-Lk // config.block_n1)
     _dq_launcher(
         (m_blocks * B * H, 1, 1),
         q, k, v, plan.out, plan.grad_out, plan.lse, dlse if dlse is not None else plan.lse, plan.delta,
-        plan.grad_query, mask, seed,
+        plan.grad_query, mask, seed, row_lo, row_hi,
         *q.stride(), *k.stride(), *v.stride(), *plan.out.stride(), *plan.grad_out.stride(), *plan.lse.stride(),
         *dlse_strides, *mask_strides,
         H, plan.group, Lq, Lk, plan.scale, m_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
@@ -822,6 +843,7 @@ def backward(plan):
     _dkdv_launcher(
         (n_blocks * B * H_kv, 1, 1),
         q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask, seed,
+        row_lo, row_hi, key_lo, key_hi,
         *q.stride(), *k.stride(), *v.stride(), *plan.grad_out.stride(), *plan.lse.stride(), *mask_strides,
         H_kv, plan.group, Lq, Lk, plan.scale, n_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
         BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common,

@@ -36,7 +36,7 @@ def qkv(device):
 def test_available_backends():
     assert available_backends() == ("triton", "ninetoothed", "torch")
     assert common.__all__ == ["attention", "attention_backward", "available_backends", "ring_attention",
-                              "shard_sequence", "unshard_sequence", "use_backend"]
+                              "shard_sequence", "unshard_sequence", "use_backend", "varlen_attention"]
 
 
 def test_default_is_triton(calls, qkv):

@@ -14,6 +14,8 @@ is written to the project.
 - dropout: forward and forward + backward TFLOP/s with and without dropout, with SDPA's.
 - features: sliding window (4096 at L = 32k causal) against the full causal call and
   against SDPA with the window as a mask; soft-capping's and sinks' cost.
+- varlen: packed variable-length prefill (64 sequences of 128-8192 tokens) against our
+  dense kernel on each sequence and SDPA on the padded batch.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
 """
@@ -176,6 +178,44 @@ def features():
         capped = gpu_time_ms(step(softcap=50.0))
         print(f"{backend} fwd+bwd: causal {full:.2f} ms, window {W} {windowed:.2f} ms ({full / windowed:.2f}x), "
               f"softcap {capped:.2f} ms ({capped / full - 1:+.1%})", flush=True)
+
+
+def varlen():
+    """Issue 15's varlen target: 64 sequences of 128-8192 tokens (a fixed draw), H = 16, D = 128, bf16,
+    causal and not. varlen_attention against our dense kernel on each sequence alone (the same tokens;
+    the sum of the calls' GPU times) and against SDPA on the padded batch (a key-padding mask); TFLOP/s
+    counted on the real tokens only."""
+    import itertools
+
+    from common import varlen_attention
+
+    lens = torch.randint(128, 8193, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    H, D, Lmax = 16, 128, max(lens)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), H, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    starts = cu.tolist()
+    seqs = [tuple(t[a:b].transpose(0, 1)[None] for t in (q, k, v)) for a, b in zip(starts, starts[1:])]
+    padded = [torch.zeros(len(lens), H, Lmax, D, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        for dst, src in zip(padded, seq):
+            dst[i, :, :lens[i]] = src[0]
+    real = torch.arange(Lmax, device="cuda")[None, :] < torch.tensor(lens, device="cuda")[:, None]
+    print(f"{len(lens)} sequences, {sum(lens)} tokens (mean {sum(lens) / len(lens):.0f}, max {Lmax})", flush=True)
+    with torch.no_grad():
+        for causal in (False, True):
+            flops = sum(4 * H * L * L * D for L in lens) / (2 if causal else 1)
+            for backend in ("triton", "ninetoothed"):
+                packed = gpu_time_ms(lambda: varlen_attention(q, k, v, cu, cu, Lmax, Lmax, causal, backend=backend))
+                dense = sum(gpu_time_ms(lambda s=s: attention(*s, causal, backend=backend), 5, 10) for s in seqs)
+                print(f"causal={causal} {backend}: varlen {packed:.2f} ms ({flops / packed * 1e-9:.0f} TFLOP/s), "
+                      f"dense per sequence {dense:.2f} ms ({flops / dense * 1e-9:.0f} TFLOP/s): "
+                      f"{dense / packed:.2f}x", flush=True)
+            mask = real[:, None, None, :]
+            if causal:
+                mask = mask & torch.ones(Lmax, Lmax, dtype=torch.bool, device="cuda").tril()
+            sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(*padded, attn_mask=mask))
+            print(f"causal={causal} SDPA on the padded batch: {sdpa:.2f} ms ({flops / sdpa * 1e-9:.0f} TFLOP/s "
+                  f"on real tokens)", flush=True)
 
 
 def decode():

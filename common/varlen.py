@@ -1,0 +1,185 @@
+"""Packed variable-length batches: ``varlen_attention``, FlashAttention's varlen interface.
+
+Sequences of different lengths are packed one after another along the token
+dim, with no padding; ``cu_seqlens_q`` and ``cu_seqlens_k`` (int32, B + 1 prefix
+sums from 0) say where each starts. The kernels see the packed tensors as one
+(1, H, total, D) batch in which every query row has its own band of keys
+(``row_bands``): the keys of its own sequence, cut by causality, alignment and
+window. Row blocks then visit only the key blocks their rows' bands reach, and
+blocks wholly inside every row's band run unmasked, as for a dense call.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from common import ops
+from common.backends import resolve
+from common.dispatch import _needs_grad
+from common.validation import check_call
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    enable_gqa: bool = False,
+    backend: str | None = None,
+    return_lse: bool = False,
+    alignment: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+):
+    """Attention over a packed batch of variable-length sequences, each on its own.
+
+    Sequence b's queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of
+    ``query`` and attend only to keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+    of ``key`` and ``value``, exactly as :func:`common.attention` would on that
+    sequence alone.
+
+    Args:
+        query: (total_q, H, D); float16, bfloat16 or float32; any strides.
+        key: (total_k, H_kv, D); value: (total_k, H_kv, Dv); same dtype and device.
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on the inputs' device: 0, then
+            the running totals of the sequences' lengths (empty sequences welcome);
+            the last entries must be total_q and total_k.
+        max_seqlen_q, max_seqlen_k: ints >= 0, the longest sequence's lengths
+            (FlashAttention's signature; checked for type only: the kernels read
+            each row's keys from the cumulative lengths and need no maximum).
+        is_causal, alignment, window, softcap: as for :func:`common.attention`,
+            per sequence: with "top_left" query row i of a sequence sits at
+            position i, with "bottom_right" at i + Lk_b - Lq_b.
+        scale: None (1/sqrt(D)) or any finite float.
+        enable_gqa: allow H_kv < H, H a multiple of H_kv.
+        backend: "triton", "ninetoothed" or "torch" (SDPA given the packed
+            sequences as one block-diagonal boolean mask: total_q x total_k bools).
+        return_lse: also return the log-sum-exp, float32 (H, total_q).
+
+    Returns:
+        The output (total_q, H, Dv) in the inputs' dtype (a transposed view of
+        the kernels' (H, total_q, Dv) buffer: ``reshape``, not ``view``, merges heads); with ``return_lse``,
+        ``(output, lse)``. Differentiable in query, key and value. A row whose
+        sequence has no key gives 0.
+
+    No host synchronisation: the lengths stay on the device, and the lengths
+    themselves are not checked against the totals (that would need one). Lengths
+    that do not add up give wrong rows, never reads outside the tensors: each
+    row's keys are clamped to the packed key range.
+
+    Raises:
+        TypeError, ValueError: for bad input, before any kernel launches.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
+    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query)
+    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, query)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
+                         f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise TypeError(f"{name} must be an int >= 0, got {n!r}")
+    if cu_q.numel() == 1 and (query.shape[0] or key.shape[0]):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k describe no sequence, but query or key holds tokens")
+
+    chosen = resolve(backend)
+    call = check_call(
+        chosen, *(t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)),
+        attn_mask=None, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        return_lse=return_lse, alignment=alignment, window=window, softcap=softcap,
+    )
+    _, H, total_q, _ = call.query.shape
+    total_k = call.key.shape[2]
+    bands = row_bands(cu_q, cu_k, total_q, total_k, is_causal=call.is_causal, window=call.window,
+                      bottom_right=call.bottom_right)
+    call.is_causal, call.window, call.bottom_right = False, None, False  # all in the bands now
+    if chosen.kernels:
+        call.row_bands = bands
+    else:
+        allowed = band_mask_rows(bands, total_q, total_k)
+        call.attn_mask = allowed.expand(1, H, total_q, total_k)
+    if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
+        out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, None, False, call.scale,
+                                                    0.0, None, *ops.extras(call), None, call.row_bands)
+    else:
+        out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
+    out = out[0].transpose(0, 1)
+    return (out, lse[0]) if call.return_lse else out
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {str(cu.dtype).removeprefix('torch.')}")
+    if cu.ndim != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu.shape)}")
+    if cu.device != query.device:
+        raise ValueError(f"{name} is on {cu.device} but query is on {query.device}")
+    return cu
+
+
+def row_bands(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, is_causal: bool, window,
+              bottom_right: bool) -> torch.Tensor:
+    """Each packed row's keys and each packed key's rows, as the kernels' ROW_BANDS take them:
+    int32 (2, total_q + total_k). Columns 0..total_q-1: row i sees keys i + [0][i] ..
+    i + [1][i]; columns total_q + j: key j is seen by rows j + [0][.] .. j + [1][.].
+    Computed on the device (no host sync); lengths are clamped into the packed ranges."""
+    device = cu_seqlens_q.device
+    cu_q = cu_seqlens_q.long().clamp(0, total_q)
+    cu_k = cu_seqlens_k.long().clamp(0, total_k)
+    last_seq = max(cu_q.numel() - 2, 0)
+    left, right = window if window is not None else (-1, -1)
+    bands = torch.empty(2, total_q + total_k, dtype=torch.int32, device=device)
+
+    def ends(index, cu):
+        seq = torch.searchsorted(cu[1:], index, right=True).clamp_(max=last_seq)
+        q0, q1, k0, k1 = cu_q[seq], cu_q[seq + 1], cu_k[seq], cu_k[seq + 1]
+        shift = (k1 - k0) - (q1 - q0) if bottom_right else 0  # a row's position = its index in the sequence + shift
+        return q0, q1, k0, k1, shift
+
+    rows = torch.arange(total_q, device=device)
+    q0, q1, k0, k1, shift = ends(rows, cu_q)
+    key_of_row = k0 + rows - q0 + shift  # the key at the row's position
+    first, last = k0, k1 - 1
+    if left >= 0:
+        first = torch.maximum(first, key_of_row - left)
+    if is_causal:
+        last = torch.minimum(last, key_of_row)
+    if right >= 0:
+        last = torch.minimum(last, key_of_row + right)
+    bands[0, :total_q] = first - rows
+    bands[1, :total_q] = last - rows
+
+    keys = torch.arange(total_k, device=device)
+    q0, q1, k0, k1, shift = ends(keys, cu_k)
+    row_of_key = q0 + keys - k0 - shift  # the row whose position is the key's
+    first, last = q0, q1 - 1
+    if is_causal:
+        first = torch.maximum(first, row_of_key)
+    if right >= 0:
+        first = torch.maximum(first, row_of_key - right)
+    if left >= 0:
+        last = torch.minimum(last, row_of_key + left)
+    bands[0, total_q:] = first - keys
+    bands[1, total_q:] = last - keys
+    return bands
+
+
+def band_mask_rows(bands: torch.Tensor, total_q: int, total_k: int) -> torch.Tensor:
+    """The rows' bands as a boolean (total_q, total_k) mask (the torch backend's and the tests' reference)."""
+    offset = torch.arange(total_k, device=bands.device)[None, :] - torch.arange(total_q, device=bands.device)[:, None]
+    return (offset >= bands[0, :total_q, None]) & (offset <= bands[1, :total_q, None])
+
