@@ -145,13 +145,15 @@ def row_bands(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, is_caus
     bands = torch.empty(2, total_q + total_k, dtype=torch.int32, device=device)
 
     def ends(index, cu):
-        seq = torch.searchsorted(cu[1:], index, right=True).clamp_(max=last_seq)
+        # (searched in the caller's int32 lengths themselves: Inductor cannot lower a
+        # search in a slice of a computed tensor)
+        seq = (torch.searchsorted(cu, index, right=True) - 1).clamp_(0, last_seq)
         q0, q1, k0, k1 = cu_q[seq], cu_q[seq + 1], cu_k[seq], cu_k[seq + 1]
         shift = (k1 - k0) - (q1 - q0) if bottom_right else 0  # a row's position = its index in the sequence + shift
         return q0, q1, k0, k1, shift
 
-    rows = torch.arange(total_q, device=device)
-    q0, q1, k0, k1, shift = ends(rows, cu_q)
+    rows = torch.arange(total_q, device=device, dtype=torch.int32)
+    q0, q1, k0, k1, shift = ends(rows, cu_seqlens_q)
     key_of_row = k0 + rows - q0 + shift  # the key at the row's position
     first, last = k0, k1 - 1
     if left >= 0:
@@ -163,8 +165,8 @@ def row_bands(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, is_caus
     bands[0, :total_q] = first - rows
     bands[1, :total_q] = last - rows
 
-    keys = torch.arange(total_k, device=device)
-    q0, q1, k0, k1, shift = ends(keys, cu_k)
+    keys = torch.arange(total_k, device=device, dtype=torch.int32)
+    q0, q1, k0, k1, shift = ends(keys, cu_seqlens_k)
     row_of_key = q0 + keys - k0 - shift  # the row whose position is the key's
     first, last = q0, q1 - 1
     if is_causal:
