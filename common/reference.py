@@ -207,6 +207,35 @@ def delta_rounding_effect(query, key, value, out, grad_out, *, is_causal=False, 
     return dq.max().item() if dq.numel() else 0.0, dk.max().item() if dk.numel() else 0.0
 
 
+def score_rounding_effect(query, key, value, grad_out, *, is_causal=False, scale=None, attn_mask=None):
+    """(dq, dk, dv): how far, at most, the gradients of a FlashAttention-style backward
+    move because it recomputes p = exp(s - lse) in float32 from the scores and the
+    stored log-sum-exp. Each is rounded to about eps32 times its magnitude (for a
+    score, |scale| sum_d |q_d k_d| or |s|), so p_ij carries a relative error up to
+    r_i = 2 eps32 max_j (|scale| |q_i|.|k_j| + |s_ij|) over row i's visible keys.
+    dv_j then moves by sum_i p_ij r_i |do_i|, and through ds = p (dp - delta), dq_i by
+    |scale| r_i sum_j p_ij |dp_ij - delta_i| |k_j| and dk_j by |scale| sum_i p_ij r_i
+    |dp_ij - delta_i| |q_i|: negligible where scores are a few units, the largest
+    error of all where |scale| puts them in the hundreds (the softmax nearly one-hot)."""
+    scores = reference_scores(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse))
+    q, k, v, do = query.double(), key.double(), value.double(), grad_out.double()
+    group = q.shape[-3] // k.shape[-3]
+    kx, vx = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    visible = scores.isfinite()
+    magnitude = abs(scale) * (q.abs() @ kx.abs().transpose(-2, -1)) + torch.where(visible, scores.abs(), 0.0)
+    r = 2 * torch.finfo(torch.float32).eps * torch.where(visible, magnitude, 0.0).amax(-1, keepdim=True)
+    dp = do @ vx.transpose(-2, -1)
+    delta = (probs * dp).sum(-1, keepdim=True)
+    w = probs * r * (dp - delta).abs()
+    dq = abs(scale) * w @ kx.abs()
+    dk = (abs(scale) * w.transpose(-2, -1) @ q.abs()).unflatten(-3, (k.shape[-3], group)).sum(-3)
+    dv = ((probs * r).transpose(-2, -1) @ do.abs()).unflatten(-3, (k.shape[-3], group)).sum(-3)
+    return tuple(t.max().item() if t.numel() else 0.0 for t in (dq, dk, dv))
+
+
 def error_bound(expected, dtype, same_dtype_error: float = 0.0) -> tuple[float, float]:
     """(bound, rounding): how far a kernel's ``dtype`` output may be from ``expected`` (in float32/64);
     ``same_dtype_error`` as for :func:`grad_error_bound`."""

@@ -13,6 +13,7 @@ from common.reference import (
     reference,
     reference_lse,
     same_dtype_math,
+    score_rounding_effect,
 )
 
 LSE_TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-5}
@@ -177,7 +178,11 @@ def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, out=None, **kwargs):
     with torch.no_grad():
         exact = reference(q, k, v, **kwargs)
         stored = out.detach() if out is not None else None
+    # What any FlashAttention-style backward moves by: delta from the stored output, and
+    # p recomputed from the scores and the log-sum-exp in float32 (both grow with |scale|).
     from_output = [*delta_rounding_effect(q, k, v, exact, grad_out, stored=stored, **lse_kwargs), 0.0]
+    from_scores = score_rounding_effect(q, k, v, grad_out, **lse_kwargs)
+    from_output = [a + b for a, b in zip(from_output, from_scores)]
     errors = []
     for name, grad, ref, like, same_error, moved in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), same,
                                                          from_output):

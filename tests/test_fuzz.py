@@ -7,12 +7,14 @@ rows with no visible key), scales (negative and large too) and causal or not;
 about one call in three also checks the gradients. Each example must pass the
 same accuracy rule as the hand-written cases.
 
-Two profiles, fixed seeds (derandomised, no example database), picked by the
+Two profiles, fixed seeds (one per shard, no example database), picked by the
 device or by the environment variable FUZZ_PROFILE (FUZZ_EXAMPLES sets the
-number of examples):
+number of examples per shard):
 - "cpu": small sizes and few examples, for CI under Triton's interpreter;
-- "gpu": longer sequences, 30 examples per backend, for the H200 (compile-bound
-  there: nearly every example is a new specialisation; FUZZ_EXAMPLES for more).
+- "gpu": longer sequences, 6 shards of 5 examples per backend, for the H200.
+  It is compile-bound there (nearly every example is a new specialisation, a few
+  seconds each), so the examples come in shards, separate tests with their own
+  seeds that pytest-xdist runs side by side (``-n 12``), not one long test.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzzer needs hypothesis (extra 'test')")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import seed as fixed_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from common import attention  # noqa: E402
@@ -31,8 +34,8 @@ from tests.cases import Case, check_grads, check_output, make_inputs, sdpa_kwarg
 from tests.conftest import DEVICE  # noqa: E402
 
 PROFILES = {
-    "cpu": dict(examples=14, max_len=40),
-    "gpu": dict(examples=30, max_len=300),
+    "cpu": dict(examples=14, shards=1, max_len=40),
+    "gpu": dict(examples=5, shards=6, max_len=300),
 }
 PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
 PROFILE = dict(PROFILES[PROFILE_NAME])
@@ -65,21 +68,32 @@ def cases(draw):
                 scale=scale, layout=layout, mask=mask, mask_shape=mask_shape)
 
 
-@settings(max_examples=PROFILE["examples"], deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(case=cases(), with_grads=st.integers(0, 2), seed=st.integers(0, 2**31 - 1))
-@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
-def test_fuzz(backend, case, with_grads, seed):
-    torch.manual_seed(seed)
-    q, k, v, mask = make_inputs(case, DEVICE)
-    kwargs = sdpa_kwargs(case, mask)
-    note = f"{case.id} seed={seed}"
-    if with_grads == 0:
-        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = attention(q, k, v, backend=backend, **kwargs)
-    check_output(out, q, k, v, **kwargs)
-    if with_grads == 0:
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-        check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
-    hypothesis.note(note)
+def _fuzz_test(shard: int):
+    """The fuzz test of one shard: its own fixed seed, so the shards draw different examples."""
+
+    @fixed_seed(20261130 + shard)
+    @settings(max_examples=PROFILE["examples"], deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(case=cases(), with_grads=st.integers(0, 2), seed=st.integers(0, 2**31 - 1))
+    @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+    def test_fuzz(backend, case, with_grads, seed):
+        torch.manual_seed(seed)
+        q, k, v, mask = make_inputs(case, DEVICE)
+        kwargs = sdpa_kwargs(case, mask)
+        note = f"{case.id} seed={seed}"
+        if with_grads == 0:
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = attention(q, k, v, backend=backend, **kwargs)
+        check_output(out, q, k, v, **kwargs)
+        if with_grads == 0:
+            grad_out = torch.randn_like(out)
+            out.backward(grad_out)
+            check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
+        hypothesis.note(note)
+
+    test_fuzz.__name__ = test_fuzz.__qualname__ = f"test_fuzz_shard{shard}"
+    return test_fuzz
+
+
+for _shard in range(PROFILE["shards"]):
+    globals()[f"test_fuzz_shard{_shard}"] = _fuzz_test(_shard)

@@ -26,7 +26,7 @@ for stage in "$@"; do
     tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize.py 2>&1 | tail -30 | tee "$OUT/sanitize.log" ;;
-    fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 8 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
+    fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     ring-test) timeout 540 torchrun --nproc-per-node 2 -m tests.ring_worker triton ninetoothed torch 2>&1 | grep -v '^W1' | tail -40 | tee "$OUT/ring_test.log" ;;
     ring-bench) timeout 400 torchrun --nproc-per-node 2 tools/ring_bench.py --json "$OUT/ring_bench.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench.log"; tail -40 "$OUT/ring_bench.log" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
