@@ -17,7 +17,9 @@ tiles (likewise the mask); FlashAttention-2's online softmax in base 2, key
 blocks in three stages (the band's left edge masked, the blocks every row sees
 whole unmasked, the right edge and the ragged tail masked; causal, bottom-right
 and windowed calls are all bands), blocks outside the band never visited;
-soft-capping and attention sinks as in the Triton kernel. Short
+packed variable-length sequences (``BANDED == ROW_BANDS``) give every row its
+own band, arranged like the log-sum-exp; soft-capping and attention sinks as in
+the Triton kernel. Short
 queries split the keys as the Triton kernel does: the arrangement tiles each
 K/V row once more into splits of ``blocks_per_split`` blocks, one program per
 split, and ``combine_arrangement`` + ``combine_application`` merge the

@@ -22,8 +22,12 @@ The Lq x Lk score matrix never exists outside registers.
   top-left causal, SDPA's ``ones(Lq, Lk).tril(0)``, is band_hi = 0). Key blocks
   come in three stages: the band's left edge (masked), the blocks every row of
   the program sees whole (unmasked), the right edge and the ragged end of the
-  keys (masked); blocks outside the band are never visited.
-- SOFTCAP: scores become softcap * tanh(s / softcap) (tanh from exp2); the
+  keys (masked); blocks outside the band are never visited. Packed
+  variable-length sequences (``common.varlen``) are BANDED == ROW_BANDS: each
+  row its own band (ROW_LO, ROW_HI), each key its rows (KEY_LO, KEY_HI, for the
+  dK/dV pass), the stages taken over the block's rows.
+- SOFTCAP: scores become softcap * tanh(s / softcap) (``tanh.approx.f32`` for
+  16-bit inputs on NVIDIA GPUs, else tanh from exp2: ``common.plan.softcap_kind``); the
   backward multiplies ds by 1 - tanh^2. SINKS: a per-head logit starts each
   row's online softmax (m_i = sink, l_i = 1), so it joins the denominator with
   no value; the log-sum-exp includes it, and the backward needs nothing more.
