@@ -117,7 +117,7 @@ class ForwardPlan:
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
     softcap_kind: Softcap = Softcap.OFF
     sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
-    row_bands: torch.Tensor | None = None  # per-row bands instead of band (see row_bands())
+    row_bands: torch.Tensor | None = None  # per-row bands instead of band (common.varlen.row_bands)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
