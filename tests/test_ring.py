@@ -26,8 +26,10 @@ needs_gloo = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 @needs_gloo
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU ring (gloo); GPUs run test_ring_over_nccl")
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("ring_backend", ["triton", "ninetoothed", "torch"])
+# Three ranks (uneven shards) for the ring's host logic, which no backend changes; NineToothed in two
+# ranks only: under the interpreter its three-rank run cost 83 s of the CPU suite for nothing more.
+@pytest.mark.parametrize("ring_backend, world", [("triton", 2), ("triton", 3), ("ninetoothed", 2), ("torch", 2),
+                                                 ("torch", 3)])
 def test_ring_over_gloo(ring_backend, world, tmp_path):
     mp.spawn(ring_worker.spawned, args=(world, str(tmp_path / "store"), [ring_backend]), nprocs=world, join=True)
 
