@@ -22,8 +22,13 @@ def tiny_llama(dtype, device, implementation, attention_dropout=0.0):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         attention_dropout=attention_dropout,
     )
+    return build(transformers.LlamaForCausalLM, config, implementation, device, dtype)
+
+
+def build(model_class, config, implementation, device, dtype=torch.float32):
+    """A model with seeded weights (the same for every implementation), in eval mode."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model = model_class(config).to(device=device, dtype=dtype).eval()
     model.set_attn_implementation(implementation)
     return model
 
@@ -142,9 +147,7 @@ def test_gemma2_style_model_matches_eager(registered, backend, padded, device):
     input_ids, attention_mask = left_padded_batch(device, padded)
     logits = {}
     for implementation in (backend, "eager"):
-        torch.manual_seed(0)
-        model = transformers.Gemma2ForCausalLM(config).to(device=device, dtype=torch.float32).eval()
-        model.set_attn_implementation(implementation)
+        model = build(transformers.Gemma2ForCausalLM, config, implementation, device)
         with torch.no_grad():
             logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
     real = attention_mask.bool()
@@ -159,9 +162,7 @@ def test_mistral_style_sliding_window_matches_sdpa(registered, backend, device):
     )
     outputs = {}
     for implementation in (backend, "sdpa"):
-        torch.manual_seed(0)
-        model = transformers.MistralForCausalLM(config).to(device=device, dtype=torch.float32).eval()
-        model.set_attn_implementation(implementation)
+        model = build(transformers.MistralForCausalLM, config, implementation, device)
         with torch.no_grad():
             for padded in (False, True):
                 input_ids, attention_mask = left_padded_batch(device, padded)
@@ -197,12 +198,10 @@ def test_gpt_oss_style_model_with_sinks_matches_eager(registered, backend, padde
     input_ids, attention_mask = left_padded_batch(device, padded)
     logits = {}
     for implementation in (backend, "eager"):
-        torch.manual_seed(0)
-        model = transformers.GptOssForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+        model = build(transformers.GptOssForCausalLM, config, implementation, device)
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_()  # initialised to zeros: make them matter
-        model.set_attn_implementation(implementation)
         with torch.no_grad():
             logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
     real = attention_mask.bool()
