@@ -154,12 +154,8 @@ def check_call(
     if attn_mask is not None:
         attn_mask = _check_mask(attn_mask, query, is_causal, (B, H, Lq, Lk), unbatched)
 
-    if return_lse and not backend.supports(LSE):
-        with_lse = [name for name, b in BACKENDS.items() if b.supports(LSE)]
-        raise ValueError(
-            f"the {backend.name!r} backend cannot return the log-sum-exp (return_lse=True); "
-            f"use one of {', '.join(map(repr, with_lse))}"
-        )
+    if return_lse:
+        _require(backend, LSE, "cannot return the log-sum-exp (return_lse=True)")
     if torch.is_grad_enabled():
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.requires_grad and not backend.supports(BACKWARD):
@@ -183,21 +179,22 @@ def check_call(
         softcap = _check_real("softcap", softcap)
         if not softcap > 0.0:
             raise ValueError(f"softcap must be a positive number (or None), got {softcap}")
-        if not backend.supports(SOFTCAP):
-            usable = [name for name, b in BACKENDS.items() if b.supports(SOFTCAP)]
-            raise ValueError(f"the {backend.name!r} backend cannot soft-cap scores (softcap=); use one of "
-                             f"{', '.join(map(repr, usable))}")
+        _require(backend, SOFTCAP, "cannot soft-cap scores (softcap=)")
     if sinks is not None:
         _check_sinks(backend, sinks, H, query.device)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
                 window, bottom_right, softcap, sinks)
 
 
+def _require(backend: Backend, capability: str, lacking: str) -> None:
+    """A clear error when ``backend`` lacks ``capability``, naming the backends that have it."""
+    if not backend.supports(capability):
+        usable = [name for name, b in BACKENDS.items() if b.supports(capability)]
+        raise ValueError(f"the {backend.name!r} backend {lacking}; use one of {', '.join(map(repr, usable))}")
+
+
 def _check_sinks(backend: Backend, sinks, H: int, device) -> None:
-    if not backend.supports(SINKS):
-        usable = [name for name, b in BACKENDS.items() if b.supports(SINKS)]
-        raise ValueError(f"the {backend.name!r} backend has no attention sinks (sinks=); use one of "
-                         f"{', '.join(map(repr, usable))}")
+    _require(backend, SINKS, "has no attention sinks (sinks=)")
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
     if sinks.dtype not in SUPPORTED_DTYPES:
