@@ -849,8 +849,8 @@ def paged_arrangement(
         lse_arranged = _row_slices(lse, block_m)
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, page, block_d, num_splits),
-        _pages(value_cache, batch, heads, m_blocks, page, block_dv, num_splits), table, seqlens, scale, lq_seq, num_pages,
-        output_arranged, lse_arranged, IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT,
+        _pages(value_cache, batch, heads, m_blocks, page, block_dv, num_splits), table, seqlens, scale, lq_seq,
+        num_pages, output_arranged, lse_arranged, IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT,
     )
 
 
@@ -899,6 +899,52 @@ def paged_application(
     output = acc / l_i[:, None]  # noqa: F841 (a store)
 
 
+def append_arrangement(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages, block_d,
+                       block_dv):
+    """One program per (batch, K/V head, new token): its key and value rows, every slot of
+    its head in the caches as a (num_pages, PAGE) array of (D,) tiles (the program stores
+    into one by index: where a token goes is data), its sequence's block table row and
+    length. (NineToothed indexes a tile array with scalars only, so a program cannot
+    scatter a block of tokens to their different slots as the Triton kernel's does.)"""
+    batch, heads, new_tokens = key.shape[0], key.shape[1], key.shape[2]
+
+    def rows(x, block):
+        arranged = x.tile((1, 1, 1, block)).squeeze(3)
+        arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
+        return arranged
+
+    def slots(cache, block):
+        arranged = cache.tile((1, 1, 1, block)).squeeze(3).permute((2, 0, 1))  # (H_kv, num_pages, PAGE)
+        arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
+        arranged = arranged.tile((1, -1, -1)).squeeze((1, 2))
+        arranged.dtype = arranged.dtype.squeeze(0)
+        return arranged.unsqueeze(0).unsqueeze(2).expand((batch, -1, new_tokens))
+
+    table = block_table.tile((1, 1))
+    table.dtype = table.dtype.squeeze(0)
+    table = table.tile((1, -1)).squeeze(1)
+    table.dtype = table.dtype.squeeze(0)
+    table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, new_tokens))
+    seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, new_tokens))
+    return (rows(key, block_d), rows(value, block_dv), slots(key_cache, block_d), slots(value_cache, block_dv), table,
+            seqlens, num_pages)
+
+
+def append_application(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages):
+    """Token i of sequence z to position cache_seqlens[z] + i of its pages, as ``_append_kv``
+    of the Triton kernel: not written when that position is past the table or its page
+    entry lies outside the cache."""
+    PAGE = key_cache.shape[1]
+    max_pages = block_table.shape[0]
+    pos = ntl.sum(cache_seqlens, 0) + key.offsets(2)  # this program's token: its offset along L_new
+    fits = (pos >= 0) & (pos < max_pages * PAGE)
+    entry = ntl.minimum(ntl.maximum(pos // PAGE, 0), max_pages - 1)
+    page = ntl.sum(block_table[entry], 0)
+    if fits & (page >= 0) & (page < num_pages):
+        key_cache[page, pos % PAGE] = key
+        value_cache[page, pos % PAGE] = value
+
+
 def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
     """Paged attention; with ``blocks_per_split``, its split variant (see ``paged_arrangement``)."""
     arrangement_ = functools.partial(
@@ -918,6 +964,22 @@ def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
         *_flags("IS_CAUSAL", "WITH_LSE", "DOT_PRECISION", "SPLIT"),
     )
     return arrangement_, paged_application, tensors
+
+
+def premake_append(head_dim, head_dim_v):
+    """append_kv: the new tokens' keys and values into their slots."""
+    arrangement_ = functools.partial(append_arrangement, block_d=padded_head_dim(head_dim),
+                                     block_dv=padded_head_dim(head_dim_v))
+    tensors = (
+        Tensor(4, shape=(None, None, None, head_dim)),  # key (B, H_kv, L_new, D)
+        Tensor(4, shape=(None, None, None, head_dim_v)),  # value
+        Tensor(4, shape=(None, None, None, head_dim)),  # key_cache (num_pages, PAGE, H_kv, D)
+        Tensor(4, shape=(None, None, None, head_dim_v)),  # value_cache
+        Tensor(2, other=-1),  # block_table (B, max_pages) int32
+        Tensor(1),  # cache_seqlens (B,) int32
+        Tensor(0),  # num_pages
+    )
+    return arrangement_, append_application, tensors
 
 
 # -- making kernels: once per process, thread-safe ---------------------------------------------
@@ -1077,3 +1139,12 @@ def paged_forward(plan):
             _absent(out, R), WITH_LSE=False,
         )
     return out
+
+
+def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int, block_d: int,
+              block_dv: int):
+    """Write key and value (B, H_kv, L_new, D | Dv) into the paged caches, in one launch
+    (one program per token: see append_arrangement; block sizes as the Triton kernel's API)."""
+    D, Dv = key.shape[3], value.shape[3]
+    _make(premake_append, D, Dv, num_warps=4, num_stages=1)(
+        key, value, key_cache, value_cache, block_table, cache_seqlens, key_cache.shape[0])
