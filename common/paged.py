@@ -3,9 +3,11 @@
 The cache holds keys and values in fixed-size pages, (num_pages, page_size, H_kv, D); a
 block table (B, max_pages) lists each sequence's pages in order and ``cache_seqlens`` (B,)
 how many keys each holds. ``append_kv`` writes new tokens into their slots, and
-``paged_attention`` attends a batch of queries over their sequences' pages: one page per
-kernel step, the pages of a long sequence split across programs (merged by the same
-kernel that merges the dense decode path's splits), grouped-query heads packed into rows.
+``paged_attention`` attends a batch of queries over their sequences' pages (the Triton
+kernel gathers several small pages per step, key by key; NineToothed's takes one page per
+step: it picks tiles by a scalar index), the pages of a long sequence split across
+programs (merged by the same kernel that merges the dense decode path's splits),
+grouped-query heads packed into rows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from common import plan as planning
 from common.backends import OFFSETS64, resolve
-from common.configs import Config, next_power_of_2, padded_head_dim
+from common.configs import Config, default_config, next_power_of_2, padded_head_dim
 from common.ops import _on_device, _quiet
 from common.outputs import allocator
 from common.validation import OFFSET_LIMIT, SUPPORTED_DTYPES, _check_flag, _check_real, _dtype_name
@@ -269,6 +271,26 @@ def _validate_contents(block_table, lengths, num_pages, page):
 
 # -- planning and the reference ------------------------------------------------------------
 
+# Shared memory for the pipelined K/V tiles of the paged kernels: decode streams the cache,
+# and more stages in flight is what brought them to the contiguous path's bandwidth on
+# the H200 (bf16, D = 128: 0.82x with 3 stages, 0.98x with 5 for Triton; 0.85x -> 0.98x
+# with 6 for NineToothed's page-per-step kernel, tools/probe.py paged).
+PAGED_STAGE_BYTES = 160 * 1024
+PAGED_MAX_STAGES = {"triton": 5, "ninetoothed": 6}
+
+
+def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int, dtype: torch.dtype) -> Config:
+    """The paged kernel's configuration: the dense decode path's tiles for these rows,
+    its key step widened to a whole page where pages are larger (NineToothed's kernel
+    steps one page at a time: BLOCK_N = page), and as many pipeline stages as fit
+    PAGED_STAGE_BYTES."""
+    config = default_config(max(block_d, block_dv), min(rows, 64), dtype)
+    block_n = page if backend == "ninetoothed" else max(page, config.block_n)
+    per_stage = block_n * (block_d + block_dv) * dtype.itemsize
+    stages = max(2, min(PAGED_MAX_STAGES.get(backend, 3), PAGED_STAGE_BYTES // per_stage))
+    return Config(config.block_m, block_n, config.num_warps, stages)
+
+
 def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale) -> PagedPlan:
     B, H, Lq, D = query.shape
     H_kv, page, Dv = key_cache.shape[2], key_cache.shape[1], value_cache.shape[3]
@@ -282,11 +304,11 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
             pass
     _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
-    plan.config = Config(min(64, max(16, next_power_of_2(Lqp))), page, 4, 3)
+    plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
-    plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page, page,
-                                                                  query.device)
+    plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
+                                                                  plan.config.block_n, query.device)
     plan.dot_precision = planning.dot_precision(query.dtype)
     alloc = allocator()
     plan.out = alloc((B, Hp, Lqp, Dv), query.dtype, query.device)

@@ -745,16 +745,18 @@ def _paged_fwd(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tz, stride_tb,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
-    H, GROUP, Lq, LQ_SEQ, NUM_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT,
+    H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, head) against the pages of one
-    split of that sequence's keys, one page (PAGE keys) per step.
+    """One program: BLOCK_M query rows of one (batch, head) against the keys of one
+    split of that sequence, BLOCK_N keys per step (BLOCK_N / PAGE pages, gathered key
+    by key: small pages would otherwise make tiny steps).
 
     Page j of sequence z is block TABLE[z, j] of the caches (clamped into the cache:
-    a bad entry reads a wrong page, never outside); the sequence has SEQLENS[z] keys.
+    a bad entry reads a wrong page, never outside); the sequence has SEQLENS[z] keys
+    (clamped to the table's MAX_PAGES * PAGE).
     Rows may be grouped-query heads packed into rows (GROUP = 1 then): row r is
     query row r % LQ_SEQ of its head, at position SEQLENS[z] - LQ_SEQ + r % LQ_SEQ
     (bottom-right), which IS_CAUSAL keeps to the keys at or before it. SPLIT: O and
@@ -768,7 +770,7 @@ def _paged_fwd(
     off_h_kv = off_h // GROUP
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, PAGE)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Lq
@@ -777,22 +779,26 @@ def _paged_fwd(
 
     q = tl.load(Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    Lk = tl.load(SEQLENS + off_z)
+    Lk = tl.minimum(tl.load(SEQLENS + off_z), MAX_PAGES * PAGE)  # a bad length reads no entry past the table
     last_key = Lk - LQ_SEQ + offs_m % LQ_SEQ  # the key at each row's position
     qk_scale = scale * LOG2E
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo = split * BLOCKS_PER_SPLIT
-    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, tl.cdiv(Lk, PAGE))
-    k_ptrs = K_CACHE + off_h_kv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptrs = V_CACHE + off_h_kv * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, tl.cdiv(Lk, BLOCK_N))
+    table = TABLE + off_z * stride_tz
+    k_base = K_CACHE + off_h_kv * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V_CACHE + off_h_kv * stride_vh + offs_dv[None, :] * stride_vd
     for j in range(lo, hi):
-        page = tl.minimum(tl.maximum(tl.load(TABLE + off_z * stride_tz + j * stride_tb), 0), NUM_PAGES - 1)
-        page = page.to(tl.int64)
-        offs_kn = j * PAGE + offs_n
+        offs_kn = j * BLOCK_N + offs_n
         key_ok = offs_kn < Lk
-        k = tl.load(k_ptrs + page * stride_kb, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        # each key's page (PAGE neighbours share one table entry), clamped into the cache
+        page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=key_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+        slot = (offs_kn % PAGE).to(tl.int64)
+        k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None], mask=key_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         valid = key_ok[None, :]
         if IS_CAUSAL:
@@ -804,7 +810,8 @@ def _paged_fwd(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptrs + page * stride_vb, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None], mask=key_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
 
@@ -997,10 +1004,11 @@ def paged_forward(plan):
         (plan.m_blocks * B * H, plan.num_splits, 1),
         q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse,
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *o_strides,
-        H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.scale, plan.m_blocks, plan.num_splits,
-        plan.blocks_per_split,
+        H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
+        plan.num_splits, plan.blocks_per_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, PAGE=kc.shape[1], BLOCK_D=plan.block_d,
+        HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
+        BLOCK_D=plan.block_d,
         BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split,
     )

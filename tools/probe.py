@@ -24,6 +24,8 @@ is written to the project.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 import sys
 
@@ -245,16 +247,43 @@ def paged():
             lengths = torch.full((B,), Lk, dtype=torch.int32, device="cuda")
             out = paged_attention(q, *caches, table, lengths, enable_gqa=True)
             torch.testing.assert_close(out, attention(q, k, v, enable_gqa=True), rtol=2e-2, atol=2e-2)
-            for backend in ("triton", "ninetoothed"):
-                t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
-                                                           backend=backend))
-                line.append(f"{backend} page {page} {t * 1e3:.0f} us ({kv_bytes / t * 1e-9:.2f} TB/s, "
+            for backend, variant in PAGED_VARIANTS:
+                with _paged_variant(variant):
+                    t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                               backend=backend))
+                name = f"{backend}{variant or ''}"
+                line.append(f"{name} page {page} {t * 1e3:.0f} us ({kv_bytes / t * 1e-9:.2f} TB/s, "
                             f"{dense / t:.2f}x)")
             new = torch.randn(B, H_kv, 1, D, dtype=torch.bfloat16, device="cuda")
             start = lengths - 1
             t = _graph_time_ms(lambda: append_kv(*caches, table, start, new, new))
             line.append(f"append_kv page {page} {t * 1e3:.1f} us")
         print("; ".join(line), flush=True)
+
+
+# (backend, None: the shipped configuration, or (keys per step | None: the shipped one, warps, stages))
+PAGED_VARIANTS = [("triton", None), ("triton", (64, 4, 3)), ("ninetoothed", None), ("ninetoothed", (None, 4, 3))]
+
+
+@contextlib.contextmanager
+def _paged_variant(variant):
+    """paged_attention with another configuration (a sweep; the shipped one when None)."""
+    import common.paged as paged_module
+
+    shipped = paged_module.paged_config
+
+    def config(backend, block_d, block_dv, rows, page, dtype):
+        base = shipped(backend, block_d, block_dv, rows, page, dtype)
+        block_n, warps, stages = variant
+        return dataclasses.replace(base, block_n=max(page, block_n or base.block_n), num_warps=warps,
+                                   num_stages=stages)
+
+    if variant is not None:
+        paged_module.paged_config = config
+    try:
+        yield
+    finally:
+        paged_module.paged_config = shipped
 
 
 def _graph_time_ms(fn, replays: int = 50) -> float:
