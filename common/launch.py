@@ -108,13 +108,28 @@ class CachedLauncher:
             # Triton's own dispatch compiles on a miss; first calls from several
             # threads at once go through it one at a time (a first call only).
             with _compile_lock:
-                compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+                compiled = self._compile_fitting(grid, args, num_warps, num_stages)
             # A Triton whose launch returns no launchable kernel keeps the slow path.
             if not hasattr(compiled, "__getitem__"):
                 return None
             self._by_class[key] = compiled
             return None  # this call has launched already
         return kernel
+
+
+    def _compile_fitting(self, grid, args, num_warps, num_stages):
+        """Compile and launch with ``num_stages``, or with fewer where its pipeline buffers
+        do not fit the GPU's shared memory (a configuration tuned on the H200 on a GPU
+        with less, or a tile the table did not foresee, e.g. a mask's): stages change
+        the kernel's speed, never its grid or its result. Raises when one stage does
+        not fit either."""
+        while True:
+            try:
+                return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            except triton.runtime.errors.OutOfResources as error:
+                if num_stages <= 1 or error.name != "shared memory":
+                    raise
+                num_stages -= 1
 
 
 class _RoutedKernel:

@@ -165,9 +165,11 @@ def reference_grads(q, k, v, grad_out, *, grad_lse=None, **kwargs):
     return [t.grad for t in leaves]
 
 
-def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, out=None, **kwargs):
-    """Assert (dq, dk, dv) are SDPA's gradients, by the rule of ``common.reference.grad_error_bound``;
-    ``out``: the forward's output the backward used (its rounding moves dq and dk)."""
+def grad_bounds(q, k, v, grad_out, *, grad_lse=None, out=None, **kwargs):
+    """(refs, bounds): SDPA's (dq, dk, dv) in float64 and how far, at most, a correct
+    FlashAttention-style backward in the inputs' dtype may be from each (the rule of
+    ``common.reference.grad_error_bound``); ``out``: the forward's output the backward used
+    (its rounding moves dq and dk)."""
     refs = reference_grads(q, k, v, grad_out, grad_lse=grad_lse, **kwargs)
     same = [0.0, 0.0, 0.0]
     if grad_lse is None:  # SDPA's math in the inputs' dtype, differentiated the same way
@@ -182,16 +184,22 @@ def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, out=None, **kwargs):
     # p recomputed from the scores and the log-sum-exp in float32 (both grow with |scale|).
     from_output = [*delta_rounding_effect(q, k, v, exact, grad_out, stored=stored, **lse_kwargs), 0.0]
     from_scores = score_rounding_effect(q, k, v, grad_out, **lse_kwargs)
-    from_output = [a + b for a, b in zip(from_output, from_scores)]
+    bounds = [grad_error_bound(ref, like.dtype, same_error, a + b)[0] if ref.numel() else 0.0
+              for ref, like, same_error, a, b in zip(refs, (q, k, v), same, from_output, from_scores)]
+    return refs, bounds
+
+
+def check_grads(grads, q, k, v, grad_out, *, grad_lse=None, out=None, **kwargs):
+    """Assert (dq, dk, dv) are SDPA's gradients, by the rule of ``common.reference.grad_error_bound``;
+    ``out``: the forward's output the backward used (its rounding moves dq and dk)."""
+    refs, bounds = grad_bounds(q, k, v, grad_out, grad_lse=grad_lse, out=out, **kwargs)
     errors = []
-    for name, grad, ref, like, same_error, moved in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), same,
-                                                         from_output):
+    for name, grad, ref, like, bound in zip(("dq", "dk", "dv"), grads, refs, (q, k, v), bounds):
         assert grad is not None, f"{name} is missing"
         assert grad.shape == like.shape and grad.dtype == like.dtype, f"{name}: {grad.shape} {grad.dtype}"
         assert not grad.isnan().any(), f"NaN in {name}"
         if ref.numel() == 0:
             continue
-        bound, _ = grad_error_bound(ref, like.dtype, same_error, moved)
         error = (grad.double() - ref).abs().max().item()
         assert error <= bound, f"{name}: max error {error:.3g} > bound {bound:.3g}"
         errors.append(error)

@@ -35,8 +35,9 @@ def qkv(device):
 
 def test_available_backends():
     assert available_backends() == ("triton", "ninetoothed", "torch")
-    assert common.__all__ == ["attention", "attention_backward", "available_backends", "ring_attention",
-                              "shard_sequence", "unshard_sequence", "use_backend", "varlen_attention"]
+    assert common.__all__ == ["append_kv", "attention", "attention_backward", "available_backends",
+                              "paged_attention", "ring_attention", "shard_sequence", "unshard_sequence",
+                              "use_backend", "varlen_attention"]
 
 
 def test_default_is_triton(calls, qkv):

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+import triton
 
 from common import launch
 
@@ -76,6 +77,45 @@ def test_what_a_kernel_is_specialised_on_goes_back_to_triton(fake, change):
     }[change]
     launcher.launch((4, 1, 1), args, warps, 3)
     assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("dispatch", 2)]
+
+
+class SmallSharedMemoryJIT(FakeJIT):
+    """A GPU whose shared memory holds at most ``fits`` pipeline stages of this kernel."""
+
+    def __init__(self, fits):
+        super().__init__(constexpr_positions={3})
+        self.fits, self.tried = fits, []
+
+    def __getitem__(self, grid):
+        run = super().__getitem__(grid)
+
+        def fitting(*args, num_stages, **options):
+            self.tried.append(num_stages)
+            if num_stages > self.fits:
+                raise triton.runtime.errors.OutOfResources(num_stages * 50_000, self.fits * 50_000, "shared memory")
+            return run(*args, num_stages=num_stages, **options)
+        return fitting
+
+
+@pytest.mark.parametrize("fits", [3, 1, 0])
+def test_fewer_stages_where_shared_memory_runs_out(monkeypatch, fits):
+    """A configuration whose pipeline outgrows the GPU's shared memory compiles with fewer
+    stages (same grid, same arguments); one that does not fit with one stage raises."""
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    fn = SmallSharedMemoryJIT(fits)
+    launcher = launch.CachedLauncher(fn)
+    launcher.enabled = True
+    args = (torch.zeros(64), 64, 0.5, 128)
+    if fits == 0:
+        with pytest.raises(triton.runtime.errors.OutOfResources):
+            launcher.launch((4, 1, 1), args, 4, 5)
+        assert fn.tried == [5, 4, 3, 2, 1]
+        return
+    launcher.launch((4, 1, 1), args, 4, 5)
+    launcher.launch((4, 1, 1), args, 4, 5)  # the fitted kernel, cached under the asked configuration
+    assert fn.tried == list(range(5, fits - 1, -1))
+    assert [entry[0] for entry in fn.log] == ["dispatch", "direct"]
+    assert fn.log[0][3] == args and fn.log[0][2] == (4, 1, 1)
 
 
 def test_one_dimensional_and_callable_grids(fake):

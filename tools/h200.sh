@@ -2,6 +2,7 @@
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
 # stages: probe test test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
+#         serving (varlen and paged tests, then the paged probe)
 #         ring-test ring-bench (two GPUs: kind nvidia-h200-x2)
 # (any other word runs as a shell command)
 set -uo pipefail
@@ -27,6 +28,7 @@ for stage in "$@"; do
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize.py 2>&1 | tail -30 | tee "$OUT/sanitize.log" ;;
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
+    serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py -q -n 12 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;
     ring-test) timeout 540 torchrun --nproc-per-node 2 -m tests.ring_worker triton ninetoothed torch 2>&1 | grep -v '^W1' | tail -40 | tee "$OUT/ring_test.log" ;;
     ring-bench) timeout 400 torchrun --nproc-per-node 2 tools/ring_bench.py --json "$OUT/ring_bench.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench.log"; tail -40 "$OUT/ring_bench.log" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;

@@ -16,12 +16,16 @@ is written to the project.
   against SDPA with the window as a mask; soft-capping's and sinks' cost.
 - varlen: packed variable-length prefill (64 sequences of 128-8192 tokens) against our
   dense kernel on each sequence and SDPA on the padded batch.
+- paged: paged decode (pages of 16 and 64 keys, shuffled) against our contiguous-cache
+  decode on the same keys, kernel time by CUDA-graph replay, bandwidth of K/V read; append_kv.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 import sys
 
@@ -216,6 +220,92 @@ def varlen():
             sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(*padded, attn_mask=mask))
             print(f"causal={causal} SDPA on the padded batch: {sdpa:.2f} ms ({flops / sdpa * 1e-9:.0f} TFLOP/s "
                   f"on real tokens)", flush=True)
+
+
+def paged():
+    """Issue 15's paged targets: decode (Lq = 1; B = 8, 32 query heads over 8 K/V heads, D = 128,
+    bf16) from a paged cache (pages of 16 and 64 keys, a shuffled table) against our dense decode on
+    the same keys in a contiguous cache (target >= 0.9x) and the K/V bandwidth (target >= 3.8 TB/s at
+    Lk >= 16k). Kernel time by CUDA-graph replay (no host time); then append_kv's time for one token."""
+    from common import append_kv, paged_attention
+
+    B, H, H_kv, D = 8, 32, 8, 128
+    for Lk in (4096, 16384, 65536):
+        k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        q = torch.randn(B, H, 1, D, dtype=torch.bfloat16, device="cuda")
+        kv_bytes = 2 * k.numel() * k.element_size()
+        dense = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
+        line = [f"Lk={Lk}: contiguous {dense * 1e3:.0f} us ({kv_bytes / dense * 1e-9:.2f} TB/s)"]
+        for page in (16, 64):
+            pages = Lk // page
+            table = torch.randperm(B * pages, device="cuda").view(B, pages).to(torch.int32)
+            caches = []
+            for x in (k, v):
+                cache = torch.empty(B * pages, page, H_kv, D, dtype=x.dtype, device="cuda")
+                cache[table.long()] = x.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4)
+                caches.append(cache)
+            lengths = torch.full((B,), Lk, dtype=torch.int32, device="cuda")
+            out = paged_attention(q, *caches, table, lengths, enable_gqa=True)
+            torch.testing.assert_close(out, attention(q, k, v, enable_gqa=True), rtol=2e-2, atol=2e-2)
+            for backend, variant in PAGED_VARIANTS:
+                with _paged_variant(variant):
+                    t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                               backend=backend))
+                name = f"{backend}{variant or ''}"
+                line.append(f"{name} page {page} {t * 1e3:.0f} us ({kv_bytes / t * 1e-9:.2f} TB/s, "
+                            f"{dense / t:.2f}x)")
+            new = torch.randn(B, H_kv, 1, D, dtype=torch.bfloat16, device="cuda")
+            start = lengths - 1
+            t = _graph_time_ms(lambda: append_kv(*caches, table, start, new, new))
+            line.append(f"append_kv page {page} {t * 1e3:.1f} us")
+        print("; ".join(line), flush=True)
+
+
+# (backend, None: the shipped configuration, or (keys per step | None: the shipped one, warps, stages))
+PAGED_VARIANTS = [("triton", None), ("triton", (64, 4, 3)), ("ninetoothed", None), ("ninetoothed", (None, 4, 3))]
+
+
+@contextlib.contextmanager
+def _paged_variant(variant):
+    """paged_attention with another configuration (a sweep; the shipped one when None)."""
+    import common.paged as paged_module
+
+    shipped = paged_module.paged_config
+
+    def config(backend, block_d, block_dv, rows, page, dtype):
+        base = shipped(backend, block_d, block_dv, rows, page, dtype)
+        block_n, warps, stages = variant
+        return dataclasses.replace(base, block_n=max(page, block_n or base.block_n), num_warps=warps,
+                                   num_stages=stages)
+
+    if variant is not None:
+        paged_module.paged_config = config
+    try:
+        yield
+    finally:
+        paged_module.paged_config = shipped
+
+
+def _graph_time_ms(fn, replays: int = 50) -> float:
+    """Kernel time of fn() per call: captured once in a CUDA graph, replayed (no host work)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return sorted(times)[len(times) // 2]
 
 
 def decode():

@@ -34,18 +34,21 @@ KERNEL_FUNCTIONS = {
     "triton": {
         "forward": ["_load_tile", "_row_band", "_attn_fwd_inner", "_attn_fwd", "_attn_combine"],
         "backward": ["_attn_bwd_dq_inner", "_attn_bwd_dq", "_attn_bwd_dkdv_inner", "_attn_bwd_dkdv"],
+        "paged": ["_paged_fwd", "_append_kv"],
     },
     "ninetoothed": {
         "forward": ["_rows", "_row_slices", "_key_row", "_mask_row", "_per_split", "arrangement",
                     "_attn_fwd_inner", "application", "combine_arrangement", "combine_application"],
         "backward": ["_group_rows", "dq_arrangement", "_attn_bwd_dq_inner", "dq_application", "dkdv_arrangement",
                      "_attn_bwd_dkdv_inner", "dkdv_application"],
+        "paged": ["_pages", "paged_arrangement", "paged_application", "append_arrangement", "append_application"],
     },
 }
 HOST_FUNCTIONS = {
-    "triton": ["forward", "backward"],
-    "ninetoothed": ["_flags", "_attention_inputs", "premake", "premake_combine", "premake_dq", "premake_dkdv", "_make", "_absent",
-                    "forward", "backward"],
+    "triton": ["forward", "backward", "paged_forward", "append_kv"],
+    "ninetoothed": ["_flags", "_attention_inputs", "premake", "premake_combine", "premake_dq", "premake_dkdv",
+                    "premake_paged", "premake_append", "_make", "_absent", "forward", "backward", "paged_forward",
+                    "append_kv"],
 }
 
 
@@ -99,12 +102,13 @@ def code_section() -> tuple[str, dict]:
     for backend in _modules():
         source = _module_source(backend)
         functions = KERNEL_FUNCTIONS[backend]
-        kernel = function_metrics(source, functions["forward"] + functions["backward"])
+        kernel = function_metrics(source, functions["forward"] + functions["backward"] + functions["paged"])
         host = function_metrics(source, HOST_FUNCTIONS[backend])
         data[backend] = dict(
             kernel=kernel, host=host,
             forward_lines=sum(f.code_lines for f in function_metrics(source, functions["forward"])),
             backward_lines=sum(f.code_lines for f in function_metrics(source, functions["backward"])),
+            paged_lines=sum(f.code_lines for f in function_metrics(source, functions["paged"])),
             features=feature_lines(source, functions["forward"] + functions["backward"], FEATURES),
         )
     lines = ["## Code, counted from the source", "",
@@ -130,10 +134,12 @@ def code_section() -> tuple[str, dict]:
             max_complexity=max(f.complexity for f in d["kernel"]),
         )
     for backend, d in data.items():
-        totals[backend].update(forward_lines=d["forward_lines"], backward_lines=d["backward_lines"])
+        totals[backend].update(forward_lines=d["forward_lines"], backward_lines=d["backward_lines"],
+                               paged_lines=d["paged_lines"])
     for label, key in (("kernel lines (device code + arrangement)", "kernel_lines"),
                        ("of which the forward (with the split merge)", "forward_lines"),
                        ("of which the backward", "backward_lines"),
+                       ("of which the paged KV cache (attention, append)", "paged_lines"),
                        ("launcher lines (host)", "host_lines"),
                        ("hand-written index/pointer/stride/mask expressions in the kernel", "index"),
                        ("highest complexity of a kernel function", "max_complexity")):

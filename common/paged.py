@@ -1,0 +1,348 @@
+"""A paged KV cache: ``paged_attention`` and ``append_kv`` (vLLM's and FlashInfer's layout).
+
+The cache holds keys and values in fixed-size pages, (num_pages, page_size, H_kv, D); a
+block table (B, max_pages) lists each sequence's pages in order and ``cache_seqlens`` (B,)
+how many keys each holds. ``append_kv`` writes new tokens into their slots, and
+``paged_attention`` attends a batch of queries over their sequences' pages (the Triton
+kernel gathers several small pages per step, key by key; NineToothed's takes one page per
+step: it picks tiles by a scalar index), the pages of a long sequence split across
+programs (merged by the same kernel that merges the dense decode path's splits),
+grouped-query heads packed into rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from common import plan as planning
+from common.backends import OFFSETS64, resolve
+from common.configs import Config, default_config, next_power_of_2, padded_head_dim
+from common.ops import _on_device, _quiet
+from common.outputs import allocator
+from common.validation import OFFSET_LIMIT, SUPPORTED_DTYPES, _check_flag, _check_real, _dtype_name
+
+
+@dataclasses.dataclass(slots=True)
+class PagedPlan:
+    """Everything a paged-attention launch needs."""
+
+    query: torch.Tensor  # (B, Hp, Lqp, D): grouped-query heads packed into rows where the strides allow
+    key_cache: torch.Tensor  # (num_pages, PAGE, H_kv, D)
+    value_cache: torch.Tensor  # (num_pages, PAGE, H_kv, Dv)
+    block_table: torch.Tensor  # (B, max_pages) int32
+    cache_seqlens: torch.Tensor  # (B,) int32
+    scale: float
+    is_causal: bool
+    group: int  # query heads per K/V head in the kernel's view (1 once packed)
+    lq_seq: int  # query rows per head, Lq: packed row r is row r % Lq of its head
+    shape: tuple[int, int, int, int]  # (B, H, Lq, Dv)
+    config: Config | None = None
+    block_d: int = 0
+    block_dv: int = 0
+    m_blocks: int = 0
+    num_splits: int = 1
+    blocks_per_split: int = 0
+    dot_precision: str = "ieee"
+    out: torch.Tensor | None = None  # (B, Hp, Lqp, Dv)
+    o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
+    lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
+    merge: planning.Merge | None = None
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    enable_gqa: bool = False,
+    backend: str | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Attention of each sequence's newest queries over its keys in a paged cache.
+
+    Args:
+        query: (B, H, Lq, D): each sequence's newest Lq tokens, whose keys and values
+            are already in the cache; float16, bfloat16 or float32.
+        key_cache: (num_pages, page_size, H_kv, D); value_cache: (num_pages,
+            page_size, H_kv, Dv); query's dtype and device. The kernel backends take
+            page sizes that are powers of two from 16.
+        block_table: int32 (B, max_pages): sequence b's keys j live in page
+            block_table[b, j // page_size], slot j % page_size.
+        cache_seqlens: int32 (B,): how many keys sequence b has (<= max_pages * page_size).
+        is_causal: bottom-right: query row i of sequence b sits at position
+            cache_seqlens[b] - Lq + i and sees the keys up to it. Without it, every
+            row sees all of its sequence's keys.
+        scale: None (1/sqrt(D)) or any finite float.
+        enable_gqa: allow H_kv < H (H a multiple of H_kv).
+        backend: "triton", "ninetoothed" or "torch" (the reference: the pages gathered
+            into a dense batch for SDPA).
+        validate: also check, with a host sync, that every length fits the table and
+            every page a sequence uses lies in the cache. Without it nothing is read
+            back to the host; a page entry outside the cache is clamped into it (a
+            wrong page is read, never memory outside the cache).
+
+    Returns:
+        (B, H, Lq, Dv) in query's dtype; a row that sees no key (an empty sequence) is 0.
+        Forward only (no gradient: a cache is read at inference).
+
+    Raises:
+        TypeError, ValueError: for bad input, before any kernel launches.
+    """
+    chosen = resolve(backend)
+    B, H, Lq, D = _check_query(query)
+    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, query, chosen)
+    _check_table(block_table, cache_seqlens, B, query)
+    is_causal = _check_flag("is_causal", is_causal)
+    enable_gqa = _check_flag("enable_gqa", enable_gqa)
+    validate = _check_flag("validate", validate)
+    _check_heads(H, H_kv, enable_gqa)
+    scale = 1.0 / math.sqrt(D) if scale is None else _check_real("scale", scale)
+    if validate:
+        _validate_contents(block_table, cache_seqlens, num_pages, page)
+    if B * H * Lq == 0:
+        return query.new_zeros((B, H, Lq, Dv))
+    if not chosen.kernels:
+        return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
+    with _on_device(query.device):
+        plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
+        with _quiet(chosen):
+            out = chosen.load().paged_forward(plan)
+    return out.view(B, H, Lq, Dv)  # (packed rows, contiguous, are the heads' rows in order)
+
+
+def append_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    backend: str | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """Write new tokens into their slots of a paged cache, keys and values in one launch.
+
+    Token i of sequence b (key[b, :, i], value[b, :, i]) goes to position
+    cache_seqlens[b] + i: slot (cache_seqlens[b] + i) % page_size of page
+    block_table[b, (cache_seqlens[b] + i) // page_size]. The caches change in place;
+    cache_seqlens does not.
+
+    Args:
+        key_cache, value_cache, block_table, cache_seqlens: as for :func:`paged_attention`.
+        key: (B, H_kv, L_new, D); value: (B, H_kv, L_new, Dv); the caches' dtype and device.
+        backend: "triton" or "ninetoothed" (one kernel), or "torch" (indexed assignment; it
+            reads the positions back to the host).
+        validate: check with a host sync that every new token has a page in the table
+            and in the cache. Without it, a token whose position falls past the table or
+            whose page lies outside the cache is not written.
+
+    Returns:
+        The new lengths, cache_seqlens + L_new (a new int32 tensor).
+    """
+    chosen = resolve(backend)
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, kv_heads, new_tokens, head_dim), got shape {tuple(t.shape)}")
+    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, key, chosen, new_tokens=True)
+    B, _, L_new, D = key.shape
+    if key.shape[1] != H_kv or key.shape[3] != key_cache.shape[3]:
+        raise ValueError(f"key must be (B, {H_kv}, L_new, {key_cache.shape[3]}) to match key_cache, "
+                         f"got {tuple(key.shape)}")
+    if tuple(value.shape) != (B, H_kv, L_new, Dv):
+        raise ValueError(f"value must be {(B, H_kv, L_new, Dv)} to match key and value_cache, "
+                         f"got {tuple(value.shape)}")
+    _check_table(block_table, cache_seqlens, B, key)
+    if _check_flag("validate", validate):
+        _validate_contents(block_table, cache_seqlens + L_new, num_pages, page)
+    if B * H_kv * L_new == 0:
+        return cache_seqlens + L_new
+    if not chosen.kernels:
+        _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value)
+    else:
+        with _on_device(key.device), _quiet(chosen):
+            chosen.load().append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value,
+                                    block_m=min(64, max(16, next_power_of_2(L_new))),
+                                    block_d=padded_head_dim(D), block_dv=padded_head_dim(Dv))
+    return cache_seqlens + L_new
+
+
+# -- validation ------------------------------------------------------------------------------
+
+def _check_query(query):
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+    if query.ndim != 4:
+        raise ValueError(f"query must be 4-D (batch, heads, new_tokens, head_dim), got shape {tuple(query.shape)}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query has dtype {_dtype_name(query.dtype)}; supported: "
+                        + ", ".join(map(_dtype_name, SUPPORTED_DTYPES)))
+    return query.shape
+
+
+def _check_caches(key_cache, value_cache, like, backend, new_tokens=False):
+    """(num_pages, page_size, H_kv, Dv) of two caches that fit ``like`` (the query, or the new keys)."""
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (num_pages, page_size, kv_heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype != like.dtype:
+            raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)} but {'key' if new_tokens else 'query'} has "
+                            f"{_dtype_name(like.dtype)}: they must share one dtype")
+        if t.device != like.device:
+            raise ValueError(f"{name} is on {t.device} but {'key' if new_tokens else 'query'} is on {like.device}")
+    if like.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {_dtype_name(like.dtype)} is not supported; supported: "
+                        + ", ".join(map(_dtype_name, SUPPORTED_DTYPES)))
+    num_pages, page, H_kv, D = key_cache.shape
+    if value_cache.shape[:3] != key_cache.shape[:3]:
+        raise ValueError(f"key_cache and value_cache must share (num_pages, page_size, kv_heads), got "
+                         f"{tuple(key_cache.shape[:3])} and {tuple(value_cache.shape[:3])}")
+    if not new_tokens and D != like.shape[3]:
+        raise ValueError(f"query and key_cache must have the same head dim, got {like.shape[3]} and {D}")
+    Dv = value_cache.shape[3]
+    if backend.kernels:
+        if page < 16 or page & (page - 1):
+            raise ValueError(f"page_size (key_cache.shape[1]) must be a power of two >= 16 for the "
+                             f"{backend.name!r} backend, got {page}")
+        low, high = backend.head_dims
+        for name, d in (("query/key", D), ("value", Dv)):
+            if not low <= d <= high:
+                raise ValueError(f"{name} head dim {d} is outside the {backend.name!r} backend's range "
+                                 f"{low}..{high}")
+        if not backend.supports(OFFSETS64):
+            for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("query", like)):
+                if t.numel() >= OFFSET_LIMIT:
+                    raise ValueError(f"{name} has {t.numel()} elements; the {backend.name!r} backend indexes with "
+                                     f"32-bit offsets and takes fewer than {OFFSET_LIMIT}")
+    return num_pages, page, H_kv, Dv
+
+
+def _check_table(block_table, cache_seqlens, B, like):
+    for name, t, ndim in (("block_table", block_table, 2), ("cache_seqlens", cache_seqlens, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {_dtype_name(t.dtype)}")
+        if t.ndim != ndim or t.shape[0] != B:
+            raise ValueError(f"{name} must be {'(B, max_pages)' if ndim == 2 else '(B,)'} with B = {B}, "
+                             f"got shape {tuple(t.shape)}")
+        if t.device != like.device:
+            raise ValueError(f"{name} is on {t.device} but the tensors are on {like.device}")
+
+
+def _check_heads(H, H_kv, enable_gqa):
+    if enable_gqa:
+        if H_kv == 0 or H % H_kv:
+            raise ValueError(f"with enable_gqa=True the query heads ({H}) must be a multiple of the cache's "
+                             f"key/value heads ({H_kv})")
+    elif H != H_kv:
+        raise ValueError(f"query has {H} heads but the caches have {H_kv}; pass enable_gqa=True for "
+                         "grouped-query attention")
+
+
+def _validate_contents(block_table, lengths, num_pages, page):
+    """The checks that read device values (validate=True)."""
+    max_pages = block_table.shape[1]
+    if bool((lengths < 0).any()) or bool((lengths > max_pages * page).any()):
+        raise ValueError(f"cache_seqlens must lie in 0..max_pages * page_size = {max_pages * page}, "
+                         f"got {lengths.tolist()}")
+    used = torch.arange(max_pages, device=block_table.device)[None, :] * page < lengths[:, None]
+    entries = block_table[used]
+    if bool(((entries < 0) | (entries >= num_pages)).any()):
+        raise ValueError(f"block_table points outside the cache: its pages in use must lie in 0..{num_pages - 1}")
+
+
+# -- planning and the reference ------------------------------------------------------------
+
+# Shared memory for the pipelined K/V tiles of the paged kernels: decode streams the cache,
+# and more stages in flight is what brought them to the contiguous path's bandwidth on
+# the H200 (bf16, D = 128: 0.82x with 3 stages, 0.98x with 5 for Triton; 0.85x -> 0.98x
+# with 6 for NineToothed's page-per-step kernel, tools/probe.py paged).
+PAGED_STAGE_BYTES = 160 * 1024
+PAGED_MAX_STAGES = {"triton": 5, "ninetoothed": 6}
+
+
+def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int, dtype: torch.dtype) -> Config:
+    """The paged kernel's configuration: the dense decode path's tiles for these rows,
+    its key step widened to a whole page where pages are larger (NineToothed's kernel
+    steps one page at a time: BLOCK_N = page), and as many pipeline stages as fit
+    PAGED_STAGE_BYTES."""
+    config = default_config(max(block_d, block_dv), min(rows, 64), dtype)
+    block_n = page if backend == "ninetoothed" else max(page, config.block_n)
+    per_stage = block_n * (block_d + block_dv) * dtype.itemsize
+    stages = max(2, min(PAGED_MAX_STAGES.get(backend, 3), PAGED_STAGE_BYTES // per_stage))
+    return Config(config.block_m, block_n, config.num_warps, stages)
+
+
+def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale) -> PagedPlan:
+    B, H, Lq, D = query.shape
+    H_kv, page, Dv = key_cache.shape[2], key_cache.shape[1], value_cache.shape[3]
+    plan = PagedPlan(query, key_cache, value_cache, block_table, cache_seqlens, scale, is_causal, H // H_kv, Lq,
+                     (B, H, Lq, Dv))
+    if H != H_kv:
+        try:  # each group's query heads as rows of its K/V head: K/V read once per group
+            plan.query = query.view(B, H_kv, (H // H_kv) * Lq, D)
+            plan.group = 1
+        except RuntimeError:  # strides no view can merge
+            pass
+    _, Hp, Lqp, _ = plan.query.shape
+    plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
+    plan.m_blocks = -(-Lqp // plan.config.block_m)
+    max_pages = block_table.shape[1]
+    plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
+                                                                  plan.config.block_n, query.device)
+    plan.dot_precision = planning.dot_precision(query.dtype)
+    alloc = allocator()
+    plan.out = alloc((B, Hp, Lqp, Dv), query.dtype, query.device)
+    if plan.split:
+        plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, query.device)
+        plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, query.device)
+        rows = B * Hp * Lqp
+        plan.merge = planning.Merge(rows, planning.combine_rows(rows, backend.interpreted()),
+                                    next_power_of_2(plan.num_splits))
+    return plan
+
+
+def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale):
+    """SDPA on the pages gathered into a dense batch, the sequences' lengths and causality as a mask."""
+    B, H, Lq, _ = query.shape
+    num_pages, page, H_kv, _ = key_cache.shape
+    pages = block_table.long().clamp(0, num_pages - 1)
+    k, v = (cache[pages].flatten(1, 2).transpose(1, 2) for cache in (key_cache, value_cache))  # (B, H_kv, Lk, D)
+    positions = torch.arange(k.shape[2], device=query.device)
+    lengths = cache_seqlens.long()
+    allowed = (positions[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
+    if is_causal:
+        last_key = lengths[:, None] - Lq + torch.arange(Lq, device=query.device)[None, :]  # (B, Lq)
+        allowed = allowed & (positions[None, None, :] <= last_key[:, :, None])[:, None]
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scale, enable_gqa=H != H_kv)
+    return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0, not NaN
+
+
+def _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value):
+    B, _, L_new, _ = key.shape
+    num_pages, page = key_cache.shape[:2]
+    positions = cache_seqlens.long()[:, None] + torch.arange(L_new, device=key.device)[None, :]  # (B, L_new)
+    fits = (positions >= 0) & (positions < block_table.shape[1] * page)
+    pages = block_table.long().gather(1, (positions // page).clamp(0, block_table.shape[1] - 1))
+    fits &= (pages >= 0) & (pages < num_pages)
+    key_cache[pages[fits], (positions % page)[fits]] = key.transpose(1, 2)[fits]
+    value_cache[pages[fits], (positions % page)[fits]] = value.transpose(1, 2)[fits]

@@ -1,0 +1,182 @@
+"""paged_attention and append_kv: a paged KV cache against each sequence's dense keys (float64 reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import append_kv, attention, paged_attention
+from common.plan import force_splits
+from tests.conftest import DEVICE
+
+f16, f32 = torch.float16, torch.float32
+
+CASES = [  # (lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype)
+    ([37, 0, 70, 1], 1, 4, 2, 32, 32, 16, False, f32),  # decoding; an empty and a length-1 sequence
+    ([37, 5, 70], 5, 4, 1, 32, 16, 16, True, f32),  # several new tokens, causal; MQA; Dv != D
+    ([100, 33], 3, 2, 2, 16, 16, 32, True, f16),  # page size 32
+    ([130, 64], 1, 8, 2, 16, 16, 64, False, f32),  # page size 64, lengths on and off a page boundary
+]
+
+
+def _cache(lens, H_kv, D, Dv, page, dtype, spare=3):
+    """Caches with every sequence's pages in a shuffled table (plus unused pages), and the sequences'
+    dense keys and values (B lists of (H_kv, L, D))."""
+    B = len(lens)
+    max_pages = max(-(-n // page) for n in lens) + 1
+    num_pages = B * max_pages + spare
+    key_cache = torch.randn(num_pages, page, H_kv, D, device=DEVICE, dtype=dtype)
+    value_cache = torch.randn(num_pages, page, H_kv, Dv, device=DEVICE, dtype=dtype)
+    block_table = torch.randperm(num_pages, device=DEVICE)[:B * max_pages].view(B, max_pages).to(torch.int32)
+    keys, values = [], []
+    for b, n in enumerate(lens):
+        pages = block_table[b].long()
+        keys.append(key_cache[pages].flatten(0, 1)[:n].transpose(0, 1))
+        values.append(value_cache[pages].flatten(0, 1)[:n].transpose(0, 1))
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return key_cache, value_cache, block_table, seqlens, keys, values
+
+
+def _reference(query, keys, values, is_causal):
+    """Each sequence's queries against its dense keys, in float64 (bottom-right causal); rows with no key: 0."""
+    outs = []
+    group = query.shape[1] // keys[0].shape[0]
+    for b, (k, v) in enumerate(zip(keys, values)):
+        q = query[b].double()
+        k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+        Lq, Lk = q.shape[1], k.shape[1]
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if is_causal:
+            keep = torch.arange(Lk, device=q.device)[None, :] <= torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
+            s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0) if Lk else s.new_zeros(s.shape)
+        outs.append(p @ v if Lk else q.new_zeros(q.shape[0], Lq, v.shape[-1]))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_attention(backend, case, splits):
+    lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = case
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
+    query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
+    if splits is None:
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal,
+                              enable_gqa=H_kv < H, backend=backend)
+    else:
+        with force_splits(splits):
+            out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal,
+                                  enable_gqa=H_kv < H, backend=backend)
+    assert out.shape == (len(lens), H, Lq, Dv) and out.dtype == dtype
+    tol = {f32: 2e-4, f16: 1e-2}[dtype]
+    torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=tol, atol=tol)
+
+
+def test_paged_reference_backend():
+    """The torch backend (SDPA over the gathered pages) agrees too."""
+    lens = [21, 0, 40]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
+    query = torch.randn(3, 4, 2, 16, device=DEVICE)
+    out = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
+                          backend="torch", validate=True)
+    torch.testing.assert_close(out.double(), _reference(query, keys, values, True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["triton", "ninetoothed", "torch"])
+def test_append_then_attend(name):
+    """Serving: append each sequence's new tokens, then attend the new queries over the whole
+    cache; the same as dense bottom-right attention over the old and new tokens together.
+    Tokens past the table and page entries outside the cache are not written."""
+    lens, new, page = [30, 0, 15], 6, 16
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, page, f32)
+    snapshot = key_cache.clone(), value_cache.clone()
+    new_keys = torch.randn(3, 2, new, 16, device=DEVICE)
+    new_values = torch.randn(3, 2, new, 16, device=DEVICE)
+    lengths = append_kv(key_cache, value_cache, block_table, seqlens, new_keys, new_values, backend=name)
+    assert lengths.tolist() == [n + new for n in lens] and seqlens.tolist() == lens
+    query = torch.randn(3, 4, new, 16, device=DEVICE)
+    out = paged_attention(query, key_cache, value_cache, block_table, lengths, True, enable_gqa=True,
+                          backend=name if name != "torch" else "triton")
+    full_keys = [torch.cat([k, nk], 1) for k, nk in zip(keys, new_keys)]
+    full_values = [torch.cat([v, nv], 1) for v, nv in zip(values, new_values)]
+    torch.testing.assert_close(out.double(), _reference(query, full_keys, full_values, True), rtol=2e-4, atol=2e-4)
+    for b in range(3):  # the same thing through the dense kernel
+        dense = attention(query[b:b + 1], full_keys[b][None], full_values[b][None], True, enable_gqa=True,
+                          alignment="bottom_right", backend="torch")
+        torch.testing.assert_close(out[b:b + 1], dense, rtol=2e-4, atol=2e-4)
+    # Only the new tokens' slots changed.
+    written = torch.zeros_like(key_cache, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for i in range(n, n + new):
+            written[block_table[b, i // page].long(), i % page] = True
+    assert torch.equal(key_cache[~written], snapshot[0][~written])
+    assert torch.equal(value_cache[~written], snapshot[1][~written])
+
+    # Positions past the table, a negative entry, an entry past the cache: not written, nothing else touched.
+    before = key_cache.clone()
+    table = block_table.clone()
+    table[1, 0], table[2, 0] = -1, key_cache.shape[0] + 5
+    starts = [table.shape[1] * page - 2, 0, 10]  # sequence 0 runs off its table after two tokens
+    append_kv(key_cache, value_cache, table, torch.tensor(starts, dtype=torch.int32, device=DEVICE), new_keys,
+              new_values, backend=name)
+    expected = {}
+    for b, start in enumerate(starts):
+        for i in range(new):
+            pos = start + i
+            if pos < table.shape[1] * page and 0 <= table[b, pos // page] < key_cache.shape[0]:
+                expected[(table[b, pos // page].item(), pos % page)] = new_keys[b, :, i]
+    assert len(expected) == 2  # (sequences 1 and 2 point outside the cache)
+    changed = {tuple(ps) for ps in (key_cache != before).any(-1).any(-1).nonzero().tolist()}
+    assert changed <= set(expected)
+    for (p, slot), k in expected.items():
+        assert torch.equal(key_cache[p, slot], k)
+
+
+def test_paged_without_host_sync(backend, monkeypatch):
+    lens = [20, 3]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
+    query = torch.randn(2, 2, 1, 16, device=DEVICE)
+    new = torch.randn(2, 2, 1, 16, device=DEVICE)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host sync on the launch path")
+
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    try:
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, backend=backend)
+        append_kv(key_cache, value_cache, block_table, seqlens, new, new, backend=backend)
+    finally:
+        monkeypatch.undo()
+    torch.testing.assert_close(out.double(), _reference(query, keys, values, False), rtol=2e-4, atol=2e-4)
+
+
+def test_paged_errors():
+    key_cache, value_cache, block_table, seqlens, _, _ = _cache([20, 3], 2, 16, 16, 16, f32)
+    q = torch.randn(2, 2, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="query must be 4-D"):
+        paged_attention(q[0], key_cache, value_cache, block_table, seqlens)
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        paged_attention(q, key_cache, value_cache, block_table.long(), seqlens)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be \(B,\) with B = 2"):
+        paged_attention(q, key_cache, value_cache, block_table, seqlens[:1])
+    with pytest.raises(TypeError, match="key_cache has dtype float16"):
+        paged_attention(q, key_cache.half(), value_cache, block_table, seqlens)
+    with pytest.raises(ValueError, match="same head dim"):
+        paged_attention(q[..., :8].contiguous(), key_cache, value_cache, block_table, seqlens)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        paged_attention(torch.randn(2, 4, 1, 16, device=DEVICE), key_cache, value_cache, block_table, seqlens)
+    with pytest.raises(ValueError, match="page_size .* power of two >= 16"):
+        paged_attention(q, key_cache[:, :12], value_cache[:, :12], block_table, seqlens, backend="triton")
+    with pytest.raises(ValueError, match="block_table points outside the cache"):
+        bad = block_table.clone()
+        bad[0, 0] = key_cache.shape[0]
+        paged_attention(q, key_cache, value_cache, bad, seqlens, validate=True)
+    with pytest.raises(ValueError, match="cache_seqlens must lie in"):
+        paged_attention(q, key_cache, value_cache, block_table, seqlens + 1000, validate=True)
+    with pytest.raises(ValueError, match="value must be"):
+        append_kv(key_cache, value_cache, block_table, seqlens, q, q[:, :, :, :8])
+    with pytest.raises(ValueError, match="key must be"):
+        append_kv(key_cache, value_cache, block_table, seqlens, torch.randn(2, 3, 1, 16, device=DEVICE), q)
+    with pytest.raises(ValueError, match="cache_seqlens must lie in"):
+        append_kv(key_cache, value_cache, block_table, seqlens + 47, q, q, validate=True)
