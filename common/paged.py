@@ -3,9 +3,10 @@
 The cache holds keys and values in fixed-size pages, (num_pages, page_size, H_kv, D); a
 block table (B, max_pages) lists each sequence's pages in order and ``cache_seqlens`` (B,)
 how many keys each holds. ``append_kv`` writes new tokens into their slots, and
-``paged_attention`` attends a batch of queries over their sequences' pages (the Triton
-kernel gathers several small pages per step, key by key; NineToothed's takes one page per
-step: it picks tiles by a scalar index), the pages of a long sequence split across
+``paged_attention`` attends a batch of queries over their sequences' pages (a step of
+BLOCK_N keys is several small pages: the Triton kernel gathers them key by key into one
+tile; NineToothed's picks tiles by a scalar index, one page each, unrolled per step), the
+pages of a long sequence split across
 programs (merged by the same kernel that merges the dense decode path's splits),
 grouped-query heads packed into rows.
 """
@@ -273,19 +274,20 @@ def _validate_contents(block_table, lengths, num_pages, page):
 
 # Shared memory for the pipelined K/V tiles of the paged kernels: decode streams the cache,
 # and more stages in flight is what brought them to the contiguous path's bandwidth on
-# the H200 (bf16, D = 128: 0.82x with 3 stages, 0.98x with 5 for Triton; 0.85x -> 0.98x
-# with 6 for NineToothed's page-per-step kernel, tools/probe.py paged).
+# the H200 (bf16, D = 128, tools/probe.py paged: Triton 0.82x with 3 stages, 0.98x with 5;
+# NineToothed with pages of 64 0.85x -> 0.98x with 6).
 PAGED_STAGE_BYTES = 160 * 1024
 PAGED_MAX_STAGES = {"triton": 5, "ninetoothed": 6}
 
 
 def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int, dtype: torch.dtype) -> Config:
     """The paged kernel's configuration: the dense decode path's tiles for these rows,
-    its key step widened to a whole page where pages are larger (NineToothed's kernel
-    steps one page at a time: BLOCK_N = page), and as many pipeline stages as fit
-    PAGED_STAGE_BYTES."""
+    its key step (BLOCK_N) widened to a whole page where pages are larger, and as many
+    pipeline stages as fit PAGED_STAGE_BYTES. A step of smaller pages is BLOCK_N / page
+    pages: gathered key by key in the Triton kernel, unrolled page by page in
+    NineToothed's."""
     config = default_config(max(block_d, block_dv), min(rows, 64), dtype)
-    block_n = page if backend == "ninetoothed" else max(page, config.block_n)
+    block_n = max(page, config.block_n)
     per_stage = block_n * (block_d + block_dv) * dtype.itemsize
     stages = max(2, min(PAGED_MAX_STAGES.get(backend, 3), PAGED_STAGE_BYTES // per_stage))
     return Config(config.block_m, block_n, config.num_warps, stages)

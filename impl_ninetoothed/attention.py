@@ -819,7 +819,7 @@ def _pages(cache, batch, heads, m_blocks, page, block_d, num_splits=None):
 
 def paged_arrangement(
     query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, output, lse,
-    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT,
+    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
     block_m, page, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
@@ -850,16 +850,17 @@ def paged_arrangement(
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, page, block_d, num_splits),
         _pages(value_cache, batch, heads, m_blocks, page, block_dv, num_splits), table, seqlens, scale, lq_seq,
-        num_pages, output_arranged, lse_arranged, IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT,
+        num_pages, output_arranged, lse_arranged, IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
     )
 
 
 def paged_application(
     query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, output, lse,
-    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT,
+    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
 ):
-    """BLOCK_M query rows against their sequence's pages (its split's), one page per step,
-    as ``_paged_fwd`` of the Triton kernel: packed row r is query row r % lq_seq of its
+    """BLOCK_M query rows against their sequence's pages (its split's), PAGES_PER_STEP pages
+    an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton kernel
+    makes one tile of them), as ``_paged_fwd``: packed row r is query row r % lq_seq of its
     head, at position Lk - lq_seq + r % lq_seq (bottom-right); a page entry outside the
     cache is clamped into it."""
     q = query
@@ -873,25 +874,30 @@ def paged_application(
     PAGE = key_cache.dtype.shape[0]
     lo = ntl.min(block_table[0].offsets(-1), 0)  # the split's first page
     hi = ntl.minimum(lo + block_table.shape[0], ntl.cdiv(Lk, PAGE))
-    for j in range(lo, hi):
-        page = ntl.minimum(ntl.maximum(ntl.sum(block_table[j - lo], 0), 0), num_pages - 1)
-        offs_kn = j * PAGE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
-        key_ok = offs_kn < Lk
-        k = key_cache[page]
-        qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        valid = key_ok[None, :]
-        if IS_CAUSAL:
-            valid = valid & (offs_kn[None, :] <= last_key[:, None])
-        qk = ntl.where(valid, qk, float("-inf"))
-        m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
-        m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-        p = ntl.exp2(qk - m_sub[:, None])
-        alpha = ntl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + ntl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = ntl.where(key_ok[:, None], value_cache[page], 0.0)  # slots past the length: any bits
-        acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_ij
+    for j in range(lo, hi, PAGES_PER_STEP):
+        # PAGES_PER_STEP pages an iteration, unrolled: their table entries and tiles are
+        # independent loads, in flight together (one page of 16 keys an iteration left
+        # the loop bound by each load's latency)
+        for g in triton.language.static_range(PAGES_PER_STEP):
+            entry = ntl.minimum(j + g, hi - 1) - lo  # past the last page: a masked repeat of it
+            page = ntl.minimum(ntl.maximum(ntl.sum(block_table[entry], 0), 0), num_pages - 1)
+            offs_kn = (j + g) * PAGE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
+            key_ok = offs_kn < Lk
+            k = key_cache[page]
+            qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            valid = key_ok[None, :]
+            if IS_CAUSAL:
+                valid = valid & (offs_kn[None, :] <= last_key[:, None])
+            qk = ntl.where(valid, qk, float("-inf"))
+            m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
+            m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
+            p = ntl.exp2(qk - m_sub[:, None])
+            alpha = ntl.exp2(m_i - m_sub)
+            l_i = l_i * alpha + ntl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = ntl.where(key_ok[:, None], value_cache[page], 0.0)  # slots past the length: any bits
+            acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_ij
 
     if WITH_LSE:
         lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
@@ -961,7 +967,7 @@ def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
         Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
         Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),  # output
         Tensor(4 if split else 3),  # lse (split partials only)
-        *_flags("IS_CAUSAL", "WITH_LSE", "DOT_PRECISION", "SPLIT"),
+        *_flags("IS_CAUSAL", "WITH_LSE", "DOT_PRECISION", "SPLIT", "PAGES_PER_STEP"),
     )
     return arrangement_, paged_application, tensors
 
@@ -1126,10 +1132,14 @@ def paged_forward(plan):
     Dv = vc.shape[3]
     config = plan.config
     o, lse = (plan.o_part, plan.lse_part) if plan.split else (out, _absent(out, B, H, Lq))
-    _make(premake_paged, D, Dv, config.block_m, kc.shape[1], plan.blocks_per_split if plan.split else None,
+    page = kc.shape[1]
+    pages_per_step = config.block_n // page
+    # (the table's tile per split: its steps' pages)
+    _make(premake_paged, D, Dv, config.block_m, page, plan.blocks_per_split * pages_per_step if plan.split else None,
           num_warps=config.num_warps, num_stages=config.num_stages)(
         q, kc, vc, plan.block_table, plan.cache_seqlens, plan.scale, plan.lq_seq, kc.shape[0], o, lse,
         IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
+        PAGES_PER_STEP=pages_per_step,
     )
     if plan.split:
         merge = plan.merge
