@@ -38,18 +38,7 @@ HOMEWORK = [
 ]
 
 
-# Under the interpreter NineToothed's generated code takes 30-50 s for each L = 1024 case
-# (triton's: a few): it runs two of those four there (one causal, one not, both scales),
-# the GPU all sixteen, and the homework's own module all sixteen for both backends.
-HOMEWORK_RUNS = [
-    pytest.param(backend, case, id=f"{backend}-{case.id}")
-    for backend in ("triton", "ninetoothed")
-    for case in HOMEWORK
-    if ON_GPU or backend == "triton" or case.Lq < 1024 or case.causal == (case.scale is None)
-]
-
-
-@pytest.mark.parametrize("backend, case", HOMEWORK_RUNS)
+@pytest.mark.parametrize("case", params(HOMEWORK))
 def test_homework_cases(case, backend, device):
     """The homework's cases with its own check (rtol = atol = 1e-2 against SDPA in fp16) and ours."""
     q, k, v, _, out = run_case(case, backend, device)

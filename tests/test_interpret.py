@@ -24,6 +24,28 @@ def test_constexpr_spelled_in_full_is_recognised():
     assert jit._normalize_ty("tl.constexpr") == "constexpr"
 
 
+def test_overflow_checks_off_unless_asked(monkeypatch):
+    """Fix 4: the interpreter's per-operation int32 overflow assertions are off, and
+    TWIN_ATTENTION_OVERFLOW_CHECKS=1 leaves them on."""
+    import dataclasses
+    import types
+
+    import triton.runtime.interpreter as interpreter
+
+    from common import interpret
+
+    apply_interpreter_fixes()
+    assert interpreter.interpreter_builder.options.sanitize_overflow is False
+    fake = types.SimpleNamespace(interpreter_builder=types.SimpleNamespace(
+        options=dataclasses.replace(interpreter.interpreter_builder.options, sanitize_overflow=True)))
+    monkeypatch.setenv("TWIN_ATTENTION_OVERFLOW_CHECKS", "1")
+    interpret._without_overflow_checks(fake)
+    assert fake.interpreter_builder.options.sanitize_overflow is True
+    monkeypatch.delenv("TWIN_ATTENTION_OVERFLOW_CHECKS")
+    interpret._without_overflow_checks(fake)
+    assert fake.interpreter_builder.options.sanitize_overflow is False
+
+
 def test_ninetoothed_can_make_a_kernel():
     """Code generation asks the driver for device properties: the stand-in answers."""
     import triton
