@@ -77,7 +77,8 @@ BACKWARD_DEFAULTS = {
     256: BackwardConfig(16, 64, 64, 16, 8, 2),
 }
 # float32 tiles take twice the shared memory: the D = 128 defaults above run out of it
-# (the forward's needed 246 KB of the H200's 227 KB).
+# (the forward's, with an additive mask's tiles in flight too, needed 246 KB of the H200's
+# 227 KB; common.launch also drops pipeline stages where a configuration does not fit).
 FLOAT32_DEFAULTS = {**DEFAULTS, 128: Config(64, 32, 4, 3)}
 FLOAT32_BACKWARD_DEFAULTS = {
     **BACKWARD_DEFAULTS,
