@@ -1008,9 +1008,8 @@ def paged_forward(plan):
         plan.num_splits, plan.blocks_per_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
-        BLOCK_D=plan.block_d,
-        BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split,
+        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
+        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
     )
     if plan.split:
         merge = plan.merge
