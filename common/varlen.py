@@ -54,14 +54,15 @@ def varlen_attention(
             the last entries must be total_q and total_k.
         max_seqlen_q, max_seqlen_k: ints >= 0, the longest sequence's lengths
             (FlashAttention's signature; checked for type only: the kernels read
-            each row's keys from the cumulative lengths and need no maximum).
+            each row's keys from the cumulative lengths and need no maximum; the
+            "torch" backend pads to them, and sees no row or key past them).
         is_causal, alignment, window, softcap: as for :func:`common.attention`,
             per sequence: with "top_left" query row i of a sequence sits at
             position i, with "bottom_right" at i + Lk_b - Lq_b.
         scale: None (1/sqrt(D)) or any finite float.
         enable_gqa: allow H_kv < H, H a multiple of H_kv.
-        backend: "triton", "ninetoothed" or "torch" (SDPA given the packed
-            sequences as one block-diagonal boolean mask: total_q x total_k bools).
+        backend: "triton", "ninetoothed" or "torch" (SDPA on the sequences padded
+            to max_seqlen_q and max_seqlen_k, each row's keys as a boolean mask).
         return_lse: also return the log-sum-exp, float32 (H, total_q).
 
     Returns:
@@ -105,18 +106,47 @@ def varlen_attention(
     bands = row_bands(cu_q, cu_k, total_q, total_k, is_causal=call.is_causal, window=call.window,
                       bottom_right=call.bottom_right)
     call.is_causal, call.window, call.bottom_right = False, None, False  # all in the bands now
-    if chosen.kernels:
-        call.row_bands = bands
-    else:
-        allowed = band_mask_rows(bands, total_q, total_k)
-        call.attn_mask = allowed.expand(1, H, total_q, total_k)
-    if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
+    if not chosen.kernels:
+        return _padded_reference(chosen, call, cu_q, cu_k, bands, max_seqlen_q, max_seqlen_k)
+    call.row_bands = bands
+    if torch.compiler.is_compiling() or _needs_grad(call):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, None, False, call.scale,
                                                     0.0, None, *ops.extras(call), None, call.row_bands)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if call.return_lse else out
+
+
+def _padded_reference(backend, call, cu_q, cu_k, bands, max_q: int, max_k: int) -> torch.Tensor:
+    """The torch backend: SDPA on the sequences padded to (B, H, max_seqlen, D), each row's
+    band a (B, 1, max_q, max_k) boolean mask (B·max_q·max_k bools where one block-diagonal
+    mask would take total_q·total_k), the rows gathered back; no host sync. Rows past
+    max_seqlen_q, or keys past max_seqlen_k, are the caller's promise broken: not seen."""
+    q, k, v = call.query[0], call.key[0], call.value[0]  # (H, total, D)
+    H, total_q = q.shape[:2]
+    total_k = k.shape[1]
+    B = cu_q.numel() - 1
+    if total_q == 0 or total_k == 0 or max_q == 0 or max_k == 0:  # no row sees a key: zeros
+        return q.new_zeros((total_q, H, v.shape[2]))
+    device = q.device
+
+    def slots(cu, total, max_len):  # (B, max_len): each padded slot's packed index, and whether it is real
+        index = cu[:-1].long()[:, None] + torch.arange(max_len, device=device)[None, :]
+        return index.clamp(0, total - 1), index < cu[1:].long()[:, None]
+
+    rows, real_rows = slots(cu_q, total_q, max_q)
+    keys, real_keys = slots(cu_k, total_k, max_k)
+    first, last = rows + bands[0, rows], rows + bands[1, rows]  # each row's packed keys
+    allowed = (real_rows[:, :, None] & real_keys[:, None, :]
+               & (keys[:, None, :] >= first[:, :, None]) & (keys[:, None, :] <= last[:, :, None]))
+    call.query, call.key, call.value = (t[:, index].transpose(0, 1) for t, index in ((q, rows), (k, keys), (v, keys)))
+    call.attn_mask = allowed[:, None].expand(B, H, max_q, max_k)
+    out, _ = ops.forward(backend, call, with_lse=False)  # (B, H, max_q, Dv)
+    packed = torch.arange(total_q, device=device, dtype=torch.int32)
+    seq = (torch.searchsorted(cu_q, packed, right=True) - 1).clamp_(0, B - 1)
+    position = (packed - cu_q[seq]).clamp_(0, max_q - 1)
+    return out[seq, :, position]  # (total_q, H, Dv)
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -178,10 +208,3 @@ def row_bands(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, is_caus
     bands[0, total_q:] = first - keys
     bands[1, total_q:] = last - keys
     return bands
-
-
-def band_mask_rows(bands: torch.Tensor, total_q: int, total_k: int) -> torch.Tensor:
-    """The rows' bands as a boolean (total_q, total_k) mask (the torch backend's and the tests' reference)."""
-    offset = torch.arange(total_k, device=bands.device)[None, :] - torch.arange(total_q, device=bands.device)[:, None]
-    return (offset >= bands[0, :total_q, None]) & (offset <= bands[1, :total_q, None])
-

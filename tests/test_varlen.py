@@ -78,15 +78,28 @@ def test_varlen_forward_and_backward(backend, case):
         torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_varlen_torch_backend():
-    """The reference backend (SDPA with a block-diagonal mask) agrees too, forward."""
-    lens_q, lens_k = [7, 0, 12], [9, 4, 12]
-    q = torch.randn(sum(lens_q), 2, 16, device=DEVICE)
-    k, v = (torch.randn(sum(lens_k), 2, 16, device=DEVICE) for _ in range(2))
-    out = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), 12, 12, True, backend="torch",
-                           alignment="bottom_right")
-    expected, _ = _reference(q.double(), k.double(), v.double(), lens_q, lens_k, True, "bottom_right", None, None)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_varlen_torch_backend(case):
+    """The reference backend (SDPA on the sequences padded to the maxima, each row's keys as
+    a mask) agrees too, forward and backward (it gives no log-sum-exp and no soft-capping)."""
+    lens_q, lens_k, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
+    lens_k = lens_k or lens_q
+    q = torch.randn(sum(lens_q), H, D, device=DEVICE, dtype=f32)
+    k = torch.randn(sum(lens_k), H_kv, D, device=DEVICE, dtype=f32)
+    v = torch.randn(sum(lens_k), H_kv, Dv, device=DEVICE, dtype=f32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
+                           enable_gqa=H_kv < H, backend="torch", alignment=alignment, window=window)
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    expected, _ = _reference(*refs, lens_q, lens_k, is_causal, alignment, window, None)
+    assert out.shape == (sum(lens_q), H, Dv)
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, refs):
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_varlen_without_host_sync(backend, monkeypatch):
