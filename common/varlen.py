@@ -55,7 +55,7 @@ def varlen_attention(
         max_seqlen_q, max_seqlen_k: ints >= 0, the longest sequence's lengths
             (FlashAttention's signature; checked for type only: the kernels read
             each row's keys from the cumulative lengths and need no maximum; the
-            "torch" backend pads to them, and sees no row or key past them).
+            "torch" backend pads to them and checks them, with a host sync).
         is_causal, alignment, window, softcap: as for :func:`common.attention`,
             per sequence: with "top_left" query row i of a sequence sits at
             position i, with "bottom_right" at i + Lk_b - Lq_b.
@@ -121,12 +121,18 @@ def varlen_attention(
 def _padded_reference(backend, call, cu_q, cu_k, bands, max_q: int, max_k: int) -> torch.Tensor:
     """The torch backend: SDPA on the sequences padded to (B, H, max_seqlen, D), each row's
     band a (B, 1, max_q, max_k) boolean mask (B·max_q·max_k bools where one block-diagonal
-    mask would take total_q·total_k), the rows gathered back; no host sync. Rows past
-    max_seqlen_q, or keys past max_seqlen_k, are the caller's promise broken: not seen."""
+    mask would take total_q·total_k), the rows gathered back. Padding needs the maxima to
+    hold: one host sync checks them (the kernel backends need no maxima and no sync)."""
     q, k, v = call.query[0], call.key[0], call.value[0]  # (H, total, D)
     H, total_q = q.shape[:2]
     total_k = k.shape[1]
     B = cu_q.numel() - 1
+    if B:
+        longest = torch.stack([(cu_q[1:] - cu_q[:-1]).max(), (cu_k[1:] - cu_k[:-1]).max()]).tolist()
+        for name, length, given in zip(("max_seqlen_q", "max_seqlen_k"), longest, (max_q, max_k)):
+            if length > given:
+                raise ValueError(f"{name} is {given} but a sequence has {length} tokens: the maxima must "
+                                 "hold every sequence (the 'torch' backend pads to them)")
     if total_q == 0 or total_k == 0 or max_q == 0 or max_k == 0:  # no row sees a key: zeros
         return q.new_zeros((total_q, H, v.shape[2]))
     device = q.device

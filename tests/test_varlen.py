@@ -102,6 +102,16 @@ def test_varlen_torch_backend(case):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_varlen_torch_backend_checks_the_maxima():
+    """The reference pads to the maxima: maxima shorter than a sequence are an error there."""
+    lens = [3, 9]
+    q, k, v = (torch.randn(sum(lens), 2, 16, device=DEVICE) for _ in range(3))
+    with pytest.raises(ValueError, match="max_seqlen_q is 8 but a sequence has 9 tokens"):
+        varlen_attention(q, k, v, _cu(lens), _cu(lens), 8, 9, backend="torch")
+    with pytest.raises(ValueError, match="max_seqlen_k is 4 but a sequence has 9 tokens"):
+        varlen_attention(q, k, v, _cu(lens), _cu(lens), 9, 4, backend="torch")
+
+
 def test_varlen_without_host_sync(backend, monkeypatch):
     """Nothing on the launch path reads a device value back (``.item()``, ``.tolist()``,
     ``int()``, ``bool()``); on a GPU, CUDA's sync debug mode checks the same."""
