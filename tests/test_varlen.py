@@ -52,25 +52,19 @@ def _reference(q, k, v, lens_q, lens_k, is_causal, alignment, window, softcap):
     return torch.cat(outs), torch.cat(lses, 1)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_varlen_forward_and_backward(backend, case):
-    lens_q, lens_k, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
+def _case_inputs(case, dtype):
+    """A case's lengths and packed (q, k, v) leaves that require grad, and their float64 copies."""
+    lens_q, lens_k, H, H_kv, D, Dv = case[:6]
     lens_k = lens_k or lens_q
     q = torch.randn(sum(lens_q), H, D, device=DEVICE, dtype=dtype)
     k = torch.randn(sum(lens_k), H_kv, D, device=DEVICE, dtype=dtype)
     v = torch.randn(sum(lens_k), H_kv, Dv, device=DEVICE, dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
-                                enable_gqa=H_kv < H, backend=backend, return_lse=True, alignment=alignment,
-                                window=window, softcap=softcap)
-    refs = [t.double().requires_grad_() for t in (q, k, v)]
-    expected, expected_lse = _reference(*refs, lens_q, lens_k, is_causal, alignment, window, softcap)
-    assert out.shape == (sum(lens_q), H, Dv) and out.dtype == dtype and lse.shape == (H, sum(lens_q))
-    tol = {f32: 2e-4, f16: 1e-2}[dtype]
-    torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
-    seen = expected_lse.isfinite()
-    assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
-    torch.testing.assert_close(lse[seen].double(), expected_lse[seen].detach(), rtol=tol, atol=tol)
+    return lens_q, lens_k, leaves, [t.double().requires_grad_() for t in (q, k, v)]
+
+
+def _check_grads(out, expected, leaves, refs, tol):
+    """Backpropagate one random grad_out through both and compare dq, dk, dv."""
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     expected.backward(grad_out.double())
@@ -79,27 +73,34 @@ def test_varlen_forward_and_backward(backend, case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_varlen_forward_and_backward(backend, case):
+    _, _, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
+    lens_q, lens_k, leaves, refs = _case_inputs(case, dtype)
+    out, lse = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
+                                enable_gqa=H_kv < H, backend=backend, return_lse=True, alignment=alignment,
+                                window=window, softcap=softcap)
+    expected, expected_lse = _reference(*refs, lens_q, lens_k, is_causal, alignment, window, softcap)
+    assert out.shape == (sum(lens_q), H, Dv) and out.dtype == dtype and lse.shape == (H, sum(lens_q))
+    tol = {f32: 2e-4, f16: 1e-2}[dtype]
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
+    torch.testing.assert_close(lse[seen].double(), expected_lse[seen].detach(), rtol=tol, atol=tol)
+    _check_grads(out, expected, leaves, refs, tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_varlen_torch_backend(case):
     """The reference backend (SDPA on the sequences padded to the maxima, each row's keys as
     a mask) agrees too, forward and backward (it gives no log-sum-exp and no soft-capping)."""
-    lens_q, lens_k, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
-    lens_k = lens_k or lens_q
-    q = torch.randn(sum(lens_q), H, D, device=DEVICE, dtype=f32)
-    k = torch.randn(sum(lens_k), H_kv, D, device=DEVICE, dtype=f32)
-    v = torch.randn(sum(lens_k), H_kv, Dv, device=DEVICE, dtype=f32)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    _, _, H, H_kv, D, Dv, is_causal, alignment, window, _, _ = case
+    lens_q, lens_k, leaves, refs = _case_inputs(case, f32)
     out = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
                            enable_gqa=H_kv < H, backend="torch", alignment=alignment, window=window)
-    refs = [t.double().requires_grad_() for t in (q, k, v)]
     expected, _ = _reference(*refs, lens_q, lens_k, is_causal, alignment, window, None)
     assert out.shape == (sum(lens_q), H, Dv)
     torch.testing.assert_close(out.double(), expected.detach(), rtol=1e-5, atol=1e-5)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    expected.backward(grad_out.double())
-    for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, refs):
-        torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    _check_grads(out, expected, leaves, refs, 1e-5)
 
 
 def test_varlen_torch_backend_checks_the_maxima():
