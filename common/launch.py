@@ -31,6 +31,13 @@ import triton
 
 _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
 _compile_lock = threading.RLock()
+_ALLOCATOR = triton.runtime._allocation._allocator  # what triton.set_allocator sets
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch memory for a launch, from torch's caching allocator (on the
+    current device, which the launch runs on; freed when the stream is done with it)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 class CachedLauncher:
@@ -41,8 +48,9 @@ class CachedLauncher:
     (the caches are dicts written whole; the roles are set in one assignment;
     a miss, which compiles, holds a lock)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, *, scratch: bool = False):
         self.fn = fn
+        self.scratch = scratch  # the kernel may need a global scratch buffer (tensor descriptors made on the device)
         self.enabled = isinstance(fn, triton.runtime.JITFunction)  # not under the interpreter
         self._by_value: dict = {}
         self._by_class: dict = {}
@@ -55,6 +63,15 @@ class CachedLauncher:
     def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs) -> None:
         if not self.enabled:
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+            return
+        if self.scratch:
+            # Triton asks its allocator (a context variable, unset by default) for a
+            # kernel's global scratch memory at launch: ours, for this launch only.
+            token = _ALLOCATOR.set(_torch_scratch)
+            try:
+                self.launch(grid, args + self._constexprs(constexprs), num_warps, num_stages)
+            finally:
+                _ALLOCATOR.reset(token)
             return
         self.launch(grid, args + self._constexprs(constexprs), num_warps, num_stages)
 
@@ -137,8 +154,9 @@ class _RoutedKernel:
     ``kernel[grid](*args, num_warps=..., num_stages=...)`` goes through a
     :class:`CachedLauncher`."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, *, scratch: bool = False):
         self.fn = fn
+        self.scratch = scratch  # the kernel may need a global scratch buffer (tensor descriptors made on the device)
         self.launcher = CachedLauncher(fn)
 
     def __getitem__(self, grid):

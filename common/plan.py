@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from common.backends import OFFSETS64
+from common.backends import OFFSETS64, TMA
 from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
 from common.outputs import allocator
 
@@ -131,6 +131,8 @@ class ForwardPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
+    tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
+    warp_spec: bool = False  # and warp-specialises its unmasked key loop
 
     @property
     def split(self) -> bool:
@@ -306,6 +308,7 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
         plan.lse = alloc((B, Hp, Lqp), torch.float32, q.device)
     if plan.num_splits > 1 and not backend.supports(OFFSETS64) and B * Hp * Lqp * plan.num_splits * Dv >= 2**31:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
+    plan.tma, plan.warp_spec = use_tma(backend, plan.query, plan.key, plan.value)
     if plan.num_splits > 1:
         plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, q.device)
         plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, q.device)
@@ -338,6 +341,54 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.grad_key = alloc(k.shape, k.dtype, k.device)
     plan.grad_value = alloc(v.shape, v.dtype, v.device)
     return plan
+
+
+# -- Hopper: tensor descriptors -----------------------------------------------------
+
+_forced_tma: contextvars.ContextVar[tuple[bool, bool] | None] = contextvars.ContextVar("forced_tma", default=None)
+
+
+@contextlib.contextmanager
+def force_tma(tma: bool, warp_spec: bool = False):
+    """Inside the block, the Triton forward loads Q, K and V through tensor
+    descriptors (``tma``), with its unmasked key loop warp-specialised
+    (``warp_spec``), wherever the tensors allow it (:func:`tma_fits`); under the
+    interpreter too. Off by default: see :func:`use_tma`. For tests and benchmarks."""
+    token = _forced_tma.set((bool(tma), bool(tma) and bool(warp_spec)))
+    try:
+        yield
+    finally:
+        _forced_tma.reset(token)
+
+
+def use_tma(backend, query, key, value) -> tuple[bool, bool]:
+    """``(tma, warp_spec)`` for a forward launch: pointer loads, unless forced.
+
+    Measured on the H200 (``tools/probe.py tma``, triton 3.6, bf16, D 64 and 128,
+    L 1k-16k, causal or not, and decode): descriptors made on the device (one per
+    head and program) ran 1-12% slower than our pointer loads on every shape, most
+    at L = 1024 where each program walks few key blocks; warp specialisation
+    changed nothing at 8 warps and failed to compile at 4."""
+    forced = _forced_tma.get()
+    if forced is None or not forced[0] or not backend.supports(TMA) or not tma_fits(query, key, value):
+        return False, False
+    return forced
+
+
+def tma_fits(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel may read each (B, H, L, D) tensor through a descriptor of one
+    head's (L, D) matrix: the head dim contiguous, a 16-byte aligned start, and every
+    other stride that a program's start or a row step uses a non-zero multiple of 16
+    bytes (the tensor memory accelerator's rules)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(3) != 1 or t.data_ptr() % 16:
+            return False
+        if t.stride(2) <= 0 or t.stride(2) * size % 16:
+            return False
+        if any(n > 1 and stride * size % 16 for n, stride in zip(t.shape[:2], t.stride()[:2])):
+            return False
+    return True
 
 
 # -- short queries: grouped-query packing and split keys ------------------------------
