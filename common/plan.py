@@ -132,7 +132,6 @@ class ForwardPlan:
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
     tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
-    warp_spec: bool = False  # and warp-specialises its unmasked key loop
 
     @property
     def split(self) -> bool:
@@ -308,7 +307,7 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
         plan.lse = alloc((B, Hp, Lqp), torch.float32, q.device)
     if plan.num_splits > 1 and not backend.supports(OFFSETS64) and B * Hp * Lqp * plan.num_splits * Dv >= 2**31:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
-    plan.tma, plan.warp_spec = use_tma(backend, plan.query, plan.key, plan.value)
+    plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     if plan.num_splits > 1:
         plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, q.device)
         plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, q.device)
@@ -345,34 +344,32 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
 
 # -- Hopper: tensor descriptors -----------------------------------------------------
 
-_forced_tma: contextvars.ContextVar[tuple[bool, bool] | None] = contextvars.ContextVar("forced_tma", default=None)
+_forced_tma: contextvars.ContextVar[bool | None] = contextvars.ContextVar("forced_tma", default=None)
 
 
 @contextlib.contextmanager
-def force_tma(tma: bool, warp_spec: bool = False):
+def force_tma(tma: bool):
     """Inside the block, the Triton forward loads Q, K and V through tensor
-    descriptors (``tma``), with its unmasked key loop warp-specialised
-    (``warp_spec``), wherever the tensors allow it (:func:`tma_fits`); under the
-    interpreter too. Off by default: see :func:`use_tma`. For tests and benchmarks."""
-    token = _forced_tma.set((bool(tma), bool(tma) and bool(warp_spec)))
+    descriptors (``tma``) or not, wherever the tensors allow it (:func:`tma_fits`);
+    under the interpreter too. Off by default: see :func:`use_tma`. For tests and benchmarks."""
+    token = _forced_tma.set(bool(tma))
     try:
         yield
     finally:
         _forced_tma.reset(token)
 
 
-def use_tma(backend, query, key, value) -> tuple[bool, bool]:
-    """``(tma, warp_spec)`` for a forward launch: pointer loads, unless forced.
+def use_tma(backend, query, key, value) -> bool:
+    """Whether a forward launch loads through tensor descriptors: no, unless forced.
 
     Measured on the H200 (``tools/probe.py tma``, triton 3.6, bf16, D 64 and 128,
     L 1k-16k, causal or not, and decode): descriptors made on the device (one per
     head and program) ran 1-12% slower than our pointer loads on every shape, most
-    at L = 1024 where each program walks few key blocks; warp specialisation
-    changed nothing at 8 warps and failed to compile at 4."""
+    at L = 1024, where each program walks few key blocks. Warp specialisation
+    (``tl.range(..., warp_specialize=True)`` over the unmasked loop, with the
+    descriptors) changed nothing at 8 warps and failed to compile at 4."""
     forced = _forced_tma.get()
-    if forced is None or not forced[0] or not backend.supports(TMA) or not tma_fits(query, key, value):
-        return False, False
-    return forced
+    return bool(forced) and backend.supports(TMA) and tma_fits(query, key, value)
 
 
 def tma_fits(*tensors: torch.Tensor) -> bool:

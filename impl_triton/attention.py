@@ -199,7 +199,7 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    SOFTCAP: tl.constexpr, TMA: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
@@ -208,11 +208,11 @@ def _attn_fwd_inner(
     row sums take every probability, the output only the kept ones. TMA: k_tiles
     and v_tiles are tensor descriptors of this head's keys and values (tiles past
     Lk or HEAD_DIM read as 0, like the masked loads), else pointers to the first
-    tile. WARP_SPEC: the compiler splits the loop's loads and its math across warps.
+    tile.
     """
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
-    for j in tl.range(lo, hi, warp_specialize=WARP_SPEC):
+    for j in range(lo, hi):
         start_n = tl.multiple_of(j * BLOCK_N, BLOCK_N)
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
@@ -291,7 +291,7 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -367,19 +367,19 @@ def _attn_fwd(
             acc, l_i, m_i, q, k_tiles, v_tiles, mask_ptrs, stride_kn, stride_vn, stride_mn,
             offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
-            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA, False,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_tiles, v_tiles, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False,
-        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA, WARP_SPEC,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_tiles, v_tiles, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
-        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA, False,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA,
     )
 
     if WITH_LSE:
@@ -953,7 +953,7 @@ def forward(plan):
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, WARP_SPEC=plan.warp_spec,
+        TMA=plan.tma,
     )
     if plan.split:
         merge = plan.merge

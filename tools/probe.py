@@ -342,7 +342,7 @@ def decode():
 
 
 def tma():
-    """The forward with pointer loads, tensor descriptors (TMA) and TMA + warp specialisation, under
+    """The forward with pointer loads and with tensor descriptors (TMA), under
     several tile configurations, against SDPA (bf16, B·L = 16384, H·D = 2048); and decode shapes."""
     shipped = resolve("triton").configs
     for D in (64, 128):
@@ -358,13 +358,13 @@ def tma():
                 configs = [None, Config(128, 128, 8, 3), Config(128, 64, 8, 3), Config(128, 64, 4, 3),
                            Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 64, 8, 4)]
                 for config in configs:
-                    for tma_on, ws in ((False, False), (True, False), (True, True)):
+                    for tma_on in (False, True):
                         if config is not None and not tma_on:
                             continue
                         name = f"{'table' if config is None else dataclasses.astuple(config)}" \
-                               f"{'/tma' if tma_on else '/ptr'}{'+ws' if ws else ''}"
+                               f"{'/tma' if tma_on else '/ptr'}"
                         try:
-                            with plan.force_tma(tma_on, ws), (override(config) if config else
+                            with plan.force_tma(tma_on), (override(config) if config else
                                                               contextlib.nullcontext()):
                                 out = attention(q, k, v, is_causal=causal)
                                 err = (out.float() - ref).abs().max().item()
