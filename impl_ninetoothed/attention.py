@@ -601,7 +601,8 @@ def _attn_bwd_dkdv_inner(
     DROPOUT: the forward's mask, regenerated transposed (``head``: of query head ``g``)."""
     for i in range(lo, hi):
         q = query[g, i]
-        m2 = ntl.where(lse[g, i] == float("-inf"), float("inf"), lse[g, i] * LOG2E)
+        lse_i = lse[g, i]  # (each subscript of a tile is a load of its own)
+        m2 = ntl.where(lse_i == float("-inf"), float("inf"), lse_i * LOG2E)
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:
