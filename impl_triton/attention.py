@@ -136,24 +136,6 @@ def _tanh(x, APPROX: tl.constexpr):
 
 
 @triton.jit
-def _exp2(x, ON_FMA: tl.constexpr):
-    """2^x for x <= 0. ON_FMA: without the special-function unit (soft-capping's tanh
-    keeps it busy), on the FMA units: x = j + f with j = round(x) (adding 1.5 * 2^23
-    rounds and leaves j in the low bits), 2^f for f in [-1/2, 1/2] by a cubic
-    (relative error 7.5e-5, below 16-bit rounding), 2^j added to the exponent bits;
-    x < -125 (-inf too) gives 0."""
-    if ON_FMA:
-        y = tl.maximum(x, -127.0) + 12582912.0
-        f = tl.maximum(x, -127.0) - (y - 12582912.0)
-        p = ((0.05517145884709654 * f + 0.24261086198506399) * f + 0.69326099240974) * f + 0.9999280895314313
-        bits = p.to(tl.int32, bitcast=True) + (y.to(tl.int32, bitcast=True) << 23)
-        e = tl.where(x < -125.0, 0.0, bits.to(tl.float32, bitcast=True))
-    else:
-        e = tl.math.exp2(x)
-    return e
-
-
-@triton.jit
 def _cap_factors(scale, softcap, SOFTCAP: tl.constexpr):
     """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
     cap_in = 0.0
@@ -276,7 +258,7 @@ def _attn_fwd_inner(
                 m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_ij
             qk = qk * qk_scale - m_sub[:, None]
-        p = _exp2(qk, SOFTCAP == TANH_APPROX)
+        p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from common import attention, plan
 from common.plan import band, band_mask, force_splits
@@ -194,30 +192,6 @@ def test_softcap_kind(monkeypatch):
     assert plan.softcap_kind(50.0, bf16, torch.device("cpu"), False) == plan.Softcap.EXP2
     monkeypatch.setattr(plan, "_has_tanh_approx", lambda device: False)
     assert plan.softcap_kind(50.0, bf16, cuda, False) == plan.Softcap.EXP2
-
-
-@triton.jit
-def _apply_exp2(X, Y, N, BLOCK: tl.constexpr, EXP2: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(Y + offs, EXP2(tl.load(X + offs, mask=offs < N, other=0.0), True), mask=offs < N)
-
-
-@pytest.mark.parametrize("module", ["impl_triton.attention", "impl_ninetoothed.attention"])
-def test_exp2_on_fma(module):
-    """The soft-capped forward's 2^x on the FMA units: within 1e-4 of 2^x (relative) for
-    x in [-125, 0], exactly 0 below (and for -inf, a masked score); both kernels' copies."""
-    import importlib
-
-    x = torch.cat([-torch.rand(3000, device=DEVICE) * 125, -torch.rand(1000, device=DEVICE) * 2,
-                   torch.tensor([0.0, -0.5, -1.0, -124.9, -125.5, -126.0, -127.0, -300.0, float("-inf")],
-                                device=DEVICE)])
-    y = torch.full_like(x, float("nan"))
-    _apply_exp2[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()),
-                      EXP2=importlib.import_module(module)._exp2)
-    kept = x >= -125.0
-    exact = torch.exp2(x.double())
-    assert ((y[kept].double() - exact[kept]).abs() / exact[kept]).max().item() < 1e-4
-    assert (y[x < -125.0] == 0).all()
 
 
 def test_softcap_errors():
