@@ -363,11 +363,12 @@ def use_tma(backend, query, key, value) -> bool:
     """Whether a forward launch loads through tensor descriptors: no, unless forced.
 
     Measured on the H200 (``tools/probe.py tma``, triton 3.6, bf16, D 64 and 128,
-    L 1k-16k, causal or not, and decode): descriptors made on the device (one per
-    head and program) ran 1-12% slower than our pointer loads on every shape, most
-    at L = 1024, where each program walks few key blocks. Warp specialisation
-    (``tl.range(..., warp_specialize=True)`` over the unmasked loop, with the
-    descriptors) changed nothing at 8 warps and failed to compile at 4."""
+    L 1k-16k, causal or not, and decode; BENCHMARKS.md): descriptors made on the
+    device (three per program) ran at 0.86-1.00x of our pointer loads with the same
+    tile and at best 0.94-1.00x with the best of six tiles, worst at L = 1024, where
+    each program walks few key blocks. Warp specialisation (``tl.range(...,
+    warp_specialize=True)`` over the unmasked loop, with the descriptors) changed
+    nothing at 8 warps and failed to compile at 4."""
     forced = _forced_tma.get()
     return bool(forced) and backend.supports(TMA) and tma_fits(query, key, value)
 
