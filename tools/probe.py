@@ -20,6 +20,7 @@ is written to the project.
   decode on the same keys, kernel time by CUDA-graph replay, bandwidth of K/V read; append_kv.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
+- tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 """
 
 from __future__ import annotations
