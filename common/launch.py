@@ -154,9 +154,8 @@ class _RoutedKernel:
     ``kernel[grid](*args, num_warps=..., num_stages=...)`` goes through a
     :class:`CachedLauncher`."""
 
-    def __init__(self, fn, *, scratch: bool = False):
+    def __init__(self, fn):
         self.fn = fn
-        self.scratch = scratch  # the kernel may need a global scratch buffer (tensor descriptors made on the device)
         self.launcher = CachedLauncher(fn)
 
     def __getitem__(self, grid):
