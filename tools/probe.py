@@ -309,37 +309,44 @@ def _graph_time_ms(fn, replays: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def decode():
-    B, H, H_kv, D = 8, 32, 8, 128
-    per_sm_default = plan.PROGRAMS_PER_SM
-
+def _decode_shapes(dtype):
+    """The decode sweep's inputs: (Lq, Lk, q, k, v), B = 8, 32 query heads over 8 K/V heads,
+    D = 128, Lq 1 and 16, Lk 4k-64k."""
     for Lq in (1, 16):
         for Lk in (4096, 16384, 65536):
-            q = torch.randn(B, H, Lq, D, dtype=torch.float16, device="cuda")
-            k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.float16, device="cuda") for _ in range(2))
+            q = torch.randn(8, 32, Lq, 128, dtype=dtype, device="cuda")
+            k, v = (torch.randn(8, 8, Lk, 128, dtype=dtype, device="cuda") for _ in range(2))
+            yield Lq, Lk, q, k, v
+
+
+def decode():
+    H, H_kv = 32, 8
+    per_sm_default = plan.PROGRAMS_PER_SM
+
+    for Lq, Lk, q, k, v in _decode_shapes(torch.float16):
+        sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        line = [f"Lq={Lq} Lk={Lk} sdpa {sdpa * 1e3:.0f}us"]
+        rows = Lq * H // H_kv
+        for config in [Config(max(16, rows), 64, 4, 3), Config(max(16, rows), 128, 4, 3),
+                       Config(max(16, rows), 64, 4, 4), Config(max(16, rows), 64, 4, 2)]:
+            with override(config):
+                for per_sm in (1, 2, 4):
+                    plan.PROGRAMS_PER_SM = per_sm
+                    t = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True))
+                    line.append(f"{config.block_n}/{config.num_warps}w/{config.num_stages}s/x{per_sm}: "
+                                f"{sdpa / t:.2f}")
+        plan.PROGRAMS_PER_SM = per_sm_default
+        for _ in range(2):
             sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-            line = [f"Lq={Lq} Lk={Lk} sdpa {sdpa * 1e3:.0f}us"]
-            rows = Lq * H // H_kv
-            for config in [Config(max(16, rows), 64, 4, 3), Config(max(16, rows), 128, 4, 3),
-                           Config(max(16, rows), 64, 4, 4), Config(max(16, rows), 64, 4, 2)]:
-                with override(config):
-                    for per_sm in (1, 2, 4):
-                        plan.PROGRAMS_PER_SM = per_sm
-                        t = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True))
-                        line.append(f"{config.block_n}/{config.num_warps}w/{config.num_stages}s/x{per_sm}: "
-                                    f"{sdpa / t:.2f}")
-            plan.PROGRAMS_PER_SM = per_sm_default
-            for _ in range(2):
-                sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-                nt = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))
-                tr = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True))
-                wall = [wall_time_us(lambda: f(), calls=100) for f in (
-                    lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-                    lambda: attention(q, k, v, enable_gqa=True),
-                    lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))]
-                line.append(f"default: sdpa {sdpa * 1e3:.0f}us triton {sdpa / tr:.2f} ninetoothed {sdpa / nt:.2f} "
-                            f"wall us sdpa/triton/nt {wall[0]:.0f}/{wall[1]:.0f}/{wall[2]:.0f}")
-            print("  ".join(line), flush=True)
+            nt = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))
+            tr = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True))
+            wall = [wall_time_us(lambda: f(), calls=100) for f in (
+                lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                lambda: attention(q, k, v, enable_gqa=True),
+                lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))]
+            line.append(f"default: sdpa {sdpa * 1e3:.0f}us triton {sdpa / tr:.2f} ninetoothed {sdpa / nt:.2f} "
+                        f"wall us sdpa/triton/nt {wall[0]:.0f}/{wall[1]:.0f}/{wall[2]:.0f}")
+        print("  ".join(line), flush=True)
 
 
 def tma():
@@ -374,18 +381,14 @@ def tma():
                         except Exception as error:  # noqa: BLE001 - a configuration that does not compile
                             line.append(f"{name} failed ({type(error).__name__}: {str(error)[:80]})")
                 print(f"[table {dataclasses.astuple(table)}] " + "  ".join(line), flush=True)
-    B, H, H_kv, D = 8, 32, 8, 128
-    for Lq in (1, 16):
-        for Lk in (4096, 16384, 65536):
-            q = torch.randn(B, H, Lq, D, dtype=torch.bfloat16, device="cuda")
-            k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-            sdpa = _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-            line = [f"decode Lq={Lq} Lk={Lk}: sdpa {sdpa * 1e3:.0f}us"]
-            for tma_on in (False, True):
-                with plan.force_tma(tma_on):
-                    t = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
-                line.append(f"{'tma' if tma_on else 'ptr'} {t * 1e3:.0f}us")
-            print("  ".join(line), flush=True)
+    for Lq, Lk, q, k, v in _decode_shapes(torch.bfloat16):
+        sdpa = _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        line = [f"decode Lq={Lq} Lk={Lk}: sdpa {sdpa * 1e3:.0f}us"]
+        for tma_on in (False, True):
+            with plan.force_tma(tma_on):
+                t = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
+            line.append(f"{'tma' if tma_on else 'ptr'} {t * 1e3:.0f}us")
+        print("  ".join(line), flush=True)
 
 
 if __name__ == "__main__":
