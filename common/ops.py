@@ -42,6 +42,22 @@ def forward(backend, call: Call, with_lse: bool):
             return plan.results(*backend.load().forward(plan))
 
 
+def forward_resume(backend, call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold a validated 4-D call's keys into a running result over other keys, in place:
+    ``out`` (B, H, Lq, Dv) float32 and ``lse`` (B, H, Lq) float32 (any strides) become
+    the output and log-sum-exp over both key sets, as merging two partial results by
+    their log-sum-exps would give them; a row whose lse is -inf has seen no key yet.
+    One launch, no merge pass (context parallelism's ring). Kernel backends; no dropout,
+    sinks or packed sequences (a ring has none)."""
+    B, H, Lq, _ = call.query.shape
+    if B * H * Lq == 0 or call.key.shape[2] == 0:
+        return
+    with _on_device(call.query.device):
+        plan = planning.make_forward(call, backend, with_lse=True, resume=(out, lse))
+        with _quiet(backend):
+            backend.load().forward(plan)
+
+
 def backward(backend, call: Call, out, lse, grad_out, grad_lse=None):
     """``(dq, dk, dv)`` for a validated 4-D call, its output and log-sum-exp."""
     q, k, v = call.query, call.key, call.value

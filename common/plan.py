@@ -132,6 +132,7 @@ class ForwardPlan:
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
     tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
+    resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
 
     @property
     def split(self) -> bool:
@@ -262,8 +263,12 @@ def band_mask(band: tuple[int, int], Lq: int, Lk: int, device) -> torch.Tensor:
     return (offset >= band[0]) & (offset <= band[1])
 
 
-def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
-    """Plan the forward pass of a validated call with at least one query row and one key."""
+def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
+    """Plan the forward pass of a validated call with at least one query row and one key.
+
+    ``resume``: None, or a running ``(out, lse)`` over other keys, float32 (B, H, Lq, Dv) and
+    (B, H, Lq), any strides; the call folds its keys into them in place (kernel backends;
+    see :func:`common.ops.forward_resume`)."""
     q, k, v, mask = call.query, call.key, call.value, call.attn_mask
     B, H, Lq, D = q.shape
     H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -285,7 +290,8 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
     # Dropout's mask is counted by (head, row): packed rows would change it.
     # (Sinks are per query head: packed rows would mix them.)
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
-    unpackable = plan.dropout or plan.sinks is not None or plan.row_bands is not None
+    # (A running output is laid out by query head and row.)
+    unpackable = plan.dropout or plan.sinks is not None or plan.row_bands is not None or resume is not None
     packed = None if unpackable else pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None:
         # Each group's query heads as rows of one K/V head (views both ways).
@@ -302,8 +308,13 @@ def make_forward(call, backend, *, with_lse: bool) -> ForwardPlan:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     plan.dot_precision = dot_precision(q.dtype)
     alloc = allocator()
-    plan.out = alloc((B, Hp, Lqp, Dv), q.dtype, q.device)
-    if with_lse:
+    if resume is not None:  # one program per row block folds all of its keys in: no split
+        plan.out, plan.lse = resume
+        plan.with_lse = plan.resume = True
+        plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
+    else:
+        plan.out = alloc((B, Hp, Lqp, Dv), q.dtype, q.device)
+    if with_lse and plan.lse is None:
         plan.lse = alloc((B, Hp, Lqp), torch.float32, q.device)
     if plan.num_splits > 1 and not backend.supports(OFFSETS64) and B * Hp * Lqp * plan.num_splits * Dv >= 2**31:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets

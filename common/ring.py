@@ -6,8 +6,9 @@ shard of the output. The K/V shards travel around the ring (rank r receives
 from r - 1 and sends to r + 1) with batched ``isend``/``irecv``, posted before
 the block that uses the current shard is computed, so the transfer of the
 next shard overlaps the compute of this one. Each block is one call of the
-chosen backend's kernel with its log-sum-exp, and the partial outputs merge
-in float32 by their log-sum-exps (exactly as a split-KV decode merges).
+chosen backend's kernel, which folds the block into the running float32 output
+and log-sum-exp itself (it starts its online softmax from them: no separate
+merge pass over the output).
 
 The backward passes K/V around once more: each rank's dQ accumulates locally,
 and the dK/dV accumulators (float32) travel with their K/V shard, gathering
@@ -275,8 +276,7 @@ class _RingAttention(torch.autograd.Function):
             for rows, keys, causal in _blocks(ring, source, is_causal, layout):
                 q, k, v = query[:, :, rows], shard[0][:, :, keys], shard[1][:, :, keys]
                 if q.shape[2] and k.shape[2]:
-                    out_b, lse_b = _block_forward(backend, q, k, v, causal, scale)
-                    _merge(acc[:, :, rows], lse[:, :, rows], out_b, lse_b)
+                    _block_forward(backend, q, k, v, causal, scale, acc[:, :, rows], lse[:, :, rows])
             if step + 1 < ring.size:
                 _wait(works)
                 shard = incoming
@@ -341,16 +341,21 @@ def _merge(acc, lse, out_b, lse_b):
     lse.copy_(new)
 
 
-def _block_forward(backend, q, k, v, causal, scale):
-    """(output, log-sum-exp) of one block; queries and keys are aligned top-left (diagonal blocks)."""
+def _block_forward(backend, q, k, v, causal, scale, acc, lse):
+    """Fold one block into the running float32 (output, log-sum-exp) of its rows, in place;
+    queries and keys are aligned top-left (diagonal blocks). The kernel backends do it in the
+    attention kernel itself (:func:`common.ops.forward_resume`: no merge pass over the output)."""
     if backend.kernels:
-        from common.dispatch import attention
+        from common import ops
 
-        return attention(q, k, v, causal, scale, enable_gqa=True, backend=backend.name, return_lse=True)
+        call = check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=causal, scale=scale,
+                          enable_gqa=True, return_lse=True)
+        ops.forward_resume(backend, call, acc, lse)
+        return
     s, v = _torch_scores(q, k, v, causal, scale)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
-    return p @ v, lse
+    lse_b = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse_b), lse_b, 0.0).unsqueeze(-1))
+    _merge(acc, lse, p @ v, lse_b)
 
 
 def _block_backward(backend, grad_out, q, k, v, out, lse, causal, scale):

@@ -220,7 +220,7 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
 def arrangement(
     query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     row_bands_lo, row_bands_hi, sinks, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME,
     block_m, block_n, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -255,7 +255,7 @@ def arrangement(
         query_arranged, key_arranged, value_arranged, attn_mask_arranged, scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         *row_bands_arranged, sinks_arranged, output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE,
-        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME,
     )
 
 
@@ -329,7 +329,7 @@ def _attn_fwd_inner(
 def application(
     query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     row_bands_lo, row_bands_hi, sinks, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME,
 ):
     q = query
     offs_m = query.offsets(-2)
@@ -347,6 +347,13 @@ def application(
     if SINKS:  # a logit with no value: it starts the online softmax, once per row
         m_i = ntl.where(lo == 0, sinks * LOG2E, m_i)
         l_i = ntl.where(lo == 0, 1.0, l_i)
+    if RESUME:
+        # Fold these keys into a running (float32) output and log-sum-exp, in place: the
+        # state acc = output, m_i = lse (base 2), l_i = 1; a row at -inf starts afresh.
+        seen = lse != float("-inf")
+        m_i = ntl.where(seen, lse * LOG2E, m_i)
+        l_i = ntl.where(seen, 1.0, l_i)
+        acc = ntl.where(seen[:, None], output, acc)
 
     # In key blocks of this program's [lo, hi) (the split's, when split): the
     # band's left edge [first, full_lo) (masked; BANDED only), the blocks every
@@ -380,10 +387,10 @@ def application(
         # Log-sum-exp of the scaled scores, from base 2 back to natural log;
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
         lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
-    if MASK_KIND != NO_MASK or SPLIT or BANDED:
+    if MASK_KIND != NO_MASK or SPLIT or BANDED or RESUME:
         # A row whose every key is masked out (a mask, a band that leaves it no
-        # key, or a split none of whose keys it sees) has acc = 0 and l_i = 0:
-        # SDPA returns 0.
+        # key, or a split none of whose keys it sees; resumed, no key so far)
+        # has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = ntl.where(l_i == 0.0, 1.0, l_i)
     if DROPOUT:
         output = acc / l_i[:, None] * dropout_scale  # noqa: F841 (a store)
@@ -731,11 +738,12 @@ def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
         *_dropout_inputs(),
         *_band_inputs(),
         Tensor(3, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
-        # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse
-        Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),
-        Tensor(4 if split else 3),
+        # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse; read too when
+        # RESUME (a running float32 output and its lse; rows past the end read as no key seen)
+        Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,), other=0),
+        Tensor(4 if split else 3, other=float("-inf")),
         *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP",
-                 "SINKS"),
+                 "SINKS", "RESUME"),
     )
     return arrangement_, application, tensors
 
@@ -1086,7 +1094,7 @@ def forward(plan):
         plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
-        SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
+        SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume,
     )
     if plan.split:
         merge = plan.merge

@@ -284,6 +284,7 @@ def _attn_fwd(
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
     stride_sz, stride_sh, stride_sm,
+    stride_lz, stride_lh, stride_lm, stride_ls,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
     softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -291,7 +292,7 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -302,6 +303,10 @@ def _attn_fwd(
     by dropout_scale = 1 / (1 - dropout_p). The log-sum-exp is dropout's input's.
     SINKS: SINK (B, H, Lq; strides) holds each row's sink logit, which joins the
     softmax of the split that starts at the first key (m_i = sink, l_i = 1).
+    RESUME: O (float32) and LSE hold a running output and log-sum-exp (a ring's,
+    over other keys), which these keys are folded into, in place: the running
+    output is the state acc = O, m_i = LSE (base 2), l_i = 1; a row at -inf has
+    seen no key yet and starts afresh.
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -354,6 +359,16 @@ def _attn_fwd(
                        other=0.0)
         m_i = tl.where(lo == 0, sink * LOG2E, m_i)
         l_i = tl.where(lo == 0, 1.0, l_i)
+    lse_ptrs = LSE + off_z * stride_lz + off_h * stride_lh + offs_m.to(tl.int64) * stride_lm + split * stride_ls
+    o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
+              + offs_dv[None, :] * stride_od)
+    if RESUME:
+        lse_run = tl.load(lse_ptrs, mask=m_ok, other=float("-inf"))
+        seen = lse_run != float("-inf")
+        m_i = tl.where(seen, lse_run * LOG2E, m_i)
+        l_i = tl.where(seen, 1.0, l_i)
+        o_run = tl.load(o_ptrs, mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        acc = tl.where(seen[:, None], o_run, acc)
 
     # In key blocks of this split's [lo, lo + BLOCKS_PER_SPLIT): the band's left edge
     # [first, full_lo) (masked; BANDED only), the blocks every row sees whole
@@ -386,17 +401,15 @@ def _attn_fwd(
         # Log-sum-exp of the scaled scores, from base 2 back to natural log;
         # -inf for a row whose every key is masked out (m_i = -inf, l_i = 0).
         lse = (m_i + tl.math.log2(l_i)) * LN2
-        tl.store(LSE + (off_hz.to(tl.int64) * Lq + offs_m) * NUM_SPLITS + split, lse, mask=m_ok)
-    if MASK_KIND != NO_MASK or SPLIT or BANDED:
+        tl.store(lse_ptrs, lse, mask=m_ok)
+    if MASK_KIND != NO_MASK or SPLIT or BANDED or RESUME:
         # A row whose every key is masked out (a mask, a band that leaves it no
-        # key, or a split none of whose keys it sees) has acc = 0 and l_i = 0:
-        # SDPA returns 0.
+        # key, or a split none of whose keys it sees; resumed, no key so far)
+        # has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
     if DROPOUT:
         o = o * dropout_scale
-    o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
-              + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
@@ -936,16 +949,18 @@ def forward(plan):
         mask, mask_strides = plan.attn_mask, plan.attn_mask.stride()
     if plan.split:
         o, lse, o_strides = plan.o_part, plan.lse_part, plan.o_part.stride()
+        lse_strides = lse.stride()
     else:
         o, o_strides = out, (*out.stride()[:3], 0, out.stride(3))
         lse = plan.lse if plan.lse is not None else out  # never written without WITH_LSE
+        lse_strides = (*plan.lse.stride(), 0) if plan.lse is not None else (0, 0, 0, 0)
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
     _fwd_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
         q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi,
-        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides,
+        *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *lse_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
         plan.dropout_scale, *_band_args(plan),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -953,7 +968,7 @@ def forward(plan):
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma,
+        TMA=plan.tma, RESUME=plan.resume,
     )
     if plan.split:
         merge = plan.merge

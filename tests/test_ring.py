@@ -44,6 +44,41 @@ def test_ring_over_nccl():
     assert "passed on 2 GPUs" in done.stdout
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_resume(backend, causal, device):
+    """A ring's step: keys folded into a running float32 (output, lse) by the kernel itself, in
+    place, through strided views, give attention over all the keys (rows that see no key of a
+    part, or none at all yet, included)."""
+    from common import ops
+    from common.backends import get_backend
+    from common.validation import check_call
+    from tests.cases import check_lse, check_output
+
+    B, H, H_kv, Lq, D = 2, 4, 2, 37, 32
+    q = torch.randn(B, H, Lq, D, device=device, dtype=torch.float16)
+    k, v = (torch.randn(B, H_kv, 70, D, device=device, dtype=torch.float16) for _ in range(2))
+    # a running result laid out with room to spare: its rows are strided views
+    acc = torch.full((B, H, Lq + 3, D), float("nan"), device=device)[:, :, 3:]
+    lse = torch.full((B, H, Lq + 3), float("-inf"), device=device)[:, :, 3:]
+    spec = get_backend(backend)
+    # causal: the first part is the diagonal block (rows see keys up to their own), the rest
+    # lies below it; not causal, three parts of the keys in any order
+    parts = [(slice(0, Lq), True), (slice(Lq, 70), False)] if causal else [
+        (slice(40, 70), False), (slice(0, 15), False), (slice(15, 40), False)]
+    for keys, block_causal in parts:
+        call = check_call(spec, q, k[:, :, keys], v[:, :, keys], attn_mask=None, dropout_p=0.0,
+                          is_causal=block_causal, scale=None, enable_gqa=True, return_lse=True)
+        ops.forward_resume(spec, call, acc, lse)
+    # the keys in the order the parts were folded in
+    order = torch.cat([torch.arange(70)[keys] for keys, _ in parts]).to(device)
+    mask = None
+    if causal:  # row i sees keys 0..i of the diagonal block and every key after it
+        mask = torch.ones(Lq, 70, dtype=torch.bool, device=device)
+        mask[:, :Lq] = torch.ones(Lq, Lq, dtype=torch.bool, device=device).tril()
+    check_output(acc.to(q.dtype), q, k[:, :, order], v[:, :, order], attn_mask=mask, enable_gqa=True)
+    check_lse(lse, q, k[:, :, order], attn_mask=mask)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_shard_and_unshard_are_inverse(layout):
     x = torch.randn(2, 3, 24, 5)
