@@ -40,6 +40,33 @@ def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+_counters: dict = {}
+MIN_COUNTERS = 1024  # counters made at once: most launches never need more
+
+
+def ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """``count`` or more int32 counters at 0, on ``device``, for kernels whose programs take
+    tickets (``atomic_add``) and whose last program sets its counter back to 0 before the
+    launch ends: zeroed once, then reused by every launch.
+
+    Kept per (device, stream): launches on one stream run one after the other, while
+    two streams could run two launches at once. None while a CUDA graph is being
+    captured and no counters large enough exist yet (zeros made during a capture are
+    written only when the graph replays; the caller launches without counters then).
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, torch._C._cuda_getCurrentRawStream(index))
+    else:
+        key = (device.type, 0)
+    counters = _counters.get(key)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _counters[key] = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
+    return counters
+
+
 class CachedLauncher:
     """Launch one ``@triton.jit`` function: ``launcher(grid, *args, num_warps=,
     num_stages=, **constexprs)``, the runtime arguments positionally in

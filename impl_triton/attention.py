@@ -72,7 +72,7 @@ import triton.language as tl
 
 from common import plan as _plan
 from common.interpret import apply_interpreter_fixes
-from common.launch import CachedLauncher
+from common.launch import CachedLauncher, ticket_counters
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
@@ -277,7 +277,7 @@ def _attn_fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, SEED, SINK, ROW_LO, ROW_HI,
+    Q, K, V, O, LSE, MASK, SEED, SINK, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -293,12 +293,16 @@ def _attn_fwd(
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
 
     SPLIT: O is the float32 partial-output buffer (B, H, Lq, NUM_SPLITS, Dv)
-    and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, merged by _attn_combine.
+    and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, merged by _attn_combine or,
+    FUSED_MERGE, by the last of a row block's programs to finish: into OUT (B, H,
+    Lq, Dv) and, MERGE_LSE, LSE_OUT (B, H, Lq), both contiguous; COUNTS (int32, one
+    per program along grid axis 0, zero between launches) counts the finished splits.
     DROPOUT: SEED holds the mask's seed (int64); kept probabilities are scaled
     by dropout_scale = 1 / (1 - dropout_p). The log-sum-exp is dropout's input's.
     SINKS: SINK (B, H, Lq; strides) holds each row's sink logit, which joins the
@@ -411,6 +415,55 @@ def _attn_fwd(
     if DROPOUT:
         o = o * dropout_scale
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    if FUSED_MERGE:
+        # The last of this row block's NUM_SPLITS programs to get here merges them all, with
+        # no second launch. Every program's partials are stored before its ticket: the
+        # barrier orders its threads' stores before the ticket, the acq_rel atomic publishes
+        # them to (and the last one acquires them from) the other programs; the merge reads
+        # past L1. The last one sets the counter back to 0 for the next launch.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
+        if ticket == NUM_SPLITS - 1:
+            _merge_splits(O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS, HEAD_DIM_V,
+                          BLOCK_M, BLOCK_S, BLOCK_DV, MERGE_LSE)
+            tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
+
+
+@triton.jit
+def _merge_splits(
+    O_PART, LSE_PART, O, LSE, offs_r, r_ok, NUM_SPLITS,
+    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WITH_LSE: tl.constexpr,
+):
+    """Merge the splits of rows offs_r (BLOCK_R of them, int64; r_ok: real): O_PART
+    (R, NUM_SPLITS, Dv) float32 and LSE_PART (R, NUM_SPLITS) into O (R, Dv) and,
+    WITH_LSE, LSE (R,); all contiguous.
+
+    o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s); a split
+    whose rows saw no key has lse_s = -inf and weighs 0. One split's (BLOCK_R, Dv)
+    tile at a time, so the registers do not grow with the splits. Loads bypass L1
+    (.cg): in the fused merge, other SMs' programs wrote the partials.
+    """
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
+    lse_s = tl.load(LSE_PART + offs_r[:, None] * NUM_SPLITS + offs_s[None, :],
+                    mask=r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse_s, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
+    l = tl.sum(tl.exp(lse_s - m[:, None]), 1)  # noqa: E741
+    o = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp(tl.load(LSE_PART + offs_r * NUM_SPLITS + s, mask=r_ok, other=float("-inf"),
+                           cache_modifier=".cg") - m)
+        o_s = tl.load(O_PART + (offs_r * NUM_SPLITS + s)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                      mask=r_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
+        o += w[:, None] * o_s
+    o = o / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(O + offs_r[:, None] * HEAD_DIM_V + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=r_ok[:, None] & dv_ok[None, :])
+    if WITH_LSE:
+        tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)  # log(0) = -inf: no key at all
 
 
 @triton.jit
@@ -419,33 +472,11 @@ def _attn_combine(
     HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
     WITH_LSE: tl.constexpr,
 ):
-    """Merge the splits of BLOCK_R rows: O_PART (R, NUM_SPLITS, Dv) float32 and
-    LSE_PART (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous.
-
-    o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s); a split
-    whose rows saw no key has lse_s = -inf and weighs 0.
-    """
+    """Merge the splits of BLOCK_R rows (``_merge_splits``), a launch of its own: where
+    the attention kernel does not merge them itself (FUSED_MERGE)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    r_ok = offs_r < R
-    s_ok = offs_s < NUM_SPLITS
-    offs_rs = offs_r.to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]
-    lse_s = tl.load(LSE_PART + offs_rs, mask=r_ok[:, None] & s_ok[None, :], other=float("-inf"))
-    m = tl.max(lse_s, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
-    w = tl.exp(lse_s - m[:, None])
-    l = tl.sum(w, 1)  # noqa: E741
-    o_s = tl.load(
-        O_PART + offs_rs[:, :, None] * HEAD_DIM_V + offs_dv[None, None, :],
-        mask=(r_ok[:, None] & s_ok[None, :])[:, :, None] & (offs_dv < HEAD_DIM_V)[None, None, :],
-        other=0.0,
-    )
-    o = tl.sum(w[:, :, None] * o_s, 1) / tl.where(l == 0.0, 1.0, l)[:, None]
-    o_ptrs = O + offs_r.to(tl.int64)[:, None] * HEAD_DIM_V + offs_dv[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=r_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
-    if WITH_LSE:
-        tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)  # log(0) = -inf: no key at all
+    _merge_splits(O_PART, LSE_PART, O, LSE, offs_r.to(tl.int64), offs_r < R, NUM_SPLITS, HEAD_DIM_V, BLOCK_R,
+                  BLOCK_S, BLOCK_DV, WITH_LSE)
 
 
 # -- backward ---------------------------------------------------------------------------
@@ -957,9 +988,14 @@ def forward(plan):
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
+    # Split keys: the kernel merges them itself (the last program of each row block to
+    # finish), unless no counters can be had (inside a CUDA graph capture, at first).
+    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else None
+    fused = counts is not None
+    merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
     _fwd_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi,
+        q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts if fused else out,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *lse_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
         plan.dropout_scale, *_band_args(plan),
@@ -968,11 +1004,12 @@ def forward(plan):
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, RESUME=plan.resume,
+        TMA=plan.tma, RESUME=plan.resume, FUSED_MERGE=fused, BLOCK_S=plan.merge.block_s if plan.split else 1,
+        MERGE_LSE=plan.with_lse,
     )
-    if plan.split:
+    if plan.split and not fused:
         merge = plan.merge
-        lse = plan.lse if plan.lse is not None else out
+        lse = merged_lse
         _combine_launcher(
             (-(-merge.rows // merge.block_r), 1, 1),
             plan.o_part, plan.lse_part, out, lse, merge.rows, plan.num_splits,

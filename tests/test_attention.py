@@ -303,6 +303,38 @@ def test_tensor_descriptor_rules():
     assert not tma_fits(torch.randn(40 * 64 + 1, dtype=f16)[1:].view(1, 1, 40, 64))  # not 16-byte aligned
 
 
+def test_split_merge_in_the_kernel(device, monkeypatch):
+    """The Triton kernel merges its own splits (the last program of each row block to finish):
+    no second launch, the right answer, and its counters back at 0 for the next launch; a larger
+    launch gets larger counters."""
+    import impl_triton.attention as kernels
+    from common import launch
+    from common.plan import force_splits
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the separate merge kernel was launched")
+
+    monkeypatch.setattr(kernels, "_combine_launcher", refuse)
+    monkeypatch.setattr(launch, "MIN_COUNTERS", 4)
+    monkeypatch.setattr(launch, "_counters", {})
+    for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
+        q, k, v, mask = make_inputs(case, device)
+        kwargs = sdpa_kwargs(case, mask)
+        with force_splits(splits):
+            out, lse = attention(q, k, v, backend="triton", return_lse=True, **kwargs)
+        check_output(out, q, k, v, **kwargs)
+        kwargs.pop("enable_gqa")
+        check_lse(lse, q, k, **kwargs)
+        assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
+    assert max(c.numel() for c in launch._counters.values()) == 12  # B·H row blocks at most so far
+    with force_splits(2):  # more row blocks (one per head here) than the counters so far
+        q, k = torch.randn(1, 20, 1, 16, device=device), torch.randn(1, 20, 256, 16, device=device)
+        out = attention(q, k, k, backend="triton")
+    check_output(out, q, k, k)
+    assert max(c.numel() for c in launch._counters.values()) == 20
+    assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
+
+
 def test_split_plan():
     """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
     from common.plan import MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
