@@ -37,10 +37,13 @@ The Lq x Lk score matrix never exists outside registers.
   key is masked out gives 0, as SDPA's math backend does.
 - The log-sum-exp of each row's scaled, masked scores (natural log) can be
   written out: the backward pass and split merges need it.
-- Short queries (decoding): the keys can be split across programs (grid axis
-  2, BLOCKS_PER_SPLIT key blocks each); each program writes a float32 partial
-  output and its log-sum-exp, and ``_attn_combine`` merges them. When and how
-  much to split is ``common.plan``'s decision, shared with NineToothed.
+- Short queries (decoding): the keys can be split across programs (the
+  grid's second axis, BLOCKS_PER_SPLIT key blocks each); each program writes a float32 partial
+  output and its log-sum-exp, and the last program of each row block to finish
+  merges them (``_merge_splits``; a ticket taken with an atomic on per-stream
+  counters, ``common.launch.ticket_counters``), so a decode step is one launch;
+  ``_attn_combine``, a launch of its own, merges where no counters can be had.
+  When and how much to split is ``common.plan``'s decision, shared with NineToothed.
 
 Backward, deterministic (no atomics), from the forward's log-sum-exp:
 ``p = exp(s - lse)``, ``dv = p^T do``, ``dp = do v^T``, ``ds = p (dp - delta)``
@@ -804,7 +807,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _paged_fwd(
-    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, O, LSE,
+    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, O, LSE, OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -814,6 +817,7 @@ def _paged_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence, BLOCK_N keys per step (BLOCK_N / PAGE pages, gathered key
@@ -825,7 +829,8 @@ def _paged_fwd(
     Rows may be grouped-query heads packed into rows (GROUP = 1 then): row r is
     query row r % LQ_SEQ of its head, at position SEQLENS[z] - LQ_SEQ + r % LQ_SEQ
     (bottom-right), which IS_CAUSAL keeps to the keys at or before it. SPLIT: O and
-    LSE are the float32 partials (B, H, Lq, NUM_SPLITS[, Dv]) that _attn_combine merges.
+    LSE are the float32 partials (B, H, Lq, NUM_SPLITS[, Dv]) that _attn_combine merges
+    or, FUSED_MERGE, the last program of each row block into OUT (as in _attn_fwd).
     """
     start_m = tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
@@ -888,6 +893,13 @@ def _paged_fwd(
     o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
+    if FUSED_MERGE:  # as in _attn_fwd: the last split of the row block merges them
+        tl.debug_barrier()
+        ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
+        if ticket == NUM_SPLITS - 1:
+            _merge_splits(O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS, HEAD_DIM_V,
+                          BLOCK_M, BLOCK_S, BLOCK_DV, False)
+            tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -1074,18 +1086,21 @@ def paged_forward(plan):
         o, lse, o_strides = plan.o_part, plan.lse_part, plan.o_part.stride()
     else:
         o, lse, o_strides = out, out, (*out.stride()[:3], 0, out.stride(3))
+    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else None  # as in forward()
+    fused = counts is not None
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse,
+        q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse, out, counts if fused else out,
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
         plan.num_splits, plan.blocks_per_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
-        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
+        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, FUSED_MERGE=fused,
+        BLOCK_S=plan.merge.block_s if plan.split else 1,
     )
-    if plan.split:
+    if plan.split and not fused:
         merge = plan.merge
         _combine_launcher(
             (-(-merge.rows // merge.block_r), 1, 1),
