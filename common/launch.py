@@ -44,15 +44,15 @@ _counters: dict = {}
 MIN_COUNTERS = 1024  # counters made at once: most launches never need more
 
 
-def ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
+def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     """``count`` or more int32 counters at 0, on ``device``, for kernels whose programs take
     tickets (``atomic_add``) and whose last program sets its counter back to 0 before the
     launch ends: zeroed once, then reused by every launch.
 
     Kept per (device, stream): launches on one stream run one after the other, while
-    two streams could run two launches at once. None while a CUDA graph is being
-    captured and no counters large enough exist yet (zeros made during a capture are
-    written only when the graph replays; the caller launches without counters then).
+    two streams could run two launches at once. While a CUDA graph is being captured
+    and none large enough exist yet, new ones for that launch alone (zeros made during
+    a capture are written only when the graph replays: they belong to the graph).
     """
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -61,9 +61,10 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
         key = (device.type, 0)
     counters = _counters.get(key)
     if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _counters[key] = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
+            return counters
+        _counters[key] = counters
     return counters
 
 

@@ -41,8 +41,7 @@ The Lq x Lk score matrix never exists outside registers.
   grid's second axis, BLOCKS_PER_SPLIT key blocks each); each program writes a float32 partial
   output and its log-sum-exp, and the last program of each row block to finish
   merges them (``_merge_splits``; a ticket taken with an atomic on per-stream
-  counters, ``common.launch.ticket_counters``), so a decode step is one launch;
-  ``_attn_combine``, a launch of its own, merges where no counters can be had.
+  counters, ``common.launch.ticket_counters``), so a decode step is one launch.
   When and how much to split is ``common.plan``'s decision, shared with NineToothed.
 
 Backward, deterministic (no atomics), from the forward's log-sum-exp:
@@ -296,16 +295,16 @@ def _attn_fwd(
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_LSE: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
 
     SPLIT: O is the float32 partial-output buffer (B, H, Lq, NUM_SPLITS, Dv)
-    and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, merged by _attn_combine or,
-    FUSED_MERGE, by the last of a row block's programs to finish: into OUT (B, H,
-    Lq, Dv) and, MERGE_LSE, LSE_OUT (B, H, Lq), both contiguous; COUNTS (int32, one
-    per program along grid axis 0, zero between launches) counts the finished splits.
+    and LSE (B, H, Lq, NUM_SPLITS) its log-sum-exps, which the last of a row block's
+    programs to finish merges into OUT (B, H, Lq, Dv) and, MERGE_LSE, LSE_OUT (B, H,
+    Lq), both contiguous; COUNTS (int32, one per program along grid axis 0, zero
+    between launches) counts the finished splits.
     DROPOUT: SEED holds the mask's seed (int64); kept probabilities are scaled
     by dropout_scale = 1 / (1 - dropout_p). The log-sum-exp is dropout's input's.
     SINKS: SINK (B, H, Lq; strides) holds each row's sink logit, which joins the
@@ -418,7 +417,7 @@ def _attn_fwd(
     if DROPOUT:
         o = o * dropout_scale
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    if FUSED_MERGE:
+    if SPLIT:
         # The last of this row block's NUM_SPLITS programs to get here merges them all, with
         # no second launch. Every program's partials are stored before its ticket: the
         # barrier orders its threads' stores before the ticket, the acq_rel atomic publishes
@@ -445,7 +444,7 @@ def _merge_splits(
     o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s); a split
     whose rows saw no key has lse_s = -inf and weighs 0. One split's (BLOCK_R, Dv)
     tile at a time, so the registers do not grow with the splits. Loads bypass L1
-    (.cg): in the fused merge, other SMs' programs wrote the partials.
+    (.cg): other SMs' programs of the same launch wrote the partials.
     """
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -467,19 +466,6 @@ def _merge_splits(
              mask=r_ok[:, None] & dv_ok[None, :])
     if WITH_LSE:
         tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)  # log(0) = -inf: no key at all
-
-
-@triton.jit
-def _attn_combine(
-    O_PART, LSE_PART, O, LSE, R, NUM_SPLITS,
-    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    WITH_LSE: tl.constexpr,
-):
-    """Merge the splits of BLOCK_R rows (``_merge_splits``), a launch of its own: where
-    the attention kernel does not merge them itself (FUSED_MERGE)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    _merge_splits(O_PART, LSE_PART, O, LSE, offs_r.to(tl.int64), offs_r < R, NUM_SPLITS, HEAD_DIM_V, BLOCK_R,
-                  BLOCK_S, BLOCK_DV, WITH_LSE)
 
 
 # -- backward ---------------------------------------------------------------------------
@@ -817,7 +803,7 @@ def _paged_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence, BLOCK_N keys per step (BLOCK_N / PAGE pages, gathered key
@@ -829,8 +815,8 @@ def _paged_fwd(
     Rows may be grouped-query heads packed into rows (GROUP = 1 then): row r is
     query row r % LQ_SEQ of its head, at position SEQLENS[z] - LQ_SEQ + r % LQ_SEQ
     (bottom-right), which IS_CAUSAL keeps to the keys at or before it. SPLIT: O and
-    LSE are the float32 partials (B, H, Lq, NUM_SPLITS[, Dv]) that _attn_combine merges
-    or, FUSED_MERGE, the last program of each row block into OUT (as in _attn_fwd).
+    LSE are the float32 partials (B, H, Lq, NUM_SPLITS[, Dv]) that the last program of
+    each row block merges into OUT (as in _attn_fwd).
     """
     start_m = tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
@@ -893,7 +879,7 @@ def _paged_fwd(
     o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
-    if FUSED_MERGE:  # as in _attn_fwd: the last split of the row block merges them
+    if SPLIT:  # as in _attn_fwd: the last split of the row block merges them
         tl.debug_barrier()
         ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
         if ticket == NUM_SPLITS - 1:
@@ -955,7 +941,6 @@ if INTERPRETED:
 
 # compiled kernels, launched without Triton's per-call dispatch
 _fwd_launcher = CachedLauncher(_attn_fwd, scratch=True)  # TMA: descriptors made on the device
-_combine_launcher = CachedLauncher(_attn_combine)
 _dq_launcher = CachedLauncher(_attn_bwd_dq)
 _dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
 _paged_launcher = CachedLauncher(_paged_fwd)
@@ -1000,14 +985,12 @@ def forward(plan):
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
-    # Split keys: the kernel merges them itself (the last program of each row block to
-    # finish), unless no counters can be had (inside a CUDA graph capture, at first).
-    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else None
-    fused = counts is not None
+    # Split keys: the kernel merges them itself (the last program of each row block to finish).
+    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else out
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
     _fwd_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts if fused else out,
+        q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *lse_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
         plan.dropout_scale, *_band_args(plan),
@@ -1016,19 +999,9 @@ def forward(plan):
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, RESUME=plan.resume, FUSED_MERGE=fused, BLOCK_S=plan.merge.block_s if plan.split else 1,
+        TMA=plan.tma, RESUME=plan.resume, BLOCK_S=plan.merge.block_s if plan.split else 1,
         MERGE_LSE=plan.with_lse,
     )
-    if plan.split and not fused:
-        merge = plan.merge
-        lse = merged_lse
-        _combine_launcher(
-            (-(-merge.rows // merge.block_r), 1, 1),
-            plan.o_part, plan.lse_part, out, lse, merge.rows, plan.num_splits,
-            num_warps=4, num_stages=1,
-            HEAD_DIM_V=Dv, BLOCK_R=merge.block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv,
-            WITH_LSE=plan.with_lse,
-        )
     return out, plan.lse
 
 
@@ -1086,28 +1059,18 @@ def paged_forward(plan):
         o, lse, o_strides = plan.o_part, plan.lse_part, plan.o_part.stride()
     else:
         o, lse, o_strides = out, out, (*out.stride()[:3], 0, out.stride(3))
-    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else None  # as in forward()
-    fused = counts is not None
+    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else out  # as in forward()
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse, out, counts if fused else out,
+        q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse, out, counts,
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
         plan.num_splits, plan.blocks_per_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
-        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, FUSED_MERGE=fused,
-        BLOCK_S=plan.merge.block_s if plan.split else 1,
+        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, BLOCK_S=plan.merge.block_s if plan.split else 1,
     )
-    if plan.split and not fused:
-        merge = plan.merge
-        _combine_launcher(
-            (-(-merge.rows // merge.block_r), 1, 1),
-            plan.o_part, plan.lse_part, out, out, merge.rows, plan.num_splits,
-            num_warps=4, num_stages=1,
-            HEAD_DIM_V=Dv, BLOCK_R=merge.block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv, WITH_LSE=False,
-        )
     return out
 
 

@@ -32,7 +32,7 @@ OUT_DIR = ROOT / "comparison"
 # The functions of each kernel module, by pass: (device code and arrangements, host code).
 KERNEL_FUNCTIONS = {
     "triton": {
-        "forward": ["_load_tile", "_row_band", "_attn_fwd_inner", "_attn_fwd", "_attn_combine"],
+        "forward": ["_load_tile", "_row_band", "_attn_fwd_inner", "_attn_fwd", "_merge_splits"],
         "backward": ["_attn_bwd_dq_inner", "_attn_bwd_dq", "_attn_bwd_dkdv_inner", "_attn_bwd_dkdv"],
         "paged": ["_paged_fwd", "_append_kv"],
     },
