@@ -330,6 +330,22 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
+def test_split_merge_is_the_same_every_time(device):
+    """The in-kernel merge sums the splits in one order whichever program merges: the same bits
+    on every call. On a GPU, many calls of a launch of many splits: a program that merged
+    before every partial was visible (a missing barrier or fence) would show as a change."""
+    from common.plan import force_splits
+
+    calls, B, D, Lk = (300, 4, 128, 8192) if ON_GPU else (2, 1, 32, 600)
+    q = torch.randn(B, 32, 1, D, device=device, dtype=f16)
+    k, v = (torch.randn(B, 8, Lk, D, device=device, dtype=f16) for _ in range(2))
+    with force_splits(64 if ON_GPU else 5):
+        first = attention(q, k, v, enable_gqa=True, backend="triton")
+        for _ in range(calls):
+            assert torch.equal(attention(q, k, v, enable_gqa=True, backend="triton"), first)
+    check_output(first, q, k, v, enable_gqa=True)
+
+
 def test_split_plan():
     """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
     from common.plan import MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
