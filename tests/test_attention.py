@@ -346,6 +346,30 @@ def test_split_merge_is_the_same_every_time(device):
     check_output(first, q, k, v, enable_gqa=True)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA streams (the CPU runs one program at a time)")
+def test_split_merge_on_two_streams(device):
+    """Split launches running at once on two streams take their tickets from counters of their
+    own (one set per stream): every result right."""
+    from common.plan import force_splits
+
+    q = torch.randn(4, 32, 1, 128, device=device, dtype=f16)
+    keys = [torch.randn(4, 8, 4096, 128, device=device, dtype=f16) for _ in range(2)]
+    expected = [attention(q, k, k, enable_gqa=True, backend="torch") for k in keys]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    results = [[], []]
+    with force_splits(32):
+        for _ in range(50):
+            for i, stream in enumerate(streams):
+                with torch.cuda.stream(stream):
+                    results[i].append(attention(q, keys[i], keys[i], enable_gqa=True, backend="triton"))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for out in results[i]:
+            torch.testing.assert_close(out, expected[i], rtol=1e-2, atol=1e-2)
+
+
 def test_split_plan():
     """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
     from common.plan import MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
