@@ -295,7 +295,7 @@ def _attn_fwd(
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
-    BLOCK_S: tl.constexpr, MERGE_LSE: tl.constexpr,
+    MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -427,45 +427,47 @@ def _attn_fwd(
         ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
         if ticket == NUM_SPLITS - 1:
             _merge_splits(O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS, HEAD_DIM_V,
-                          BLOCK_M, BLOCK_S, BLOCK_DV, MERGE_LSE)
+                          BLOCK_M, BLOCK_DV, MERGE_LSE)
             tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
 
 
 @triton.jit
 def _merge_splits(
     O_PART, LSE_PART, O, LSE, offs_r, r_ok, NUM_SPLITS,
-    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    WITH_LSE: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, WITH_LSE: tl.constexpr,
 ):
     """Merge the splits of rows offs_r (BLOCK_R of them, int64; r_ok: real): O_PART
     (R, NUM_SPLITS, Dv) float32 and LSE_PART (R, NUM_SPLITS) into O (R, Dv) and,
     WITH_LSE, LSE (R,); all contiguous.
 
-    o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s); a split
-    whose rows saw no key has lse_s = -inf and weighs 0. One split's (BLOCK_R, Dv)
-    tile at a time, so the registers do not grow with the splits. Loads bypass L1
-    (.cg): other SMs' programs of the same launch wrote the partials.
+    o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s), one split at a
+    time as an online softmax over the splits (registers for one (BLOCK_R, Dv) tile,
+    and no tile size that depends on the number of splits: a decode loop whose splits
+    grow compiles nothing new); a split whose rows saw no key has lse_s = -inf and
+    weighs 0. Loads bypass L1 (.cg): other SMs' programs of the same launch wrote the
+    partials.
     """
-    offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM_V
-    lse_s = tl.load(LSE_PART + offs_r[:, None] * NUM_SPLITS + offs_s[None, :],
-                    mask=r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse_s, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
-    l = tl.sum(tl.exp(lse_s - m[:, None]), 1)  # noqa: E741
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_R], dtype=tl.float32)  # noqa: E741
     o = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
     for s in range(NUM_SPLITS):
-        w = tl.exp(tl.load(LSE_PART + offs_r * NUM_SPLITS + s, mask=r_ok, other=float("-inf"),
-                           cache_modifier=".cg") - m)
+        lse_s = tl.load(LSE_PART + offs_r * NUM_SPLITS + s, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
         o_s = tl.load(O_PART + (offs_r * NUM_SPLITS + s)[:, None] * HEAD_DIM_V + offs_dv[None, :],
                       mask=r_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
-        o += w[:, None] * o_s
+        m_new = tl.maximum(m, lse_s)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet: weights 0, not NaN
+        alpha = tl.exp(m - m_sub)
+        w = tl.exp(lse_s - m_sub)
+        l = l * alpha + w  # noqa: E741
+        o = o * alpha[:, None] + w[:, None] * o_s
+        m = m_new
     o = o / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(O + offs_r[:, None] * HEAD_DIM_V + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=r_ok[:, None] & dv_ok[None, :])
-    if WITH_LSE:
-        tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)  # log(0) = -inf: no key at all
+    if WITH_LSE:  # log(0) = -inf: no key at all
+        tl.store(LSE + offs_r, tl.where(m == float("-inf"), 0.0, m) + tl.log(l), mask=r_ok)
 
 
 # -- backward ---------------------------------------------------------------------------
@@ -803,7 +805,6 @@ def _paged_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence, BLOCK_N keys per step (BLOCK_N / PAGE pages, gathered key
@@ -884,7 +885,7 @@ def _paged_fwd(
         ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
         if ticket == NUM_SPLITS - 1:
             _merge_splits(O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS, HEAD_DIM_V,
-                          BLOCK_M, BLOCK_S, BLOCK_DV, False)
+                          BLOCK_M, BLOCK_DV, False)
             tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
 
 
@@ -999,8 +1000,7 @@ def forward(plan):
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, RESUME=plan.resume, BLOCK_S=plan.merge.block_s if plan.split else 1,
-        MERGE_LSE=plan.with_lse,
+        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse,
     )
     return out, plan.lse
 
@@ -1069,7 +1069,7 @@ def paged_forward(plan):
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
-        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, BLOCK_S=plan.merge.block_s if plan.split else 1,
+        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
     )
     return out
 
