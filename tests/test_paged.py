@@ -182,6 +182,30 @@ def test_decode_steps_in_a_cuda_graph(backend):
                                    rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("splits", [None, 2])
+def test_paged_length_past_the_table(backend, splits):
+    """Bad input without validate=True: a length past the table's pages reads those pages once
+    each, as if the length were the table's (no page twice, no entry outside the table)."""
+    lens, page = [40, 20], 16
+    key_cache, value_cache, block_table, _, keys, values = _cache(lens, 2, 16, 16, page, f32)
+    capacity = block_table.shape[1] * page
+    full_keys, full_values = _cache_sequences(key_cache, value_cache, block_table, capacity)
+    seqlens = torch.tensor([capacity + 7, 20], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(2, 4, 3, 16, device=DEVICE)
+    with force_splits(splits or 1):
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
+                              backend=backend)
+    expected = _reference(query, [full_keys[0], keys[1]], [full_values[0], values[1]], True)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+
+
+def _cache_sequences(key_cache, value_cache, block_table, length):
+    """Every sequence's first ``length`` keys and values as its table lists them (B lists of (H_kv, L, D))."""
+    keys = [key_cache[pages.long()].flatten(0, 1)[:length].transpose(0, 1) for pages in block_table]
+    values = [value_cache[pages.long()].flatten(0, 1)[:length].transpose(0, 1) for pages in block_table]
+    return keys, values
+
+
 def test_paged_without_host_sync(backend, monkeypatch):
     lens = [20, 3]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
