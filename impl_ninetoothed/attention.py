@@ -871,16 +871,17 @@ def paged_application(
     an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton kernel
     makes one tile of them), as ``_paged_fwd``: packed row r is query row r % lq_seq of its
     head, at position Lk - lq_seq + r % lq_seq (bottom-right); a page entry outside the
-    cache is clamped into it."""
+    cache is clamped into it, a length past the table to the table."""
     q = query
     offs_m = query.offsets(-2)
-    Lk = ntl.sum(cache_seqlens, 0)  # the (1,) tile of this sequence's length
+    PAGE = key_cache.dtype.shape[0]
+    # the (1,) tile of this sequence's length; a bad one reads no entry past the table (as _paged_fwd)
+    Lk = ntl.minimum(ntl.sum(cache_seqlens, 0), block_table.source.shape[-1] * PAGE)
     last_key = Lk - lq_seq + offs_m % lq_seq  # the key at each row's position
     qk_scale = scale * LOG2E
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
-    PAGE = key_cache.dtype.shape[0]
     lo = ntl.min(block_table[0].offsets(-1), 0)  # the split's first page
     hi = ntl.minimum(lo + block_table.shape[0], ntl.cdiv(Lk, PAGE))
     for j in range(lo, hi, PAGES_PER_STEP):

@@ -147,6 +147,80 @@ def test_append_then_attend(name):
         assert torch.equal(key_cache[p, slot], k)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (the CPU suite checks the no-sync rule above)")
+def test_decode_steps_in_a_cuda_graph(backend):
+    """A serving loop's step, append_kv then paged_attention then the lengths advanced, captured
+    once in a CUDA graph and replayed step after step with new tokens: every step's output is
+    the dense attention over the sequence so far (no host sync, no allocation outside the graph,
+    no shape that changes between steps)."""
+    lens, page, H, H_kv, D, steps = [30, 1, 47], 16, 8, 2, 64, 5
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(
+        [n + steps for n in lens], H_kv, D, D, page, f16)
+    seqlens.copy_(torch.tensor(lens, dtype=torch.int32, device=DEVICE))  # the last `steps` tokens come one by one
+    query, new_key, new_value = (torch.empty(3, n, 1, D, device=DEVICE, dtype=f16) for n in (H, H_kv, H_kv))
+    token_keys = [torch.randn(3, H_kv, 1, D, device=DEVICE, dtype=f16) for _ in range(steps + 1)]
+    token_values = [torch.randn(3, H_kv, 1, D, device=DEVICE, dtype=f16) for _ in range(steps + 1)]
+    queries = [torch.randn(3, H, 1, D, device=DEVICE, dtype=f16) for _ in range(steps + 1)]
+
+    def step():
+        lengths = append_kv(key_cache, value_cache, block_table, seqlens, new_key, new_value, backend=backend)
+        out = paged_attention(query, key_cache, value_cache, block_table, lengths, enable_gqa=True, backend=backend)
+        seqlens.copy_(lengths)
+        return out
+
+    # Warm up (compiles) on a side stream, as CUDA graph capture wants, then put the state back.
+    query.copy_(queries[0])
+    new_key.copy_(token_keys[0])
+    new_value.copy_(token_values[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    seqlens.copy_(torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    seqlens.copy_(torch.tensor(lens, dtype=torch.int32, device=DEVICE))  # capture ran nothing; to be safe
+    history_k = [k.clone() for k in keys]
+    history_v = [v.clone() for v in values]
+    for t in range(1, steps + 1):
+        query.copy_(queries[t])
+        new_key.copy_(token_keys[t])
+        new_value.copy_(token_values[t])
+        graph.replay()
+        for b, n in enumerate(lens):  # sequence b now holds its first n keys and this run's t new tokens
+            history_k[b] = torch.cat([keys[b][:, :n] if t == 1 else history_k[b], token_keys[t][b]], 1)
+            history_v[b] = torch.cat([values[b][:, :n] if t == 1 else history_v[b], token_values[t][b]], 1)
+        assert seqlens.tolist() == [n + t for n in lens]
+        torch.testing.assert_close(out.double(), _reference(queries[t], history_k, history_v, False),
+                                   rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_paged_length_past_the_table(backend, splits):
+    """Bad input without validate=True: a length past the table's pages reads those pages once
+    each, as if the length were the table's (no page twice, no entry outside the table)."""
+    lens, page = [40, 20], 16
+    key_cache, value_cache, block_table, _, keys, values = _cache(lens, 2, 16, 16, page, f32)
+    capacity = block_table.shape[1] * page
+    full_keys, full_values = _cache_sequences(key_cache, value_cache, block_table, capacity)
+    seqlens = torch.tensor([capacity + 7, 20], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(2, 4, 3, 16, device=DEVICE)
+    with force_splits(splits or 1):
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
+                              backend=backend)
+    expected = _reference(query, [full_keys[0], keys[1]], [full_values[0], values[1]], True)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+
+
+def _cache_sequences(key_cache, value_cache, block_table, length):
+    """Every sequence's first ``length`` keys and values as its table lists them (B lists of (H_kv, L, D))."""
+    keys = [key_cache[pages.long()].flatten(0, 1)[:length].transpose(0, 1) for pages in block_table]
+    values = [value_cache[pages.long()].flatten(0, 1)[:length].transpose(0, 1) for pages in block_table]
+    return keys, values
+
+
 def test_paged_without_host_sync(backend, monkeypatch):
     lens = [20, 3]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)

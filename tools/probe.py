@@ -20,6 +20,7 @@ is written to the project.
   decode on the same keys, kernel time by CUDA-graph replay, bandwidth of K/V read; append_kv.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
+- graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 """
 
@@ -347,6 +348,55 @@ def decode():
             line.append(f"default: sdpa {sdpa * 1e3:.0f}us triton {sdpa / tr:.2f} ninetoothed {sdpa / nt:.2f} "
                         f"wall us sdpa/triton/nt {wall[0]:.0f}/{wall[1]:.0f}/{wall[2]:.0f}")
         print("  ".join(line), flush=True)
+
+
+def graphs():
+    """A serving decode step (append_kv, paged_attention, lengths advanced; B = 4, 32 query heads over
+    8 K/V heads, D = 128, bf16, pages of 64, 3000 keys and growing): wall time per step in a plain
+    Python loop against the same step captured in a CUDA graph and replayed, and the kernels' own
+    time (graph replay with the host far ahead); SDPA's eager step (dense cache, torch.cat) beside."""
+    from common import append_kv, paged_attention
+
+    B, H, H_kv, D, page, start, steps = 4, 32, 8, 128, 64, 3000, 200
+    max_pages = -(-(start + 6000) // page)  # room for the warm-up and timed steps
+    for backend in ("triton", "ninetoothed"):
+        key_cache = torch.randn(B * max_pages, page, H_kv, D, device="cuda", dtype=torch.bfloat16)
+        value_cache = torch.randn_like(key_cache)
+        table = torch.randperm(B * max_pages, device="cuda").view(B, max_pages).to(torch.int32)
+        seqlens = torch.full((B,), start, dtype=torch.int32, device="cuda")
+        query = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+        new = torch.randn(B, H_kv, 1, D, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            lengths = append_kv(key_cache, value_cache, table, seqlens, new, new, backend=backend)
+            out = paged_attention(query, key_cache, value_cache, table, lengths, enable_gqa=True, backend=backend)
+            seqlens.copy_(lengths)
+            return out
+
+        eager = wall_time_us(step, calls=steps // 2, warmup_s=0.05)
+        seqlens.fill_(start)
+        graph_time = _graph_time_ms(step, replays=20) * 1e3  # kernel time per step (the host far ahead)
+        seqlens.fill_(start)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+        seqlens.fill_(start)
+        replay = wall_time_us(graph.replay, calls=steps // 2, warmup_s=0.05)
+        print(f"{backend}: eager step {eager:.0f} us wall, graph replay {replay:.0f} us wall, kernels "
+              f"{graph_time:.0f} us", flush=True)
+    k = torch.randn(B, H_kv, start, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+    one = torch.randn(B, H_kv, 1, D, device="cuda", dtype=torch.bfloat16)
+    state = {"k": k}
+
+    def sdpa_step():
+        state["k"] = torch.cat([state["k"], one], 2)
+        return F.scaled_dot_product_attention(q, state["k"], state["k"], enable_gqa=True)
+
+    print(f"SDPA eager step (torch.cat of the new token, then SDPA): {wall_time_us(sdpa_step, calls=steps // 2):.0f} us",
+          flush=True)
 
 
 def tma():
