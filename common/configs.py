@@ -211,6 +211,11 @@ _override_backward: contextvars.ContextVar[BackwardConfig | None] = contextvars.
     "backward_config_override", default=None)
 
 
+def forced() -> Config | None:
+    """The forward configuration :func:`override` forces in this thread, or None."""
+    return _override.get()
+
+
 @contextlib.contextmanager
 def override(config: Config | BackwardConfig):
     """Inside the block, every call of this thread uses ``config`` for its pass

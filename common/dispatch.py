@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from common import ops
-from common.backends import resolve
-from common.validation import check_backward, check_call
+from common import plan as planning
+from common.backends import OFFSETS64, resolve
+from common.validation import OFFSET_LIMIT, check_backward, check_call, span
 
 
 def attention(
@@ -99,6 +100,11 @@ def attention(
     Raises:
         TypeError, ValueError: for bad input, before any kernel launches.
     """
+    if (attn_mask is None and dropout_seed is None and window is None and softcap is None and sinks is None
+            and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"):
+        again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
+        if again is not None:
+            return again
     chosen = resolve(backend)
     call = check_call(
         chosen, query, key, value,
@@ -181,6 +187,80 @@ def attention_backward(
     else:
         grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)
+
+
+# A loop of calls with one layout (the same shapes in every layer of a model, a fixed-size
+# benchmark) validates and plans the same thing each time: what validation decides and what
+# the plan holds depend only on the arguments and on the tensors' shapes, strides, dtypes
+# and devices. The plain calls (no mask, dropout, window, soft-capping or sinks; nothing
+# that needs a gradient; not compiling) keep the template of the first call of each layout
+# (common.plan.template_of); later ones only allocate their outputs and launch. Calls that
+# are not causal are also found by their layout less the keys' length and strides (a decode
+# loop's cache grows by a token a step): those check what depends on the keys' length and
+# plan their launch again (config, splits), nothing else.
+_templates: dict = {}  # the exact layout -> template
+_growing: dict = {}  # the layout less the keys' length and strides (calls that are not causal) -> template
+_MAX_TEMPLATES = 1024  # layouts kept before a cache starts over
+
+
+def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse):
+    """The result of a plain kernel-backend call through the template of its layout (made
+    by this call where it is the layout's first); None where the full path must run."""
+    if torch.compiler.is_compiling():  # first: torch.compile traces none of the rest
+        return None
+    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
+            or type(is_causal) is not bool or type(enable_gqa) is not bool or type(return_lse) is not bool
+            or not (scale is None or type(scale) is float)):
+        return None  # subclasses, and arguments whose validation may fail on a type equal in value
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    chosen = resolve(backend)
+    settings = planning.reuse_key()
+    if not chosen.kernels or settings is None:
+        return None
+    head = (chosen.name, chosen.interpreted(), settings, is_causal, scale, enable_gqa, return_lse,
+            query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device)
+    exact = (head, key.shape, key.stride(), value.shape, value.stride())
+    unbatched = query.ndim == 3
+    template = _templates.get(exact)
+    other_keys = False
+    if template is None and not is_causal:
+        template = _growing.get((head, key.shape[:-2], key.shape[-1], value.shape[:-2], value.shape[-1]))
+        other_keys = template is not None
+        if other_keys and not _keys_fit(chosen, key, value):
+            return None  # the full path says what is wrong
+    if template is None:
+        call = check_call(chosen, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=is_causal,
+                          scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
+        out, lse, template = ops.forward(chosen, call, with_lse=return_lse, template=True)
+        if template is not None:
+            _remember(_templates, exact, template)
+            if not is_causal:
+                _remember(_growing, (head, key.shape[:-2], key.shape[-1], value.shape[:-2], value.shape[-1]),
+                          template)
+    else:
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        out, lse = ops.forward_again(chosen, template, query, key, value, other_keys=other_keys)
+    if unbatched:
+        out = out[0]
+        lse = lse[0] if lse is not None else None
+    return (out, lse) if return_lse else out
+
+
+def _keys_fit(chosen, key, value) -> bool:
+    """What validation checks of the keys' length and strides: one length for key and value,
+    at least one key (none: the full path), the 32-bit offsets of NineToothed's code."""
+    Lk = key.shape[-2]
+    if Lk == 0 or value.shape[-2] != Lk:
+        return False
+    return chosen.supports(OFFSETS64) or (span(key) < OFFSET_LIMIT and span(value) < OFFSET_LIMIT)
+
+
+def _remember(cache: dict, layout, template) -> None:
+    if len(cache) >= _MAX_TEMPLATES:
+        cache.clear()
+    cache[layout] = template
 
 
 def _needs_grad(call) -> bool:

@@ -25,8 +25,10 @@ from common.validation import Call
 NAMESPACE = "twin_attention"
 
 
-def forward(backend, call: Call, with_lse: bool):
-    """``(out, lse)`` for a validated 4-D call; lse None unless ``with_lse``."""
+def forward(backend, call: Call, with_lse: bool, *, template: bool = False):
+    """``(out, lse)`` for a validated 4-D call; lse None unless ``with_lse``. With
+    ``template``, ``(out, lse, template)``: the plan's template for :func:`forward_again`
+    (:func:`common.plan.template_of`; None where nothing was planned)."""
     q, v = call.query, call.value
     B, H, Lq, _ = q.shape
     Lk, Dv = call.key.shape[2], v.shape[3]
@@ -35,9 +37,20 @@ def forward(backend, call: Call, with_lse: bool):
         # log-sum-exp of an empty set is -inf).
         out = q.new_zeros((B, H, Lq, Dv))
         lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if with_lse else None
-        return out, lse
+        return (out, lse, None) if template else (out, lse)
     with _on_device(q.device):
         plan = planning.make_forward(call, backend, with_lse=with_lse)
+        with _quiet(backend):
+            results = plan.results(*backend.load().forward(plan))
+    return (*results, planning.template_of(plan, call)) if template else results
+
+
+def forward_again(backend, template, query, key, value, *, other_keys: bool = False):
+    """:func:`forward` of a call laid out as the one ``template`` was planned from
+    (:func:`common.plan.template_of`; 4-D tensors): no planning, the launch alone.
+    ``other_keys``: the keys' length and strides may differ (their launch is planned again)."""
+    with _on_device(query.device):
+        plan = planning.rebind_forward(template, query, key, value, backend if other_keys else None)
         with _quiet(backend):
             return plan.results(*backend.load().forward(plan))
 

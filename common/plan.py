@@ -40,6 +40,7 @@ import torch
 
 from common.backends import OFFSETS64, TMA
 from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
+from common.configs import forced as configs_override
 from common.outputs import allocator
 
 # Constants both kernels name (impl_triton wraps them as tl.constexpr; the
@@ -297,8 +298,19 @@ def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed
         plan.group = 1
-    _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    plan.dot_precision = dot_precision(q.dtype)
+    _plan_launch(plan, backend, resume)
+    return plan
+
+
+def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
+    """The rest of :func:`make_forward`, from the kernels' views on: the config, the row
+    blocks, the key splits and the buffers. (What :func:`rebind_forward` does again for
+    another length of the keys.)"""
+    q = plan.query
+    B, Hp, Lqp, _ = q.shape
+    Lk, Dv = plan.key.shape[2], plan.value.shape[3]
     interpreted = backend.interpreted()
     config = plan.config = backend.configs.lookup(
         max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted)
@@ -306,24 +318,92 @@ def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
     plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device)
     if plan.row_bands is not None:  # packed sequences: each row block sees its own few
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
-    plan.dot_precision = dot_precision(q.dtype)
-    alloc = allocator()
     if resume is not None:  # one program per row block folds all of its keys in: no split
         plan.out, plan.lse = resume
         plan.with_lse = plan.resume = True
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
-    else:
-        plan.out = alloc((B, Hp, Lqp, Dv), q.dtype, q.device)
-    if with_lse and plan.lse is None:
-        plan.lse = alloc((B, Hp, Lqp), torch.float32, q.device)
     if plan.num_splits > 1 and not backend.supports(OFFSETS64) and B * Hp * Lqp * plan.num_splits * Dv >= 2**31:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
+    rows = B * Hp * Lqp
+    plan.merge = Merge(rows, combine_rows(rows, interpreted), next_power_of_2(plan.num_splits)) if (
+        plan.num_splits > 1) else None
+    _allocate_outputs(plan, q.dtype, q.device)
+
+
+def _allocate_outputs(plan: ForwardPlan, dtype: torch.dtype, device) -> None:
+    """The buffers a forward launch writes that the plan does not hold yet: the output,
+    the log-sum-exp (when asked for) and a split's partials."""
+    B, Hp, Lqp, _ = plan.query.shape
+    Dv = plan.value.shape[3]
+    alloc = allocator()
+    if plan.out is None:
+        plan.out = alloc((B, Hp, Lqp, Dv), dtype, device)
+    if plan.with_lse and plan.lse is None:
+        plan.lse = alloc((B, Hp, Lqp), torch.float32, device)
     if plan.num_splits > 1:
-        plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, q.device)
-        plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, q.device)
-        rows = B * Hp * Lqp
-        plan.merge = Merge(rows, combine_rows(rows, interpreted), next_power_of_2(plan.num_splits))
+        plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, device)
+        plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, device)
+
+
+# -- plans reused: a loop of calls with one layout ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForwardTemplate:
+    """A planned forward call with its tensors taken out: every decision :func:`make_forward`
+    made (config, splits, packing, the keys dropped), which depend only on the call's
+    arguments and its tensors' shapes, strides, dtypes and device, never on their data
+    or addresses. :func:`rebind_forward` plans another call of that layout from it."""
+
+    fields: tuple  # the plan's fields in order (ForwardPlan(*fields)), query, key, value and the outputs None
+    query_view: tuple[int, ...] | None  # the packed query's shape, or None (not packed)
+    key_length: int | None  # the keys kept (causal calls drop those no row sees), or None (all)
+
+
+def reuse_key():
+    """What, besides a call's arguments and layout, :func:`make_forward` decides by: the
+    switches of this module and of the config tables (tests, ``tune`` and the probes set
+    them). None while a plan must not be reused at all (forced descriptors: their use
+    depends on the tensors' addresses)."""
+    if _forced_tma.get():
+        return None
+    return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, MIN_SPLIT_KEYS, PACK_MAX_LQ)
+
+
+_TENSOR_FIELDS = ("query", "key", "value", "out", "lse", "o_part", "lse_part")
+
+
+def template_of(plan: ForwardPlan, call) -> ForwardTemplate:
+    """The template of a plan made by :func:`make_forward` for ``call`` (no mask, dropout, sinks,
+    packed sequences or running result: those hold tensors of their own)."""
+    assert plan.attn_mask is None and plan.seed is None and plan.sinks is None and plan.row_bands is None
+    assert not plan.resume and not plan.tma  # descriptors depend on the tensors' addresses
+    query_view = tuple(plan.query.shape) if plan.query.shape != call.query.shape else None
+    key_length = plan.key.shape[2] if plan.key.shape[2] != call.key.shape[2] else None
+    fields = tuple(None if f.name in _TENSOR_FIELDS else getattr(plan, f.name) for f in dataclasses.fields(plan))
+    return ForwardTemplate(fields, query_view, key_length)
+
+
+def rebind_forward(template: ForwardTemplate, query, key, value, backend=None) -> ForwardPlan:
+    """The plan of a call whose arguments, and whose tensors' shapes, strides, dtypes and
+    device, are those ``template`` was made from: the same decisions, these tensors, fresh
+    outputs (what :func:`make_forward` would plan, without planning again).
+
+    With ``backend``, the keys may differ in length and strides (a decode loop's growing
+    cache; calls that drop no keys, i.e. ``template.key_length`` None): the config, the
+    splits and the buffers are planned again for them (:func:`_plan_launch`)."""
+    plan = ForwardPlan(*template.fields)  # (a copy, at a fraction of copy.copy's cost)
+    plan.query = query if template.query_view is None else query.view(template.query_view)
+    if backend is not None:
+        assert template.key_length is None
+        plan.key, plan.value = key, value
+        _plan_launch(plan, backend)
+        return plan
+    if template.key_length is not None:
+        key, value = key[:, :, :template.key_length], value[:, :, :template.key_length]
+    plan.key, plan.value = key, value
+    _allocate_outputs(plan, query.dtype, query.device)
     return plan
 
 

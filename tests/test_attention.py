@@ -398,3 +398,101 @@ def test_decode_without_forcing(backend, device):
     num_splits, _ = plan_splits(-(-2 // config.block_m), case.Lk, config.block_n, torch.device(device))
     assert num_splits > 1
     run_case(case, backend, device)
+
+
+# -- loops of one layout: the first call's plan reused -----------------------
+REUSE_CASES = [
+    (Case(2, 8, 1, 300, 32, H_kv=2), 3),  # decode: query heads packed into rows, split keys
+    (Case(1, 2, 17, 40, 32, causal=True), 1),  # causal: the keys no row sees dropped
+    (Case(None, 2, 9, 33, 16, Dv=32, layout="transposed", dtype=bf16, scale=-0.5), 1),  # 3-D, strided
+]
+
+
+@pytest.mark.parametrize("case,splits", [pytest.param(c, s, id=c.id) for c, s in REUSE_CASES])
+def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
+    """A plain call whose layout (arguments, shapes, strides, dtypes, device) was seen before
+    plans nothing: it reuses that call's template, holds no tensor of it, and gives the right
+    answer (and lse) on fresh inputs, with fresh outputs."""
+    from common import dispatch, plan
+    from common.plan import force_splits
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    kwargs = sdpa_kwargs(case, None)
+    with force_splits(splits):
+        q, k, v, _ = make_inputs(case, device)
+        first, first_lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+        (template,) = dispatch._templates.values()
+        assert not any(isinstance(f, torch.Tensor) for f in template.fields)
+
+        def no_planning(*args, **kw):
+            raise AssertionError("planned again")
+
+        monkeypatch.setattr(plan, "make_forward", no_planning)
+        monkeypatch.setattr(dispatch, "check_call", no_planning)
+        q2, k2, v2, _ = make_inputs(case, device)
+        out, lse = attention(q2, k2, v2, backend=backend, return_lse=True, **kwargs)
+    assert len(dispatch._templates) == 1
+    assert out.data_ptr() != first.data_ptr() and lse.data_ptr() != first_lse.data_ptr()
+    check_output(first, q, k, v, **kwargs)
+    check_output(out, q2, k2, v2, **kwargs)
+    kwargs.pop("enable_gqa")
+    check_lse(lse, q2, k2, **kwargs)
+
+
+def test_plan_reuse_keeps_every_check(device, monkeypatch):
+    """A layout seen before still gets its arguments checked where only their value's type
+    differs (True for 1.0, 1 for True), a new plan where a switch changed, and the full path
+    where an input needs a gradient."""
+    from common import dispatch
+    from common.plan import force_splits
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    q = torch.randn(2, 1, 300, 16, device=device)
+    attention(q, q, q, scale=1.0, is_causal=True)
+    attention(q, q, q, scale=1.0, is_causal=True)
+    assert len(dispatch._templates) == 1
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        attention(q, q, q, scale=True, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal"):
+        attention(q, q, q, scale=1.0, is_causal=1)
+    with force_splits(2):
+        attention(q, q, q, scale=1.0, is_causal=True)
+    assert len(dispatch._templates) == 2
+    leaf = q.clone().requires_grad_()
+    out = attention(leaf, q, q, scale=1.0, is_causal=True)
+    assert out.grad_fn is not None
+    assert len(dispatch._templates) == 2
+
+
+def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
+    """A decode loop (keys one longer each step, a fresh cache tensor each time): calls that are
+    not causal validate and plan only what depends on the keys' length; the right answer at
+    every step, across a change of split count; keys and values of two lengths still fail."""
+    from common import dispatch, plan
+    from common.backends import get_backend
+    from common.validation import check_call
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    q = torch.randn(1, 4, 1, 32, device=device)
+    first = torch.randn(1, 1, 100, 32, device=device)
+    attention(q, first, first, enable_gqa=True, backend=backend)
+    make_forward = plan.make_forward
+
+    def no_planning(*args, **kw):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(plan, "make_forward", no_planning)
+    monkeypatch.setattr(dispatch, "check_call", no_planning)
+    splits = set()
+    for Lk in (101, 102, 700, 2500):
+        k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
+        out = attention(q, k, v, enable_gqa=True, backend=backend)
+        check_output(out, q, k, v, enable_gqa=True)
+        splits.add(make_forward(check_call(get_backend(backend), q, k, v, attn_mask=None, dropout_p=0.0,
+                                           is_causal=False, scale=None, enable_gqa=True, return_lse=False),
+                                get_backend(backend), with_lse=False).num_splits)
+    assert len(splits) > 1  # the loop crossed split counts
+    monkeypatch.setattr(dispatch, "check_call", check_call)
+    with pytest.raises(ValueError, match="same sequence length"):
+        attention(q, k, v[:, :, :-1], enable_gqa=True, backend=backend)
