@@ -1047,10 +1047,20 @@ INTERPRETED = interpreter_requested()
 
 # -- launching a plan ------------------------------------------------------------------------
 
+_stand_ins: dict = {}
+
+
 def _absent(like, *shape):
     """A stand-in for a tensor a kernel never touches (a flag turns its use off):
-    a broadcast scalar, no memory."""
-    return like.new_empty(()).expand(*shape)
+    a broadcast scalar, no memory. Kept per (device, dtype, shape): making one is
+    two torch calls, and a plain forward needs four of them."""
+    key = (like.device, like.dtype, shape)
+    stand_in = _stand_ins.get(key)
+    if stand_in is None:
+        if len(_stand_ins) >= 256:
+            _stand_ins.clear()
+        stand_in = _stand_ins[key] = like.new_empty(()).expand(*shape)
+    return stand_in
 
 
 def _dropout_args(plan):
