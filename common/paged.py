@@ -102,6 +102,15 @@ def paged_attention(
         TypeError, ValueError: for bad input, before any kernel launches.
     """
     chosen = resolve(backend)
+    layout = _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
+                     enable_gqa, validate)
+    template = _templates.get(layout) if layout is not None else None
+    if template is not None:  # validated and planned before: launch
+        plan = PagedPlan(*template)
+        plan.query = query if plan.query is None else query.view(plan.query)
+        plan.key_cache, plan.value_cache, plan.block_table, plan.cache_seqlens = (
+            key_cache, value_cache, block_table, cache_seqlens)
+        return _launch(chosen, plan)
     B, H, Lq, D = _check_query(query)
     num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, query, chosen)
     _check_table(block_table, cache_seqlens, B, query)
@@ -116,11 +125,61 @@ def paged_attention(
         return query.new_zeros((B, H, Lq, Dv))
     if not chosen.kernels:
         return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
+    plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
+    if layout is not None:
+        if len(_templates) >= 256:
+            _templates.clear()
+        _templates[layout] = _template_of(plan, query)
+    return _launch(chosen, plan)
+
+
+# A serving loop calls paged_attention with the same caches, table and lengths tensors at
+# every step: what validation decides and what the plan holds depend only on the arguments
+# and on the tensors' shapes, dtypes and devices (and the query's strides, which packing
+# reads), never on their data. The first call of a layout keeps its plan's fields (tensors
+# out) and later ones only allocate their outputs and launch. (As common.dispatch does for
+# attention.)
+_templates: dict = {}
+
+
+def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
+            validate):
+    """The key of a call's template, or None where the full path must run (bad or unusual
+    arguments: their checks; validate=True: it reads the tensors)."""
+    tensors = (query, key_cache, value_cache, block_table, cache_seqlens)
+    if (any(type(t) is not torch.Tensor for t in tensors) or type(is_causal) is not bool
+            or type(enable_gqa) is not bool or validate is not False or not (scale is None or type(scale) is float)
+            or not chosen.kernels):
+        return None
+    settings = planning.reuse_key()
+    if settings is None:
+        return None
+    return (chosen.name, chosen.interpreted(), settings, paged_config, is_causal, scale, enable_gqa,
+            query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
+
+
+def _template_of(plan: PagedPlan, query) -> tuple:
+    """The plan's fields with its tensors out (the packed query's shape in its place, or None)."""
+    fields = [None if isinstance(value, torch.Tensor) else value
+              for value in (getattr(plan, f.name) for f in dataclasses.fields(plan))]
+    fields[0] = tuple(plan.query.shape) if plan.query.shape != query.shape else None
+    return tuple(fields)
+
+
+def _launch(chosen, plan: PagedPlan) -> torch.Tensor:
+    """Allocate the plan's outputs, launch, return (B, H, Lq, Dv)."""
+    query = plan.query
     with _on_device(query.device):
-        plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
+        alloc = allocator()
+        B, Hp, Lqp, _ = query.shape
+        Dv = plan.shape[3]
+        plan.out = alloc((B, Hp, Lqp, Dv), query.dtype, query.device)
+        if plan.split:
+            plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, query.device)
+            plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, query.device)
         with _quiet(chosen):
             out = chosen.load().paged_forward(plan)
-    return out.view(B, H, Lq, Dv)  # (packed rows, contiguous, are the heads' rows in order)
+    return out.view(plan.shape)  # (packed rows, contiguous, are the heads' rows in order)
 
 
 def append_kv(
@@ -154,6 +213,15 @@ def append_kv(
         The new lengths, cache_seqlens + L_new (a new int32 tensor).
     """
     chosen = resolve(backend)
+    tensors = (key, value, key_cache, value_cache, block_table, cache_seqlens)
+    layout = None
+    if all(type(t) is torch.Tensor for t in tensors) and validate is False and chosen.kernels:
+        layout = (chosen.name, chosen.interpreted(), *((t.shape, t.dtype, t.device) for t in tensors))
+        if layout in _appends:  # checked before (nothing it checks depends on the data)
+            B, _, L_new, D = key.shape
+            if B * key.shape[1] * L_new:
+                _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value)
+            return cache_seqlens + L_new
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -170,16 +238,28 @@ def append_kv(
     _check_table(block_table, cache_seqlens, B, key)
     if _check_flag("validate", validate):
         _validate_contents(block_table, cache_seqlens + L_new, num_pages, page)
+    if layout is not None:
+        if len(_appends) >= 256:
+            _appends.clear()
+        _appends.add(layout)
     if B * H_kv * L_new == 0:
         return cache_seqlens + L_new
     if not chosen.kernels:
         _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value)
     else:
-        with _on_device(key.device), _quiet(chosen):
-            chosen.load().append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value,
-                                    block_m=min(64, max(16, next_power_of_2(L_new))),
-                                    block_d=padded_head_dim(D), block_dv=padded_head_dim(Dv))
+        _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value)
     return cache_seqlens + L_new
+
+
+_appends: set = set()  # the layouts append_kv has checked (see _templates below)
+
+
+def _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value) -> None:
+    L_new, D, Dv = key.shape[2], key.shape[3], value.shape[3]
+    with _on_device(key.device), _quiet(chosen):
+        chosen.load().append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value,
+                                block_m=min(64, max(16, next_power_of_2(L_new))),
+                                block_d=padded_head_dim(D), block_dv=padded_head_dim(Dv))
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -312,11 +392,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
                                                                   plan.config.block_n, query.device)
     plan.dot_precision = planning.dot_precision(query.dtype)
-    alloc = allocator()
-    plan.out = alloc((B, Hp, Lqp, Dv), query.dtype, query.device)
-    if plan.split:
-        plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, query.device)
-        plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, query.device)
+    if plan.split:  # (the outputs are allocated at launch: _launch)
         rows = B * Hp * Lqp
         plan.merge = planning.Merge(rows, planning.combine_rows(rows, backend.interpreted()),
                                     next_power_of_2(plan.num_splits))

@@ -269,3 +269,66 @@ def test_paged_errors():
         append_kv(key_cache, value_cache, block_table, seqlens, torch.randn(2, 3, 1, 16, device=DEVICE), q)
     with pytest.raises(ValueError, match="cache_seqlens must lie in"):
         append_kv(key_cache, value_cache, block_table, seqlens + 47, q, q, validate=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_plan_reused(backend, splits, monkeypatch):
+    """A serving loop's calls (the same caches, table and lengths tensors, new contents) validate and
+    plan only the first time: later calls give the right answer for the new contents and lengths, with
+    fresh outputs; a layout that differs (another page count in the table) is checked again."""
+    import common.paged as paged
+
+    monkeypatch.setattr(paged, "_templates", {})
+    lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = CASES[1]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
+    query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
+    with force_splits(splits):
+        first = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=True,
+                                backend=backend)
+
+        def no_planning(*args, **kw):
+            raise AssertionError("planned again")
+
+        for name in ("_make_plan", "_check_caches", "_check_table"):
+            monkeypatch.setattr(paged, name, no_planning)
+        shorter = [n - 3 for n in lens]
+        key_cache2, value_cache2, block_table2, seqlens2, keys2, values2 = _cache(shorter, H_kv, D, Dv, page, dtype)
+        block_table.copy_(block_table2[:, :block_table.shape[1]])
+        key_cache.copy_(key_cache2), value_cache.copy_(value_cache2), seqlens.copy_(seqlens2)
+        query2 = torch.randn_like(query)
+        out = paged_attention(query2, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=True,
+                              backend=backend)
+    assert out.data_ptr() != first.data_ptr() and len(paged._templates) == 1
+    tol = 2e-4
+    torch.testing.assert_close(first.double(), _reference(query, keys, values, is_causal), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), _reference(query2, keys2, values2, is_causal), rtol=tol, atol=tol)
+    with pytest.raises(AssertionError, match="planned again"):  # a table of another width: a new layout
+        paged_attention(query2, key_cache, value_cache, block_table[:, :-1], seqlens, is_causal, enable_gqa=True,
+                        backend=backend)
+
+
+def test_append_checks_a_layout_once(backend, monkeypatch):
+    """append_kv checks a layout the first time only (a serving loop's later steps launch at once and
+    still write where they should); a call of another layout is checked."""
+    import common.paged as paged
+
+    monkeypatch.setattr(paged, "_appends", set())
+    lens, page = [20, 3], 16
+    key_cache, value_cache, block_table, seqlens, _, _ = _cache(lens, 2, 16, 16, page, f32)
+    new = [torch.randn(2, 2, 1, 16, device=DEVICE) for _ in range(4)]
+    lengths = append_kv(key_cache, value_cache, block_table, seqlens, new[0], new[1], backend=backend)
+    check_caches = paged._check_caches
+
+    def no_checks(*args, **kw):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(paged, "_check_caches", no_checks)
+    lengths = append_kv(key_cache, value_cache, block_table, lengths, new[2], new[3], backend=backend)
+    assert lengths.tolist() == [n + 2 for n in lens]
+    for b, n in enumerate(lens):
+        for i, (k, v) in ((n, new[:2]), (n + 1, new[2:])):
+            slot = block_table[b, i // page].long(), i % page
+            assert torch.equal(key_cache[slot], k[b, :, 0]) and torch.equal(value_cache[slot], v[b, :, 0])
+    monkeypatch.setattr(paged, "_check_caches", check_caches)
+    with pytest.raises(ValueError, match="value must be"):
+        append_kv(key_cache, value_cache, block_table, lengths, new[2], new[3][:, :, :, :8], backend=backend)
