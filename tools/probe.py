@@ -22,6 +22,10 @@ is written to the project.
   tile configurations, against SDPA.
 - graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
+- bandwidth: decode kernel time (graph replay) and K/V bandwidth over batch 1-64, Lq 1 and 16,
+  GQA and MHA, against SDPA's.
+- loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
+  time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 """
 
 from __future__ import annotations
@@ -402,6 +406,61 @@ def graphs():
 
     print(f"SDPA eager step (static dense cache: the token written in place, then SDPA): "
           f"{wall_time_us(sdpa_step, calls=steps // 2, warmup_s=0.05):.0f} us wall", flush=True)
+
+
+def loop():
+    """Issue 12's decode loop: B = 4, 32 query heads over 8 K/V heads, D = 128, bf16, keys growing
+    from 3000 by one token a step (torch.cat of K and V, as transformers' DynamicCache): wall time
+    per step with SDPA, triton and ninetoothed; the attention call alone on a fixed cache (wall,
+    and kernel time by graph replay); host time = wall - kernel."""
+    B, H, H_kv, D, start = 4, 32, 8, 128, 3000
+    q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+    one = torch.randn(B, H_kv, 1, D, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "sdpa": lambda k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "triton": lambda k, v: attention(q, k, v, enable_gqa=True, backend="triton"),
+        "ninetoothed": lambda k, v: attention(q, k, v, enable_gqa=True, backend="ninetoothed"),
+    }
+    for name, call in calls.items():
+        base = [torch.randn(B, H_kv, start, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        state = {"kv": base}
+
+        def step():
+            k, v = (torch.cat([t, one], 2) for t in state["kv"])
+            state["kv"] = (k, v)
+            return call(k, v)
+
+        def reset():
+            state["kv"] = base
+
+        step_wall = wall_time_us(step, calls=100, warmup_s=0.05)
+        reset()
+        k, v = base
+        alone = wall_time_us(lambda: call(k, v), calls=200, warmup_s=0.05)
+        kernel = _graph_time_ms(lambda: call(k, v)) * 1e3
+        cat = _graph_time_ms(lambda: [torch.cat([t, one], 2) for t in base]) * 1e3
+        print(f"{name}: step (cat K, cat V, attention) {step_wall:.0f} us wall; attention alone {alone:.1f} us wall, "
+              f"kernel {kernel:.1f} us, host {alone - kernel:.1f} us; the two cats' kernels {cat:.1f} us", flush=True)
+
+
+def bandwidth():
+    """Decode at the memory bound (issue 12): kernel time by CUDA-graph replay (no host time) and
+    the K/V bytes read per second, bf16, D = 128, for triton, ninetoothed and SDPA."""
+    shapes = [  # (B, H, H_kv, Lq, Lk)
+        (1, 32, 8, 1, 65536), (1, 32, 8, 1, 262144), (8, 32, 8, 1, 16384), (64, 32, 8, 1, 4096),
+        (1, 32, 8, 16, 65536), (8, 32, 8, 16, 16384), (1, 32, 32, 1, 32768), (8, 32, 32, 1, 8192),
+    ]
+    for B, H, H_kv, Lq, Lk in shapes:
+        q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk} K/V {gb * 1e3:.0f} MB:"]
+        for name, fn in (("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+                         ("triton", lambda: attention(q, k, v, enable_gqa=True, backend="triton")),
+                         ("ninetoothed", lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))):
+            ms = _graph_time_ms(fn, replays=20)
+            line.append(f"{name} {ms * 1e3:.0f} us ({gb / ms:.2f} TB/s)")
+        print("  ".join(line), flush=True)
 
 
 def tma():
