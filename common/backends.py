@@ -13,8 +13,9 @@ module that implements it. The module provides:
 
 ``forward(plan: common.plan.ForwardPlan) -> (out, lse)``
     Compute the call the plan describes. Kernel backends launch their
-    attention kernel (and, when ``plan.num_splits > 1``, their merge kernel)
-    into the buffers the plan allocated and return ``plan.out, plan.lse``.
+    attention kernel (which merges split keys itself, or, when
+    ``plan.num_splits > 1``, also a merge kernel) into the buffers the plan
+    allocated and return ``plan.out, plan.lse``.
 ``backward(plan: common.plan.BackwardPlan) -> (dq, dk, dv)``
     Only with the ``"backward"`` capability: launch the backward kernels into
     ``plan.grad_query``, ``plan.grad_key``, ``plan.grad_value``.

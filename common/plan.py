@@ -24,8 +24,9 @@ and there are only B·H programs, each walking all of Lk on one SM.
 heads that share a K/V head become GROUP·Lq rows of one head, a view);
 :func:`plan_splits` cures the second (the keys cut into ``num_splits`` ranges
 of ``blocks_per_split`` key blocks, one program each, each writing a partial
-output and its log-sum-exp, merged by a second kernel:
-``o = sum_s exp(lse_s - lse) o_s`` with ``lse = log(sum_s exp(lse_s))``).
+output and its log-sum-exp, then merged: ``o = sum_s exp(lse_s - lse) o_s`` with
+``lse = log(sum_s exp(lse_s))``; by the last program of each row block to finish
+in the Triton kernels, by a second kernel in NineToothed's).
 """
 
 from __future__ import annotations
