@@ -3,7 +3,7 @@
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
 # stages: probe test test1 test2 test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
-#         ring-test ring-bench (two GPUs: kind nvidia-h200-x2)
+#         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
 # (any other word runs as a shell command)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -33,6 +33,8 @@ for stage in "$@"; do
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py -q -n 12 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;
     ring-test) timeout 540 torchrun --nproc-per-node 2 -m tests.ring_worker triton ninetoothed torch 2>&1 | grep -v '^W1' | tail -40 | tee "$OUT/ring_test.log" ;;
+    # issue 13's open points: 256k, and 64k causal with more calls per point
+    ring-bench-long) timeout 560 torchrun --nproc-per-node 2 tools/ring_bench.py --lengths 65536 262144 --bwd-lengths 65536 --calls 5 --json "$OUT/ring_bench_long.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench_long.log"; tail -40 "$OUT/ring_bench_long.log" ;;
     ring-bench) timeout 400 torchrun --nproc-per-node 2 tools/ring_bench.py --json "$OUT/ring_bench.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench.log"; tail -40 "$OUT/ring_bench.log" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
     compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
