@@ -418,17 +418,26 @@ def _attn_fwd(
         o = o * dropout_scale
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     if SPLIT:
-        # The last of this row block's NUM_SPLITS programs to get here merges them all, with
-        # no second launch. Every program's partials are stored before its ticket: the
-        # barrier orders its threads' stores before the ticket, the acq_rel atomic publishes
-        # them to (and the last one acquires them from) the other programs; the merge reads
-        # past L1. The last one sets the counter back to 0 for the next launch.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
-        if ticket == NUM_SPLITS - 1:
-            _merge_splits(O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS, HEAD_DIM_V,
-                          BLOCK_M, BLOCK_DV, MERGE_LSE)
-            tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
+        _last_split_merges(COUNTS, O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
+                           HEAD_DIM_V, BLOCK_M, BLOCK_DV, MERGE_LSE)
+
+
+@triton.jit
+def _last_split_merges(
+    COUNTS, O_PART, LSE_PART, O, LSE, offs_r, r_ok, NUM_SPLITS,
+    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, WITH_LSE: tl.constexpr,
+):
+    """Called by every split program of a row block (grid axis 0) after storing its partials:
+    the last of the NUM_SPLITS to get here merges them all (:func:`_merge_splits`), with no
+    second launch. Every program's partials are stored before its ticket: the barrier orders
+    its threads' stores before the ticket, the acq_rel atomic publishes them to (and the last
+    one acquires them from) the other programs; the merge reads past L1. The last one sets
+    the counter back to 0 for the next launch."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
+    if ticket == NUM_SPLITS - 1:
+        _merge_splits(O_PART, LSE_PART, O, LSE, offs_r, r_ok, NUM_SPLITS, HEAD_DIM_V, BLOCK_R, BLOCK_DV, WITH_LSE)
+        tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -888,13 +897,9 @@ def _paged_fwd(
     o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
-    if SPLIT:  # as in _attn_fwd: the last split of the row block merges them
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel")
-        if ticket == NUM_SPLITS - 1:
-            _merge_splits(O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS, HEAD_DIM_V,
-                          BLOCK_M, BLOCK_DV, False)
-            tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
+    if SPLIT:
+        _last_split_merges(COUNTS, O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
+                           HEAD_DIM_V, BLOCK_M, BLOCK_DV, False)
 
 
 @triton.jit
