@@ -316,8 +316,11 @@ def _attn_fwd(
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
-    # One grid axis for (batch·head, row block): CUDA caps axes 1 and 2 at 65535.
-    start_m = tl.program_id(0) % M_BLOCKS
+    # One grid axis for (batch·head, row block): CUDA caps axes 1 and 2 at 65535. Row
+    # blocks go last to first: the GPU starts programs in grid order, and a causal row
+    # block's work grows with its index, so the longest start first and the last wave
+    # holds short ones (the tail where SMs sit idle).
+    start_m = M_BLOCKS - 1 - tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
     split = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
@@ -565,7 +568,7 @@ def _attn_bwd_dq(
 ):
     """One program: dq of BLOCK_M query rows of one (batch, head), and their
     delta = rowsum(do * o) - dlse, stored to DELTA (B, H, Lq) for _attn_bwd_dkdv."""
-    start_m = tl.program_id(0) % M_BLOCKS  # one grid axis, as in the forward
+    start_m = M_BLOCKS - 1 - tl.program_id(0) % M_BLOCKS  # one grid axis, longest first, as in the forward
     off_hz = tl.program_id(0) // M_BLOCKS
     off_z = (off_hz // H).to(tl.int64)
     off_h = (off_hz % H).to(tl.int64)
@@ -732,7 +735,9 @@ def _attn_bwd_dkdv(
 ):
     """One program: dk and dv of BLOCK_N keys of one (batch, K/V head), summed
     over the GROUP query heads that read them."""
-    start_n = tl.program_id(0) % N_BLOCKS  # one grid axis, as in the forward
+    # One grid axis, as in the forward; first to last, which is already longest first
+    # (a causal key block is seen by the row blocks from its own on).
+    start_n = tl.program_id(0) % N_BLOCKS
     off_hz = tl.program_id(0) // N_BLOCKS
     off_z = (off_hz // H_KV).to(tl.int64)
     off_h_kv = (off_hz % H_KV).to(tl.int64)
