@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
+# stages: probe test test1 test2 test-x2 test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
 # (any other word runs as a shell command)
@@ -11,14 +11,21 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# the suite in two halves (fuzz and ring have stages of their own)
+HALF1="tests/test_attention.py tests/test_backward.py tests/test_model_features.py"
+HALF2="tests --ignore=tests/test_attention.py --ignore=tests/test_backward.py --ignore=tests/test_model_features.py --ignore=tests/test_fuzz.py --ignore=tests/test_ring.py"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     probe) timeout 120 python3 tools/probe.py 2>&1 | tee "$OUT/probe.log" ;;
     test) timeout 570 python3 -m pytest tests -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" ;;
     # The whole suite outgrew one call (600 s) on a fresh machine: two halves, one call each.
-    test1) timeout 570 python3 -m pytest tests/test_attention.py tests/test_backward.py tests/test_model_features.py -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest1.log" 2>&1; tail -15 "$OUT/pytest1.log" ;;
-    test2) timeout 570 python3 -m pytest tests -q -n 14 -p no:cacheprovider --tb=short -rfE --ignore=tests/test_attention.py --ignore=tests/test_backward.py --ignore=tests/test_model_features.py --ignore=tests/test_fuzz.py --ignore=tests/test_ring.py > "$OUT/pytest2.log" 2>&1; tail -15 "$OUT/pytest2.log" ;;
+    test1) timeout 570 python3 -m pytest $HALF1 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest1.log" 2>&1; tail -15 "$OUT/pytest1.log" ;;
+    test2) timeout 570 python3 -m pytest $HALF2 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest2.log" 2>&1; tail -15 "$OUT/pytest2.log" ;;
+    # Both halves at once, one per GPU (kind nvidia-h200-x2): the suite in one call.
+    test-x2) CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m pytest $HALF1 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest1.log" 2>&1 &
+             CUDA_VISIBLE_DEVICES=1 timeout 570 python3 -m pytest $HALF2 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest2.log" 2>&1; wait
+             tail -8 "$OUT/pytest1.log"; tail -8 "$OUT/pytest2.log" ;;
     test-seq) timeout 420 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;

@@ -24,6 +24,9 @@ is written to the project.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - bandwidth: decode kernel time (graph replay) and K/V bandwidth over batch 1-64, Lq 1 and 16,
   GQA and MHA, against SDPA's.
+- steps: the reused path's host time per call, step by step (template lookup, rebind, argument
+  building, our launch cache, Triton's compiled-kernel launch, allocations), on a decode shape and a
+  homework shape, both backends' totals beside SDPA's.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 """
@@ -441,6 +444,54 @@ def loop():
         cat = _graph_time_ms(lambda: [torch.cat([t, one], 2) for t in base]) * 1e3
         print(f"{name}: step (cat K, cat V, attention) {step_wall:.0f} us wall; attention alone {alone:.1f} us wall, "
               f"kernel {kernel:.1f} us, host {alone - kernel:.1f} us; the two cats' kernels {cat:.1f} us", flush=True)
+
+
+def steps():
+    """Where the host time of a reused call goes (plan templates): each step timed alone, in a loop."""
+    from common import dispatch, ops
+
+    backend = resolve("triton")
+    module = backend.load()
+    cases = [("decode B4 32/8 Lk3000 bf16", (4, 32, 1, 128), (4, 8, 3000, 128), torch.bfloat16, True),
+             ("homework (2,4,16,32) fp16", (2, 4, 16, 32), (2, 4, 16, 32), torch.float16, False)]
+    for label, q_shape, kv_shape, dtype, gqa in cases:
+        q = torch.randn(q_shape, dtype=dtype, device="cuda")
+        k, v = (torch.randn(kv_shape, dtype=dtype, device="cuda") for _ in range(2))
+        attention(q, k, v, enable_gqa=gqa)  # plans and keeps the template
+        (template,) = [t for key, t in dispatch._templates.items() if key[0][7] == q.shape and key[0][0] == "triton"]
+        prepared = plan.rebind_forward(template, q, k, v)
+        captured = {}
+        launch = ta._fwd_launcher.launch
+        ta._fwd_launcher.launch = lambda grid, args, nw, ns: captured.update(grid=grid, args=args, nw=nw, ns=ns)
+        module.forward(prepared)
+        ta._fwd_launcher.launch = launch
+        grid, args, nw, ns = captured["grid"], captured["args"], captured["nw"], captured["ns"]
+        compiled = list(ta._fwd_launcher._by_value.values())[-1]
+        grid3 = (*grid, 1, 1)[:3]
+
+        def forward_stubbed():  # module.forward with the launch itself left out
+            ta._fwd_launcher.launch = lambda *a: None
+            try:
+                module.forward(prepared)
+            finally:
+                ta._fwd_launcher.launch = launch
+
+        times = {
+            "sdpa": wall_time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)),
+            "attention(triton)": wall_time_us(lambda: attention(q, k, v, enable_gqa=gqa)),
+            "attention(ninetoothed)": wall_time_us(lambda: attention(q, k, v, enable_gqa=gqa, backend="ninetoothed")),
+            "_again": wall_time_us(lambda: dispatch._again(q, k, v, False, None, gqa, None, False)),
+            "ops.forward_again": wall_time_us(lambda: ops.forward_again(backend, template, q, k, v)),
+            "rebind_forward": wall_time_us(lambda: plan.rebind_forward(template, q, k, v), device="cpu"),
+            "rebind (keys replanned)": wall_time_us(lambda: plan.rebind_forward(template, q, k, v, backend),
+                                                    device="cpu"),
+            "module.forward": wall_time_us(lambda: module.forward(prepared)),
+            "module.forward, launch stubbed": wall_time_us(forward_stubbed, device="cpu"),
+            "launcher.launch": wall_time_us(lambda: launch(grid, args, nw, ns)),
+            "compiled[grid](*args)": wall_time_us(lambda: compiled[grid3](*args)),
+            "torch.empty(out)": wall_time_us(lambda: torch.empty(q.shape, dtype=dtype, device="cuda"), device="cpu"),
+        }
+        print(label + ": " + "  ".join(f"{name} {t:.1f}" for name, t in times.items()), flush=True)
 
 
 def bandwidth():
