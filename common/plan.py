@@ -259,6 +259,12 @@ def band(is_causal: bool, window, bottom_right: bool, Lq: int, Lk: int) -> tuple
     return lo, hi
 
 
+def sdpa_causal(band: tuple[int, int], Lq: int) -> bool:
+    """Whether ``band`` keeps what SDPA's ``is_causal`` keeps: row i sees keys 0..i (top-left
+    causal; also bottom-right causal with Lq = Lk, and any window it contains)."""
+    return band[0] <= 1 - Lq and band[1] == 0
+
+
 def band_mask(band: tuple[int, int], Lq: int, Lk: int, device) -> torch.Tensor:
     """The band as a boolean (Lq, Lk) mask, True where row i sees key j (for SDPA and the reference)."""
     offset = torch.arange(Lk, device=device)[None, :] - torch.arange(Lq, device=device)[:, None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.plan import band_mask
+from common.plan import band_mask, sdpa_causal
 
 INTERPRETED = False
 
@@ -18,8 +18,10 @@ INTERPRETED = False
 def forward(plan):
     """SDPA on a plan's inputs; returns ``(out, None)`` (SDPA gives no log-sum-exp)."""
     attn_mask, is_causal = plan.attn_mask, plan.is_causal
-    if plan.band is not None:  # a window or bottom-right causal: SDPA takes them as a mask
-        Lq, Lk = plan.query.shape[2], plan.key.shape[2]
+    Lq, Lk = plan.query.shape[2], plan.key.shape[2]
+    if plan.band is not None and not (attn_mask is None and sdpa_causal(plan.band, Lq)):
+        # a window or bottom-right causal: SDPA takes them as a mask (which sends it
+        # to a slower kernel than is_causal does: only where is_causal cannot say it)
         allowed = band_mask(plan.band, Lq, Lk, plan.query.device)
         if attn_mask is None:
             attn_mask = allowed
@@ -28,6 +30,8 @@ def forward(plan):
         else:
             attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
         is_causal = False
+    elif plan.band is not None:
+        is_causal = True
     out = F.scaled_dot_product_attention(
         plan.query, plan.key, plan.value, attn_mask=attn_mask, is_causal=is_causal, scale=plan.scale,
         enable_gqa=plan.group > 1, dropout_p=plan.dropout_p,

@@ -99,3 +99,24 @@ def test_the_library_loads_no_tool():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("extra", [{}, {"alignment": "bottom_right"}, {"window": (-1, 0)}])
+def test_torch_backend_gives_sdpa_its_causal_flag(extra, qkv, monkeypatch):
+    """A call whose band is SDPA's causal one reaches SDPA as ``is_causal=True`` with no mask
+    (a mask sends SDPA to a slower kernel), and computes the same thing."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["attn_mask"], kwargs["is_causal"]))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    is_causal = "window" not in extra
+    out = attention(*qkv, is_causal=is_causal, backend="torch", **extra)
+    assert seen == [(None, True)]
+    torch.testing.assert_close(out, sdpa(*qkv, is_causal=True), rtol=0, atol=0)
+    seen.clear()  # a band SDPA's flag cannot say still goes as a mask
+    attention(*qkv[:1], qkv[1][:, :, :20], qkv[2][:, :, :20], is_causal=True, backend="torch", alignment="bottom_right")
+    assert len(seen) == 1 and seen[0][0] is not None and seen[0][1] is False
