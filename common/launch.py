@@ -29,6 +29,8 @@ import threading
 import torch
 import triton
 
+from common.outputs import stream_key
+
 _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
 _compile_lock = threading.RLock()
 _ALLOCATOR = triton.runtime._allocation._allocator  # what triton.set_allocator sets
@@ -54,11 +56,7 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     and none large enough exist yet, new ones for that launch alone (zeros made during
     a capture are written only when the graph replays: they belong to the graph).
     """
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, torch._C._cuda_getCurrentRawStream(index))
-    else:
-        key = (device.type, 0)
+    key = stream_key(device)
     counters = _counters.get(key)
     if counters is None or counters.numel() < count:
         counters = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)

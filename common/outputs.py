@@ -6,6 +6,12 @@ that allocator fills each buffer with NaN instead of leaving whatever memory
 held, so an element a kernel forgot to write shows up in a comparison instead
 of passing by luck. The switch is a context variable: it holds in the thread
 (or task) that set it and nowhere else.
+
+Split keys' partial results are scratch rather than outputs: written and read
+back by the launches of one call, on one stream. :func:`partials` hands them out
+of one buffer per (device, stream), reused by every later call on that stream
+(launches on one stream run one after the other, so no call's launches can
+meet another's), which saves a decode step two allocations.
 """
 
 from __future__ import annotations
@@ -40,3 +46,39 @@ def poisoned_outputs():
         yield
     finally:
         _allocator.reset(token)
+
+
+def stream_key(device: torch.device) -> tuple:
+    """(device, current stream of that device): what may run at once with a launch made now."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return index, torch._C._cuda_getCurrentRawStream(index)
+    return device.type, 0
+
+
+_scratch: dict = {}
+SCRATCH_LIMIT = 64 << 20  # bytes of partials kept per stream; larger ones are allocated per call
+
+
+def partials(rows_shape: tuple, splits: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split launch's float32 partials: (o_part (*rows_shape, splits, dv), lse_part (*rows_shape,
+    splits)), contiguous, uninitialised (NaN while poisoning, and then fresh).
+
+    Views of the scratch buffer of the current stream of ``device``, grown as needed: valid until the
+    next call's launches on that stream. Fresh (not kept) while poisoning, above SCRATCH_LIMIT, and
+    while a CUDA graph is being captured (the graph keeps its own: a replay may run on another stream)."""
+    rows = 1
+    for n in rows_shape:
+        rows *= n
+    numel = rows * splits * (dv + 1)
+    alloc = _allocator.get()
+    if alloc is not _empty or numel * 4 > SCRATCH_LIMIT or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return (alloc((*rows_shape, splits, dv), torch.float32, device),
+                alloc((*rows_shape, splits), torch.float32, device))
+    key = stream_key(device)
+    buffer = _scratch.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _scratch[key] = torch.empty(numel, dtype=torch.float32, device=device)
+    split_at = rows * splits * dv
+    return buffer[:split_at].view(*rows_shape, splits, dv), buffer[split_at:numel].view(*rows_shape, splits)

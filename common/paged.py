@@ -23,7 +23,7 @@ from common import plan as planning
 from common.backends import OFFSETS64, resolve
 from common.configs import Config, default_config, next_power_of_2, padded_head_dim
 from common.ops import _on_device, _quiet
-from common.outputs import allocator
+from common.outputs import allocator, partials
 from common.validation import OFFSET_LIMIT, SUPPORTED_DTYPES, _check_flag, _check_real, _dtype_name
 
 
@@ -175,8 +175,7 @@ def _launch(chosen, plan: PagedPlan) -> torch.Tensor:
         Dv = plan.shape[3]
         plan.out = alloc((B, Hp, Lqp, Dv), query.dtype, query.device)
         if plan.split:
-            plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, query.device)
-            plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, query.device)
+            plan.o_part, plan.lse_part = partials((B, Hp, Lqp), plan.num_splits, Dv, query.device)
         with _quiet(chosen):
             out = chosen.load().paged_forward(plan)
     return out.view(plan.shape)  # (packed rows, contiguous, are the heads' rows in order)

@@ -42,7 +42,7 @@ import torch
 from common.backends import OFFSETS64, TMA
 from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
-from common.outputs import allocator
+from common.outputs import allocator, partials
 
 # Constants both kernels name (impl_triton wraps them as tl.constexpr; the
 # NineToothed kernels get them in their generated modules).
@@ -349,8 +349,7 @@ def _allocate_outputs(plan: ForwardPlan, dtype: torch.dtype, device) -> None:
     if plan.with_lse and plan.lse is None:
         plan.lse = alloc((B, Hp, Lqp), torch.float32, device)
     if plan.num_splits > 1:
-        plan.o_part = alloc((B, Hp, Lqp, plan.num_splits, Dv), torch.float32, device)
-        plan.lse_part = alloc((B, Hp, Lqp, plan.num_splits), torch.float32, device)
+        plan.o_part, plan.lse_part = partials((B, Hp, Lqp), plan.num_splits, Dv, device)
 
 
 # -- plans reused: a loop of calls with one layout ------------------------------------------

@@ -264,6 +264,31 @@ def test_split_keys(case, num_splits, backend, device):
     check_lse(lse, q, k, **kwargs)
 
 
+def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
+    """Outside poisoning, a split launch's partials are views of its stream's scratch buffer:
+    calls one after the other reuse it (no allocation per decode step) and each is right; a
+    larger call grows it. (Poisoned, as in every other test, they are fresh NaN buffers.)"""
+    from common import outputs
+    from common.plan import force_splits
+
+    monkeypatch.setattr(outputs, "_scratch", {})
+    token = outputs._allocator.set(outputs._empty)
+    try:
+        with force_splits(3):
+            pointers = []
+            for case in (SPLIT_CASES[0], SPLIT_CASES[0], Case(4, 8, 1, 700, 64, H_kv=2)):
+                q, k, v, mask = make_inputs(case, device)
+                kwargs = sdpa_kwargs(case, mask)
+                out = attention(q, k, v, backend=backend, **kwargs)
+                check_output(out, q, k, v, **kwargs)
+                (buffer,) = outputs._scratch.values()
+                pointers.append((buffer.data_ptr(), buffer.numel()))
+    finally:
+        outputs._allocator.reset(token)
+    assert pointers[0] == pointers[1]
+    assert pointers[2][1] > pointers[1][1]
+
+
 # -- Hopper's tensor descriptors (the Triton kernel's optional TMA loads) --------------
 TMA_CASES = [
     Case(1, 2, 70, 130, 80, Dv=48, causal=True),  # ragged rows and keys, head dims padded by the descriptor
