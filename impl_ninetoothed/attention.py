@@ -1047,19 +1047,24 @@ INTERPRETED = interpreter_requested()
 
 # -- launching a plan ------------------------------------------------------------------------
 
-_stand_ins: dict = {}
+_scalars: dict = {}  # (device, dtype) -> one element, allocated once
+_stand_ins: dict = {}  # (device, dtype, shape) -> that element broadcast to shape (a view)
 
 
 def _absent(like, *shape):
-    """A stand-in for a tensor a kernel never touches (a flag turns its use off):
-    a broadcast scalar, no memory. Kept per (device, dtype, shape): making one is
-    two torch calls, and a plain forward needs four of them."""
+    """A stand-in for a tensor a kernel never touches (a flag turns its use off): one
+    element per (device, dtype), broadcast. The views are kept per shape (making one
+    is a torch call, and a plain forward needs four of them); only the element holds
+    memory, so starting the views over frees and allocates nothing."""
     key = (like.device, like.dtype, shape)
     stand_in = _stand_ins.get(key)
     if stand_in is None:
+        scalar = _scalars.get(key[:2])
+        if scalar is None:
+            scalar = _scalars[key[:2]] = like.new_empty(())
         if len(_stand_ins) >= 256:
             _stand_ins.clear()
-        stand_in = _stand_ins[key] = like.new_empty(()).expand(*shape)
+        stand_in = _stand_ins[key] = scalar.expand(*shape)
     return stand_in
 
 
