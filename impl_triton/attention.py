@@ -464,18 +464,10 @@ def _merge_splits(
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_R], dtype=tl.float32)  # noqa: E741
     o = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    # Split s + 1's loads are issued before split s is folded in: two in flight, not one
-    # load waiting on the previous fold (the merge is latency-bound: one program per row block).
-    lse_next = tl.load(LSE_PART + offs_r * NUM_SPLITS, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
-    o_next = tl.load(O_PART + (offs_r * NUM_SPLITS)[:, None] * HEAD_DIM_V + offs_dv[None, :],
-                     mask=r_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
     for s in range(NUM_SPLITS):
-        lse_s, o_s = lse_next, o_next
-        r_next = r_ok & (tl.zeros_like(offs_r) + s + 1 < NUM_SPLITS)  # (a row vector: a mask of its own dtype)
-        lse_next = tl.load(LSE_PART + offs_r * NUM_SPLITS + s + 1, mask=r_next, other=float("-inf"),
-                           cache_modifier=".cg")
-        o_next = tl.load(O_PART + (offs_r * NUM_SPLITS + s + 1)[:, None] * HEAD_DIM_V + offs_dv[None, :],
-                         mask=r_next[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
+        lse_s = tl.load(LSE_PART + offs_r * NUM_SPLITS + s, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(O_PART + (offs_r * NUM_SPLITS + s)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                      mask=r_ok[:, None] & dv_ok[None, :], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, lse_s)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet: weights 0, not NaN
         alpha = tl.exp(m - m_sub)
