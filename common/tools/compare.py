@@ -248,6 +248,9 @@ def measure_gpu() -> dict:
     q, k, v = (torch.randn(2, 4, 16, 32, dtype=torch.float16, device="cuda") for _ in range(3))
     for backend in ("triton", "ninetoothed", "torch"):
         result["host_overhead_us"][backend] = wall_time_us(lambda: attention(q, k, v, backend=backend), calls=1000)
+    # the baseline: SDPA itself ("torch" above is SDPA behind our validation and planning)
+    result["host_overhead_us"]["SDPA, called directly"] = wall_time_us(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), calls=1000)
     return result
 
 
