@@ -9,15 +9,18 @@ of passing by luck. The switch is a context variable: it holds in the thread
 
 Split keys' partial results are scratch rather than outputs: written and read
 back by the launches of one call, on one stream. :func:`partials` hands them out
-of one buffer per (device, stream), reused by every later call on that stream
-(launches on one stream run one after the other, so no call's launches can
-meet another's), which saves a decode step two allocations.
+of one buffer per (device, stream, thread), reused by every later call of that
+thread on that stream (launches on one stream run one after the other, and one
+thread's calls one after the other, so no call's launches can fall between
+another's: NineToothed's split is two launches), which saves a decode step two
+allocations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 
 import torch
 
@@ -57,16 +60,18 @@ def stream_key(device: torch.device) -> tuple:
 
 
 _scratch: dict = {}
-SCRATCH_LIMIT = 64 << 20  # bytes of partials kept per stream; larger ones are allocated per call
+SCRATCH_LIMIT = 64 << 20  # bytes of partials kept per buffer; larger ones are allocated per call
+_MAX_SCRATCH = 64  # buffers kept (threads come and go) before the cache starts over
 
 
 def partials(rows_shape: tuple, splits: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A split launch's float32 partials: (o_part (*rows_shape, splits, dv), lse_part (*rows_shape,
     splits)), contiguous, uninitialised (NaN while poisoning, and then fresh).
 
-    Views of the scratch buffer of the current stream of ``device``, grown as needed: valid until the
-    next call's launches on that stream. Fresh (not kept) while poisoning, above SCRATCH_LIMIT, and
-    while a CUDA graph is being captured (the graph keeps its own: a replay may run on another stream)."""
+    Views of this thread's scratch buffer for the current stream of ``device``, grown as needed:
+    valid until this thread's next call on that stream. Fresh (not kept) while poisoning, above
+    SCRATCH_LIMIT, and while a CUDA graph is being captured (the graph keeps its own: a replay may
+    run on another stream)."""
     rows = 1
     for n in rows_shape:
         rows *= n
@@ -76,9 +81,11 @@ def partials(rows_shape: tuple, splits: int, dv: int, device) -> tuple[torch.Ten
             device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return (alloc((*rows_shape, splits, dv), torch.float32, device),
                 alloc((*rows_shape, splits), torch.float32, device))
-    key = stream_key(device)
+    key = (*stream_key(device), threading.get_ident())
     buffer = _scratch.get(key)
     if buffer is None or buffer.numel() < numel:
+        if len(_scratch) >= _MAX_SCRATCH:
+            _scratch.clear()  # (a call still holding views of a buffer keeps it alive)
         buffer = _scratch[key] = torch.empty(numel, dtype=torch.float32, device=device)
     split_at = rows * splits * dv
     return buffer[:split_at].view(*rows_shape, splits, dv), buffer[split_at:numel].view(*rows_shape, splits)

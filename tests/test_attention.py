@@ -289,6 +289,30 @@ def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
     assert pointers[2][1] > pointers[1][1]
 
 
+def test_split_partials_per_thread(device, monkeypatch):
+    """Each thread gets scratch partials of its own (NineToothed's split is two launches: another
+    thread's launch on the same stream must not fall between them), and its calls share them.
+    (Kernels from two threads at once: test_reliability, on the GPU; the interpreter is not
+    thread-safe.)"""
+    import threading
+
+    from common import outputs
+
+    monkeypatch.setattr(outputs, "_scratch", {})
+
+    def grab(into):  # a new thread starts with the default allocator: the scratch buffers
+        into.append([outputs.partials((2, 3), 4, 16, torch.device(device))[0].data_ptr() for _ in range(2)])
+
+    seen = []
+    threads = [threading.Thread(target=grab, args=(seen,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+        t.join()  # one after the other: the first thread's buffer is still kept when the second asks
+    (a1, a2), (b1, b2) = seen
+    assert a1 == a2 and b1 == b2 and a1 != b1
+    assert len(outputs._scratch) == 2
+
+
 # -- Hopper's tensor descriptors (the Triton kernel's optional TMA loads) --------------
 TMA_CASES = [
     Case(1, 2, 70, 130, 80, Dv=48, causal=True),  # ragged rows and keys, head dims padded by the descriptor

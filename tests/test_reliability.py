@@ -150,6 +150,38 @@ def test_concurrent_first_calls(backend):
         assert_matches(results[i], q, k, v, is_causal=True)
 
 
+@needs_gpu
+def test_concurrent_split_calls(backend):
+    """Two threads make split calls on the same stream at once, outside poisoning (so their partials
+    come from the scratch buffers): each thread's answers right, whatever the interleaving of
+    NineToothed's two launches."""
+    from common import outputs
+    from common.plan import force_splits
+
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def work():
+        try:
+            assert outputs.allocator() is outputs._empty  # a new thread: no poisoning
+            barrier.wait()
+            with force_splits(4):
+                for _ in range(20):
+                    q = torch.randn(2, 8, 1, 64, dtype=f16, device=DEVICE)
+                    k, v = (torch.randn(2, 2, 3000, 64, dtype=f16, device=DEVICE) for _ in range(2))
+                    out = attention(q, k, v, enable_gqa=True, backend=backend)
+                    assert_matches(out, q, k, v, enable_gqa=True)
+        except Exception as error:  # noqa: BLE001 - reported below, with its thread
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 # -- memory -------------------------------------------------------------------------------------------
 
 def _resident_mb() -> float:
