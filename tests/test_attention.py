@@ -300,14 +300,18 @@ def test_split_partials_per_thread(device, monkeypatch):
 
     monkeypatch.setattr(outputs, "_scratch", {})
 
+    done = threading.Barrier(2)  # both threads alive together (a finished thread's id may be reused)
+
     def grab(into):  # a new thread starts with the default allocator: the scratch buffers
         into.append([outputs.partials((2, 3), 4, 16, torch.device(device))[0].data_ptr() for _ in range(2)])
+        done.wait()
 
     seen = []
     threads = [threading.Thread(target=grab, args=(seen,)) for _ in range(2)]
     for t in threads:
         t.start()
-        t.join()  # one after the other: the first thread's buffer is still kept when the second asks
+    for t in threads:
+        t.join()
     (a1, a2), (b1, b2) = seen
     assert a1 == a2 and b1 == b2 and a1 != b1
     assert len(outputs._scratch) == 2
