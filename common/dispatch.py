@@ -200,7 +200,6 @@ def attention_backward(
 # plan their launch again (config, splits), nothing else.
 _templates: dict = {}  # the exact layout -> template
 _growing: dict = {}  # the layout less the keys' length and strides (calls that are not causal) -> template
-_MAX_TEMPLATES = 1024  # layouts kept before a cache starts over
 
 
 def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse):
@@ -236,9 +235,9 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
                           scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
         out, lse, template = ops.forward(chosen, call, with_lse=return_lse, template=True)
         if template is not None:
-            _remember(_templates, exact, template)
+            planning.remember(_templates, exact, template)
             if growing is not None:
-                _remember(_growing, growing, template)
+                planning.remember(_growing, growing, template)
     else:
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -256,12 +255,6 @@ def _keys_fit(chosen, key, value) -> bool:
     if Lk == 0 or value.shape[-2] != Lk:
         return False
     return chosen.supports(OFFSETS64) or (span(key) < OFFSET_LIMIT and span(value) < OFFSET_LIMIT)
-
-
-def _remember(cache: dict, layout, template) -> None:
-    if len(cache) >= _MAX_TEMPLATES:
-        cache.clear()
-    cache[layout] = template
 
 
 def _needs_grad(call) -> bool:

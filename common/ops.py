@@ -40,8 +40,7 @@ def forward(backend, call: Call, with_lse: bool, *, template: bool = False):
         return (out, lse, None) if template else (out, lse)
     with _on_device(q.device):
         plan = planning.make_forward(call, backend, with_lse=with_lse)
-        with _quiet(backend):
-            results = plan.results(*backend.load().forward(plan))
+        results = _launch(backend, plan)
     return (*results, planning.template_of(plan, call)) if template else results
 
 
@@ -50,9 +49,13 @@ def forward_again(backend, template, query, key, value, *, other_keys: bool = Fa
     (:func:`common.plan.template_of`; 4-D tensors): no planning, the launch alone.
     ``other_keys``: the keys' length and strides may differ (their launch is planned again)."""
     with _on_device(query.device):
-        plan = planning.rebind_forward(template, query, key, value, backend if other_keys else None)
-        with _quiet(backend):
-            return plan.results(*backend.load().forward(plan))
+        return _launch(backend, planning.rebind_forward(template, query, key, value, backend if other_keys else None))
+
+
+def _launch(backend, plan):
+    """The backend's forward of a plan (on the plan's device), in the caller's view."""
+    with _quiet(backend):
+        return plan.results(*backend.load().forward(plan))
 
 
 def forward_resume(backend, call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:

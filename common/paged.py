@@ -127,9 +127,7 @@ def paged_attention(
         return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
     plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
     if layout is not None:
-        if len(_templates) >= 256:
-            _templates.clear()
-        _templates[layout] = _template_of(plan, query)
+        planning.remember(_templates, layout, _template_of(plan, query))
     return _launch(chosen, plan)
 
 
@@ -160,8 +158,7 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
 
 def _template_of(plan: PagedPlan, query) -> tuple:
     """The plan's fields with its tensors out (the packed query's shape in its place, or None)."""
-    fields = [None if isinstance(value, torch.Tensor) else value
-              for value in (getattr(plan, f.name) for f in dataclasses.fields(plan))]
+    fields = planning.tensorless_fields(plan)
     fields[0] = tuple(plan.query.shape) if plan.query.shape != query.shape else None
     return tuple(fields)
 
@@ -238,9 +235,7 @@ def append_kv(
     if _check_flag("validate", validate):
         _validate_contents(block_table, cache_seqlens + L_new, num_pages, page)
     if layout is not None:
-        if len(_appends) >= 256:
-            _appends.clear()
-        _appends.add(layout)
+        planning.remember(_appends, layout, True)
     if B * H_kv * L_new == 0:
         return cache_seqlens + L_new
     if not chosen.kernels:
@@ -250,7 +245,7 @@ def append_kv(
     return cache_seqlens + L_new
 
 
-_appends: set = set()  # the layouts append_kv has checked (see _templates below)
+_appends: dict = {}  # the layouts append_kv has checked -> True (see _templates below)
 
 
 def _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value) -> None:

@@ -377,7 +377,21 @@ def reuse_key():
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, MIN_SPLIT_KEYS, PACK_MAX_LQ)
 
 
-_TENSOR_FIELDS = ("query", "key", "value", "out", "lse", "o_part", "lse_part")
+def tensorless_fields(plan) -> list:
+    """A plan's fields in order (any plan dataclass), each tensor replaced by None: what a
+    template of the plan keeps (common.paged's plans too)."""
+    return [None if isinstance(value, torch.Tensor) else value
+            for value in (getattr(plan, f.name) for f in dataclasses.fields(plan))]
+
+
+MAX_TEMPLATES = 1024  # layouts a cache of templates keeps before it starts over
+
+
+def remember(cache: dict, layout, template) -> None:
+    """``cache[layout] = template``, the cache started over once it holds MAX_TEMPLATES."""
+    if len(cache) >= MAX_TEMPLATES:
+        cache.clear()
+    cache[layout] = template
 
 
 def template_of(plan: ForwardPlan, call) -> ForwardTemplate:
@@ -387,8 +401,7 @@ def template_of(plan: ForwardPlan, call) -> ForwardTemplate:
     assert not plan.resume and not plan.tma  # descriptors depend on the tensors' addresses
     query_view = tuple(plan.query.shape) if plan.query.shape != call.query.shape else None
     key_length = plan.key.shape[2] if plan.key.shape[2] != call.key.shape[2] else None
-    fields = tuple(None if f.name in _TENSOR_FIELDS else getattr(plan, f.name) for f in dataclasses.fields(plan))
-    return ForwardTemplate(fields, query_view, key_length)
+    return ForwardTemplate(tuple(tensorless_fields(plan)), query_view, key_length)
 
 
 def rebind_forward(template: ForwardTemplate, query, key, value, backend=None) -> ForwardPlan:
