@@ -241,7 +241,14 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
     else:
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        out, lse = ops.forward_again(chosen, template, query, key, value, other_keys=other_keys)
+        # The exact layout's second call binds its launch (common.plan.bind_launch); later
+        # ones allocate their outputs and launch that (plan.launch_bound), nothing else.
+        bound = None if other_keys else template.bound[0]
+        results = ops.forward_bound(chosen, bound, query, key, value) if bound else None
+        if results is None:
+            results = ops.forward_again(chosen, template, query, key, value, other_keys=other_keys,
+                                        bind=bound is None and not other_keys)
+        out, lse = results
     if unbatched:
         out = out[0]
         lse = lse[0] if lse is not None else None

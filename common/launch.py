@@ -82,24 +82,53 @@ class CachedLauncher:
         self._by_class: dict = {}
         self._roles = None  # (tensor getter, scalar getter, constexpr flags), set on the first call
         names = [p.name for p in getattr(fn, "params", ()) if p.is_constexpr]
-        # the constexprs in signature order, from the keywords
+        # the constexprs in signature order, from the keywords (the parameters after the runtime
+        # ones; the interpreter's function has no params, so its names come from its arguments)
         self._constexprs = operator.itemgetter(*names) if len(names) > 1 else (
             (lambda kw, n=names[0]: (kw[n],)) if names else (lambda kw: ()))
+        self._arg_names = tuple(getattr(fn, "arg_names", ()))
 
     def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs) -> None:
         if not self.enabled:
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+            return
+        self.run(grid, args + self._constexprs(constexprs), num_warps, num_stages)
+
+    def positional(self, args: tuple, constexprs: dict) -> tuple:
+        """The runtime ``args`` and the ``constexprs`` (by name, the parameters after them) as
+        one tuple in signature order: what :meth:`run` takes."""
+        if self.enabled:
+            return args + self._constexprs(constexprs)
+        return args + tuple([constexprs[name] for name in self._arg_names[len(args):]])
+
+    def run(self, grid, args, num_warps: int, num_stages: int) -> None:
+        """Launch with every argument positional (:meth:`positional`), through the caches."""
+        if not self.enabled:
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             return
         if self.scratch:
             # Triton asks its allocator (a context variable, unset by default) for a
             # kernel's global scratch memory at launch: ours, for this launch only.
             token = _ALLOCATOR.set(_torch_scratch)
             try:
-                self.launch(grid, args + self._constexprs(constexprs), num_warps, num_stages)
+                self.launch(grid, args, num_warps, num_stages)
             finally:
                 _ALLOCATOR.reset(token)
             return
-        self.launch(grid, args + self._constexprs(constexprs), num_warps, num_stages)
+        self.launch(grid, args, num_warps, num_stages)
+
+    def compiled(self, args, num_warps: int, num_stages: int):
+        """The compiled kernel a launch of ``args`` (as :meth:`run` takes them) went to, once the
+        by-value cache holds it; None before that, under the interpreter, and for a kernel that
+        needs global scratch memory at launch (which :meth:`run` provides)."""
+        if not self.enabled or self._roles is None:
+            return None
+        tensors, scalars = self._roles[0](args), self._roles[1](args)
+        layout = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
+        kernel = self._by_value.get((scalars, layout, num_warps, num_stages, torch.cuda.current_device()))
+        if kernel is None or getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0):
+            return None
+        return kernel
 
     def launch(self, grid, args, num_warps: int, num_stages: int) -> None:
         """Launch with every argument positional, constexprs included, in signature order."""

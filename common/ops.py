@@ -44,18 +44,33 @@ def forward(backend, call: Call, with_lse: bool, *, template: bool = False):
     return (*results, planning.template_of(plan, call)) if template else results
 
 
-def forward_again(backend, template, query, key, value, *, other_keys: bool = False):
+def forward_again(backend, template, query, key, value, *, other_keys: bool = False, bind: bool = False):
     """:func:`forward` of a call laid out as the one ``template`` was planned from
     (:func:`common.plan.template_of`; 4-D tensors): no planning, the launch alone.
-    ``other_keys``: the keys' length and strides may differ (their launch is planned again)."""
+    ``other_keys``: the keys' length and strides may differ (their launch is planned again).
+    ``bind``: also bind the launch to the template's layout for later calls
+    (:func:`common.plan.bind_launch`, kept in ``template.bound``; False where it cannot be)."""
     with _on_device(query.device):
-        return _launch(backend, planning.rebind_forward(template, query, key, value, backend if other_keys else None))
+        plan = planning.rebind_forward(template, query, key, value, backend if other_keys else None)
+        results = _launch(backend, plan)
+        if bind:
+            template.bound[0] = planning.bind_launch(template, plan, backend) or False
+    return results
 
 
 def _launch(backend, plan):
     """The backend's forward of a plan (on the plan's device), in the caller's view."""
     with _quiet(backend):
         return plan.results(*backend.load().forward(plan))
+
+
+def forward_bound(backend, bound, query, key, value):
+    """:func:`common.plan.launch_bound` (4-D tensors): a call launched through the launch
+    bound to its layout; None where it cannot run here."""
+    if bound.interpreted:
+        with _quiet(backend):
+            return planning.launch_bound(bound, query, key, value)
+    return planning.launch_bound(bound, query, key, value)
 
 
 def forward_resume(backend, call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -365,6 +365,60 @@ class ForwardTemplate:
     fields: tuple  # the plan's fields in order (ForwardPlan(*fields)), query, key, value and the outputs None
     query_view: tuple[int, ...] | None  # the packed query's shape, or None (not packed)
     key_length: int | None  # the keys kept (causal calls drop those no row sees), or None (all)
+    # the backend's launch bound to this exact layout (bind_launch), once made; False: none can be
+    bound: list = dataclasses.field(default_factory=lambda: [None])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BoundLaunch:
+    """A template's launch bound to its exact layout (the backend's ``bind_forward``): what a
+    later call of that layout needs to allocate its outputs and launch, and nothing else."""
+
+    launch: object  # called with one tensor per role (impl_triton.attention.BoundForward.ROLES)
+    device: torch.device
+    dtype: torch.dtype
+    out_shape: tuple[int, ...]  # (B, Hp, Lqp, Dv), the kernel's view of the output
+    shape: tuple[int, ...]  # (B, H, Lq, Dv), the caller's
+    with_lse: bool
+    num_splits: int
+    query_view: tuple[int, ...] | None
+    key_length: int | None
+    interpreted: bool  # the kernels run under Triton's interpreter (common.ops quiets NumPy's warnings)
+
+
+def bind_launch(template: ForwardTemplate, plan: ForwardPlan, backend) -> BoundLaunch | None:
+    """Bind ``plan`` (rebound from ``template``, just launched) to its layout through the backend's
+    ``bind_forward``; None where the backend has none or cannot bind this launch."""
+    bind = getattr(backend.load(), "bind_forward", None)
+    launch = bind(plan) if bind is not None else None
+    if launch is None:
+        return None
+    return BoundLaunch(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
+                       plan.with_lse, plan.num_splits, template.query_view, template.key_length,
+                       backend.interpreted())
+
+
+def launch_bound(bound: BoundLaunch, query, key, value):
+    """``(out, lse)`` of a call laid out as ``bound``'s template (4-D tensors), in the caller's
+    shape: its outputs allocated, one launch. None where the launch cannot run here (another
+    current GPU than the template's: the full path switches to it)."""
+    device = bound.device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return None
+    if bound.query_view is not None:
+        query = query.view(bound.query_view)
+    if bound.key_length is not None:
+        key, value = key[:, :, :bound.key_length], value[:, :, :bound.key_length]
+    alloc = allocator()
+    out = alloc(bound.out_shape, bound.dtype, device)
+    lse = alloc(bound.out_shape[:3], torch.float32, device) if bound.with_lse else None
+    o_part = lse_part = None
+    if bound.num_splits > 1:
+        o_part, lse_part = partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
+    bound.launch((query, key, value, out, lse, o_part, lse_part))
+    if bound.query_view is None:
+        return out, lse
+    return out.view(bound.shape), (lse.view(bound.shape[:3]) if lse is not None else None)
 
 
 def reuse_key():

@@ -69,6 +69,7 @@ Offsets are 64-bit wherever an index meets a stride (``offs_m.to(tl.int64)``,
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -978,6 +979,13 @@ def forward(plan):
 
     Returns ``(plan.out, plan.lse)``, filled in.
     """
+    _fwd_launcher.run(*_forward_launch(plan)[:4])
+    return plan.out, plan.lse
+
+
+def _forward_launch(plan) -> tuple:
+    """(grid, args, num_warps, num_stages, counts): the forward launch of a plan, every argument
+    positional (``CachedLauncher.run``); counts, the split's ticket counters (None unsplit)."""
     q, k, v, out = plan.query, plan.key, plan.value, plan.out
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
@@ -997,22 +1005,79 @@ def forward(plan):
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
     # Split keys: the kernel merges them itself (the last program of each row block to finish).
-    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else out
+    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
-    _fwd_launcher(
-        (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts,
+    args = _fwd_launcher.positional((
+        q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts if counts is not None else out,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *lse_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
         plan.dropout_scale, *_band_args(plan),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    ), dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
         TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse,
-    )
-    return out, plan.lse
+    ))
+    return (plan.m_blocks * B * H, plan.num_splits, 1), args, config.num_warps, config.num_stages, counts
+
+
+def bind_forward(plan):
+    """The launch of ``plan`` bound to its layout, for later calls laid out alike (a
+    ``common.plan.ForwardTemplate``'s): a :class:`BoundForward`, or None where the launch's
+    tensors are not all the plan's own (a mask, dropout, sinks, packed sequences, a running
+    result: those calls are not templated either)."""
+    grid, args, num_warps, num_stages, counts = _forward_launch(plan)
+    if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
+        return None
+    # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x));
+    # the other tensors by identity: the plan's fresh outputs, or the counters.
+    roles = {id(t): role for role, t in zip(BoundForward.ROLES[3:], (
+        plan.out, plan.lse, plan.o_part, plan.lse_part, counts)) if t is not None}
+    prefix = ["query", "key", "value"]  # the role of each leading tensor argument
+    for arg in args[3:]:
+        if not isinstance(arg, torch.Tensor):
+            break
+        if id(arg) not in roles:
+            return None
+        prefix.append(roles[id(arg)])
+    tail = args[len(prefix):]
+    if any(isinstance(arg, torch.Tensor) for arg in tail):
+        return None
+    counters = plan.m_blocks * plan.query.shape[0] * plan.query.shape[1] if counts is not None else 0
+    return BoundForward(tuple(BoundForward.ROLES.index(r) for r in prefix), tail, grid, num_warps, num_stages,
+                        counters)
+
+
+class BoundForward:
+    """A forward launch whose every scalar argument is fixed by its layout: a later call of that
+    layout supplies its tensors (``common.plan.launch_bound``) and launches, without building
+    the ~60 arguments or our launch cache's key again. Once the compiled kernel is known (from
+    the cache, after the first launch), it is launched directly while the inputs' 16-byte
+    alignment (which Triton specialises on) is what it was; the outputs come from the
+    allocator, always aligned."""
+
+    ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "counts")
+
+    def __init__(self, prefix, tail, grid, num_warps, num_stages, counters):
+        self.prefix, self.tail, self.grid = prefix, tail, grid
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.counters = counters  # ticket counters a split launch takes (0: unsplit)
+        self.kernel, self.aligned = None, None
+
+    def __call__(self, tensors) -> None:
+        """Launch on ``tensors``: one per role but the counters, in ROLES order (None where the
+        call has none)."""
+        if self.counters:
+            tensors = (*tensors, ticket_counters(tensors[3].device, self.counters))
+        args = tuple([tensors[i] for i in self.prefix]) + self.tail
+        aligned = (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15 == 0
+        if self.kernel is not None and aligned == self.aligned:
+            self.kernel[self.grid](*args)
+            return
+        _fwd_launcher.run(self.grid, args, self.num_warps, self.num_stages)
+        if self.kernel is None:
+            self.kernel, self.aligned = _fwd_launcher.compiled(args, self.num_warps, self.num_stages), aligned
 
 
 def backward(plan):

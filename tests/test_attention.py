@@ -465,9 +465,11 @@ REUSE_CASES = [
 def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
     """A plain call whose layout (arguments, shapes, strides, dtypes, device) was seen before
     plans nothing: it reuses that call's template, holds no tensor of it, and gives the right
-    answer (and lse) on fresh inputs, with fresh outputs."""
-    from common import dispatch, plan
-    from common.plan import force_splits
+    answer (and lse) on fresh inputs, with fresh outputs. From the third call on, the Triton
+    backend launches the launch bound to the layout (no re-bound plan, no argument list built);
+    NineToothed, which has no bound launch, keeps re-binding the plan."""
+    from common import dispatch, ops, plan
+    from common.plan import BoundLaunch, force_splits
 
     monkeypatch.setattr(dispatch, "_templates", {})
     kwargs = sdpa_kwargs(case, None)
@@ -484,12 +486,56 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
         monkeypatch.setattr(dispatch, "check_call", no_planning)
         q2, k2, v2, _ = make_inputs(case, device)
         out, lse = attention(q2, k2, v2, backend=backend, return_lse=True, **kwargs)
+        bound = template.bound[0]
+        assert isinstance(bound, BoundLaunch) if backend == "triton" else bound is False
+        if backend == "triton":
+            monkeypatch.setattr(ops, "forward_again", no_planning)
+        later = []
+        for _ in range(2):
+            q3, k3, v3, _ = make_inputs(case, device)
+            later.append(((q3, k3, v3), attention(q3, k3, v3, backend=backend, return_lse=True, **kwargs)))
     assert len(dispatch._templates) == 1
     assert out.data_ptr() != first.data_ptr() and lse.data_ptr() != first_lse.data_ptr()
+    assert later[0][1][0].data_ptr() != later[1][1][0].data_ptr()
     check_output(first, q, k, v, **kwargs)
     check_output(out, q2, k2, v2, **kwargs)
+    for inputs, (out3, _) in later:
+        check_output(out3, *inputs, **kwargs)
     kwargs.pop("enable_gqa")
     check_lse(lse, q2, k2, **kwargs)
+    for inputs, (_, lse3) in later:
+        check_lse(lse3, *inputs[:2], **kwargs)
+
+
+def test_bound_launch_follows_the_inputs_alignment(backend, device, monkeypatch):
+    """A layout's bound launch meets inputs of the same shapes and strides at addresses that are
+    not 16-byte multiples (which Triton specialises its kernels on), then aligned ones again:
+    the right answer every time."""
+    from common import dispatch
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    shape = (2, 3, 20, 32)
+    numel = 2 * 3 * 20 * 32
+    for offset in (0, 0, 0, 1, 1, 0):  # in elements: 1 is 2 bytes off
+        q, k, v = (torch.randn(numel + offset, dtype=f16, device=device)[offset:].view(shape) for _ in range(3))
+        assert (q.data_ptr() % 16 == 0) == (offset == 0)
+        check_output(attention(q, k, v, backend=backend), q, k, v)
+    assert len(dispatch._templates) == 1
+
+
+def test_bound_launch_tells_key_from_value(backend, device, monkeypatch):
+    """A layout first seen as self-attention, one tensor passed as query, key and value, binds
+    its launch; later calls of that layout with three different tensors get their own answer."""
+    from common import dispatch
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    x = torch.randn(1, 2, 24, 32, dtype=f16, device=device)
+    for _ in range(2):
+        check_output(attention(x, x, x, backend=backend), x, x, x)
+    for _ in range(2):
+        q, k, v = (torch.randn(1, 2, 24, 32, dtype=f16, device=device) for _ in range(3))
+        check_output(attention(q, k, v, backend=backend), q, k, v)
+    assert len(dispatch._templates) == 1
 
 
 def test_plan_reuse_keeps_every_check(device, monkeypatch):

@@ -24,6 +24,16 @@ def calls(monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(module, "forward", spy)
+    # a layout's third call on launches the launch bound to it (common.ops.forward_bound)
+    from common import ops
+
+    bound = ops.forward_bound
+
+    def bound_spy(backend, *args):
+        seen.append(backend.name)
+        return bound(backend, *args)
+
+    monkeypatch.setattr(ops, "forward_bound", bound_spy)
     monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
     return seen
 

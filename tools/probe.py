@@ -24,9 +24,9 @@ is written to the project.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - bandwidth: decode kernel time (graph replay) and K/V bandwidth over batch 1-64, Lq 1 and 16,
   GQA and MHA, against SDPA's.
-- steps: the reused path's host time per call, step by step (template lookup, rebind, argument
-  building, our launch cache, Triton's compiled-kernel launch, allocations), on a decode shape and a
-  homework shape, both backends' totals beside SDPA's.
+- steps: the reused path's host time per call, step by step (template lookup, the bound launch,
+  rebind, argument building, our launch cache, Triton's compiled-kernel launch, allocations), on a
+  decode shape and a homework shape, both backends' totals beside SDPA's.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 """
@@ -457,8 +457,8 @@ def steps():
     for label, q_shape, kv_shape, dtype, gqa in cases:
         q = torch.randn(q_shape, dtype=dtype, device="cuda")
         k, v = (torch.randn(kv_shape, dtype=dtype, device="cuda") for _ in range(2))
-        for _ in range(2):  # the first plans and keeps the template, the second enters the launch cache
-            attention(q, k, v, enable_gqa=gqa)
+        for _ in range(3):  # the first plans and keeps the template, the second binds its launch, the third
+            attention(q, k, v, enable_gqa=gqa)  # finds the compiled kernel
         (template,) = [t for key, t in dispatch._templates.items() if key[0][7] == q.shape and key[0][0] == "triton"]
         prepared = plan.rebind_forward(template, q, k, v)
         captured = {}
@@ -482,6 +482,7 @@ def steps():
             "attention(triton)": wall_time_us(lambda: attention(q, k, v, enable_gqa=gqa)),
             "attention(ninetoothed)": wall_time_us(lambda: attention(q, k, v, enable_gqa=gqa, backend="ninetoothed")),
             "_again": wall_time_us(lambda: dispatch._again(q, k, v, False, None, gqa, None, False)),
+            "ops.forward_bound": wall_time_us(lambda: ops.forward_bound(backend, template.bound[0], q, k, v)),
             "ops.forward_again": wall_time_us(lambda: ops.forward_again(backend, template, q, k, v)),
             "rebind_forward": wall_time_us(lambda: plan.rebind_forward(template, q, k, v), device="cpu"),
             "rebind (keys replanned)": wall_time_us(lambda: plan.rebind_forward(template, q, k, v, backend),
