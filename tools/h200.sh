@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test-x2 test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
+# stages: probe test test1 test2 test-x2 bound-check test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
 # (any other word runs as a shell command)
@@ -26,6 +26,9 @@ for stage in "$@"; do
     test-x2) CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m pytest $HALF1 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest1.log" 2>&1 &
              CUDA_VISIBLE_DEVICES=1 timeout 570 python3 -m pytest $HALF2 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest2.log" 2>&1; wait
              tail -8 "$OUT/pytest1.log"; tail -8 "$OUT/pytest2.log" ;;
+    # The bound launch (common.plan.launch_bound): its tests, then where a reused call's host time goes.
+    bound-check) timeout 300 python3 -m pytest tests/test_attention.py tests/test_backends.py tests/test_seed.py -q -n 12 -p no:cacheprovider --tb=short -rfE -k "bound or plan_reuse or homework or backend or seed" 2>&1 | tail -6 | tee "$OUT/bound_tests.log"
+                 timeout 200 python3 tools/probe.py steps loop 2>&1 | tee "$OUT/bound_steps.log" ;;
     test-seq) timeout 420 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
