@@ -72,7 +72,8 @@ class Backend:
 
     def load(self):
         """The backend's module (imported on first use; Python keeps it in ``sys.modules``)."""
-        return importlib.import_module(self.module)
+        module = sys.modules.get(self.module)
+        return module if module is not None else importlib.import_module(self.module)
 
     @property
     def package(self) -> str:

@@ -157,6 +157,8 @@ class ForwardPlan:
     def results(self, out: torch.Tensor, lse: torch.Tensor | None):
         """``(out, lse)`` of a backend, in the caller's view (undoes the packing; views)."""
         B, H, Lq, Dv = self.shape
+        if out.shape[1] == H:  # not packed (packing puts H_kv < H heads first): as they are
+            return out, lse
         out = out.view(B, H, Lq, Dv)
         return out, (lse.view(B, H, Lq) if lse is not None else None)
 
