@@ -101,6 +101,10 @@ class CachedLauncher:
             return args + self._constexprs(constexprs)
         return args + tuple([constexprs[name] for name in self._arg_names[len(args):]])
 
+    def arg_index(self, name: str) -> int:
+        """The position of parameter ``name`` in the signature."""
+        return self._arg_names.index(name)
+
     def run(self, grid, args, num_warps: int, num_stages: int) -> None:
         """Launch with every argument positional (:meth:`positional`), through the caches."""
         if not self.enabled:

@@ -47,11 +47,16 @@ def forward(backend, call: Call, with_lse: bool, *, template: bool = False):
 def forward_again(backend, template, query, key, value, *, other_keys: bool = False, bind: bool = False):
     """:func:`forward` of a call laid out as the one ``template`` was planned from
     (:func:`common.plan.template_of`; 4-D tensors): no planning, the launch alone.
-    ``other_keys``: the keys' length and strides may differ (their launch is planned again).
+    ``other_keys``: the keys' length and strides may differ (their launch is planned again, and
+    launched through the launch bound to its config and splits: :func:`common.plan.launch_growing`).
     ``bind``: also bind the launch to the template's layout for later calls
     (:func:`common.plan.bind_launch`, kept in ``template.bound``; False where it cannot be)."""
     with _on_device(query.device):
         plan = planning.rebind_forward(template, query, key, value, backend if other_keys else None)
+        if other_keys:
+            with _quiet(backend):
+                if planning.launch_growing(template, plan, backend):
+                    return plan.results(plan.out, plan.lse)
         results = _launch(backend, plan)
         if bind:
             template.bound[0] = planning.bind_launch(template, plan, backend) or False

@@ -369,6 +369,9 @@ class ForwardTemplate:
     key_length: int | None  # the keys kept (causal calls drop those no row sees), or None (all)
     # the backend's launch bound to this exact layout (bind_launch), once made; False: none can be
     bound: list = dataclasses.field(default_factory=lambda: [None])
+    # (config, splits) -> the backend's launch bound to this layout less the keys' length and
+    # strides (a growing cache: launch_growing), or False
+    growing: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -398,6 +401,28 @@ def bind_launch(template: ForwardTemplate, plan: ForwardPlan, backend) -> BoundL
     return BoundLaunch(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
                        plan.with_lse, plan.num_splits, template.query_view, template.key_length,
                        backend.interpreted())
+
+
+def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
+    """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
+    outputs allocated) through the launch bound to its config and split count, binding one
+    where none is yet (the backend's ``bind_forward(plan, keys=True)``). False where the
+    backend binds none: the caller launches the plan itself."""
+    key = (plan.config, plan.num_splits)
+    bound = template.growing.get(key)
+    if bound:
+        bound.launch_plan(plan)
+        return True
+    if bound is None:
+        bind = getattr(backend.load(), "bind_forward", None)
+        bound = bind(plan, keys=True) if bind is not None else None
+        if len(template.growing) >= 64:
+            template.growing.clear()
+        template.growing[key] = bound or False
+        if bound:
+            bound.launch_plan(plan)
+            return True
+    return False
 
 
 def launch_bound(bound: BoundLaunch, query, key, value):

@@ -1022,11 +1022,13 @@ def _forward_launch(plan) -> tuple:
     return (plan.m_blocks * B * H, plan.num_splits, 1), args, config.num_warps, config.num_stages, counts
 
 
-def bind_forward(plan):
+def bind_forward(plan, keys: bool = False):
     """The launch of ``plan`` bound to its layout, for later calls laid out alike (a
     ``common.plan.ForwardTemplate``'s): a :class:`BoundForward`, or None where the launch's
     tensors are not all the plan's own (a mask, dropout, sinks, packed sequences, a running
-    result: those calls are not templated either)."""
+    result: those calls are not templated either). ``keys``: later calls may differ in the
+    keys' length and strides (a growing cache; same config and split count): those arguments
+    come from each call's plan (:meth:`BoundForward.launch_plan`)."""
     grid, args, num_warps, num_stages, counts = _forward_launch(plan)
     if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
         return None
@@ -1046,38 +1048,66 @@ def bind_forward(plan):
         return None
     counters = plan.m_blocks * plan.query.shape[0] * plan.query.shape[1] if counts is not None else 0
     return BoundForward(tuple(BoundForward.ROLES.index(r) for r in prefix), tail, grid, num_warps, num_stages,
-                        counters)
+                        counters, _KEY_ARGS if keys else ())
+
+
+# the forward's arguments that depend on the keys' length and strides (BoundForward's holes)
+_KEY_ARGS = tuple(_fwd_launcher.arg_index(name) for name in (
+    "stride_kz", "stride_kh", "stride_kn", "stride_kd", "stride_vz", "stride_vh", "stride_vn", "stride_vd",
+    "Lk", "BLOCKS_PER_SPLIT"))
+
+
+def _int_class(a: int) -> tuple:
+    """What Triton specialises an integer argument on (see common.launch)."""
+    return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
 
 
 class BoundForward:
-    """A forward launch whose every scalar argument is fixed by its layout: a later call of that
-    layout supplies its tensors (``common.plan.launch_bound``) and launches, without building
-    the ~60 arguments or our launch cache's key again. Once the compiled kernel is known (from
-    the cache, after the first launch), it is launched directly while the inputs' 16-byte
-    alignment (which Triton specialises on) is what it was; the outputs come from the
-    allocator, always aligned."""
+    """A forward launch whose scalar arguments are fixed by its layout: a later call of that
+    layout supplies its tensors (``common.plan.launch_bound``) and, for ``holes``, the
+    arguments that depend on its keys (:meth:`launch_plan`), and launches without building
+    the ~60 arguments or our launch cache's key again. Once a compiled kernel is known (from
+    the cache, after a launch), it is launched directly while what Triton specialises it on
+    holds: the inputs' 16-byte alignment (the outputs come from the allocator, always
+    aligned) and the class of each hole's integer."""
 
     ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "counts")
 
-    def __init__(self, prefix, tail, grid, num_warps, num_stages, counters):
+    def __init__(self, prefix, tail, grid, num_warps, num_stages, counters, holes=()):
         self.prefix, self.tail, self.grid = prefix, tail, grid
         self.num_warps, self.num_stages = num_warps, num_stages
         self.counters = counters  # ticket counters a split launch takes (0: unsplit)
-        self.kernel, self.aligned = None, None
+        self.holes = tuple(i - len(prefix) for i in holes)  # positions in the tail
+        self.kernels = {}  # (inputs aligned, the holes' classes) -> compiled kernel
 
-    def __call__(self, tensors) -> None:
-        """Launch on ``tensors``: one per role but the counters, in ROLES order (None where the
-        call has none)."""
+    def __call__(self, tensors, values=()) -> None:
+        """Launch on ``tensors`` (one per role but the counters, in ROLES order; None where the
+        call has none) and ``values`` (one per hole)."""
         if self.counters:
             tensors = (*tensors, ticket_counters(tensors[3].device, self.counters))
-        args = tuple([tensors[i] for i in self.prefix]) + self.tail
+        tail = self.tail
+        if values:
+            tail = list(tail)
+            for i, value in zip(self.holes, values):
+                tail[i] = value
+            tail = tuple(tail)
+        args = tuple([tensors[i] for i in self.prefix]) + tail
         aligned = (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15 == 0
-        if self.kernel is not None and aligned == self.aligned:
-            self.kernel[self.grid](*args)
+        key = (aligned, tuple([_int_class(v) for v in values])) if values else aligned
+        kernel = self.kernels.get(key)
+        if kernel is not None:
+            kernel[self.grid](*args)
             return
         _fwd_launcher.run(self.grid, args, self.num_warps, self.num_stages)
-        if self.kernel is None:
-            self.kernel, self.aligned = _fwd_launcher.compiled(args, self.num_warps, self.num_stages), aligned
+        kernel = _fwd_launcher.compiled(args, self.num_warps, self.num_stages)
+        if kernel is not None:
+            self.kernels[key] = kernel
+
+    def launch_plan(self, plan) -> None:
+        """Launch a plan of the bound layout whose keys may differ in length and strides."""
+        key, value = plan.key, plan.value
+        self((plan.query, key, value, plan.out, plan.lse, plan.o_part, plan.lse_part),
+             (*key.stride(), *value.stride(), key.shape[2], plan.blocks_per_split))
 
 
 def backward(plan):

@@ -584,7 +584,7 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
     monkeypatch.setattr(plan, "make_forward", no_planning)
     monkeypatch.setattr(dispatch, "check_call", no_planning)
     splits = set()
-    for Lk in (101, 102, 700, 2500):
+    for Lk in (101, 102, 700, 701, 2500, 2501):
         k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
         out = attention(q, k, v, enable_gqa=True, backend=backend)
         check_output(out, q, k, v, enable_gqa=True)
@@ -592,6 +592,12 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
                                            is_causal=False, scale=None, enable_gqa=True, return_lse=False),
                                 get_backend(backend), with_lse=False).num_splits)
     assert len(splits) > 1  # the loop crossed split counts
+    # Triton launches each (config, split count) through a launch bound to it, its keys' arguments
+    # filled in per call; NineToothed binds none.
+    (template,) = dispatch._templates.values()
+    bound = list(template.growing.values())
+    assert len(bound) >= len(splits)
+    assert all(bound) if backend == "triton" else not any(bound)
     monkeypatch.setattr(dispatch, "check_call", check_call)
     with pytest.raises(ValueError, match="same sequence length"):
         attention(q, k, v[:, :, :-1], enable_gqa=True, backend=backend)

@@ -24,8 +24,13 @@ def calls(monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(module, "forward", spy)
-    # a layout's third call on launches the launch bound to it (common.ops.forward_bound)
-    from common import ops
+    # Plans made by earlier tests would send these calls down the reuse paths (the launch bound
+    # to a layout from its third call on, common.ops.forward_bound, or to a growing cache):
+    # start afresh, and see the bound launches too.
+    from common import dispatch, ops
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
 
     bound = ops.forward_bound
 
