@@ -28,6 +28,7 @@ import threading
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from common.outputs import stream_key
 
@@ -208,23 +209,76 @@ class CachedLauncher:
                 num_stages -= 1
 
 
+class BoundKernel:
+    """One kernel's launch bound to a layout: the grid, the launch options and every argument
+    fixed but the call's own tensors (and, for a growing cache, a few integers), which a
+    subclass puts in place (``__call__``) before :meth:`launch`. Once a compiled kernel is
+    known (from the launcher's cache, after a launch), it is launched directly while what
+    Triton specialises it on holds: that is ``key``, which the caller builds (the inputs'
+    16-byte alignment, :func:`inputs_aligned`; the class of each varying integer, :func:`int_class`)."""
+
+    def __init__(self, launcher: CachedLauncher, grid, num_warps: int, num_stages: int):
+        self.launcher, self.grid = launcher, grid
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.kernels: dict = {}  # key -> compiled kernel
+
+    def launch(self, args, key) -> None:
+        """Launch with ``args`` (every argument positional, as :meth:`CachedLauncher.run` takes them)."""
+        kernel = self.kernels.get(key)
+        if kernel is not None:
+            kernel[self.grid](*args)
+            return
+        self.launcher.run(self.grid, args, self.num_warps, self.num_stages)
+        kernel = self.launcher.compiled(args, self.num_warps, self.num_stages)
+        if kernel is not None:
+            self.kernels[key] = kernel
+
+
+def inputs_aligned(tensors) -> bool:
+    """The first three of ``tensors`` (query, key, value) start at 16-byte multiples; a bound
+    launch's other tensors come from the allocator (always aligned) or are its own."""
+    return (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15 == 0
+
+
+def int_class(a: int) -> tuple:
+    """What Triton specialises an integer argument on (see the by-class cache above)."""
+    return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+
+
 class _RoutedKernel:
     """Stands in for a ``@triton.jit`` function inside generated launch code:
     ``kernel[grid](*args, num_warps=..., num_stages=...)`` goes through a
-    :class:`CachedLauncher`."""
+    :class:`CachedLauncher`. Each thread's last such launch is kept (:meth:`last`), for a
+    caller that binds it (``impl_ninetoothed.attention.bind_forward``)."""
 
     def __init__(self, fn):
         self.fn = fn
         self.launcher = CachedLauncher(fn)
+        self._last = threading.local()
 
     def __getitem__(self, grid):
         def run(*args, **options):
             if set(options) <= {"num_warps", "num_stages"}:
-                self.launcher.launch(grid, args, options.get("num_warps", 4), options.get("num_stages", 3))
+                launch_grid = grid({}) if callable(grid) else grid
+                num_warps, num_stages = options.get("num_warps", 4), options.get("num_stages", 3)
+                self._last.launch = (launch_grid, args, num_warps, num_stages)
+                self.launcher.launch(launch_grid, args, num_warps, num_stages)
             else:  # anything else: Triton's own dispatch, unchanged
+                self._last.launch = None
                 self.fn[grid](*args, **options)
 
         return run
+
+    def last(self):
+        """(grid, args, num_warps, num_stages) of this thread's last launch through the cache, or None."""
+        return getattr(self._last, "launch", None)
+
+
+def routed_kernel(handle) -> _RoutedKernel | None:
+    """The :class:`_RoutedKernel` that ``handle``'s generated launcher launches, or None."""
+    routed = [value for value in getattr(getattr(handle, "_launch", None), "__globals__", {}).values()
+              if isinstance(value, _RoutedKernel)]
+    return routed[0] if len(routed) == 1 else None
 
 
 def route_generated_launch(handle):
@@ -234,12 +288,13 @@ def route_generated_launch(handle):
     and calls ``kernel[grid](...)``, Triton's full dispatch, on each call. The
     handle keeps the generated launcher (``_launch``) and kernel (``_kernel``);
     replacing the kernel's name in the launcher's globals leaves the generated
-    code as it is and only changes how its one launch is done. Where the handle
-    does not look like that (another NineToothed version, the interpreter) it is
-    returned untouched.
+    code as it is and only changes how its one launch is done (under the
+    interpreter, where the launcher's cache is off, only the recording of the
+    last launch: :meth:`_RoutedKernel.last`). Where the handle does not look
+    like that (another NineToothed version) it is returned untouched.
     """
     launch, kernel = getattr(handle, "_launch", None), getattr(handle, "_kernel", None)
-    if not isinstance(kernel, triton.runtime.JITFunction) or not hasattr(launch, "__globals__"):
+    if not isinstance(kernel, (triton.runtime.JITFunction, InterpretedFunction)) or not hasattr(launch, "__globals__"):
         return handle
     names = [name for name, value in launch.__globals__.items() if value is kernel]
     if len(names) == 1:

@@ -43,6 +43,7 @@ import threading
 
 import ninetoothed
 import ninetoothed.language as ntl
+import torch
 import triton
 import triton.language as tl
 from ninetoothed import Tensor
@@ -50,7 +51,7 @@ from ninetoothed import Tensor
 from common.codecache import use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
-from common.launch import define_constants, route_generated_launch
+from common.launch import BoundKernel, define_constants, inputs_aligned, route_generated_launch, routed_kernel
 from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
@@ -1121,6 +1122,69 @@ def forward(plan):
             WITH_LSE=plan.with_lse,
         )
     return out, plan.lse
+
+
+def _is_stand_in(t) -> bool:
+    """``t`` is one of :func:`_absent`'s stand-ins (a view of its one element)."""
+    scalar = _scalars.get((t.device, t.dtype))
+    return scalar is not None and t.data_ptr() == scalar.data_ptr()
+
+
+def bind_forward(plan, keys: bool = False):
+    """The launch of ``plan`` (just launched by :func:`forward`, on this thread) bound to its
+    layout, for later calls laid out alike (a ``common.plan.ForwardTemplate``'s): a
+    :class:`BoundForward` made from the arguments NineToothed's generated launcher passed to
+    the kernel (recorded by ``common.launch``'s routing), so a later call skips that launcher
+    and its reads of every size and stride. None for split keys (two launches, the second
+    sized by the first's partials), keys that grow (``keys``: the launcher's size and stride
+    arguments are not told apart by value), a launch with any tensor but the plan's own and
+    the stand-ins, and one tensor passed as two of query, key and value (that layout keeps
+    the unbound path)."""
+    if keys or plan.split:
+        return None
+    config = plan.config
+    handle = _make(premake, plan.query.shape[3], plan.value.shape[3], config.block_m, config.block_n, None,
+                   num_warps=config.num_warps, num_stages=config.num_stages)
+    routed = routed_kernel(handle)
+    record = routed.last() if routed is not None else None
+    if record is None:
+        return None
+    grid, args, num_warps, num_stages = record
+    roles = (plan.query, plan.key, plan.value, plan.out, plan.lse)
+    seen = [False] * len(roles)
+    slots = []
+    for position, arg in enumerate(args):
+        if not isinstance(arg, torch.Tensor):
+            continue
+        matches = [i for i, t in enumerate(roles) if t is arg]
+        if len(matches) != 1:
+            if not matches and _is_stand_in(arg):
+                continue
+            # another tensor or another call's launch; or one tensor in several roles
+            # (attention(x, x, x)), which the arguments alone do not tell apart
+            return None
+        seen[matches[0]] = True
+        slots.append((position, matches[0]))
+    if seen != [t is not None for t in roles]:
+        return None
+    return BoundForward(routed.launcher, args, slots, grid, num_warps, num_stages)
+
+
+class BoundForward(BoundKernel):
+    """The forward kernel's launch with the arguments NineToothed's launcher computed for one
+    layout: a later call of that layout puts its query, key, value and outputs in their
+    ``slots`` (position in the arguments, index into the tensors ``common.plan.launch_bound``
+    passes: query, key, value, out, lse) and launches (``common.launch.BoundKernel``)."""
+
+    def __init__(self, launcher, args, slots, grid, num_warps, num_stages):
+        super().__init__(launcher, grid, num_warps, num_stages)
+        self.args, self.slots = list(args), tuple(slots)
+
+    def __call__(self, tensors) -> None:
+        args = self.args.copy()
+        for position, role in self.slots:
+            args[position] = tensors[role]
+        self.launch(args, inputs_aligned(tensors))
 
 
 def backward(plan):

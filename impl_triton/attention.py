@@ -75,7 +75,7 @@ import triton.language as tl
 
 from common import plan as _plan
 from common.interpret import apply_interpreter_fixes
-from common.launch import CachedLauncher, ticket_counters
+from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_class, ticket_counters
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
@@ -1057,28 +1057,20 @@ _KEY_ARGS = tuple(_fwd_launcher.arg_index(name) for name in (
     "Lk", "BLOCKS_PER_SPLIT"))
 
 
-def _int_class(a: int) -> tuple:
-    """What Triton specialises an integer argument on (see common.launch)."""
-    return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
-
-
-class BoundForward:
+class BoundForward(BoundKernel):
     """A forward launch whose scalar arguments are fixed by its layout: a later call of that
     layout supplies its tensors (``common.plan.launch_bound``) and, for ``holes``, the
     arguments that depend on its keys (:meth:`launch_plan`), and launches without building
-    the ~60 arguments or our launch cache's key again. Once a compiled kernel is known (from
-    the cache, after a launch), it is launched directly while what Triton specialises it on
-    holds: the inputs' 16-byte alignment (the outputs come from the allocator, always
-    aligned) and the class of each hole's integer."""
+    the ~60 arguments or our launch cache's key again (``common.launch.BoundKernel``: the
+    compiled kernel per alignment of the inputs and class of each hole's integer)."""
 
     ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "counts")
 
     def __init__(self, prefix, tail, grid, num_warps, num_stages, counters, holes=()):
-        self.prefix, self.tail, self.grid = prefix, tail, grid
-        self.num_warps, self.num_stages = num_warps, num_stages
+        super().__init__(_fwd_launcher, grid, num_warps, num_stages)
+        self.prefix, self.tail = prefix, tail
         self.counters = counters  # ticket counters a split launch takes (0: unsplit)
         self.holes = tuple(i - len(prefix) for i in holes)  # positions in the tail
-        self.kernels = {}  # (inputs aligned, the holes' classes) -> compiled kernel
 
     def __call__(self, tensors, values=()) -> None:
         """Launch on ``tensors`` (one per role but the counters, in ROLES order; None where the
@@ -1091,17 +1083,9 @@ class BoundForward:
             for i, value in zip(self.holes, values):
                 tail[i] = value
             tail = tuple(tail)
-        args = tuple([tensors[i] for i in self.prefix]) + tail
-        aligned = (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15 == 0
-        key = (aligned, tuple([_int_class(v) for v in values])) if values else aligned
-        kernel = self.kernels.get(key)
-        if kernel is not None:
-            kernel[self.grid](*args)
-            return
-        _fwd_launcher.run(self.grid, args, self.num_warps, self.num_stages)
-        kernel = _fwd_launcher.compiled(args, self.num_warps, self.num_stages)
-        if kernel is not None:
-            self.kernels[key] = kernel
+        aligned = inputs_aligned(tensors)
+        self.launch(tuple([tensors[i] for i in self.prefix]) + tail,
+                    (aligned, tuple([int_class(v) for v in values])) if values else aligned)
 
     def launch_plan(self, plan) -> None:
         """Launch a plan of the bound layout whose keys may differ in length and strides."""

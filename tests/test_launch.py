@@ -163,8 +163,12 @@ def test_constexprs_by_keyword(fake):
         launcher((4, 1, 1), t, 64, 0.5, num_warps=4, num_stages=3, BLOCK=128)  # no such constexpr
 
 
-def test_routing_a_generated_launcher():
-    """route_generated_launch swaps the kernel in the launcher's globals, nothing else."""
+def test_routing_a_generated_launcher(device):
+    """route_generated_launch swaps the kernel in the launcher's globals (compiled or under the
+    interpreter), nothing else; routed_kernel finds it again; each thread's last launch is
+    recorded (what impl_ninetoothed binds), the grid evaluated."""
+    import threading
+
     import triton
 
     @triton.jit
@@ -175,10 +179,17 @@ def test_routing_a_generated_launcher():
     exec("def launch(x):\n    return kernel", namespace)
     handle = types.SimpleNamespace(_launch=namespace["launch"], _kernel=kernel)
     assert launch.route_generated_launch(handle) is handle
-    if isinstance(kernel, triton.runtime.JITFunction):
-        assert isinstance(namespace["launch"](None), launch._RoutedKernel)
-    else:  # under the interpreter: left alone
-        assert namespace["launch"](None) is kernel
+    routed = namespace["launch"](None)
+    assert isinstance(routed, launch._RoutedKernel) and launch.routed_kernel(handle) is routed
+    assert routed.last() is None
+    x = torch.zeros(4, device=device)
+    routed[lambda meta: (3,)](x, num_warps=2, num_stages=1)
+    assert routed.last() == ((3,), (x,), 2, 1)
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(routed.last()))
+    thread.start()
+    thread.join()
+    assert elsewhere == [None]
 
 
 def test_ninetoothed_helpers_define_in_a_generated_module():
