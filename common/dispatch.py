@@ -243,8 +243,14 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         # The exact layout's second call binds its launch (common.plan.bind_launch); later
         # ones allocate their outputs and launch that (plan.launch_bound), nothing else.
-        bound = None if other_keys else template.bound[0]
-        results = ops.forward_bound(chosen, bound, query, key, value) if bound else None
+        # Growing keys launch again what the last growing call launched while their plan
+        # would not change (plan.launch_grown).
+        if other_keys:
+            bound = None
+            results = ops.forward_grown(chosen, template, query, key, value)
+        else:
+            bound = template.bound[0]
+            results = ops.forward_bound(chosen, bound, query, key, value) if bound else None
         if results is None:
             results = ops.forward_again(chosen, template, query, key, value, other_keys=other_keys,
                                         bind=bound is None and not other_keys)

@@ -78,6 +78,18 @@ def forward_bound(backend, bound, query, key, value):
     return planning.launch_bound(bound, query, key, value)
 
 
+def forward_grown(backend, template, query, key, value):
+    """:func:`common.plan.launch_grown` of the template's last growing launch (4-D tensors):
+    None where there is none or these keys need planning again."""
+    grown = template.grown[0]
+    if grown is None:
+        return None
+    if grown[4].interpreted:
+        with _quiet(backend):
+            return planning.launch_grown(grown, query, key, value)
+    return planning.launch_grown(grown, query, key, value)
+
+
 def forward_resume(backend, call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Fold a validated 4-D call's keys into a running result over other keys, in place:
     ``out`` (B, H, Lq, Dv) float32 and ``lse`` (B, H, Lq) float32 (any strides) become

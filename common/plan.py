@@ -40,7 +40,7 @@ import functools
 import torch
 
 from common.backends import OFFSETS64, TMA
-from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
+from common.configs import BackwardConfig, Config, length_key, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
 from common.outputs import allocator, partials
 
@@ -372,6 +372,9 @@ class ForwardTemplate:
     # (config, splits) -> the backend's launch bound to this layout less the keys' length and
     # strides (a growing cache: launch_growing), or False
     growing: dict = dataclasses.field(default_factory=dict)
+    # the last of those launches (launch_growing): (length key, block_n, key blocks, blocks per
+    # split, BoundLaunch), what later keys that plan alike launch again (launch_grown)
+    grown: list = dataclasses.field(default_factory=lambda: [None])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -407,28 +410,45 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
     outputs allocated) through the launch bound to its config and split count, binding one
     where none is yet (the backend's ``bind_forward(plan, keys=True)``). False where the
-    backend binds none: the caller launches the plan itself."""
+    backend binds none: the caller launches the plan itself. The launch is kept as the
+    template's ``grown``, for :func:`launch_grown`."""
     key = (plan.config, plan.num_splits)
     bound = template.growing.get(key)
-    if bound:
-        bound.launch_plan(plan)
-        return True
     if bound is None:
         bind = getattr(backend.load(), "bind_forward", None)
         bound = bind(plan, keys=True) if bind is not None else None
         if len(template.growing) >= 64:
             template.growing.clear()
         template.growing[key] = bound or False
-        if bound:
-            bound.launch_plan(plan)
-            return True
-    return False
+    if not bound:
+        return False
+    bound.launch_plan(plan)
+    Lk, block_n = plan.key.shape[2], plan.config.block_n
+    template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split, BoundLaunch(
+        bound, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape, plan.with_lse,
+        plan.num_splits, template.query_view, None, backend.interpreted()))
+    return True
 
 
-def launch_bound(bound: BoundLaunch, query, key, value):
+def launch_grown(grown: tuple, query, key, value):
+    """``(out, lse)`` of a call laid out as a template whose last growing launch was ``grown``
+    (its ``grown[0]``, see :func:`launch_growing`), keys of any length and strides: launched
+    again with this call's keys where they lead :func:`_plan_launch` to the same decisions
+    (the config depends on the keys' length through ``configs.length_key`` alone, the split
+    count and blocks per split on the number of key blocks); None where they do not (the
+    caller plans the keys again), or where :func:`launch_bound` cannot run."""
+    length, block_n, k_blocks, blocks_per_split, bound = grown
+    Lk = key.shape[2]
+    if length_key(Lk) != length or -(-Lk // block_n) != k_blocks:
+        return None
+    return launch_bound(bound, query, key, value, (*key.stride(), *value.stride(), Lk, blocks_per_split))
+
+
+def launch_bound(bound: BoundLaunch, query, key, value, values: tuple = ()):
     """``(out, lse)`` of a call laid out as ``bound``'s template (4-D tensors), in the caller's
-    shape: its outputs allocated, one launch. None where the launch cannot run here (another
-    current GPU than the template's: the full path switches to it)."""
+    shape: its outputs allocated, one launch (``values``: the holes' values of a growing launch).
+    None where the launch cannot run here (another current GPU than the template's: the full
+    path switches to it)."""
     device = bound.device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return None
@@ -442,7 +462,11 @@ def launch_bound(bound: BoundLaunch, query, key, value):
     o_part = lse_part = None
     if bound.num_splits > 1:
         o_part, lse_part = partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
-    bound.launch((query, key, value, out, lse, o_part, lse_part))
+    tensors = (query, key, value, out, lse, o_part, lse_part)
+    if values:
+        bound.launch(tensors, values)
+    else:
+        bound.launch(tensors)
     if bound.query_view is None:
         return out, lse
     return out.view(bound.shape), (lse.view(bound.shape[:3]) if lse is not None else None)

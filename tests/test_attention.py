@@ -566,8 +566,9 @@ def test_plan_reuse_keeps_every_check(device, monkeypatch):
 
 def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
     """A decode loop (keys one longer each step, a fresh cache tensor each time): calls that are
-    not causal validate and plan only what depends on the keys' length; the right answer at
-    every step, across a change of split count; keys and values of two lengths still fail."""
+    not causal validate and plan only what depends on the keys' length, and only where it
+    changes; the right answer at every step, across a change of split count and of the keys'
+    strides; keys and values of two lengths still fail."""
     from common import dispatch, plan
     from common.backends import get_backend
     from common.validation import check_call
@@ -584,9 +585,14 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
 
     monkeypatch.setattr(plan, "make_forward", no_planning)
     monkeypatch.setattr(dispatch, "check_call", no_planning)
+    replanned = []
+    rebind_forward = plan.rebind_forward
+    monkeypatch.setattr(plan, "rebind_forward", lambda *a: replanned.append(a[2].shape[2]) or rebind_forward(*a))
     splits = set()
-    for Lk in (101, 102, 700, 701, 2500, 2501):
+    for Lk in (101, 102, 700, 701, 702, 2500, 2501):
         k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
+        if Lk == 702:  # keys and values inside longer buffers: other strides
+            k, v = (torch.randn(1, 1, 900, 32, device=device)[:, :, :Lk] for _ in range(2))
         out = attention(q, k, v, enable_gqa=True, backend=backend)
         check_output(out, q, k, v, enable_gqa=True)
         splits.add(make_forward(check_call(get_backend(backend), q, k, v, attn_mask=None, dropout_p=0.0,
@@ -599,6 +605,10 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
     bound = list(template.growing.values())
     assert len(bound) >= len(splits)
     assert all(bound) if backend == "triton" else not any(bound)
+    # Triton plans the keys again only where their length changes the plan (a new number of key
+    # blocks, any block size from 16 to 128, or a new length key); the other calls launch the last
+    # growing launch again, its keys' length and strides filled in.
+    assert replanned == ([101, 700, 2500] if backend == "triton" else [101, 102, 700, 701, 702, 2500, 2501])
     monkeypatch.setattr(dispatch, "check_call", check_call)
     with pytest.raises(ValueError, match="same sequence length"):
         attention(q, k, v[:, :, :-1], enable_gqa=True, backend=backend)
