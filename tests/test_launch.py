@@ -184,7 +184,7 @@ def test_routing_a_generated_launcher(device):
     assert routed.last() is None
     x = torch.zeros(4, device=device)
     routed[lambda meta: (3,)](x, num_warps=2, num_stages=1)
-    assert routed.last() == ((3,), (x,), 2, 1)
+    assert routed.last() == ((3, 1, 1), (x,), 2, 1)
     elsewhere = []
     thread = threading.Thread(target=lambda: elsewhere.append(routed.last()))
     thread.start()
