@@ -45,10 +45,10 @@ KERNEL_FUNCTIONS = {
     },
 }
 HOST_FUNCTIONS = {
-    "triton": ["forward", "backward", "paged_forward", "append_kv"],
+    "triton": ["forward", "_forward_launch", "bind_forward", "backward", "paged_forward", "append_kv"],
     "ninetoothed": ["_flags", "_attention_inputs", "premake", "premake_combine", "premake_dq", "premake_dkdv",
-                    "premake_paged", "premake_append", "_make", "_absent", "forward", "backward", "paged_forward",
-                    "append_kv"],
+                    "premake_paged", "premake_append", "_make", "_absent", "forward", "_is_stand_in", "bind_forward",
+                    "backward", "paged_forward", "append_kv"],
 }
 
 
