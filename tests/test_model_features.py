@@ -155,6 +155,9 @@ SOFTCAP_CASES = [  # (Lq, Lk, is_causal, alignment, window, scale, softcap, dtyp
     (1, 70, False, "top_left", None, 2.0, 1.0, f32),  # one row: the split-keys path
     (45, 45, False, "top_left", (4, 4), None, 50.0, f32),  # a cap that hardly bites
     (70, 70, True, "top_left", None, None, 50.0, bf16),  # Gemma 2's cap (on a GPU: tanh.approx)
+    # saturated scores of both signs, 2 * 50 * log2(e) apart: a row maximum taken at the wrong end
+    # overflows exp2 to inf; 256 keys: blocks with no mask (the ragged end is masked)
+    (33, 256, False, "top_left", None, -20.0, 50.0, f32),
 ]
 
 
