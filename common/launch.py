@@ -23,6 +23,7 @@ through it.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 
@@ -245,34 +246,57 @@ def int_class(a: int) -> tuple:
     return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
 
 
+class _Recorder(threading.local):
+    launches: dict | None = None  # routed kernel -> its last launch, while this thread records
+
+
+_recorder = _Recorder()
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Inside the block, each routed launch this thread makes is kept (:meth:`_RoutedKernel.last`),
+    for a caller that binds it (``impl_ninetoothed.attention.bind_forward``); when the block
+    ends, none is: the launches' tensors must not outlive the call."""
+    launches = _recorder.launches = {}
+    try:
+        yield
+    finally:
+        _recorder.launches = None
+        launches.clear()
+
+
 class _RoutedKernel:
     """Stands in for a ``@triton.jit`` function inside generated launch code:
     ``kernel[grid](*args, num_warps=..., num_stages=...)`` goes through a
-    :class:`CachedLauncher`. Each thread's last such launch is kept (:meth:`last`), for a
-    caller that binds it (``impl_ninetoothed.attention.bind_forward``)."""
+    :class:`CachedLauncher`."""
 
     def __init__(self, fn):
         self.fn = fn
         self.launcher = CachedLauncher(fn)
-        self._last = threading.local()
 
     def __getitem__(self, grid):
         def run(*args, **options):
+            launches = _recorder.launches
             if set(options) <= {"num_warps", "num_stages"}:
                 launch_grid = grid({}) if callable(grid) else grid
                 launch_grid = (*launch_grid, 1, 1)[:3]  # a compiled kernel takes exactly (x, y, z)
                 num_warps, num_stages = options.get("num_warps", 4), options.get("num_stages", 3)
-                self._last.launch = (launch_grid, args, num_warps, num_stages)
+                if launches is not None:
+                    launches[self] = (launch_grid, args, num_warps, num_stages)
                 self.launcher.launch(launch_grid, args, num_warps, num_stages)
             else:  # anything else: Triton's own dispatch, unchanged
-                self._last.launch = None
+                if launches is not None:
+                    launches[self] = None
                 self.fn[grid](*args, **options)
 
         return run
 
     def last(self):
-        """(grid, args, num_warps, num_stages) of this thread's last launch through the cache, or None."""
-        return getattr(self._last, "launch", None)
+        """(grid, args, num_warps, num_stages) of this thread's last launch through the cache inside
+        :func:`recorded_launches`, or None."""
+        launches = _recorder.launches
+        return launches.get(self) if launches is not None else None
 
 
 def routed_kernel(handle) -> _RoutedKernel | None:

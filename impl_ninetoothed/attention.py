@@ -1179,6 +1179,8 @@ class BoundForward(BoundKernel):
     def __init__(self, launcher, args, slots, grid, num_warps, num_stages):
         super().__init__(launcher, grid, num_warps, num_stages)
         self.args, self.slots = list(args), tuple(slots)
+        for position, _ in self.slots:
+            self.args[position] = None  # (the binding call's tensors: not kept)
 
     def __call__(self, tensors) -> None:
         args = self.args.copy()

@@ -539,6 +539,27 @@ def test_bound_launch_tells_key_from_value(backend, device, monkeypatch):
     assert len(dispatch._templates) == 1
 
 
+def test_reused_calls_keep_no_tensor(backend, device, monkeypatch):
+    """Nothing the reuse keeps (templates, bound launches, recorded launches) holds a call's
+    tensors once the call is done: a freed KV cache frees its memory."""
+    import gc
+    import weakref
+
+    from common import dispatch
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    refs = []
+    for Lk in (40, 40, 40, 41, 300, 301):  # planned, re-bound and bound; then growing keys
+        q = torch.randn(1, 4, 1, 32, device=device)
+        k, v = (torch.randn(1, 2, Lk, 32, device=device) for _ in range(2))
+        out = attention(q, k, v, enable_gqa=True, backend=backend)
+        refs += [weakref.ref(t) for t in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)
+
+
 def test_plan_reuse_keeps_every_check(device, monkeypatch):
     """A layout seen before still gets its arguments checked where only their value's type
     differs (True for 1.0, 1 for True), a new plan where a switch changed, and the full path

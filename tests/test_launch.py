@@ -165,8 +165,9 @@ def test_constexprs_by_keyword(fake):
 
 def test_routing_a_generated_launcher(device):
     """route_generated_launch swaps the kernel in the launcher's globals (compiled or under the
-    interpreter), nothing else; routed_kernel finds it again; each thread's last launch is
-    recorded (what impl_ninetoothed binds), the grid evaluated."""
+    interpreter), nothing else; routed_kernel finds it again; inside recorded_launches each
+    thread's last launch is kept (what impl_ninetoothed binds), the grid evaluated, and no
+    longer."""
     import threading
 
     import triton
@@ -181,15 +182,18 @@ def test_routing_a_generated_launcher(device):
     assert launch.route_generated_launch(handle) is handle
     routed = namespace["launch"](None)
     assert isinstance(routed, launch._RoutedKernel) and launch.routed_kernel(handle) is routed
-    assert routed.last() is None
     x = torch.zeros(4, device=device)
     routed[lambda meta: (3,)](x, num_warps=2, num_stages=1)
-    assert routed.last() == ((3, 1, 1), (x,), 2, 1)
-    elsewhere = []
-    thread = threading.Thread(target=lambda: elsewhere.append(routed.last()))
-    thread.start()
-    thread.join()
-    assert elsewhere == [None]
+    assert routed.last() is None  # kept only while recording
+    with launch.recorded_launches():
+        routed[lambda meta: (3,)](x, num_warps=2, num_stages=1)
+        assert routed.last() == ((3, 1, 1), (x,), 2, 1)
+        elsewhere = []
+        thread = threading.Thread(target=lambda: elsewhere.append(routed.last()))
+        thread.start()
+        thread.join()
+        assert elsewhere == [None]
+    assert routed.last() is None
 
 
 def test_ninetoothed_helpers_define_in_a_generated_module():
