@@ -20,7 +20,6 @@ import torch
 
 from common import plan as planning
 from common.backends import BACKENDS, get_backend
-from common.launch import recorded_launches
 from common.validation import Call
 
 NAMESPACE = "twin_attention"
@@ -60,7 +59,11 @@ def forward_again(backend, template, query, key, value, *, other_keys: bool = Fa
                     return plan.results(plan.out, plan.lse)
         if not bind:
             return _launch(backend, plan)
-        # (NineToothed binds the arguments its generated launcher passed: kept only meanwhile)
+        # (NineToothed binds the arguments its generated launcher passed: kept only meanwhile.
+        # Imported here: importing common must not import triton, which the interpreter
+        # switch, set by the caller after importing common, has to precede.)
+        from common.launch import recorded_launches
+
         with recorded_launches():
             results = _launch(backend, plan)
             template.bound[0] = planning.bind_launch(template, plan, backend) or False

@@ -116,6 +116,20 @@ def test_the_library_loads_no_tool():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_importing_the_library_imports_no_triton():
+    """``import common`` imports no triton: Triton's interpreter must be switched on before triton
+    decorates its own library's kernels, and a caller (the test suite's conftest, a CPU user)
+    switches it after importing common (its ``interpret`` module); a triton imported first made
+    every interpreted kernel fail ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    import subprocess
+    import sys
+
+    code = "import sys, common, common.interpret\nprint('triton' in sys.modules)\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
 @pytest.mark.parametrize("extra", [{}, {"alignment": "bottom_right"}, {"window": (-1, 0)}])
 def test_torch_backend_gives_sdpa_its_causal_flag(extra, qkv, monkeypatch):
     """A call whose band is SDPA's causal one reaches SDPA as ``is_causal=True`` with no mask
