@@ -23,8 +23,11 @@ through it.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import operator
+import textwrap
 import threading
 
 import torch
@@ -304,6 +307,45 @@ def routed_kernel(handle) -> _RoutedKernel | None:
     routed = [value for value in getattr(getattr(handle, "_launch", None), "__globals__", {}).values()
               if isinstance(value, _RoutedKernel)]
     return routed[0] if len(routed) == 1 else None
+
+
+_described: dict = {}  # generated launcher -> launcher_arguments(launcher)
+
+
+def launcher_arguments(launch) -> tuple | None:
+    """What each argument of the one kernel launch inside a NineToothed-generated launcher
+    (``kernel[grid](...)``) is, read from its source: ``("input", i)`` (the launcher's i-th
+    parameter, a tensor or a scalar), ``("size", i, d)`` / ``("stride", i, d)`` (of that
+    parameter) or ``("fixed",)`` (anything else: the constexprs). None where the source does
+    not have that form (another NineToothed version). Read once per launcher."""
+    described = _described.get(launch)
+    if described is None:
+        described = _described[launch] = _read_launcher(launch) or False
+    return described or None
+
+
+def _read_launcher(launch) -> tuple | None:
+    try:
+        (function,) = ast.parse(textwrap.dedent(inspect.getsource(launch))).body
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    params = {arg.arg: i for i, arg in enumerate(function.args.args)}
+    calls = [node for node in ast.walk(function) if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)]
+    if len(calls) != 1 or any(isinstance(arg, ast.Starred) for arg in calls[0].args):
+        return None
+    described = []
+    for arg in calls[0].args:
+        if isinstance(arg, ast.Name) and arg.id in params:
+            described.append(("input", params[arg.id]))
+        elif (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr in ("size", "stride")
+              and isinstance(arg.func.value, ast.Name) and arg.func.value.id in params and len(arg.args) == 1
+              and not arg.keywords and isinstance(arg.args[0], ast.Constant) and type(arg.args[0].value) is int):
+            described.append((arg.func.attr, params[arg.func.value.id], arg.args[0].value))
+        else:
+            described.append(("fixed",))
+    return tuple(described)
 
 
 def route_generated_launch(handle):

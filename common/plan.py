@@ -408,21 +408,27 @@ def bind_launch(template: ForwardTemplate, plan: ForwardPlan, backend) -> BoundL
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config and split count, binding one
-    where none is yet (the backend's ``bind_forward(plan, keys=True)``). False where the
-    backend binds none: the caller launches the plan itself. The launch is kept as the
-    template's ``grown``, for :func:`launch_grown`."""
-    key = (plan.config, plan.num_splits)
+    outputs allocated) through the launch bound to its config, split count and blocks per
+    split; where none is yet, launch it through the backend and bind that launch (the
+    backend's ``bind_forward(plan, keys=True)``, which may read what was just launched). False
+    where the backend binds none for it: the caller launches the plan itself. The bound launch
+    is kept as the template's ``grown``, for :func:`launch_grown`."""
+    key = (plan.config, plan.num_splits, plan.blocks_per_split)
     bound = template.growing.get(key)
+    if bound is False:
+        return False
     if bound is None:
-        bind = getattr(backend.load(), "bind_forward", None)
+        module = backend.load()
+        module.forward(plan)
+        bind = getattr(module, "bind_forward", None)
         bound = bind(plan, keys=True) if bind is not None else None
         if len(template.growing) >= 64:
             template.growing.clear()
         template.growing[key] = bound or False
-    if not bound:
-        return False
-    bound.launch_plan(plan)
+        if not bound:
+            return True  # launched; later calls of this key launch their plans themselves
+    else:
+        bound.launch_plan(plan)
     Lk, block_n = plan.key.shape[2], plan.config.block_n
     template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split, BoundLaunch(
         bound, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape, plan.with_lse,
@@ -441,12 +447,13 @@ def launch_grown(grown: tuple, query, key, value):
     Lk = key.shape[2]
     if length_key(Lk) != length or -(-Lk // block_n) != k_blocks:
         return None
-    return launch_bound(bound, query, key, value, (*key.stride(), *value.stride(), Lk, blocks_per_split))
+    return launch_bound(bound, query, key, value, blocks_per_split)
 
 
-def launch_bound(bound: BoundLaunch, query, key, value, values: tuple = ()):
+def launch_bound(bound: BoundLaunch, query, key, value, blocks_per_split: int | None = None):
     """``(out, lse)`` of a call laid out as ``bound``'s template (4-D tensors), in the caller's
-    shape: its outputs allocated, one launch (``values``: the holes' values of a growing launch).
+    shape: its outputs allocated, one launch (``blocks_per_split``: a growing launch's, whose
+    keys may differ in length and strides).
     None where the launch cannot run here (another current GPU than the template's: the full
     path switches to it)."""
     device = bound.device
@@ -463,10 +470,10 @@ def launch_bound(bound: BoundLaunch, query, key, value, values: tuple = ()):
     if bound.num_splits > 1:
         o_part, lse_part = partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
     tensors = (query, key, value, out, lse, o_part, lse_part)
-    if values:
-        bound.launch(tensors, values)
-    else:
+    if blocks_per_split is None:
         bound.launch(tensors)
+    else:
+        bound.launch.launch_keys(tensors, blocks_per_split)
     if bound.query_view is None:
         return out, lse
     return out.view(bound.shape), (lse.view(bound.shape[:3]) if lse is not None else None)

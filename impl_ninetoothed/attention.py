@@ -51,7 +51,15 @@ from ninetoothed import Tensor
 from common.codecache import use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
-from common.launch import BoundKernel, define_constants, inputs_aligned, route_generated_launch, routed_kernel
+from common.launch import (
+    BoundKernel,
+    define_constants,
+    inputs_aligned,
+    int_class,
+    launcher_arguments,
+    route_generated_launch,
+    routed_kernel,
+)
 from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
@@ -1090,14 +1098,11 @@ def _band_args(plan, keys=False) -> tuple:
     return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap, *per_row, *(per_key if keys else ()))
 
 
-def forward(plan):
-    """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
-
-    Returns ``(plan.out, plan.lse)``, filled in.
-    """
-    q, k, v, out = plan.query, plan.key, plan.value, plan.out
+def _attention_launch(plan) -> tuple:
+    """(kernel, inputs, flags) of the forward's attention launch: ``kernel(*inputs, **flags)``."""
+    q, out = plan.query, plan.out
     B, H, Lq, D = q.shape
-    Lk, Dv = k.shape[2], v.shape[3]
+    Lk, Dv = plan.key.shape[2], plan.value.shape[3]
     config = plan.config
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(out, B, H, Lq, Lk)
     if plan.split:
@@ -1106,22 +1111,39 @@ def forward(plan):
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
                    num_warps=config.num_warps, num_stages=config.num_stages)
-    kernel(
-        q, k, v, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
-        plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
+    inputs = (q, plan.key, plan.value, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
+              plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
+    return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume,
     )
+
+
+def _merge_kernel(plan):
+    merge = plan.merge
+    return _make(premake_combine, plan.value.shape[3], merge.block_r, merge.block_s, num_warps=4, num_stages=1)
+
+
+def _merge_inputs(o_part, lse_part, out, lse, rows: int, num_splits: int) -> tuple:
+    """The merge's inputs: the partials (rows, splits, Dv) and (rows, splits), the output (rows,
+    Dv) and its log-sum-exp (rows,), or a stand-in where none is asked for."""
+    Dv = out.shape[-1]
+    return (o_part.view(rows, num_splits, Dv), lse_part.view(rows, num_splits), out.view(rows, Dv),
+            lse.view(rows) if lse is not None else _absent(out, rows))
+
+
+def forward(plan):
+    """Launch the forward (and, for split keys, the merge) for a ``common.plan.ForwardPlan``.
+
+    Returns ``(plan.out, plan.lse)``, filled in.
+    """
+    kernel, inputs, flags = _attention_launch(plan)
+    kernel(*inputs, **flags)
     if plan.split:
-        merge = plan.merge
-        R = merge.rows
-        lse = plan.lse.view(R) if plan.lse is not None else _absent(out, R)
-        _make(premake_combine, Dv, merge.block_r, merge.block_s, num_warps=4, num_stages=1)(
-            plan.o_part.view(R, plan.num_splits, Dv), plan.lse_part.view(R, plan.num_splits), out.view(R, Dv), lse,
-            WITH_LSE=plan.with_lse,
-        )
-    return out, plan.lse
+        _merge_kernel(plan)(*_merge_inputs(plan.o_part, plan.lse_part, plan.out, plan.lse, plan.merge.rows,
+                                           plan.num_splits), WITH_LSE=plan.with_lse)
+    return plan.out, plan.lse
 
 
 def _is_stand_in(t) -> bool:
@@ -1131,62 +1153,113 @@ def _is_stand_in(t) -> bool:
 
 
 def bind_forward(plan, keys: bool = False):
-    """The launch of ``plan`` (just launched by :func:`forward`, on this thread) bound to its
+    """The launches of ``plan`` (just launched by :func:`forward`, on this thread) bound to its
     layout, for later calls laid out alike (a ``common.plan.ForwardTemplate``'s): a
-    :class:`BoundForward` made from the arguments NineToothed's generated launcher passed to
-    the kernel (recorded by ``common.launch``'s routing), so a later call skips that launcher
-    and its reads of every size and stride. None for split keys (two launches, the second
-    sized by the first's partials), keys that grow (``keys``: the launcher's size and stride
-    arguments are not told apart by value), a launch with any tensor but the plan's own and
-    the stand-ins, and one tensor passed as two of query, key and value (that layout keeps
-    the unbound path)."""
-    if keys or plan.split:
+    :class:`BoundForward` made from the arguments NineToothed's generated launchers passed to
+    the kernels (recorded by ``common.launch``'s routing) and what the launchers' source says
+    each one is (``common.launch.launcher_arguments``), so later calls skip the launchers and
+    their reads of every size and stride. ``keys``: later calls may differ in the keys' length
+    and strides (a growing cache; same config, split count and blocks per split): the keys' and
+    values' sizes and strides are filled in per call. None where a launch holds a tensor that
+    is neither the plan's own nor a stand-in, or the launchers do not read as expected."""
+    kernel, inputs, _ = _attention_launch(plan)
+    roles = {0: 0, 1: 1, 2: 2}  # query, key, value by position: one tensor may be passed as two of them
+    for i, t in enumerate(inputs[3:], 3):
+        for role, own in enumerate((plan.out, plan.lse, plan.o_part, plan.lse_part), 3):
+            if own is not None and t is own:
+                roles[i] = role
+    attention = _bind(kernel, inputs, roles, (1, 2) if keys else ())
+    if attention is None:
         return None
-    config = plan.config
-    handle = _make(premake, plan.query.shape[3], plan.value.shape[3], config.block_m, config.block_n, None,
-                   num_warps=config.num_warps, num_stages=config.num_stages)
-    routed = routed_kernel(handle)
+    merge = None
+    if plan.split:
+        views = _merge_inputs(plan.o_part, plan.lse_part, plan.out, plan.lse, plan.merge.rows, plan.num_splits)
+        merge = _bind(_merge_kernel(plan), views, {i: i for i in range(4 if plan.lse is not None else 3)})
+        if merge is None:
+            return None
+    return BoundForward(attention, merge, plan.merge.rows if plan.split else 0, plan.num_splits)
+
+
+def _bind(kernel, inputs, roles: dict, key_inputs=()):
+    """The last launch of ``kernel`` on this thread, made with ``inputs``, bound (a
+    :class:`BoundGeneratedLaunch`): the inputs with a role (index into the tensors a later call passes)
+    put in their slots; the sizes and strides of ``key_inputs`` read from them per call. None
+    where the recorded launch is not one of ``inputs`` or holds another call's tensor."""
+    routed = routed_kernel(kernel)
     record = routed.last() if routed is not None else None
-    if record is None:
+    described = launcher_arguments(kernel._launch) if record is not None else None
+    if described is None or len(described) != len(record[1]):
         return None
     grid, args, num_warps, num_stages = record
-    roles = (plan.query, plan.key, plan.value, plan.out, plan.lse)
-    seen = [False] * len(roles)
-    slots = []
-    for position, arg in enumerate(args):
-        if not isinstance(arg, torch.Tensor):
+    slots, holes = [], []
+    for position, (what, *where) in enumerate(described):
+        if what == "fixed":
             continue
-        matches = [i for i, t in enumerate(roles) if t is arg]
-        if len(matches) != 1:
-            if not matches and _is_stand_in(arg):
-                continue
-            # another tensor or another call's launch; or one tensor in several roles
-            # (attention(x, x, x)), which the arguments alone do not tell apart
-            return None
-        seen[matches[0]] = True
-        slots.append((position, matches[0]))
-    if seen != [t is not None for t in roles]:
-        return None
-    return BoundForward(routed.launcher, args, slots, grid, num_warps, num_stages)
+        index = where[0]
+        given = inputs[index]
+        if what != "input":
+            if index in key_inputs:
+                holes.append((position, roles[index], what == "size", where[1]))
+            continue
+        if not isinstance(given, torch.Tensor):
+            continue  # a scalar of the layout
+        arg = args[position]
+        if not (isinstance(arg, torch.Tensor) and arg.data_ptr() == given.data_ptr() and arg.shape == given.shape):
+            return None  # another call's launch
+        if index in roles:
+            slots.append((position, roles[index]))
+        elif not _is_stand_in(given):
+            return None  # a tensor of this call alone (those calls are not templated)
+    return BoundGeneratedLaunch(routed.launcher, args, slots, holes, grid, num_warps, num_stages)
 
 
-class BoundForward(BoundKernel):
-    """The forward kernel's launch with the arguments NineToothed's launcher computed for one
-    layout: a later call of that layout puts its query, key, value and outputs in their
-    ``slots`` (position in the arguments, index into the tensors ``common.plan.launch_bound``
-    passes: query, key, value, out, lse) and launches (``common.launch.BoundKernel``)."""
+class BoundGeneratedLaunch(BoundKernel):
+    """One NineToothed kernel's launch with the arguments its generated launcher computed for
+    one layout (``common.launch.BoundKernel``): a later call puts its tensors in their ``slots``
+    ((position, index into the call's tensors)) and, for ``holes`` ((position, index, size or
+    stride, dim)), those tensors' sizes and strides."""
 
-    def __init__(self, launcher, args, slots, grid, num_warps, num_stages):
+    def __init__(self, launcher, args, slots, holes, grid, num_warps, num_stages):
         super().__init__(launcher, grid, num_warps, num_stages)
-        self.args, self.slots = list(args), tuple(slots)
+        self.args, self.slots, self.holes = list(args), tuple(slots), tuple(holes)
         for position, _ in self.slots:
             self.args[position] = None  # (the binding call's tensors: not kept)
 
     def __call__(self, tensors) -> None:
         args = self.args.copy()
-        for position, role in self.slots:
-            args[position] = tensors[role]
-        self.launch(args, inputs_aligned(tensors))
+        for position, index in self.slots:
+            args[position] = tensors[index]
+        aligned = inputs_aligned(tensors)
+        if not self.holes:
+            self.launch(args, aligned)
+            return
+        for position, index, size, dim in self.holes:
+            args[position] = tensors[index].size(dim) if size else tensors[index].stride(dim)
+        self.launch(args, (aligned, tuple([int_class(args[position]) for position, *_ in self.holes])))
+
+
+class BoundForward:
+    """The forward's launches bound to a layout: the attention kernel's and, for split keys,
+    the merge's; called with the tensors ``common.plan.launch_bound`` passes (query, key,
+    value, out, lse, o_part, lse_part)."""
+
+    def __init__(self, attention: BoundGeneratedLaunch, merge: BoundGeneratedLaunch | None, rows: int, num_splits: int):
+        self.attention, self.merge = attention, merge
+        self.rows, self.num_splits = rows, num_splits
+
+    def __call__(self, tensors) -> None:
+        self.attention(tensors)
+        if self.merge is not None:
+            self.merge(_merge_inputs(tensors[5], tensors[6], tensors[3], tensors[4], self.rows, self.num_splits))
+
+    def launch_keys(self, tensors, blocks_per_split: int) -> None:
+        """Launch for keys of another length and strides (bound with ``keys``; the blocks per
+        split are the kernel's own: NineToothed makes them a tile size)."""
+        self(tensors)
+
+    def launch_plan(self, plan) -> None:
+        """Launch a plan of the bound layout whose keys may differ in length and strides."""
+        self((plan.query, plan.key, plan.value, plan.out, plan.lse, plan.o_part, plan.lse_part))
 
 
 def backward(plan):

@@ -466,8 +466,8 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
     """A plain call whose layout (arguments, shapes, strides, dtypes, device) was seen before
     plans nothing: it reuses that call's template, holds no tensor of it, and gives the right
     answer (and lse) on fresh inputs, with fresh outputs. From the third call on, it launches
-    the launch bound to the layout (no re-bound plan, no argument list built); NineToothed
-    binds none for split keys (two launches) and keeps re-binding the plan there."""
+    the launch bound to the layout (no re-bound plan, no argument list built; NineToothed's
+    two for split keys, attention and merge)."""
     from common import dispatch, ops, plan
     from common.plan import BoundLaunch, force_splits
 
@@ -487,10 +487,8 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
         q2, k2, v2, _ = make_inputs(case, device)
         out, lse = attention(q2, k2, v2, backend=backend, return_lse=True, **kwargs)
         bound = template.bound[0]
-        binds = backend == "triton" or splits == 1
-        assert isinstance(bound, BoundLaunch) if binds else bound is False
-        if binds:
-            monkeypatch.setattr(ops, "forward_again", no_planning)
+        assert isinstance(bound, BoundLaunch)
+        monkeypatch.setattr(ops, "forward_again", no_planning)
         later = []
         for _ in range(2):
             q3, k3, v3, _ = make_inputs(case, device)
@@ -620,16 +618,16 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
                                            is_causal=False, scale=None, enable_gqa=True, return_lse=False),
                                 get_backend(backend), with_lse=False).num_splits)
     assert len(splits) > 1  # the loop crossed split counts
-    # Triton launches each (config, split count) through a launch bound to it, its keys' arguments
-    # filled in per call; NineToothed binds none.
+    # Each (config, split count, blocks per split) launches through a launch bound to it, its keys'
+    # arguments filled in per call (NineToothed: its generated launchers' size and stride arguments).
     (template,) = dispatch._templates.values()
     bound = list(template.growing.values())
     assert len(bound) >= len(splits)
-    assert all(bound) if backend == "triton" else not any(bound)
-    # Triton plans the keys again only where their length changes the plan (a new number of key
+    assert all(bound)
+    # The keys are planned again only where their length changes the plan (a new number of key
     # blocks, any block size from 16 to 128, or a new length key); the other calls launch the last
     # growing launch again, its keys' length and strides filled in.
-    assert replanned == ([101, 700, 2500] if backend == "triton" else [101, 102, 700, 701, 702, 2500, 2501])
+    assert replanned == [101, 700, 2500]
     monkeypatch.setattr(dispatch, "check_call", check_call)
     with pytest.raises(ValueError, match="same sequence length"):
         attention(q, k, v[:, :, :-1], enable_gqa=True, backend=backend)

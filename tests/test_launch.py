@@ -196,6 +196,27 @@ def test_routing_a_generated_launcher(device):
     assert routed.last() is None
 
 
+def test_reading_a_generated_launcher(tmp_path, monkeypatch):
+    """launcher_arguments says what each argument of the one launch inside a launcher is (what
+    impl_ninetoothed binds by: its inputs, their sizes and strides); None for any other form."""
+    import importlib
+
+    (tmp_path / "generated_launch.py").write_text(
+        "def launch(a, b, c, FLAG):\n"
+        "    prefix_FLAG = FLAG\n"
+        "    kernel[lambda meta: (a.size(0),)](prefix_FLAG, a, a.size(0), a.stride(1), c, b, b.stride(0) + 1,"
+        " num_warps=4, num_stages=1)\n"
+        "def twice(a):\n"
+        "    kernel[(1,)](a)\n"
+        "    kernel[(1,)](a)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("generated_launch")
+    assert launch.launcher_arguments(module.launch) == (
+        ("fixed",), ("input", 0), ("size", 0, 0), ("stride", 0, 1), ("input", 2), ("input", 1), ("fixed",))
+    assert launch.launcher_arguments(module.twice) is None
+    assert launch.launcher_arguments(len) is None  # no source
+
+
 def test_ninetoothed_helpers_define_in_a_generated_module():
     """NineToothed copies the kernels' @triton.jit helpers into a module that imports
     ``triton`` and ``triton.language`` only (on a GPU; not under the interpreter), and
