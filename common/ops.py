@@ -48,7 +48,8 @@ def forward_again(backend, template, query, key, value, *, other_keys: bool = Fa
     """:func:`forward` of a call laid out as the one ``template`` was planned from
     (:func:`common.plan.template_of`; 4-D tensors): no planning, the launch alone.
     ``other_keys``: the keys' length and strides may differ (their launch is planned again, and
-    launched through the launch bound to its config and splits: :func:`common.plan.launch_growing`).
+    launched through the launch bound to its config and splits: :func:`common.plan.launch_growing`,
+    or, while their plan would not change, the last such launch again: :func:`forward_grown`).
     ``bind``: also bind the launch to the template's layout for later calls
     (:func:`common.plan.bind_launch`, kept in ``template.bound``; False where it cannot be)."""
     with _on_device(query.device):

@@ -369,8 +369,8 @@ class ForwardTemplate:
     key_length: int | None  # the keys kept (causal calls drop those no row sees), or None (all)
     # the backend's launch bound to this exact layout (bind_launch), once made; False: none can be
     bound: list = dataclasses.field(default_factory=lambda: [None])
-    # (config, splits) -> the backend's launch bound to this layout less the keys' length and
-    # strides (a growing cache: launch_growing), or False
+    # (config, splits, blocks per split where split) -> the backend's launch bound to this layout
+    # less the keys' length and strides (a growing cache: launch_growing), or False
     growing: dict = dataclasses.field(default_factory=dict)
     # the last of those launches (launch_growing): (length key, block_n, key blocks, blocks per
     # split, BoundLaunch), what later keys that plan alike launch again (launch_grown)
@@ -382,7 +382,7 @@ class BoundLaunch:
     """A template's launch bound to its exact layout (the backend's ``bind_forward``): what a
     later call of that layout needs to allocate its outputs and launch, and nothing else."""
 
-    launch: object  # called with one tensor per role (impl_triton.attention.BoundForward.ROLES)
+    launch: object  # the backend's, called with (query, key, value, out, lse, o_part, lse_part)
     device: torch.device
     dtype: torch.dtype
     out_shape: tuple[int, ...]  # (B, Hp, Lqp, Dv), the kernel's view of the output
@@ -408,12 +408,12 @@ def bind_launch(template: ForwardTemplate, plan: ForwardPlan, backend) -> BoundL
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config, split count and blocks per
-    split; where none is yet, launch it through the backend and bind that launch (the
+    outputs allocated) through the launch bound to its config, split count and (split) blocks
+    per split (NineToothed's tile size); where none is yet, launch it through the backend and bind that launch (the
     backend's ``bind_forward(plan, keys=True)``, which may read what was just launched). False
     where the backend binds none for it: the caller launches the plan itself. The bound launch
     is kept as the template's ``grown``, for :func:`launch_grown`."""
-    key = (plan.config, plan.num_splits, plan.blocks_per_split)
+    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split else None)
     bound = template.growing.get(key)
     if bound is False:
         return False
