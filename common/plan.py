@@ -42,6 +42,7 @@ import torch
 from common.backends import OFFSETS64, TMA
 from common.configs import BackwardConfig, Config, length_key, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
+from common.launch import recorded_launches
 from common.outputs import allocator, partials
 
 # Constants both kernels name (impl_triton wraps them as tl.constexpr; the
@@ -419,9 +420,10 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
         return False
     if bound is None:
         module = backend.load()
-        module.forward(plan)
         bind = getattr(module, "bind_forward", None)
-        bound = bind(plan, keys=True) if bind is not None else None
+        with recorded_launches():
+            module.forward(plan)
+            bound = bind(plan, keys=True) if bind is not None else None
         if len(template.growing) >= 64:
             template.growing.clear()
         template.growing[key] = bound or False
