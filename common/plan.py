@@ -42,7 +42,6 @@ import torch
 from common.backends import OFFSETS64, TMA
 from common.configs import BackwardConfig, Config, length_key, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
-from common.launch import recorded_launches
 from common.outputs import allocator, partials
 
 # Constants both kernels name (impl_triton wraps them as tl.constexpr; the
@@ -419,6 +418,8 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
     if bound is False:
         return False
     if bound is None:
+        from common.launch import recorded_launches  # (not at import: importing common imports no triton)
+
         module = backend.load()
         bind = getattr(module, "bind_forward", None)
         with recorded_launches():
