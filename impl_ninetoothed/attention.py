@@ -1131,10 +1131,11 @@ def _is_stand_in(t) -> bool:
 
 
 def bind_forward(plan, keys: bool = False):
-    """The launch of ``plan`` (just launched by :func:`forward`, on this thread) bound to its
-    layout, for later calls laid out alike (a ``common.plan.ForwardTemplate``'s): a
-    :class:`BoundForward` made from the arguments NineToothed's generated launcher passed to
-    the kernel (recorded by ``common.launch``'s routing), so a later call skips that launcher
+    """The launch of ``plan`` (just launched by :func:`forward`, on this thread, inside
+    ``common.launch.recorded_launches``) bound to its layout, for later calls laid out alike
+    (a ``common.plan.ForwardTemplate``'s): a :class:`BoundForward` made from the arguments
+    NineToothed's generated launcher passed to the kernel (recorded by ``common.launch``'s
+    routing), so a later call skips that launcher
     and its reads of every size and stride. None for split keys (two launches, the second
     sized by the first's partials), keys that grow (``keys``: the launcher's size and stride
     arguments are not told apart by value), a launch with any tensor but the plan's own and
