@@ -382,7 +382,7 @@ class BoundLaunch:
     """A template's launch bound to its exact layout (the backend's ``bind_forward``): what a
     later call of that layout needs to allocate its outputs and launch, and nothing else."""
 
-    launch: object  # called with one tensor per role (impl_triton.attention.BoundForward.ROLES)
+    launch: object  # the backend's, called with (query, key, value, out, lse, o_part, lse_part)
     device: torch.device
     dtype: torch.dtype
     out_shape: tuple[int, ...]  # (B, Hp, Lqp, Dv), the kernel's view of the output
@@ -399,11 +399,13 @@ def bind_launch(template: ForwardTemplate, plan: ForwardPlan, backend) -> BoundL
     ``bind_forward``; None where the backend has none or cannot bind this launch."""
     bind = getattr(backend.load(), "bind_forward", None)
     launch = bind(plan) if bind is not None else None
-    if launch is None:
-        return None
+    return _bound(launch, plan, template, template.key_length, backend) if launch is not None else None
+
+
+def _bound(launch, plan: ForwardPlan, template: ForwardTemplate, key_length, backend) -> BoundLaunch:
+    """``launch`` (the backend's) with what :func:`launch_bound` needs of ``plan``'s layout."""
     return BoundLaunch(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
-                       plan.with_lse, plan.num_splits, template.query_view, template.key_length,
-                       backend.interpreted())
+                       plan.with_lse, plan.num_splits, template.query_view, key_length, backend.interpreted())
 
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
@@ -424,9 +426,8 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
         return False
     bound.launch_plan(plan)
     Lk, block_n = plan.key.shape[2], plan.config.block_n
-    template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split, BoundLaunch(
-        bound, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape, plan.with_lse,
-        plan.num_splits, template.query_view, None, backend.interpreted()))
+    template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split,
+                         _bound(bound, plan, template, None, backend))
     return True
 
 
@@ -441,12 +442,13 @@ def launch_grown(grown: tuple, query, key, value):
     Lk = key.shape[2]
     if length_key(Lk) != length or -(-Lk // block_n) != k_blocks:
         return None
-    return launch_bound(bound, query, key, value, (*key.stride(), *value.stride(), Lk, blocks_per_split))
+    return launch_bound(bound, query, key, value, blocks_per_split)
 
 
-def launch_bound(bound: BoundLaunch, query, key, value, values: tuple = ()):
+def launch_bound(bound: BoundLaunch, query, key, value, blocks_per_split: int | None = None):
     """``(out, lse)`` of a call laid out as ``bound``'s template (4-D tensors), in the caller's
-    shape: its outputs allocated, one launch (``values``: the holes' values of a growing launch).
+    shape: its outputs allocated, one launch (``blocks_per_split``: a growing launch's, whose
+    keys may differ in length and strides: the backend's ``launch_keys`` fills them in).
     None where the launch cannot run here (another current GPU than the template's: the full
     path switches to it)."""
     device = bound.device
@@ -463,10 +465,10 @@ def launch_bound(bound: BoundLaunch, query, key, value, values: tuple = ()):
     if bound.num_splits > 1:
         o_part, lse_part = partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
     tensors = (query, key, value, out, lse, o_part, lse_part)
-    if values:
-        bound.launch(tensors, values)
-    else:
+    if blocks_per_split is None:
         bound.launch(tensors)
+    else:
+        bound.launch.launch_keys(tensors, blocks_per_split)
     if bound.query_view is None:
         return out, lse
     return out.view(bound.shape), (lse.view(bound.shape[:3]) if lse is not None else None)

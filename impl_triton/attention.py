@@ -1087,11 +1087,15 @@ class BoundForward(BoundKernel):
         self.launch(tuple([tensors[i] for i in self.prefix]) + tail,
                     (aligned, tuple([int_class(v) for v in values])) if values else aligned)
 
+    def launch_keys(self, tensors, blocks_per_split: int) -> None:
+        """Launch for keys of another length and strides (bound with ``keys``)."""
+        key, value = tensors[1], tensors[2]
+        self(tensors, (*key.stride(), *value.stride(), key.shape[2], blocks_per_split))
+
     def launch_plan(self, plan) -> None:
         """Launch a plan of the bound layout whose keys may differ in length and strides."""
-        key, value = plan.key, plan.value
-        self((plan.query, key, value, plan.out, plan.lse, plan.o_part, plan.lse_part),
-             (*key.stride(), *value.stride(), key.shape[2], plan.blocks_per_split))
+        self.launch_keys((plan.query, plan.key, plan.value, plan.out, plan.lse, plan.o_part, plan.lse_part),
+                         plan.blocks_per_split)
 
 
 def backward(plan):
