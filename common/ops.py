@@ -80,10 +80,7 @@ def _launch(backend, plan):
 def forward_bound(backend, bound, query, key, value):
     """:func:`common.plan.launch_bound` (4-D tensors): a call launched through the launch
     bound to its layout; None where it cannot run here."""
-    if bound.interpreted:
-        with _quiet(backend):
-            return planning.launch_bound(bound, query, key, value)
-    return planning.launch_bound(bound, query, key, value)
+    return _bound_call(backend, bound, planning.launch_bound, bound, query, key, value)
 
 
 def forward_grown(backend, template, query, key, value):
@@ -92,10 +89,16 @@ def forward_grown(backend, template, query, key, value):
     grown = template.grown[0]
     if grown is None:
         return None
-    if grown[4].interpreted:
+    return _bound_call(backend, grown[4], planning.launch_grown, grown, query, key, value)
+
+
+def _bound_call(backend, bound, launch, *args):
+    """``launch(*args)``, quieted (:func:`_quiet`) where ``bound``'s kernels run interpreted;
+    on a GPU without the context manager (the bound path's per-call cost)."""
+    if bound.interpreted:
         with _quiet(backend):
-            return planning.launch_grown(grown, query, key, value)
-    return planning.launch_grown(grown, query, key, value)
+            return launch(*args)
+    return launch(*args)
 
 
 def forward_resume(backend, call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -406,11 +406,13 @@ def bind_launch(template: ForwardTemplate, plan: ForwardPlan, backend) -> BoundL
     ``bind_forward``; None where the backend has none or cannot bind this launch."""
     bind = getattr(backend.load(), "bind_forward", None)
     launch = bind(plan) if bind is not None else None
-    if launch is None:
-        return None
+    return _bound(launch, plan, template, template.key_length, backend) if launch is not None else None
+
+
+def _bound(launch, plan: ForwardPlan, template: ForwardTemplate, key_length, backend) -> BoundLaunch:
+    """``launch`` (the backend's) with what :func:`launch_bound` needs of ``plan``'s layout."""
     return BoundLaunch(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
-                       plan.with_lse, plan.num_splits, template.query_view, template.key_length,
-                       backend.interpreted())
+                       plan.with_lse, plan.num_splits, template.query_view, key_length, backend.interpreted())
 
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
@@ -440,9 +442,8 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
     else:
         bound.launch_plan(plan)
     Lk, block_n = plan.key.shape[2], plan.config.block_n
-    template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split, BoundLaunch(
-        bound, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape, plan.with_lse,
-        plan.num_splits, template.query_view, None, backend.interpreted()))
+    template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split,
+                         _bound(bound, plan, template, None, backend))
     return True
 
 
@@ -463,7 +464,7 @@ def launch_grown(grown: tuple, query, key, value):
 def launch_bound(bound: BoundLaunch, query, key, value, blocks_per_split: int | None = None):
     """``(out, lse)`` of a call laid out as ``bound``'s template (4-D tensors), in the caller's
     shape: its outputs allocated, one launch (``blocks_per_split``: a growing launch's, whose
-    keys may differ in length and strides).
+    keys may differ in length and strides: the backend's ``launch_keys`` fills them in).
     None where the launch cannot run here (another current GPU than the template's: the full
     path switches to it)."""
     device = bound.device
