@@ -38,6 +38,7 @@ import sys
 import threading
 
 DEFAULT = "triton"
+_LOADED: dict[str, object] = {}  # module name -> a backend module whose import has finished
 ENV_VAR = "ATTENTION_BACKEND"
 
 # Capabilities a backend can have, by name.
@@ -71,9 +72,14 @@ class Backend:
         return capability in self.capabilities
 
     def load(self):
-        """The backend's module (imported on first use; Python keeps it in ``sys.modules``)."""
-        module = sys.modules.get(self.module)
-        return module if module is not None else importlib.import_module(self.module)
+        """The backend's module (imported on first use). Taken from ``_LOADED``, which holds a module
+        only once its import finished: ``sys.modules`` holds it from the start of its import, so a
+        second thread that read it there got a half-initialised module (one without ``forward``)."""
+        module = _LOADED.get(self.module)
+        if module is None:
+            module = importlib.import_module(self.module)  # waits while another thread imports it
+            _LOADED[self.module] = module
+        return module
 
     @property
     def package(self) -> str:

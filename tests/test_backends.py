@@ -149,3 +149,37 @@ def test_torch_backend_gives_sdpa_its_causal_flag(extra, qkv, monkeypatch):
     seen.clear()  # a band SDPA's flag cannot say still goes as a mask
     attention(*qkv[:1], qkv[1][:, :, :20], qkv[2][:, :, :20], is_causal=True, backend="torch", alignment="bottom_right")
     assert len(seen) == 1 and seen[0][0] is not None and seen[0][1] is False
+
+
+def test_a_backend_imported_by_another_thread_is_loaded_whole(tmp_path, monkeypatch):
+    """Two threads load a backend whose import is slow: the second waits for the first's import to
+    finish instead of taking the half-initialised module from ``sys.modules`` (on the H200 a thread
+    once got ``impl_ninetoothed.attention`` without its ``forward``)."""
+    import sys
+    import threading
+    import time
+
+    from common.backends import Backend
+
+    (tmp_path / "slow_backend_for_test.py").write_text(
+        "import time\ntime.sleep(0.5)\ndef forward(plan):\n    return 'forward'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_backend_for_test", raising=False)
+    spec = Backend("slow", "slow_backend_for_test", "a module that takes 0.5 s to import",
+                   kernels=False, capabilities=frozenset(), head_dims=None)
+    results = []
+
+    def load():
+        try:
+            results.append(spec.load().forward(None))
+        except AttributeError as error:
+            results.append(repr(error))
+
+    first = threading.Thread(target=load)
+    first.start()
+    deadline = time.monotonic() + 10
+    while "slow_backend_for_test" not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.001)  # the first thread's import has begun
+    load()
+    first.join()
+    assert results == ["forward", "forward"]
