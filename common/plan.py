@@ -83,11 +83,6 @@ PACK_MAX_LQ = 64
 MIN_SPLIT_KEYS = 2048
 # Rows per program of the merge kernel.
 COMBINE_ROWS = 16
-# Triton: a split whose row blocks each hold at least this many (row, split) partials merges
-# them in a launch of its own (one program per COMBINE_ROWS rows, as NineToothed always does)
-# instead of in each row block's last program, which walks them alone (an experiment: the
-# threshold is to be measured on the H200).
-MERGE_LAUNCH_PARTIALS = 2048
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
 MAX_GRID_AXIS = 65535
 
@@ -138,7 +133,6 @@ class ForwardPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
-    merge_launch: bool = False  # split, Triton: merged by a launch of its own, not in the kernel
     tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
     resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
 
@@ -343,7 +337,6 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
     rows = B * Hp * Lqp
     plan.merge = Merge(rows, combine_rows(rows, interpreted), next_power_of_2(plan.num_splits)) if (
         plan.num_splits > 1) else None
-    plan.merge_launch = plan.num_splits > 1 and merge_launch(config.block_m, plan.num_splits)
     _allocate_outputs(plan, q.dtype, q.device)
 
 
@@ -497,8 +490,7 @@ def reuse_key():
     depends on the tensors' addresses)."""
     if _forced_tma.get():
         return None
-    return (_forced_splits.get(), _forced_merge_launch.get(), configs_override(), PROGRAMS_PER_SM, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ, MERGE_LAUNCH_PARTIALS)
+    return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, MIN_SPLIT_KEYS, PACK_MAX_LQ)
 
 
 def tensorless_fields(plan) -> list:
@@ -626,32 +618,6 @@ def tma_fits(*tensors: torch.Tensor) -> bool:
 # -- short queries: grouped-query packing and split keys ------------------------------
 
 _forced_splits: contextvars.ContextVar[int | None] = contextvars.ContextVar("forced_splits", default=None)
-
-
-def merge_launch(block_m: int, num_splits: int) -> bool:
-    """Whether a split forward merges its partials in a launch of its own (the Triton kernel;
-    NineToothed always does): where each row block's partials, block_m rows by num_splits,
-    are too many for one program to walk in the kernel's tail (MERGE_LAUNCH_PARTIALS)."""
-    forced = _forced_merge_launch.get()
-    if forced is not None:
-        return forced
-    return block_m * num_splits >= MERGE_LAUNCH_PARTIALS
-
-
-_forced_merge_launch: contextvars.ContextVar[bool | None] = contextvars.ContextVar("forced_merge_launch",
-                                                                                   default=None)
-
-
-@contextlib.contextmanager
-def force_merge_launch(separate: bool):
-    """Inside the block, the Triton kernel merges split keys in a launch of its own (True) or in
-    its last program per row block (False), whatever :func:`merge_launch` says. For tests and
-    benchmarks."""
-    token = _forced_merge_launch.set(bool(separate))
-    try:
-        yield
-    finally:
-        _forced_merge_launch.reset(token)
 
 
 @contextlib.contextmanager

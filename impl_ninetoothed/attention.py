@@ -284,7 +284,7 @@ def _attn_fwd_inner(
     for j in range(lo, hi):
         k = key[j - first]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
                 qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
@@ -312,20 +312,15 @@ def _attn_fwd_inner(
                 m_sub = m_ij
             qk = qk - m_sub[:, None]
         else:
-            # No mask: scale (or cap) and subtract the maximum with one FMA per
-            # score. Scaled or capped, the scores increase with qk (decrease, for a
-            # negative scale): their row maximum is that of max(qk) (min(qk)).
+            # No mask: scale and subtract the maximum in one FMA per score. The
+            # row maximum of qk * qk_scale is max(qk) * qk_scale, or min(qk) *
+            # qk_scale for a negative scale.
             if NEGATIVE_SCALE:
-                qk_max = ntl.min(qk, 1)
+                m_ij = ntl.maximum(m_i, ntl.min(qk, 1) * qk_scale)
             else:
-                qk_max = ntl.max(qk, 1)
-            if SOFTCAP:
-                m_ij = ntl.maximum(m_i, _tanh(qk_max * cap_in, SOFTCAP == TANH_APPROX) * cap_out)
-                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out - m_ij[:, None]
-            else:
-                m_ij = ntl.maximum(m_i, qk_max * qk_scale)
-                qk = qk * qk_scale - m_ij[:, None]
+                m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * qk_scale)
             m_sub = m_ij
+            qk = qk * qk_scale - m_sub[:, None]
         p = ntl.exp2(qk)
         alpha = ntl.exp2(m_i - m_sub)
         l_i = l_i * alpha + ntl.sum(p, 1)

@@ -224,7 +224,7 @@ def _attn_fwd_inner(
         else:
             k = _load_tile(k_tiles + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
                 qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
@@ -252,20 +252,15 @@ def _attn_fwd_inner(
                 m_sub = m_ij
             qk = qk - m_sub[:, None]
         else:
-            # No mask: scale (or cap) and subtract the maximum with one FMA per
-            # score. Scaled or capped, the scores increase with qk (decrease, for a
-            # negative scale): their row maximum is that of max(qk) (min(qk)).
+            # No mask: scale and subtract the maximum in one FMA per score. The
+            # row maximum of qk * qk_scale is max(qk) * qk_scale, or min(qk) *
+            # qk_scale for a negative scale.
             if NEGATIVE_SCALE:
-                qk_max = tl.min(qk, 1)
+                m_ij = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
             else:
-                qk_max = tl.max(qk, 1)
-            if SOFTCAP:
-                m_ij = tl.maximum(m_i, _tanh(qk_max * cap_in, SOFTCAP == TANH_APPROX) * cap_out)
-                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out - m_ij[:, None]
-            else:
-                m_ij = tl.maximum(m_i, qk_max * qk_scale)
-                qk = qk * qk_scale - m_ij[:, None]
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_ij
+            qk = qk * qk_scale - m_sub[:, None]
         p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -301,7 +296,7 @@ def _attn_fwd(
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
-    MERGE_LSE: tl.constexpr, MERGE_LAUNCH: tl.constexpr,
+    MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -426,7 +421,7 @@ def _attn_fwd(
     if DROPOUT:
         o = o * dropout_scale
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    if SPLIT and not MERGE_LAUNCH:  # (MERGE_LAUNCH: _merge_kernel merges them, launched next)
+    if SPLIT:
         _last_split_merges(COUNTS, O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
                            HEAD_DIM_V, BLOCK_M, BLOCK_DV, MERGE_LSE)
 
@@ -447,17 +442,6 @@ def _last_split_merges(
     if ticket == NUM_SPLITS - 1:
         _merge_splits(O_PART, LSE_PART, O, LSE, offs_r, r_ok, NUM_SPLITS, HEAD_DIM_V, BLOCK_R, BLOCK_DV, WITH_LSE)
         tl.atomic_xchg(COUNTS + tl.program_id(0), 0)
-
-
-@triton.jit
-def _merge_kernel(
-    O_PART, LSE_PART, O, LSE, R, NUM_SPLITS,
-    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, WITH_LSE: tl.constexpr,
-):
-    """A split forward's merge as a launch of its own (``common.plan.merge_launch``): one
-    program per BLOCK_R of the R rows (:func:`_merge_splits`)."""
-    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    _merge_splits(O_PART, LSE_PART, O, LSE, offs_r, offs_r < R, NUM_SPLITS, HEAD_DIM_V, BLOCK_R, BLOCK_DV, WITH_LSE)
 
 
 @triton.jit
@@ -971,7 +955,6 @@ if INTERPRETED:
 _fwd_launcher = CachedLauncher(_attn_fwd, scratch=True)  # TMA: descriptors made on the device
 _dq_launcher = CachedLauncher(_attn_bwd_dq)
 _dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
-_merge_launcher = CachedLauncher(_merge_kernel)
 _paged_launcher = CachedLauncher(_paged_fwd)
 _append_launcher = CachedLauncher(_append_kv)
 
@@ -997,14 +980,6 @@ def forward(plan):
     Returns ``(plan.out, plan.lse)``, filled in.
     """
     _fwd_launcher.run(*_forward_launch(plan)[:4])
-    if plan.split and plan.merge_launch:
-        R = plan.merge.rows
-        _merge_launcher(
-            (-(-R // plan.merge.block_r), 1, 1),
-            plan.o_part, plan.lse_part, plan.out, plan.lse if plan.lse is not None else plan.out, R, plan.num_splits,
-            num_warps=4, num_stages=1,
-            HEAD_DIM_V=plan.value.shape[3], BLOCK_R=plan.merge.block_r, BLOCK_DV=plan.block_dv, WITH_LSE=plan.with_lse,
-        )
     return plan.out, plan.lse
 
 
@@ -1042,7 +1017,7 @@ def _forward_launch(plan) -> tuple:
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse, MERGE_LAUNCH=plan.merge_launch,
+        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse,
     ))
     return (plan.m_blocks * B * H, plan.num_splits, 1), args, config.num_warps, config.num_stages, counts
 
@@ -1054,8 +1029,6 @@ def bind_forward(plan, keys: bool = False):
     result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`)."""
-    if plan.split and plan.merge_launch:
-        return None  # two launches: the call goes through forward()
     grid, args, num_warps, num_stages, counts = _forward_launch(plan)
     if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
         return None

@@ -383,26 +383,6 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
-@pytest.mark.parametrize("case", params([SPLIT_CASES[0], SPLIT_CASES[1], SPLIT_CASES[3], SPLIT_CASES[6]]))
-def test_split_merge_launch(case, backend, device, monkeypatch):
-    """Split keys merged by a launch of their own (common.plan.merge_launch: the Triton kernel's
-    choice for large merges; NineToothed's only way) give SDPA's output and lse."""
-    import impl_triton.attention as ta
-    from common.plan import force_merge_launch, force_splits
-
-    merges = []
-    launcher = ta._merge_launcher
-    monkeypatch.setattr(ta, "_merge_launcher", lambda *a, **kw: merges.append(a[0]) or launcher(*a, **kw))
-    q, k, v, mask = make_inputs(case, device)
-    kwargs = sdpa_kwargs(case, mask)
-    with force_splits(3), force_merge_launch(True):
-        out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
-    assert len(merges) == (1 if backend == "triton" else 0)
-    check_output(out, q, k, v, **kwargs)
-    kwargs.pop("enable_gqa")
-    check_lse(lse, q, k, **kwargs)
-
-
 def test_split_merge_is_the_same_every_time(device):
     """The in-kernel merge sums the splits in one order whichever program merges: the same bits
     on every call. On a GPU, many calls of a launch of many splits: a program that merged

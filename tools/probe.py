@@ -23,8 +23,7 @@ is written to the project.
 - graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - bandwidth: decode kernel time (graph replay) and K/V bandwidth over batch 1-64, Lq 1 and 16,
-  GQA and MHA, against SDPA's; triton also with its split merge forced into the kernel's tail and
-  into a launch of its own (``plan.force_merge_launch``).
+  GQA and MHA, against SDPA's.
 - steps: the reused path's host time per call, step by step (template lookup, the bound launch,
   rebind, argument building, our launch cache, Triton's compiled-kernel launch, allocations), on a
   decode shape and a homework shape, both backends' totals beside SDPA's.
@@ -509,16 +508,8 @@ def bandwidth():
         k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gb = 2 * k.numel() * k.element_size() / 1e9
         line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk} K/V {gb * 1e3:.0f} MB:"]
-        def triton_merging(separate):  # the split's merge in the kernel's tail, or a launch of its own
-            def run():
-                with plan.force_merge_launch(separate):
-                    return attention(q, k, v, enable_gqa=True, backend="triton")
-            return run
-
         for name, fn in (("sdpa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
                          ("triton", lambda: attention(q, k, v, enable_gqa=True, backend="triton")),
-                         ("triton/merge in kernel", triton_merging(False)),
-                         ("triton/merge launch", triton_merging(True)),
                          ("ninetoothed", lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))):
             ms = _graph_time_ms(fn, replays=20)
             line.append(f"{name} {ms * 1e3:.0f} us ({gb / ms:.2f} TB/s)")
