@@ -22,6 +22,8 @@ is written to the project.
   tile configurations, against SDPA.
 - graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
+- split_sweep: the split decode shapes short of the bound in `bandwidth`, under other tiles and
+  programs-per-SM targets.
 - bandwidth: decode kernel time (graph replay) and K/V bandwidth over batch 1-64, Lq 1 and 16,
   GQA and MHA, against SDPA's.
 - steps: the reused path's host time per call, step by step (template lookup, the bound launch,
@@ -513,6 +515,48 @@ def bandwidth():
                          ("ninetoothed", lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))):
             ms = _graph_time_ms(fn, replays=20)
             line.append(f"{name} {ms * 1e3:.0f} us ({gb / ms:.2f} TB/s)")
+        print("  ".join(line), flush=True)
+
+
+def split_sweep():
+    """The split decode shapes below 3.5 TB/s (or below SDPA) in `bandwidth`: kernel time (graph
+    replay) and K/V bandwidth under other tiles, warps, stages and programs-per-SM targets, both
+    backends, against the shipped choice and SDPA (bf16, D = 128)."""
+    shapes = [(1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 16, 16384), (1, 32, 32, 1, 32768)]
+    per_sm_default = plan.PROGRAMS_PER_SM
+    for B, H, H_kv, Lq, Lk in shapes:
+        q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        rows = max(16, min(64, Lq * H // H_kv))
+
+        def tbs(backend):
+            return gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+
+        sdpa = gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20)
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk}: sdpa {sdpa:.2f} triton {tbs('triton'):.2f} "
+                f"ninetoothed {tbs('ninetoothed'):.2f} TB/s;"]
+        results = []
+        for block_n, warps, stages in [(64, 4, 3), (64, 4, 4), (64, 4, 2), (128, 4, 3), (128, 4, 2), (64, 8, 3),
+                                       (128, 8, 3), (32, 4, 4)]:
+            with override(Config(rows, block_n, warps, stages)):
+                for per_sm in (1, 2, 4, 8):
+                    plan.PROGRAMS_PER_SM = per_sm
+                    try:
+                        results.append((tbs("triton"), f"{block_n}/{warps}w/{stages}s/x{per_sm}"))
+                    finally:
+                        plan.PROGRAMS_PER_SM = per_sm_default
+        results.sort(reverse=True)
+        line.append("triton best: " + ", ".join(f"{name} {t:.2f}" for t, name in results[:6]))
+        line.append("worst: " + ", ".join(f"{name} {t:.2f}" for t, name in results[-3:]))
+        nt = []
+        for per_sm in (1, 2, 4, 8):
+            plan.PROGRAMS_PER_SM = per_sm
+            try:
+                nt.append(f"x{per_sm} {tbs('ninetoothed'):.2f}")
+            finally:
+                plan.PROGRAMS_PER_SM = per_sm_default
+        line.append("ninetoothed (shipped tile): " + ", ".join(nt))
         print("  ".join(line), flush=True)
 
 
