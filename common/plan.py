@@ -69,8 +69,16 @@ class Softcap(enum.IntEnum):
 
 # A launch with fewer programs than SMs is split, into enough splits for about
 # this many programs per SM: a decode program streams memory, and more than
-# one of them per SM hides its latency (2 won the decode sweep on the H200).
+# one of them per SM hides its latency (2 won the decode sweep on the H200)...
 PROGRAMS_PER_SM = 2
+# ...except for programs of WIDE_ROWS rows or more (Lq = 16 of a 4-head group
+# packed into 64 rows: four times the products per key read): one per SM, fewer
+# and longer programs. H200, tools/probe.py bandwidth (2026-11-30): the Triton
+# kernel read K/V at 3.08 TB/s against 2.46 with 2 per SM (B 1, 32/8 heads,
+# Lq 16, Lk 64k) and 4.00 against 3.91 (B 8, Lk 16k), NineToothed 3.55/3.53 and
+# 4.08/4.05; with 16-row programs 1 per SM was not better (-5% to +3.5%).
+PROGRAMS_PER_SM_WIDE = 1
+WIDE_ROWS = 64
 # Under the interpreter there are no SMs; pretend there are a few, so that the
 # CPU suite meets split launches on small decode-like shapes.
 INTERPRETER_SMS = 2
@@ -324,7 +332,8 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
     config = plan.config = backend.configs.lookup(
         max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted)
     plan.m_blocks = -(-Lqp // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
-    plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device)
+    plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device,
+                                                         config.block_m)
     if plan.row_bands is not None:  # packed sequences: each row block sees its own few
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     if resume is not None:  # one program per row block folds all of its keys in: no split
@@ -490,7 +499,8 @@ def reuse_key():
     depends on the tensors' addresses)."""
     if _forced_tma.get():
         return None
-    return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, MIN_SPLIT_KEYS, PACK_MAX_LQ)
+    return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
+            PACK_MAX_LQ)
 
 
 def tensorless_fields(plan) -> list:
@@ -641,8 +651,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split.
+def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, block_m: int = 16) -> tuple[int, int]:
+    """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split
+    of ``block_m`` rows each.
 
     Splits only when the unsplit launch leaves the GPU short of programs.
     ``blocks_per_split`` is a power of two (NineToothed makes it a tile size,
@@ -655,7 +666,10 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device) -> t
     k_blocks = -(-Lk // block_n)
     wanted = _forced_splits.get()
     if wanted is None:
-        target = PROGRAMS_PER_SM * _sm_count(device)
+        # (the interpreter has no SMs: its pretended ones take PROGRAMS_PER_SM, so that
+        # the CPU suite splits wide rows as well)
+        wide = block_m >= WIDE_ROWS and device.type == "cuda"
+        target = (PROGRAMS_PER_SM_WIDE if wide else PROGRAMS_PER_SM) * _sm_count(device)
         if programs >= target // 2 or k_blocks * block_n < MIN_SPLIT_KEYS:
             return 1, k_blocks
         wanted = min(-(-target // programs), k_blocks // 2)

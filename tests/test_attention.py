@@ -425,10 +425,10 @@ def test_split_merge_on_two_streams(device):
 
 def test_split_plan():
     """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
-    from common.plan import MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
+    from common.plan import INTERPRETER_SMS, MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
 
     cpu = torch.device("cpu")  # under the interpreter: plan.INTERPRETER_SMS
-    full = PROGRAMS_PER_SM * 2
+    full = PROGRAMS_PER_SM * INTERPRETER_SMS // 2
     assert plan_splits(full, 1 << 16, 64, cpu) == (1, 1024)  # enough programs already
     assert plan_splits(1, MIN_SPLIT_KEYS - 64, 64, cpu) == (1, MIN_SPLIT_KEYS // 64 - 1)  # too few keys
     splits, per_split = plan_splits(1, 5000, 64, cpu)  # 79 key blocks, one program
@@ -437,6 +437,26 @@ def test_split_plan():
         assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
     with force_splits(1):
         assert plan_splits(1, 1 << 16, 64, cpu) == (1, 1024)
+
+
+def test_split_plan_wide_rows(monkeypatch):
+    """On a GPU, programs of WIDE_ROWS rows or more aim at PROGRAMS_PER_SM_WIDE programs per SM,
+    narrower ones at PROGRAMS_PER_SM (the H200's split sweep); the interpreter's pretended SMs
+    take PROGRAMS_PER_SM for both, so the CPU suite splits wide rows too."""
+    from common import plan
+
+    monkeypatch.setattr(plan, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(plan, "PROGRAMS_PER_SM", 2)
+    monkeypatch.setattr(plan, "PROGRAMS_PER_SM_WIDE", 1)
+    gpu = torch.device("cuda")  # only its type is read: no CUDA call
+    # 8 programs (B 1, 8 K/V heads, one row block) over 1024 key blocks: about 264 programs
+    # wanted for thin rows (33 splits of 31 blocks, rounded to 32 splits of 32), 132 for wide
+    # ones (16 splits of 64 blocks)
+    assert plan.plan_splits(8, 65536, 64, gpu, block_m=16) == (32, 32)
+    assert plan.plan_splits(8, 65536, 64, gpu, block_m=plan.WIDE_ROWS) == (16, 64)
+    cpu = torch.device("cpu")
+    assert plan.plan_splits(1, 5000, 64, cpu, block_m=plan.WIDE_ROWS) == plan.plan_splits(1, 5000, 64, cpu)
+    assert plan.plan_splits(1, 5000, 64, cpu)[0] > 1
 
 
 def test_decode_without_forcing(backend, device):
