@@ -38,8 +38,8 @@ import sys
 import threading
 
 DEFAULT = "triton"
-_LOADED: dict[str, object] = {}  # module name -> a backend module whose import has finished
 ENV_VAR = "ATTENTION_BACKEND"
+_LOADED: dict[str, object] = {}  # module name -> a backend module whose import has finished
 
 # Capabilities a backend can have, by name.
 LSE = "lse"  # returns the log-sum-exp of each row (return_lse=True)

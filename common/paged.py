@@ -383,6 +383,8 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
+    # (the thin programs' target whatever the row tile: the wide one was measured for the
+    # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
                                                                   plan.config.block_n, query.device)
     plan.dot_precision = planning.dot_precision(query.dtype)

@@ -319,6 +319,17 @@ def _graph_time_ms(fn, replays: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+@contextlib.contextmanager
+def _programs_per_sm(per_sm: int):
+    """Inside the block, splits aim at per_sm programs per SM for every row width."""
+    saved = plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE
+    plan.PROGRAMS_PER_SM = plan.PROGRAMS_PER_SM_WIDE = per_sm
+    try:
+        yield
+    finally:
+        plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE = saved
+
+
 def _decode_shapes(dtype):
     """The decode sweep's inputs: (Lq, Lk, q, k, v), B = 8, 32 query heads over 8 K/V heads,
     D = 128, Lq 1 and 16, Lk 4k-64k."""
@@ -331,8 +342,6 @@ def _decode_shapes(dtype):
 
 def decode():
     H, H_kv = 32, 8
-    per_sm_default = plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE
-
     for Lq, Lk, q, k, v in _decode_shapes(torch.float16):
         sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         line = [f"Lq={Lq} Lk={Lk} sdpa {sdpa * 1e3:.0f}us"]
@@ -341,11 +350,10 @@ def decode():
                        Config(max(16, rows), 64, 4, 4), Config(max(16, rows), 64, 4, 2)]:
             with override(config):
                 for per_sm in (1, 2, 4):
-                    plan.PROGRAMS_PER_SM = plan.PROGRAMS_PER_SM_WIDE = per_sm
-                    t = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True))
+                    with _programs_per_sm(per_sm):
+                        t = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True))
                     line.append(f"{config.block_n}/{config.num_warps}w/{config.num_stages}s/x{per_sm}: "
                                 f"{sdpa / t:.2f}")
-        plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE = per_sm_default
         for _ in range(2):
             sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
             nt = gpu_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))
@@ -523,7 +531,6 @@ def split_sweep():
     replay) and K/V bandwidth under other tiles, warps, stages and programs-per-SM targets, both
     backends, against the shipped choice and SDPA (bf16, D = 128)."""
     shapes = [(1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 16, 16384), (1, 32, 32, 1, 32768)]
-    per_sm_default = plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE
     for B, H, H_kv, Lq, Lk in shapes:
         q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -541,21 +548,15 @@ def split_sweep():
                                        (128, 8, 3), (32, 4, 4)]:
             with override(Config(rows, block_n, warps, stages)):
                 for per_sm in (1, 2, 4, 8):
-                    plan.PROGRAMS_PER_SM = plan.PROGRAMS_PER_SM_WIDE = per_sm
-                    try:
+                    with _programs_per_sm(per_sm):
                         results.append((tbs("triton"), f"{block_n}/{warps}w/{stages}s/x{per_sm}"))
-                    finally:
-                        plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE = per_sm_default
         results.sort(reverse=True)
         line.append("triton best: " + ", ".join(f"{name} {t:.2f}" for t, name in results[:6]))
         line.append("worst: " + ", ".join(f"{name} {t:.2f}" for t, name in results[-3:]))
         nt = []
         for per_sm in (1, 2, 4, 8):
-            plan.PROGRAMS_PER_SM = plan.PROGRAMS_PER_SM_WIDE = per_sm
-            try:
+            with _programs_per_sm(per_sm):
                 nt.append(f"x{per_sm} {tbs('ninetoothed'):.2f}")
-            finally:
-                plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE = per_sm_default
         line.append("ninetoothed (shipped tile): " + ", ".join(nt))
         print("  ".join(line), flush=True)
 
