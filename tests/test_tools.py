@@ -54,6 +54,24 @@ def test_bench_from_json_errors_in_one_line(tmp_path, content, message):
     assert "Traceback" not in result.stderr
 
 
+def test_bench_merges_runs():
+    """Results of several runs (one per GPU, forward and backward apart) make one report."""
+    from common.tools.bench import merge_results
+
+    def row(mode, L, backend, ms):
+        return dict(section="throughput", mode=mode, dtype="bfloat16", B=1, H=16, H_kv=16, Lq=L, Lk=L, D=128,
+                    causal=True, backend=backend, ms=ms)
+
+    fwd = dict(environment=dict(date="fwd-date", gpu="X"), rows=[row("fwd", 1024, "triton", 1.0),
+                                                                 row("fwd", 4096, "triton", 2.0)])
+    again = dict(environment=dict(date="later"), rows=[row("fwd", 4096, "triton", 3.0)])
+    bwd = dict(environment=dict(date="bwd-date"), rows=[row("bwd", 1024, "triton", 4.0)])
+    merged = merge_results([fwd, again, bwd])
+    assert merged["environment"] == dict(date="fwd-date", gpu="X", date_backward="bwd-date")
+    assert sorted((r["mode"], r["Lq"], r["ms"]) for r in merged["rows"]) == [
+        ("bwd", 1024, 4.0), ("fwd", 1024, 1.0), ("fwd", 4096, 3.0)]
+
+
 def test_a_missing_extra_is_named(monkeypatch):
     from common.tools import cli
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test-x2 bound-check test-seq sanitize fuzz demo bench bench-full bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
+# stages: probe test test1 test2 test-x2 bound-check test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
 #         ab (AB_PROBES="features bandwidth": the probes in ab/ and in this tree)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
@@ -35,6 +35,14 @@ for stage in "$@"; do
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
     bench-bwd) timeout 420 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -60 "$OUT/bench_bwd.log" ;;
     bench-fwd4k) timeout 300 python3 -m common bench --sections throughput --modes fwd --dtypes float16 --lengths 1024 4096 --backends triton ninetoothed torch --out /tmp/bench-fwd --markdown "" 2>&1 | tail -100 > "$OUT/bench_fwd.log"; cp /tmp/bench-fwd/results.json "$OUT/results_fwd.json"; tail -30 "$OUT/bench_fwd.log" ;;
+    # The whole benchmark in one call on two GPUs (kind nvidia-h200-x2): fp16 throughput, the homework's and
+    # the decode shapes on one, bf16 forward and backward throughput on the other; merge the three
+    # results_*.json with `python -m common bench --from-json ...` (results are saved after every shape).
+    bench-x2) CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m common bench --dtypes float16 --out /tmp/b-fp16 --markdown "" > "$OUT/bench_fp16.log" 2>&1 &
+              (CUDA_VISIBLE_DEVICES=1 timeout 330 python3 -m common bench --sections throughput --dtypes bfloat16 --out /tmp/b-bf16 --markdown ""
+               CUDA_VISIBLE_DEVICES=1 timeout 220 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/b-bwd --markdown "") > "$OUT/bench_bf16.log" 2>&1; wait
+              cp /tmp/b-fp16/results.json "$OUT/results_fp16.json"; cp /tmp/b-bf16/results.json "$OUT/results_bf16.json"; cp /tmp/b-bwd/results.json "$OUT/results_bwd.json"
+              tail -3 "$OUT/bench_fp16.log" "$OUT/bench_bf16.log" ;;
     tune-bwd) timeout 500 python3 -m common tune --passes bwd 2>&1 | tee "$OUT/tune_bwd.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;

@@ -339,11 +339,26 @@ def _load_results(path: str) -> dict:
     return data
 
 
+def merge_results(parts: list[dict]) -> dict:
+    """One results.json from several runs (e.g. one per GPU, or forward and backward apart):
+    the rows of all, the first run's environment; a later run's date is kept as
+    ``date_backward`` when all its rows are backward rows. A shape measured twice keeps
+    the later run's rows."""
+    env = dict(parts[0]["environment"])
+    rows = {}
+    for part in parts:
+        if part is not parts[0] and part["rows"] and all(r.get("mode", "fwd") != "fwd" for r in part["rows"]):
+            env["date_backward"] = part["environment"]["date"]
+        for row in part["rows"]:
+            rows[(_shape_key(row), row["backend"])] = row
+    return dict(environment=env, rows=list(rows.values()))
+
+
 def report(args) -> int:
-    """Rebuild the plots and BENCHMARKS.md from a results.json, measuring nothing (no GPU needed)."""
+    """Rebuild the plots and BENCHMARKS.md from one or more results.json, measuring nothing (no GPU needed)."""
     from common.tools.cli import require
 
-    data = _load_results(args.from_json)
+    data = merge_results([_load_results(path) for path in args.from_json])
     require("matplotlib", "bench", "bench")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -351,7 +366,7 @@ def report(args) -> int:
     notes_path = ROOT / "benchmarks" / "NOTES.md"
     notes = notes_path.read_text() if notes_path.exists() else ""
     pathlib.Path(args.markdown).write_text(markdown(data["rows"], data["environment"], plots, notes))
-    print(f"wrote {args.markdown} and {len(plots)} plots from {args.from_json}")
+    print(f"wrote {args.markdown} and {len(plots)} plots from {', '.join(args.from_json)}")
     return 0
 
 
@@ -377,6 +392,10 @@ def main(args) -> int:
         for row in rows[-len(args.backends):]:
             _print_row(row)
         print(f"[{i + 1}/{len(jobs)}]", flush=True)
+        # what is measured so far, should the run be cut short (write_outputs rewrites it whole)
+        out_dir = pathlib.Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1) + "\n")
     out_dir = pathlib.Path(args.out)
     plots = write_outputs(rows, env, out_dir)
     if args.markdown:
@@ -395,7 +414,7 @@ B*L = 16k tokens, H*D = 2048), the homework's shapes (GPU and wall time per call
 decode-like shapes. Every result is checked against SDPA before it is timed. Writes
 results.json, results.csv and plots into --out and regenerates --markdown. With
 --from-json it measures nothing and rebuilds the report from an earlier results.json
-(no GPU needed). Plots need matplotlib: pip install -e '.[bench]'.
+(no GPU needed; several files are merged). Plots need matplotlib: pip install -e '.[bench]'.
 """
 
 
@@ -415,5 +434,6 @@ def add_arguments(parser):
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results.json/csv and plots")
     parser.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"),
                         help="the Markdown report to regenerate ('' for none)")
-    parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
-                        help="measure nothing: rebuild the report and plots from an earlier results.json")
+    parser.add_argument("--from-json", nargs="+", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: rebuild the report and plots from earlier results.json files "
+                             "(several: their rows merged, e.g. runs on two GPUs)")
