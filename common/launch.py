@@ -219,7 +219,7 @@ class BoundKernel:
     subclass puts in place (``__call__``) before :meth:`launch`. Once a compiled kernel is
     known (from the launcher's cache, after a launch), it is launched directly while what
     Triton specialises it on holds: that is ``key``, which the caller builds (the inputs'
-    16-byte alignment, :func:`inputs_aligned`; the class of each varying integer, :func:`int_class`)."""
+    16-byte alignment, :func:`inputs_aligned`; the class of each varying integer, :func:`int_classes`)."""
 
     def __init__(self, launcher: CachedLauncher, grid, num_warps: int, num_stages: int):
         self.launcher, self.grid = launcher, grid
@@ -247,6 +247,11 @@ def inputs_aligned(tensors) -> bool:
 def int_class(a: int) -> tuple:
     """What Triton specialises an integer argument on (see the by-class cache above)."""
     return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+
+
+def int_classes(values) -> tuple:
+    """:func:`int_class` of each of ``values``, in one tuple (inline: a bound launch's per-call cost)."""
+    return tuple([(a == 1, a % 16 == 0, -(2**31) <= a < 2**31) for a in values])
 
 
 class _Recorder(threading.local):

@@ -82,10 +82,20 @@ def partials(rows_shape: tuple, splits: int, dv: int, device) -> tuple[torch.Ten
         return (alloc((*rows_shape, splits, dv), torch.float32, device),
                 alloc((*rows_shape, splits), torch.float32, device))
     key = (*stream_key(device), threading.get_ident())
-    buffer = _scratch.get(key)
+    buffer, views = _scratch.get(key, (None, None))
     if buffer is None or buffer.numel() < numel:
         if len(_scratch) >= _MAX_SCRATCH:
             _scratch.clear()  # (a call still holding views of a buffer keeps it alive)
-        buffer = _scratch[key] = torch.empty(numel, dtype=torch.float32, device=device)
-    split_at = rows * splits * dv
-    return buffer[:split_at].view(*rows_shape, splits, dv), buffer[split_at:numel].view(*rows_shape, splits)
+        buffer, views = torch.empty(numel, dtype=torch.float32, device=device), {}
+        _scratch[key] = buffer, views
+    # The views of a layout are made once per buffer (a decode loop asks for the same ones
+    # every step; making two views costs a few µs of host time).
+    shape = (rows_shape, splits, dv)
+    made = views.get(shape)
+    if made is None:
+        if len(views) >= _MAX_SCRATCH:
+            views.clear()
+        split_at = rows * splits * dv
+        made = views[shape] = (buffer[:split_at].view(*rows_shape, splits, dv),
+                               buffer[split_at:numel].view(*rows_shape, splits))
+    return made

@@ -472,13 +472,13 @@ def launch_bound(bound: BoundLaunch, query, key, value, blocks_per_split: int | 
     device = bound.device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return None
-    if bound.query_view is not None:
-        query = query.view(bound.query_view)
-    if bound.key_length is not None:
-        key, value = key[:, :, :bound.key_length], value[:, :, :bound.key_length]
+    # The kernels' views are not made: a bound launch takes from a tensor only its address
+    # (its sizes and strides are bound, but a growing cache's keys', which are not viewed), and
+    # the packed query, the keys cut to those a causal row sees and the outputs in the packed
+    # shape start where the caller's tensors do (contiguous outputs: the same bytes either way).
     alloc = allocator()
-    out = alloc(bound.out_shape, bound.dtype, device)
-    lse = alloc(bound.out_shape[:3], torch.float32, device) if bound.with_lse else None
+    out = alloc(bound.shape, bound.dtype, device)
+    lse = alloc(bound.shape[:3], torch.float32, device) if bound.with_lse else None
     o_part = lse_part = None
     if bound.num_splits > 1:
         o_part, lse_part = partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
@@ -487,9 +487,7 @@ def launch_bound(bound: BoundLaunch, query, key, value, blocks_per_split: int | 
         bound.launch(tensors)
     else:
         bound.launch.launch_keys(tensors, blocks_per_split)
-    if bound.query_view is None:
-        return out, lse
-    return out.view(bound.shape), (lse.view(bound.shape[:3]) if lse is not None else None)
+    return out, lse
 
 
 def reuse_key():

@@ -55,7 +55,7 @@ from common.launch import (
     BoundKernel,
     define_constants,
     inputs_aligned,
-    int_class,
+    int_classes,
     launcher_arguments,
     route_generated_launch,
     routed_kernel,
@@ -1235,7 +1235,7 @@ class BoundGeneratedLaunch(BoundKernel):
             return
         for position, index, size, dim in self.holes:
             args[position] = tensors[index].size(dim) if size else tensors[index].stride(dim)
-        self.launch(args, (aligned, tuple([int_class(args[position]) for position, *_ in self.holes])))
+        self.launch(args, (aligned, int_classes([args[position] for position, *_ in self.holes])))
 
 
 class BoundForward:

@@ -75,7 +75,7 @@ import triton.language as tl
 
 from common import plan as _plan
 from common.interpret import apply_interpreter_fixes
-from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_class, ticket_counters
+from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
@@ -1085,7 +1085,7 @@ class BoundForward(BoundKernel):
             tail = tuple(tail)
         aligned = inputs_aligned(tensors)
         self.launch(tuple([tensors[i] for i in self.prefix]) + tail,
-                    (aligned, tuple([int_class(v) for v in values])) if values else aligned)
+                    (aligned, int_classes(values)) if values else aligned)
 
     def launch_keys(self, tensors, blocks_per_split: int) -> None:
         """Launch for keys of another length and strides (bound with ``keys``)."""

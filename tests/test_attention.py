@@ -281,12 +281,35 @@ def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
                 kwargs = sdpa_kwargs(case, mask)
                 out = attention(q, k, v, backend=backend, **kwargs)
                 check_output(out, q, k, v, **kwargs)
-                (buffer,) = outputs._scratch.values()
+                ((buffer, views),) = outputs._scratch.values()
                 pointers.append((buffer.data_ptr(), buffer.numel()))
+                assert all(view.data_ptr() >= buffer.data_ptr() for pair in views.values() for view in pair)
     finally:
         outputs._allocator.reset(token)
     assert pointers[0] == pointers[1]
     assert pointers[2][1] > pointers[1][1]
+
+
+def test_split_partials_views_follow_their_buffer(monkeypatch):
+    """A layout's partials are made once per scratch buffer: asked again, the same views; once
+    the buffer grows, views of the new one."""
+    from common import outputs
+
+    monkeypatch.setattr(outputs, "_scratch", {})
+    token = outputs._allocator.set(outputs._empty)
+    try:
+        first = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
+        assert outputs.partials((2, 3), 4, 16, torch.device("cpu")) == first
+        other = outputs.partials((1, 3), 4, 16, torch.device("cpu"))  # fits: the same buffer
+        assert other[0].shape == (1, 3, 4, 16) and other[1].shape == (1, 3, 4)
+        grown = outputs.partials((8, 3), 4, 16, torch.device("cpu"))
+        assert grown[0].shape == (8, 3, 4, 16) and grown[1].shape == (8, 3, 4)
+        again = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
+        ((buffer, _),) = outputs._scratch.values()
+        assert again[0].data_ptr() == buffer.data_ptr() != first[0].data_ptr()
+        assert again[1].data_ptr() == buffer.data_ptr() + 2 * 3 * 4 * 16 * 4
+    finally:
+        outputs._allocator.reset(token)
 
 
 def test_split_partials_per_thread(device, monkeypatch):
