@@ -72,6 +72,27 @@ def test_bench_merges_runs():
         ("bwd", 1024, 4.0), ("fwd", 1024, 1.0), ("fwd", 4096, 3.0)]
 
 
+def test_compare_speed_keeps_forward_and_backward_apart(tmp_path, monkeypatch):
+    """A shape timed forward and backward is two rows of COMPARISON.md's speed table, each with its own numbers."""
+    import json
+
+    from common.tools import compare
+
+    monkeypatch.setattr(compare, "_plot", lambda ratios, env: None)
+    rows = [dict(section="throughput", mode=mode, dtype="bfloat16", B=1, H=16, H_kv=16, Lq=4096, Lk=4096, D=128,
+                 causal=False, backend=backend, tflops=tflops)
+            for mode, backend, tflops in [("fwd", "triton", 400.0), ("fwd", "ninetoothed", 360.0),
+                                          ("fwd", "torch", 500.0), ("bwd", "triton", 300.0),
+                                          ("bwd", "ninetoothed", 150.0)]]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(dict(environment=dict(gpu="X", date="today"), rows=rows)))
+    text, _ = compare.speed_section(path)
+    assert "| fwd | bfloat16 | 128 | 4096 | no | 400 | 360 | 0.90 | 0.80 |" in text
+    assert "| bwd | bfloat16 | 128 | 4096 | no | 300 | 150 | 0.50 | - |" in text
+    assert text.index("| fwd |") < text.index("| bwd |")
+    assert "fwd: median 0.90" in text and "bwd: median 0.50" in text
+
+
 def test_a_missing_extra_is_named(monkeypatch):
     from common.tools import cli
 

@@ -284,29 +284,29 @@ def speed_section(results_path: pathlib.Path) -> tuple[str, pathlib.Path | None]
     env = data["environment"]
     rows = [r for r in data["rows"] if r["section"] == "throughput" and "tflops" in r]
     by_shape = {}
-    for r in rows:
-        key = (r["dtype"], r["D"], r["Lq"], r["causal"])
+    for r in rows:  # (the pass first: forward and backward rows of one shape are two rows)
+        key = (r.get("mode", "fwd"), r["dtype"], r["D"], r["Lq"], r["causal"])
         by_shape.setdefault(key, {})[r["backend"]] = r
     out = ["## Speed", "",
-           f"From the last benchmark ({env['gpu']}, {env['date']}; `benchmarks/results.json`): forward TFLOP/s, "
-           "B·L = 16384, H·D = 2048.", "",
-           "| dtype | D | L | causal | triton | ninetoothed | ninetoothed / triton | triton / SDPA |",
-           "|---|---|---|---|---|---|---|---|"]
-    ratios = []
-    for (dtype, D, L, causal), by in sorted(by_shape.items()):
+           f"From the last benchmark ({env['gpu']}, {env['date']}; `benchmarks/results.json`): TFLOP/s, "
+           "B·L = 16384, H·D = 2048; `bwd` is the backward (2.5 forwards' FLOPs).", "",
+           "| pass | dtype | D | L | causal | triton | ninetoothed | ninetoothed / triton | triton / SDPA |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    ratios = {}
+    for (mode, dtype, D, L, causal), by in sorted(by_shape.items(), key=lambda item: (item[0][0] != "fwd", item[0])):
         t, n, s = by.get("triton"), by.get("ninetoothed"), by.get("torch")
         if not t or not n:
             continue
         ratio = n["tflops"] / t["tflops"]
-        ratios.append(((dtype, D, L, causal), ratio, t["tflops"], n["tflops"]))
+        ratios.setdefault(mode, []).append(((dtype, D, L, causal), ratio, t["tflops"], n["tflops"]))
         vs = f"{t['tflops'] / s['tflops']:.2f}" if s else "-"
-        out.append(f"| {dtype} | {D} | {L} | {'yes' if causal else 'no'} | {t['tflops']:.0f} | {n['tflops']:.0f} | "
-                   f"{ratio:.2f} | {vs} |")
-    if ratios:
-        values = [r for _, r, _, _ in ratios]
-        out += ["", f"NineToothed / Triton: median {sorted(values)[len(values) // 2]:.2f}, "
-                f"range {min(values):.2f}-{max(values):.2f} over {len(values)} shapes."]
-    plot = _plot(ratios, env) if ratios else None
+        out.append(f"| {mode} | {dtype} | {D} | {L} | {'yes' if causal else 'no'} | {t['tflops']:.0f} | "
+                   f"{n['tflops']:.0f} | {ratio:.2f} | {vs} |")
+    for mode, of_mode in ratios.items():
+        values = sorted(r for _, r, _, _ in of_mode)
+        out += ["", f"NineToothed / Triton, {mode}: median {values[len(values) // 2]:.2f}, "
+                f"range {values[0]:.2f}-{values[-1]:.2f} over {len(values)} shapes."]
+    plot = _plot(ratios["fwd"], env) if ratios.get("fwd") else None
     if plot:
         out += ["", f"![speed by shape](comparison/{plot.name})"]
     return "\n".join(out), plot
