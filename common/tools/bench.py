@@ -355,14 +355,14 @@ def merge_results(parts: list[dict]) -> dict:
 
 
 def report(args) -> int:
-    """Rebuild the plots and BENCHMARKS.md from one or more results.json, measuring nothing (no GPU needed)."""
+    """Rebuild results.json/csv (merged), the plots and BENCHMARKS.md from one or more results.json, measuring
+    nothing (no GPU needed)."""
     from common.tools.cli import require
 
     data = merge_results([_load_results(path) for path in args.from_json])
     require("matplotlib", "bench", "bench")
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plots = plot(data["rows"], data["environment"], out_dir)
+    # results.json and results.csv again (the merged rows, when several runs were given), then the plots
+    plots = write_outputs(data["rows"], data["environment"], pathlib.Path(args.out))
     notes_path = ROOT / "benchmarks" / "NOTES.md"
     notes = notes_path.read_text() if notes_path.exists() else ""
     pathlib.Path(args.markdown).write_text(markdown(data["rows"], data["environment"], plots, notes))
