@@ -67,7 +67,7 @@ def forward_again(backend, template, query, key, value, *, other_keys: bool = Fa
 
         with recorded_launches():
             results = _launch(backend, plan)
-            template.bound[0] = planning.bind_launch(template, plan, backend) or False
+            template.bound[0] = planning.bind_launch(plan, backend) or False
     return results
 
 

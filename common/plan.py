@@ -398,23 +398,21 @@ class BoundLaunch:
     shape: tuple[int, ...]  # (B, H, Lq, Dv), the caller's
     with_lse: bool
     num_splits: int
-    query_view: tuple[int, ...] | None
-    key_length: int | None
     interpreted: bool  # the kernels run under Triton's interpreter (common.ops quiets NumPy's warnings)
 
 
-def bind_launch(template: ForwardTemplate, plan: ForwardPlan, backend) -> BoundLaunch | None:
-    """Bind ``plan`` (rebound from ``template``, just launched) to its layout through the backend's
+def bind_launch(plan: ForwardPlan, backend) -> BoundLaunch | None:
+    """Bind ``plan`` (rebound from a template, just launched) to its layout through the backend's
     ``bind_forward``; None where the backend has none or cannot bind this launch."""
     bind = getattr(backend.load(), "bind_forward", None)
     launch = bind(plan) if bind is not None else None
-    return _bound(launch, plan, template, template.key_length, backend) if launch is not None else None
+    return _bound(launch, plan, backend) if launch is not None else None
 
 
-def _bound(launch, plan: ForwardPlan, template: ForwardTemplate, key_length, backend) -> BoundLaunch:
+def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
     """``launch`` (the backend's) with what :func:`launch_bound` needs of ``plan``'s layout."""
     return BoundLaunch(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
-                       plan.with_lse, plan.num_splits, template.query_view, key_length, backend.interpreted())
+                       plan.with_lse, plan.num_splits, backend.interpreted())
 
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
@@ -445,7 +443,7 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
         bound.launch_plan(plan)
     Lk, block_n = plan.key.shape[2], plan.config.block_n
     template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split,
-                         _bound(bound, plan, template, None, backend))
+                         _bound(bound, plan, backend))
     return True
 
 
