@@ -194,7 +194,9 @@ def _print_row(r):
 def write_outputs(rows, env, out_dir: pathlib.Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1) + "\n")
-    fields = sorted({key for r in rows for key in r}, key=lambda f: list(rows[0]).index(f) if f in rows[0] else 99)
+    # the first row's columns in its order, then the others by name (a set's order changes between runs)
+    first = list(rows[0])
+    fields = sorted({key for r in rows for key in r}, key=lambda f: (first.index(f), "") if f in first else (99, f))
     with open(out_dir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
