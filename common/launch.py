@@ -244,13 +244,9 @@ def inputs_aligned(tensors) -> bool:
     return (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15 == 0
 
 
-def int_class(a: int) -> tuple:
-    """What Triton specialises an integer argument on (see the by-class cache above)."""
-    return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
-
-
 def int_classes(values) -> tuple:
-    """:func:`int_class` of each of ``values``, in one tuple (inline: a bound launch's per-call cost)."""
+    """What Triton specialises each integer of ``values`` on (see the by-class cache above),
+    in one tuple: a bound launch's per-call key."""
     return tuple([(a == 1, a % 16 == 0, -(2**31) <= a < 2**31) for a in values])
 
 

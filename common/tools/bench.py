@@ -191,9 +191,14 @@ def _print_row(r):
     print(text, flush=True)
 
 
-def write_outputs(rows, env, out_dir: pathlib.Path):
+def write_results(rows, env, out_dir: pathlib.Path) -> None:
+    """results.json in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1) + "\n")
+
+
+def write_outputs(rows, env, out_dir: pathlib.Path):
+    write_results(rows, env, out_dir)
     # the first row's columns in its order, then the others by name (a set's order changes between runs)
     first = list(rows[0])
     fields = sorted({key for r in rows for key in r}, key=lambda f: (first.index(f), "") if f in first else (99, f))
@@ -395,9 +400,7 @@ def main(args) -> int:
             _print_row(row)
         print(f"[{i + 1}/{len(jobs)}]", flush=True)
         # what is measured so far, should the run be cut short (write_outputs rewrites it whole)
-        out_dir = pathlib.Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1) + "\n")
+        write_results(rows, env, pathlib.Path(args.out))
     out_dir = pathlib.Path(args.out)
     plots = write_outputs(rows, env, out_dir)
     if args.markdown:
