@@ -29,6 +29,9 @@ is written to the project.
 - steps: the reused path's host time per call, step by step (template lookup, the bound launch,
   rebind, argument building, our launch cache, Triton's compiled-kernel launch, allocations), on a
   decode shape and a homework shape, both backends' totals beside SDPA's.
+- bwd_tune: NineToothed's backward tuned like `tune --backends ninetoothed --passes bwd` (every
+  candidate's time printed), beside its shipped table's and Triton's shipped backward on the same
+  inputs; the new table is written to $OUT/nt_configs.json (the package's table is not touched).
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 """
@@ -604,6 +607,52 @@ def tma():
                 t = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
             line.append(f"{'tma' if tma_on else 'ptr'} {t * 1e3:.0f}us")
         print("  ".join(line), flush=True)
+
+
+def bwd_tune():
+    import datetime
+    import json
+    import os
+    import pathlib
+
+    import triton
+
+    from common import attention_backward
+    from common.configs import BackwardConfig, ConfigTable, key
+    from common.tools.tune import BACKWARD_CANDIDATES, _inputs, tune_one
+
+    nt = resolve("ninetoothed").configs
+    entries = dict(nt.entries)
+    f16 = torch.float16
+    for D in (64, 128):
+        for causal in (False, True):
+            for L in (1024, 4096, 16384):
+                q, k, v = _inputs(D, L, f16)
+                out, lse = attention(q, k, v, is_causal=causal, backend="triton", return_lse=True)
+                grad_out = torch.randn_like(out)
+
+                def time_of(backend):
+                    return gpu_time_ms(lambda: attention_backward(grad_out, q, k, v, out, lse, is_causal=causal,
+                                                                  backend=backend))
+                triton_ms = time_of("triton")
+                before = nt.lookup_backward(D, f16, causal, L, L, False)
+                before_ms = time_of("ninetoothed")
+                best, times = tune_one("ninetoothed", D, f16, causal, L, backward=True, verbose=False)
+                failed = [c for c in BACKWARD_CANDIDATES[D] if BackwardConfig(*c) not in times]
+                ranked = ", ".join(f"{dataclasses.astuple(c)} {t * 1e3:.0f}" for c, t in
+                                   sorted(times.items(), key=lambda kv: kv[1]))
+                print(f"D={D} causal={causal} L={L}: triton {triton_ms * 1e3:.0f}us  ninetoothed shipped "
+                      f"{dataclasses.astuple(before)} {before_ms * 1e3:.0f}us ({triton_ms / before_ms:.2f}x triton)  "
+                      f"best {dataclasses.astuple(best)} {times[best] * 1e3:.0f}us ({triton_ms / times[best]:.2f}x)"
+                      f"  all: {ranked}  failed: {failed}", flush=True)
+                if times[best] < before_ms:
+                    for dtype in (torch.float16, torch.bfloat16):
+                        entries[key(D, dtype, causal, L, True)] = best
+    meta = dict(nt.meta, gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+    out_dir = os.environ.get("OUT", "/tmp")
+    ConfigTable.write(pathlib.Path(out_dir) / "nt_configs.json", entries, meta)
+    print(json.dumps({k: list(dataclasses.astuple(v)) for k, v in entries.items() if k.startswith("bwd")}))
 
 
 if __name__ == "__main__":
