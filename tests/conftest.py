@@ -7,13 +7,22 @@ happens here, at import, before the backends load.
 
 from __future__ import annotations
 
+import os
 import zlib
 
-import pytest
-import torch
+# pytest-xdist's workers are the parallelism: one thread each. Two workers of the default
+# thread count on 2 cores (CI) took 1.7x as long as two single-threaded ones (NumPy's and
+# torch's thread pools fight over the cores); read once at import, so before torch's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from common.interpret import use_interpreter_if_no_gpu
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case torch was imported before this module
 INTERPRETED = use_interpreter_if_no_gpu()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_BACKENDS = ("triton", "ninetoothed")
