@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test-x2 bound-check test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd tune64 tune128 quirks compare
+# stages: probe test test1 test2 test-x2 bound-check test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
 #         ab (AB_PROBES="features bandwidth": the probes in ab/ and in this tree)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
@@ -43,6 +43,8 @@ for stage in "$@"; do
                CUDA_VISIBLE_DEVICES=1 timeout 220 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/b-bwd --markdown "") > "$OUT/bench_bf16.log" 2>&1; wait
               cp /tmp/b-fp16/results.json "$OUT/results_fp16.json"; cp /tmp/b-bf16/results.json "$OUT/results_bf16.json"; cp /tmp/b-bwd/results.json "$OUT/results_bwd.json"
               tail -3 "$OUT/bench_fp16.log" "$OUT/bench_bf16.log" ;;
+    # NineToothed's backward keys not tuned yet (2026-12-01: the D 64 six and D 128 causal L 1k took one call)
+    bwd-tune-nt) BWD_TUNE_KEYS="${BWD_TUNE_KEYS:-128:full:1024 128:full:16384 128:causal:16384}" timeout 560 python3 tools/probe.py bwd_tune 2>&1 | tee "$OUT/bwd_tune.log" ;;
     tune-bwd) timeout 500 python3 -m common tune --passes bwd 2>&1 | tee "$OUT/tune_bwd.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
