@@ -1177,7 +1177,7 @@ def bind_forward(plan, keys: bool = False):
         merge = _bind(_merge_kernel(plan), views, {i: i for i in range(4 if plan.lse is not None else 3)})
         if merge is None:
             return None
-    return BoundForward(attention, merge, plan.merge.rows if plan.split else 0, plan.num_splits)
+    return BoundForward(attention, merge)
 
 
 def _bind(kernel, inputs, roles: dict, key_inputs=()):
@@ -1198,7 +1198,9 @@ def _bind(kernel, inputs, roles: dict, key_inputs=()):
         index = where[0]
         given = inputs[index]
         if what != "input":
-            if index in key_inputs:
+            # A growing cache's keys keep their batch, heads and head dim (the template's layout
+            # says so): their length and strides are what a later call fills in.
+            if index in key_inputs and (what == "stride" or where[1] == _KEY_LENGTH_DIM):
                 holes.append((position, roles[index], what == "size", where[1]))
             continue
         if not isinstance(given, torch.Tensor):
@@ -1213,6 +1215,9 @@ def _bind(kernel, inputs, roles: dict, key_inputs=()):
     return BoundGeneratedLaunch(routed.launcher, args, slots, holes, grid, num_warps, num_stages)
 
 
+_KEY_LENGTH_DIM = 2  # of the keys and values, (B, H_kv, Lk, D)
+
+
 class BoundGeneratedLaunch(BoundKernel):
     """One NineToothed kernel's launch with the arguments its generated launcher computed for
     one layout (``common.launch.BoundKernel``): a later call puts its tensors in their ``slots``
@@ -1224,6 +1229,9 @@ class BoundGeneratedLaunch(BoundKernel):
         self.args, self.slots, self.holes = list(args), tuple(slots), tuple(holes)
         for position, _ in self.slots:
             self.args[position] = None  # (the binding call's tensors: not kept)
+        # each tensor with holes, once: (its index, its holes as (position, size or stride, dim))
+        self.hole_tensors = tuple((index, tuple((p, size, dim) for p, i, size, dim in self.holes if i == index))
+                                  for index in dict.fromkeys(i for _, i, _, _ in self.holes))
 
     def __call__(self, tensors) -> None:
         args = self.args.copy()
@@ -1233,9 +1241,13 @@ class BoundGeneratedLaunch(BoundKernel):
         if not self.holes:
             self.launch(args, aligned)
             return
-        for position, index, size, dim in self.holes:
-            args[position] = tensors[index].size(dim) if size else tensors[index].stride(dim)
-        self.launch(args, (aligned, int_classes([args[position] for position, *_ in self.holes])))
+        values = []
+        for index, holes in self.hole_tensors:  # (one shape and one stride read per tensor)
+            shape, stride = tensors[index].shape, tensors[index].stride()
+            for position, size, dim in holes:
+                args[position] = value = shape[dim] if size else stride[dim]
+                values.append(value)
+        self.launch(args, (aligned, int_classes(values)))
 
 
 class BoundForward:
@@ -1243,14 +1255,15 @@ class BoundForward:
     the merge's; called with the tensors ``common.plan.launch_bound`` passes (query, key,
     value, out, lse, o_part, lse_part)."""
 
-    def __init__(self, attention: BoundGeneratedLaunch, merge: BoundGeneratedLaunch | None, rows: int, num_splits: int):
+    def __init__(self, attention: BoundGeneratedLaunch, merge: BoundGeneratedLaunch | None):
         self.attention, self.merge = attention, merge
-        self.rows, self.num_splits = rows, num_splits
 
     def __call__(self, tensors) -> None:
         self.attention(tensors)
         if self.merge is not None:
-            self.merge(_merge_inputs(tensors[5], tensors[6], tensors[3], tensors[4], self.rows, self.num_splits))
+            # The merge's views of the partials and outputs start where they do, and a bound
+            # launch reads only a tensor's address: the tensors themselves (lse None: unused).
+            self.merge((tensors[5], tensors[6], tensors[3], tensors[4]))
 
     def launch_keys(self, tensors, blocks_per_split: int) -> None:
         """Launch for keys of another length and strides (bound with ``keys``; the blocks per

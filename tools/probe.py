@@ -33,6 +33,9 @@ is written to the project.
   candidate's time printed), beside its shipped table's and Triton's shipped backward on the same
   inputs; the new table is written to $OUT/nt_configs.json (the package's table is not touched).
   BWD_TUNE_KEYS="128:full:1024 ..." limits it to those keys (D:full|causal:L).
+- host_python: our Python per step of a growing decode loop (split keys), both backends, with the
+  kernel launches stubbed out once bound (and, on a CPU, the interpreter's quieting left out, as on a
+  GPU): what the library adds to Triton's launches. Runs on a CPU (under the interpreter) too.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 """
@@ -47,12 +50,16 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import impl_triton.attention as ta
-from common import attention, plan
-from common.backends import resolve
-from common.configs import Config, override
-from common.tools.timing import gpu_time_ms, wall_time_us
-from common.validation import check_call
+from common.interpret import use_interpreter_if_no_gpu
+
+use_interpreter_if_no_gpu()  # (host_python runs on a CPU too; before any kernel is decorated)
+
+import impl_triton.attention as ta  # noqa: E402
+from common import attention, plan  # noqa: E402
+from common.backends import resolve  # noqa: E402
+from common.configs import Config, override  # noqa: E402
+from common.tools.timing import gpu_time_ms, wall_time_us  # noqa: E402
+from common.validation import check_call  # noqa: E402
 
 
 def _describe(name, kernel):
@@ -658,6 +665,54 @@ def bwd_tune():
     out_dir = os.environ.get("OUT", "/tmp")
     ConfigTable.write(pathlib.Path(out_dir) / "nt_configs.json", entries, meta)
     print(json.dumps({k: list(dataclasses.astuple(v)) for k, v in entries.items() if k.startswith("bwd")}))
+
+
+def host_python():
+    import time
+
+    import common.launch as launch
+    import common.ops as ops
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    # a split step: B 1, 4 query heads over 1 K/V head (on a CPU the interpreter's two pretended SMs split it)
+    shape = (1, 32, 8) if on_gpu else (1, 4, 1)
+    B, H, H_kv = shape
+    results = {}
+    for backend in ("triton", "ninetoothed"):
+        q = torch.randn(B, H, 1, 128, dtype=torch.float16, device=device)
+        k, v = (torch.randn(B, H_kv, 3000, 128, dtype=torch.float16, device=device) for _ in range(2))
+
+        def grow(k, v):
+            new = torch.randn(B, H_kv, 1, 128, dtype=torch.float16, device=device)
+            return torch.cat([k, new], 2), torch.cat([v, new], 2)
+        for _ in range(3):  # plan, bind, the first growing launch: real launches
+            k, v = grow(k, v)
+            attention(q, k, v, enable_gqa=True, backend=backend)
+        caches = []
+        for _ in range(200):
+            k, v = grow(k, v)
+            caches.append((k, v))
+        launches = [0]
+        saved = launch.BoundKernel.launch, ops._quiet
+
+        def stub(self, args, key):
+            launches[0] += 1
+        launch.BoundKernel.launch = stub
+        ops._quiet = lambda backend: contextlib.nullcontext()  # a GPU runs no NumPy: nothing to quiet
+        try:
+            loops = []
+            for _ in range(6):
+                start = time.perf_counter()
+                for k_, v_ in caches:
+                    attention(q, k_, v_, enable_gqa=True, backend=backend)
+                loops.append((time.perf_counter() - start) / len(caches) * 1e6)
+        finally:
+            launch.BoundKernel.launch, ops._quiet = saved
+        loops = sorted(loops[1:])
+        results[backend] = loops
+        print(f"{backend}: our Python per decode step {loops[2]:.1f} us (loops {', '.join(f'{t:.1f}' for t in loops)});"
+              f" stubbed launches per step {launches[0] / 6 / len(caches):.2f}", flush=True)
 
 
 if __name__ == "__main__":
