@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from common import attention
 from common.reference import reference
-from tests.cases import Case, check_lse, check_output, make_inputs, params, sdpa_kwargs
+from tests.cases import Case, check_lse, check_output, committed_tiles, make_inputs, params, sdpa_kwargs
 from tests.conftest import DEVICE
 
 ON_GPU = DEVICE == "cuda"
@@ -27,6 +27,19 @@ def run_case(case: Case, backend: str, device: str):
     out = attention(q, k, v, backend=backend, **kwargs)
     check_output(out, q, k, v, **kwargs)
     return q, k, v, mask, out
+
+
+# -- the committed tiles ------------------------------------------------------
+@pytest.mark.parametrize("backend_name, head_dim, tile", committed_tiles(backward=False))
+def test_committed_forward_tiles(backend_name, head_dim, tile, device):
+    """Each tile of a backend's committed table, forced on a call whose lengths are no multiple
+    of it, causal and not: SDPA's answer. (The tables are keyed by length, and the GPU runs
+    these tiles only from L = 1024 on; under the interpreter they are never looked up.)"""
+    from common.configs import override
+
+    for causal in (False, True):
+        with override(tile):
+            run_case(Case(1, 2, 150, 150, head_dim, causal=causal), backend_name, device)
 
 
 # -- the homework's 16 cases, on whatever device exists ----------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common import attention, attention_backward
-from tests.cases import Case, check_grads, check_output, make_inputs, params, sdpa_kwargs
+from tests.cases import Case, check_grads, check_output, committed_tiles, make_inputs, params, sdpa_kwargs
 from tests.conftest import DEVICE
 
 ON_GPU = DEVICE == "cuda"
@@ -35,6 +35,17 @@ def run_grad_case(case: Case, backend: str, device: str):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     return check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
+
+
+@pytest.mark.parametrize("backend_name, head_dim, tile", committed_tiles(backward=True))
+def test_committed_backward_tiles(backend_name, head_dim, tile, device):
+    """Each tile of a backend's committed backward table, forced on a call whose lengths are no
+    multiple of it, causal and not: SDPA's gradients (see test_committed_forward_tiles)."""
+    from common.configs import override
+
+    for causal in (False, True):
+        with override(tile):
+            run_grad_case(Case(1, 2, 150, 150, head_dim, causal=causal), backend_name, device)
 
 
 GRAD_CASES = [
