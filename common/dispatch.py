@@ -221,11 +221,12 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
             query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device)
     exact = (head, key.shape, key.stride(), value.shape, value.stride())
     unbatched = query.ndim == 3
-    # (causal calls drop the keys no row sees: their plan depends on the keys' length)
-    growing = None if is_causal else (head, key.shape[:-2], key.shape[-1], value.shape[:-2], value.shape[-1])
     template = _templates.get(exact)
     other_keys = False
-    if template is None and growing is not None:
+    growing = None
+    # (causal calls drop the keys no row sees: their plan depends on the keys' length)
+    if template is None and not is_causal:
+        growing = (head, key.shape[:-2], key.shape[-1], value.shape[:-2], value.shape[-1])
         template = _growing.get(growing)
         other_keys = template is not None
         if other_keys and not _keys_fit(chosen, key, value):
