@@ -1,0 +1,116 @@
+"""Compile a call's kernels for a GPU on a machine without one, and say what they became.
+
+Triton compiles for a named target with no GPU present (its ptxas and disassembler ship in
+its package), so registers, spills, shared memory and the instructions of the code a call
+would launch on an H200 (sm_90) can be read on a CPU: where the lent GPU's time is short,
+this finds what differs between two kernels, or what a change did to one, before timing it.
+
+    python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
+        [--causal] [--capability 90] [--out DIR]     (from the root, the package installed)
+
+The call is planned by the project's own host plan (as on a GPU with that many SMs: give
+--splits for a split decode launch, since a CPU has none), then each launch compiles
+instead of running (``triton.JITFunction.warmup``); nothing is launched. Prints, per kernel:
+registers, spills, shared memory, and counts of the tensor-core, copy and global-memory
+instructions; writes its TTGIR, PTX and SASS to --out. Uses the installed Triton, which
+may be newer than the GPU machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from common.interpret import _StandInDriver  # noqa: E402
+
+INSTRUCTIONS = r"HGMMA[.\w]*|HMMA[.\w]*|LDGSTS[.\w]*|UTMALDG[.\w]*|LDG[.\w]*|STG[.\w]*|ATOMG[.\w]*|RED[.\w]*|BAR[.\w]*"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("backend", choices=["triton", "ninetoothed"])
+    parser.add_argument("shape", nargs=6, type=int, metavar="B H H_KV LQ LK D")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--splits", type=int, default=1, help="key splits (a split decode launch)")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
+    parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
+    args = parser.parse_args(argv)
+
+    class TargetDriver(_StandInDriver):
+        """The stand-in driver (see common.interpret) that names a CUDA target."""
+
+        backend = "cuda"
+
+        def get_current_target(self):
+            return GPUTarget("cuda", args.capability, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    triton.runtime.driver.set_active(TargetDriver())
+
+    import common.launch as launch
+    import common.validation as validation
+    from common.backends import resolve
+    from common.plan import force_splits, make_forward
+
+    compiled = {}
+
+    def compile_only(self, grid, arguments, num_warps, num_stages):
+        grid = grid({}) if callable(grid) else grid
+        compiled[self.fn.__name__] = self.fn.warmup(*arguments, grid=grid, num_warps=num_warps,
+                                                    num_stages=num_stages)
+
+    launch.CachedLauncher.launch = compile_only
+    validation._check_kernel_device = lambda *a: None  # CPU tensors, planned as if on the GPU
+
+    B, H, H_kv, Lq, Lk, D = args.shape
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(B, H, Lq, D, dtype=dtype)
+    k, v = (torch.randn(B, H_kv, Lk, D, dtype=dtype) for _ in range(2))
+    backend = resolve(args.backend)
+    call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
+                                 scale=None, enable_gqa=H_kv != H, return_lse=False)
+    with force_splits(args.splits):
+        plan = make_forward(call, backend, with_lse=False)
+    print(f"plan: {plan.config}, {plan.num_splits} split(s) of {plan.blocks_per_split} key blocks, "
+          f"kernels' query {tuple(plan.query.shape)}")
+    backend.load().forward(plan)
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name, kernel in compiled.items():
+        cubin = out / f"{name}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        for form in ("ttgir", "ptx"):
+            (out / f"{name}.{form}").write_text(kernel.asm[form])
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+        (out / f"{name}.sass").write_text(sass)
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True).stdout
+        regs = re.search(r"REG:(\d+)", usage)
+        spills = re.search(r"LOCAL:(\d+)", usage)
+        counts = collections.Counter(re.findall(INSTRUCTIONS, sass))
+        print(f"{name}: {regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes "
+              f"of local memory (spills), {kernel.metadata.shared} bytes of shared memory, "
+              f"{kernel.metadata.num_warps} warps, {kernel.metadata.num_stages} stages")
+        print("  " + ", ".join(f"{count} {op}" for op, count in sorted(counts.items())))
+    print(f"TTGIR, PTX and SASS in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
