@@ -201,3 +201,22 @@ def test_no_numpy_warnings_under_the_interpreter(backend, device):
         warnings.simplefilter("error")
         out, lse = attention(q, q, q, attn_mask=mask, backend=backend, return_lse=True)
     assert (lse[:, :, 3] == float("-inf")).all() and (out[:, :, 3] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+def test_cpu_sass_compiles_a_call_for_hopper_without_a_gpu(backend, tmp_path):
+    """tools/cpu_sass.py plans a call, compiles its kernels for sm_90 (no GPU needed, none
+    used: the interpreter switch is cleared) and reads what ptxas made of them."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, "1", "2", "2", "16", "256",
+                             "64", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = re.search(r": (\d+) registers, (\d+) bytes of local memory", result.stdout)
+    assert found and 0 < int(found.group(1)) <= 255, result.stdout
+    sass = list(tmp_path.glob("*.sass"))
+    assert sass and "MMA" in sass[0].read_text()  # tensor-core instructions: compiled for the GPU, not interpreted
