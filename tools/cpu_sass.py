@@ -6,7 +6,8 @@ would launch on an H200 (sm_90) can be read on a CPU: where the lent GPU's time 
 this finds what differs between two kernels, or what a change did to one, before timing it.
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--capability 90] [--out DIR]     (from the root, the package installed)
+        [--causal] [--tile BLOCK_M BLOCK_N WARPS STAGES] [--capability 90] [--out DIR]
+    (from the repository's root, the package installed)
 
 The call is planned by the project's own host plan (as on a GPU with that many SMs: give
 --splits for a split decode launch, since a CPU has none), then each launch compiles
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import pathlib
 import re
@@ -44,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--splits", type=int, default=1, help="key splits (a split decode launch)")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--tile", nargs=4, type=int, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
+                        help="the forward's tile instead of the table's")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
@@ -83,7 +87,9 @@ def main(argv=None) -> int:
     backend = resolve(args.backend)
     call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
                                  scale=None, enable_gqa=H_kv != H, return_lse=False)
-    with force_splits(args.splits):
+    from common.configs import Config, override
+
+    with force_splits(args.splits), override(Config(*args.tile)) if args.tile else contextlib.nullcontext():
         plan = make_forward(call, backend, with_lse=False)
     print(f"plan: {plan.config}, {plan.num_splits} split(s) of {plan.blocks_per_split} key blocks, "
           f"kernels' query {tuple(plan.query.shape)}")
