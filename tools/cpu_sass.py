@@ -6,10 +6,10 @@ would launch on an H200 (sm_90) can be read on a CPU: where the lent GPU's time 
 this finds what differs between two kernels, or what a change did to one, before timing it.
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--tile BLOCK_M BLOCK_N WARPS STAGES] [--capability 90] [--out DIR]
+        [--causal] [--backward] [--tile N ...] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
-The call is planned by the project's own host plan (as on a GPU with that many SMs: give
+The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
 --splits for a split decode launch, since a CPU has none), then each launch compiles
 instead of running (``triton.JITFunction.warmup``); nothing is launched. Prints, per kernel:
 registers, spills, shared memory, and counts of the tensor-core, copy and global-memory
@@ -46,8 +46,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--splits", type=int, default=1, help="key splits (a split decode launch)")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--tile", nargs=4, type=int, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"),
-                        help="the forward's tile instead of the table's")
+    parser.add_argument("--tile", nargs="+", type=int, metavar="N",
+                        help="the tile instead of the table's: BLOCK_M BLOCK_N WARPS STAGES (forward), "
+                             "BLOCK_M1 BLOCK_N1 BLOCK_M2 BLOCK_N2 WARPS STAGES (--backward)")
+    parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
@@ -87,13 +89,21 @@ def main(argv=None) -> int:
     backend = resolve(args.backend)
     call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
                                  scale=None, enable_gqa=H_kv != H, return_lse=False)
-    from common.configs import Config, override
+    from common.configs import BackwardConfig, Config, override
+    from common.plan import make_backward
 
-    with force_splits(args.splits), override(Config(*args.tile)) if args.tile else contextlib.nullcontext():
-        plan = make_forward(call, backend, with_lse=False)
-    print(f"plan: {plan.config}, {plan.num_splits} split(s) of {plan.blocks_per_split} key blocks, "
-          f"kernels' query {tuple(plan.query.shape)}")
-    backend.load().forward(plan)
+    tile = (BackwardConfig if args.backward else Config)(*args.tile) if args.tile else None
+    with force_splits(args.splits), override(tile) if tile else contextlib.nullcontext():
+        if args.backward:  # (the values do not matter: nothing runs)
+            out, grad_out = torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, H, Lq, D, dtype=dtype)
+            plan = make_backward(call, backend, out, torch.zeros(B, H, Lq), grad_out)
+            print(f"plan: {plan.config}")
+            backend.load().backward(plan)
+        else:
+            plan = make_forward(call, backend, with_lse=False)
+            print(f"plan: {plan.config}, {plan.num_splits} split(s) of {plan.blocks_per_split} key blocks, "
+                  f"kernels' query {tuple(plan.query.shape)}")
+            backend.load().forward(plan)
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
