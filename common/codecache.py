@@ -61,13 +61,41 @@ def ensure_private(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def source_key(source: str) -> str:
+    """The name of a generated module's file: a hash of its source, blind to the order of its
+    top-level imports and functions. NineToothed appends the helper functions an application
+    calls in an order that changes from process to process (a set's), so a plain hash made a
+    new file of the same kernel in every process. Reordering the imports and the functions
+    (decorators included) of a module that holds nothing else, each name defined once, changes
+    nothing; any other source is hashed as it is."""
+    import ast
+
+    digest = hashlib.sha256()
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        body = None
+    functions = [node.name for node in body or () if isinstance(node, ast.FunctionDef)]
+    if body and len(set(functions)) == len(functions) and all(
+            isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef)) for node in body):
+        lines = source.splitlines(keepends=True)
+        blocks = sorted("".join(lines[min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+                                      - 1:node.end_lineno]) for node in body)
+        for block in blocks:
+            digest.update(block.encode("utf-8") + b"\0")
+    else:
+        digest.update(source.encode("utf-8"))
+    return digest.hexdigest()
+
+
 def _cache_source(source: str) -> pathlib.Path:
     """NineToothed's ``cache_source``, with the file written under a temporary
-    name and renamed into place (a rename within one directory is atomic)."""
+    name and renamed into place (a rename within one directory is atomic), and
+    named by :func:`source_key`."""
     import ninetoothed.generation as generation
 
     directory = pathlib.Path(generation.CACHE_DIR)
-    path = directory / f"{hashlib.sha256(source.encode('utf-8')).hexdigest()}.py"
+    path = directory / f"{source_key(source)}.py"
     if not path.exists():
         fd, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".py")
         try:

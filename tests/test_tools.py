@@ -186,6 +186,31 @@ def test_code_cache_writes_are_atomic_across_processes(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1
 
 
+def test_code_cache_names_a_module_by_its_definitions_not_their_order(tmp_path, monkeypatch):
+    """NineToothed appends an application's helper functions in an order that changes from process
+    to process: one file per module all the same. Only a reordering of imports and functions counts
+    as the same module; any other difference (a body, a duplicate name, a statement) is another file."""
+    import ninetoothed.generation as generation
+
+    from common import codecache
+
+    monkeypatch.setattr(generation, "CACHE_DIR", tmp_path)
+    kernel = "import triton\n\n\n@triton.jit\ndef kernel(x):\n    return helper(x) + other(x)\n"
+    helper, other = "\n\ndef helper(x):\n    return x\n", "\n\n@triton.jit\ndef other(x):\n    return 2 * x\n"
+    first = codecache._cache_source(kernel + helper + other)
+    assert codecache._cache_source(kernel + other + helper) == first  # the file written first serves both
+    assert first.read_text() == kernel + helper + other
+    assert len(list(tmp_path.iterdir())) == 1
+    others = [
+        kernel + helper + other.replace("2 * x", "3 * x"),  # another body
+        kernel + helper.replace("\ndef", "\n@triton.jit\ndef") + other.replace("@triton.jit\n", ""),  # decorators moved
+        kernel + helper + other + helper.replace("return x", "return -x"),  # a name defined twice: order matters
+        kernel + helper + other + "\nSCALE = 2\n",  # not only imports and functions
+    ]
+    paths = {codecache._cache_source(source) for source in others}
+    assert len(paths) == len(others) and first not in paths
+
+
 def test_no_numpy_warnings_under_the_interpreter(backend, device):
     """A row with no visible key: log(0) = -inf is the intended value, and nothing is printed about it."""
     import warnings
