@@ -1226,19 +1226,19 @@ class BoundGeneratedLaunch(BoundKernel):
 
     def __init__(self, launcher, args, slots, holes, grid, num_warps, num_stages):
         super().__init__(launcher, grid, num_warps, num_stages)
-        self.args, self.slots, self.holes = list(args), tuple(slots), tuple(holes)
+        self.args, self.slots = list(args), tuple(slots)
         for position, _ in self.slots:
             self.args[position] = None  # (the binding call's tensors: not kept)
-        # each tensor with holes, once: (its index, its holes as (position, size or stride, dim))
-        self.hole_tensors = tuple((index, tuple((p, size, dim) for p, i, size, dim in self.holes if i == index))
-                                  for index in dict.fromkeys(i for _, i, _, _ in self.holes))
+        # the holes by tensor, each tensor once: (its index, its holes as (position, size or stride, dim))
+        self.hole_tensors = tuple((index, tuple((p, size, dim) for p, i, size, dim in holes if i == index))
+                                  for index in dict.fromkeys(i for _, i, _, _ in holes))
 
     def __call__(self, tensors) -> None:
         args = self.args.copy()
         for position, index in self.slots:
             args[position] = tensors[index]
         aligned = inputs_aligned(tensors)
-        if not self.holes:
+        if not self.hole_tensors:
             self.launch(args, aligned)
             return
         values = []

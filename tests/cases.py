@@ -71,8 +71,6 @@ def committed_tiles(backward: bool) -> list:
     """pytest parameters ``(backend, head dim, tile)``: every tile of each kernel backend's
     committed table for the pass (tuned on the H200 for lengths of 1024 and more, which the
     other tests' small cases never look up)."""
-    import dataclasses as _dataclasses
-
     import pytest
 
     from common.backends import get_backend
@@ -85,8 +83,8 @@ def committed_tiles(backward: bool) -> list:
                 head_dim = int(name.removeprefix("bwd-").split("-")[0].removeprefix("d"))
                 tiles.add((backend, head_dim, tile))
     return [pytest.param(backend, head_dim, tile,
-                         id=f"{backend}-d{head_dim}-{'x'.join(map(str, _dataclasses.astuple(tile)))}")
-            for backend, head_dim, tile in sorted(tiles, key=lambda t: (t[0], t[1], _dataclasses.astuple(t[2])))]
+                         id=f"{backend}-d{head_dim}-{'x'.join(map(str, dataclasses.astuple(tile)))}")
+            for backend, head_dim, tile in sorted(tiles, key=lambda t: (t[0], t[1], dataclasses.astuple(t[2])))]
 
 
 def _tensor(case: Case, batch, heads, length, dim, device):
