@@ -91,6 +91,12 @@ PACK_MAX_LQ = 64
 MIN_SPLIT_KEYS = 2048
 # Rows per program of the merge kernel.
 COMBINE_ROWS = 16
+# The Triton kernel merges its own splits (the last program of a row block folds them
+# in, one launch) while num_splits x BLOCK_M is at most this; above it one program's
+# fold of that many partial rows outlasts a merge launch spread over the GPU (measured
+# on the H200 at B 1, Lk 64k: 32 x 16 and 16 x 64 rows took 9 and 15 us at the end of
+# the launch; benchmarks/NOTES.md, "Decode at B = 1"). NineToothed always launches its merge.
+KERNEL_MERGE_MAX = 256
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
 MAX_GRID_AXIS = 65535
 
@@ -141,6 +147,7 @@ class ForwardPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
+    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (KERNEL_MERGE_MAX)
     tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
     resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
 
@@ -346,6 +353,7 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
     rows = B * Hp * Lqp
     plan.merge = Merge(rows, combine_rows(rows, interpreted), next_power_of_2(plan.num_splits)) if (
         plan.num_splits > 1) else None
+    plan.kernel_merge = plan.num_splits > 1 and plan.num_splits * config.block_m <= KERNEL_MERGE_MAX
     _allocate_outputs(plan, q.dtype, q.device)
 
 
@@ -496,7 +504,7 @@ def reuse_key():
     if _forced_tma.get():
         return None
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ)
+            PACK_MAX_LQ, KERNEL_MERGE_MAX)
 
 
 def tensorless_fields(plan) -> list:

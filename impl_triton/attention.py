@@ -296,7 +296,7 @@ def _attn_fwd(
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
-    MERGE_LSE: tl.constexpr,
+    MERGE_LSE: tl.constexpr, KERNEL_MERGE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -421,7 +421,7 @@ def _attn_fwd(
     if DROPOUT:
         o = o * dropout_scale
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    if SPLIT:
+    if SPLIT and KERNEL_MERGE:  # (otherwise _merge_kernel's launch merges them)
         _last_split_merges(COUNTS, O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
                            HEAD_DIM_V, BLOCK_M, BLOCK_DV, MERGE_LSE)
 
@@ -481,6 +481,38 @@ def _merge_splits(
              mask=r_ok[:, None] & dv_ok[None, :])
     if WITH_LSE:  # log(0) = -inf: no key at all
         tl.store(LSE + offs_r, tl.where(m == float("-inf"), 0.0, m) + tl.log(l), mask=r_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    O_PART, LSE_PART, O, LSE, R, NUM_SPLITS,
+    HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WITH_LSE: tl.constexpr,
+):
+    """The split merge as a launch of its own, where one program's fold would take long
+    (``common.plan.KERNEL_MERGE_MAX``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
+    (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous. One program per
+    BLOCK_R rows, every split at once (BLOCK_S >= NUM_SPLITS): NineToothed's combine, the
+    same tile. o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s); a split whose
+    rows saw no key has lse_s = -inf and weighs 0."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    r_ok = offs_r < R
+    rs = offs_r[:, None] * NUM_SPLITS + offs_s[None, :]
+    rs_ok = r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    lse_part = tl.load(LSE_PART + rs, mask=rs_ok, other=float("-inf"))
+    o_part = tl.load(O_PART + rs[:, :, None] * HEAD_DIM_V + offs_dv[None, None, :],
+                     mask=rs_ok[:, :, None] & (offs_dv < HEAD_DIM_V)[None, None, :], other=0.0)
+    m = tl.max(lse_part, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
+    w = tl.exp(lse_part - m[:, None])
+    l = tl.sum(w, 1)  # noqa: E741
+    o = tl.sum(w[:, :, None] * o_part, 1) / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(O + offs_r[:, None] * HEAD_DIM_V + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+    if WITH_LSE:  # log(0) = -inf: no key at all
+        tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)
 
 
 # -- backward ---------------------------------------------------------------------------
@@ -955,6 +987,7 @@ if INTERPRETED:
 _fwd_launcher = CachedLauncher(_attn_fwd, scratch=True)  # TMA: descriptors made on the device
 _dq_launcher = CachedLauncher(_attn_bwd_dq)
 _dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
+_merge_launcher = CachedLauncher(_merge_kernel)
 _paged_launcher = CachedLauncher(_paged_fwd)
 _append_launcher = CachedLauncher(_append_kv)
 
@@ -980,7 +1013,30 @@ def forward(plan):
     Returns ``(plan.out, plan.lse)``, filled in.
     """
     _fwd_launcher.run(*_forward_launch(plan)[:4])
+    if plan.split and not plan.kernel_merge:
+        _merge_launcher.run(*_merge_launch(plan))
     return plan.out, plan.lse
+
+
+def _merge_launch(plan) -> tuple:
+    """(grid, args, num_warps, num_stages): the launch of :func:`_merge_kernel` for a split
+    plan whose kernel does not merge its own splits."""
+    merge = plan.merge
+    # Fewer rows per program than the plan's (NineToothed's) where all splits of its rows would
+    # pass MERGE_TILE elements: at B 1, Lk 64k (32 splits of 16 rows of 128) the plan's tile
+    # spilled here and the merge took ~50 us; at 2 rows a program it takes a few.
+    block_r = max(1, min(merge.block_r, MERGE_TILE // (merge.block_s * plan.block_dv)))
+    args = _merge_launcher.positional((
+        plan.o_part, plan.lse_part, plan.out, plan.lse if plan.lse is not None else plan.out,
+        merge.rows, plan.num_splits,
+    ), dict(HEAD_DIM_V=plan.value.shape[3], BLOCK_R=block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv,
+            WITH_LSE=plan.with_lse))
+    num_warps = 4 if block_r * merge.block_s * plan.block_dv <= MERGE_TILE else 8  # (one row of many splits)
+    return (-(-merge.rows // block_r), 1, 1), args, num_warps, 1
+
+
+# the most elements of _merge_kernel's float32 tile (rows x splits x Dv): 64 registers a thread in 4 warps
+MERGE_TILE = 8192
 
 
 def _forward_launch(plan) -> tuple:
@@ -1004,8 +1060,9 @@ def _forward_launch(plan) -> tuple:
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
-    # Split keys: the kernel merges them itself (the last program of each row block to finish).
-    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else None
+    # Split keys: the kernel merges them itself (the last program of each row block to finish),
+    # or a launch of its own does (_merge_launch; common.plan.KERNEL_MERGE_MAX).
+    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.kernel_merge else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
     args = _fwd_launcher.positional((
         q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts if counts is not None else out,
@@ -1017,7 +1074,7 @@ def _forward_launch(plan) -> tuple:
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse,
+        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse, KERNEL_MERGE=plan.kernel_merge,
     ))
     return (plan.m_blocks * B * H, plan.num_splits, 1), args, config.num_warps, config.num_stages, counts
 
@@ -1047,8 +1104,12 @@ def bind_forward(plan, keys: bool = False):
     if any(isinstance(arg, torch.Tensor) for arg in tail):
         return None
     counters = plan.m_blocks * plan.query.shape[0] * plan.query.shape[1] if counts is not None else 0
+    merge = None
+    if plan.split and not plan.kernel_merge:  # its tensors: the partials and outputs, by position
+        merge_grid, merge_args, merge_warps, merge_stages = _merge_launch(plan)
+        merge = BoundMerge(merge_args[4:], merge_grid, merge_warps, merge_stages, plan.lse is not None)
     return BoundForward(tuple(BoundForward.ROLES.index(r) for r in prefix), tail, grid, num_warps, num_stages,
-                        counters, _KEY_ARGS if keys else ())
+                        counters, _KEY_ARGS if keys else (), merge)
 
 
 # the forward's arguments that depend on the keys' length and strides (BoundForward's holes)
@@ -1066,11 +1127,12 @@ class BoundForward(BoundKernel):
 
     ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "counts")
 
-    def __init__(self, prefix, tail, grid, num_warps, num_stages, counters, holes=()):
+    def __init__(self, prefix, tail, grid, num_warps, num_stages, counters, holes=(), merge=None):
         super().__init__(_fwd_launcher, grid, num_warps, num_stages)
         self.prefix, self.tail = prefix, tail
-        self.counters = counters  # ticket counters a split launch takes (0: unsplit)
+        self.counters = counters  # ticket counters a split launch that merges itself takes (else 0)
         self.holes = tuple(i - len(prefix) for i in holes)  # positions in the tail
+        self.merge = merge  # a split whose merge is a launch of its own: that launch (BoundMerge)
 
     def __call__(self, tensors, values=()) -> None:
         """Launch on ``tensors`` (one per role but the counters, in ROLES order; None where the
@@ -1086,6 +1148,8 @@ class BoundForward(BoundKernel):
         aligned = inputs_aligned(tensors)
         self.launch(tuple([tensors[i] for i in self.prefix]) + tail,
                     (aligned, int_classes(values)) if values else aligned)
+        if self.merge is not None:
+            self.merge(tensors)
 
     def launch_keys(self, tensors, blocks_per_split: int) -> None:
         """Launch for keys of another length and strides (bound with ``keys``)."""
@@ -1096,6 +1160,20 @@ class BoundForward(BoundKernel):
         """Launch a plan of the bound layout whose keys may differ in length and strides."""
         self.launch_keys((plan.query, plan.key, plan.value, plan.out, plan.lse, plan.o_part, plan.lse_part),
                          plan.blocks_per_split)
+
+
+class BoundMerge(BoundKernel):
+    """:func:`_merge_kernel`'s launch bound to a split layout: every argument but the partials
+    and outputs, which a :class:`BoundForward` passes (all from the allocator: aligned)."""
+
+    def __init__(self, tail, grid, num_warps, num_stages, with_lse: bool):
+        super().__init__(_merge_launcher, grid, num_warps, num_stages)
+        self.tail, self.with_lse = tail, with_lse
+
+    def __call__(self, tensors) -> None:
+        """Launch on a BoundForward's ``tensors`` (ROLES order: out, lse, o_part, lse_part at 3-6)."""
+        lse = tensors[4] if self.with_lse else tensors[3]  # never written without WITH_LSE
+        self.launch((tensors[5], tensors[6], tensors[3], lse) + self.tail, True)
 
 
 def backward(plan):

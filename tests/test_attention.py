@@ -396,9 +396,10 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
     """The Triton kernel merges its own splits (the last program of each row block to finish, one
     launch): the right answer, and its counters back at 0 for the next launch; a larger launch gets
     larger counters."""
-    from common import launch
+    from common import launch, plan
     from common.plan import force_splits
 
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 1 << 30)  # (whatever the splits' rows: the in-kernel merge)
     monkeypatch.setattr(launch, "MIN_COUNTERS", 4)
     monkeypatch.setattr(launch, "_counters", {})
     for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
@@ -419,11 +420,68 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
-def test_split_merge_is_the_same_every_time(device):
+@pytest.mark.parametrize("merge_tile", [8192, 64])
+def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile):
+    """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
+    plan.KERNEL_MERGE_MAX), the Triton kernel leaves the merge to a launch of its own
+    (_merge_kernel, every split at once): SDPA's output and lse on every call, planned, bound
+    and as the keys grow, with no ticket counter taken. (The outputs are poisoned: a merge
+    that did not run shows.) A small MERGE_TILE: one row a program, as at many splits."""
+    from common import dispatch, launch, plan
+    from common.plan import force_splits
+    from impl_triton import attention as kernels
+
+    monkeypatch.setattr(kernels, "MERGE_TILE", merge_tile)
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    monkeypatch.setattr(launch, "_counters", {})
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
+    for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
+        q, k, v, mask = make_inputs(case, device)
+        kwargs = sdpa_kwargs(case, mask)
+        for _ in range(3):  # planned; planned and bound; through the bound launches
+            with force_splits(splits):
+                out, lse = attention(q, k, v, backend="triton", return_lse=True, **kwargs)
+            check_output(out, q, k, v, **kwargs)
+            check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
+    q = torch.randn(1, 4, 1, 32, device=device)
+    for Lk in (300, 301, 302, 303):  # a growing cache: its bound launch, its keys filled in
+        k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
+        with force_splits(3):
+            out = attention(q, k, v, enable_gqa=True, backend="triton")
+        check_output(out, q, k, v, enable_gqa=True)
+    assert not launch._counters
+
+
+def test_kernel_merge_choice(device):
+    """The plan has the Triton kernel merge its own splits while num_splits x BLOCK_M is at most
+    KERNEL_MERGE_MAX (decided once per layout: a template's splits and config are fixed)."""
+    from common import plan
+    from common.backends import get_backend
+    from common.validation import check_call
+
+    q, k = torch.randn(1, 4, 1, 32, device=device), torch.randn(1, 1, 8192, 32, device=device)
+    call = check_call(get_backend("triton"), q, k, k, attn_mask=None, dropout_p=0.0, is_causal=False,
+                      scale=None, enable_gqa=True, return_lse=False)
+    chosen = {}
+    for splits in (1, 4, 64):  # (powers of two: each split gets the same number of key blocks)
+        with plan.force_splits(splits):
+            planned = plan.make_forward(call, get_backend("triton"), with_lse=False)
+        assert planned.num_splits == splits
+        assert planned.kernel_merge == (splits > 1 and splits * planned.config.block_m <= plan.KERNEL_MERGE_MAX)
+        chosen[splits] = planned.kernel_merge
+    assert chosen == {1: False, 4: True, 64: False}
+
+
+def test_split_merge_is_the_same_every_time(device, monkeypatch):
     """The in-kernel merge sums the splits in one order whichever program merges: the same bits
     on every call. On a GPU, many calls of a launch of many splits: a program that merged
-    before every partial was visible (a missing barrier or fence) would show as a change."""
+    before every partial was visible (a missing barrier or fence) would show as a change.
+    (Forced in the kernel: 64 splits of 16 rows would otherwise get a merge launch.)"""
+    from common import plan
     from common.plan import force_splits
+
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 1 << 30)
 
     calls, B, D, Lk = (300, 4, 128, 8192) if ON_GPU else (2, 1, 32, 600)
     q = torch.randn(B, 32, 1, D, device=device, dtype=f16)
@@ -436,10 +494,13 @@ def test_split_merge_is_the_same_every_time(device):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA streams (the CPU runs one program at a time)")
-def test_split_merge_on_two_streams(device):
+def test_split_merge_on_two_streams(device, monkeypatch):
     """Split launches running at once on two streams take their tickets from counters of their
-    own (one set per stream): every result right."""
+    own (one set per stream): every result right. (The in-kernel merge forced, as above.)"""
+    from common import plan
     from common.plan import force_splits
+
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 1 << 30)
 
     q = torch.randn(4, 32, 1, 128, device=device, dtype=f16)
     keys = [torch.randn(4, 8, 4096, 128, device=device, dtype=f16) for _ in range(2)]
