@@ -92,11 +92,15 @@ MIN_SPLIT_KEYS = 2048
 # Rows per program of the merge kernel.
 COMBINE_ROWS = 16
 # The Triton kernel merges its own splits (the last program of a row block folds them
-# in, one launch) while num_splits x BLOCK_M is at most this; above it one program's
-# fold of that many partial rows outlasts a merge launch spread over the GPU (measured
-# on the H200 at B 1, Lk 64k: 32 x 16 and 16 x 64 rows took 9 and 15 us at the end of
-# the launch; benchmarks/NOTES.md, "Decode at B = 1"). NineToothed always launches its merge.
+# in, one launch) while num_splits x BLOCK_M is at most KERNEL_MERGE_MAX; above it one
+# program's fold of that many partial rows outlasts a merge launch spread over the GPU
+# (measured on the H200 at B 1, Lk 64k: 32 x 16 and 16 x 64 rows took 9 and 15 us at the
+# end of the launch; benchmarks/NOTES.md, "Decode at B = 1"). Only where the keys and
+# values read are at least KERNEL_MERGE_MIN_BYTES, though: a launch that long (~50 us at
+# 4 TB/s) outlasts a decode step's host time, which hides the second launch's; shorter
+# ones would pay it in a Python loop. NineToothed always launches its merge.
 KERNEL_MERGE_MAX = 256
+KERNEL_MERGE_MIN_BYTES = 192 << 20
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
 MAX_GRID_AXIS = 65535
 
@@ -353,7 +357,9 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
     rows = B * Hp * Lqp
     plan.merge = Merge(rows, combine_rows(rows, interpreted), next_power_of_2(plan.num_splits)) if (
         plan.num_splits > 1) else None
-    plan.kernel_merge = plan.num_splits > 1 and plan.num_splits * config.block_m <= KERNEL_MERGE_MAX
+    kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
+    plan.kernel_merge = plan.num_splits > 1 and (
+        plan.num_splits * config.block_m <= KERNEL_MERGE_MAX or kv_bytes < KERNEL_MERGE_MIN_BYTES)
     _allocate_outputs(plan, q.dtype, q.device)
 
 
@@ -504,7 +510,7 @@ def reuse_key():
     if _forced_tma.get():
         return None
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ, KERNEL_MERGE_MAX)
+            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES)
 
 
 def tensorless_fields(plan) -> list:

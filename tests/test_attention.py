@@ -436,6 +436,7 @@ def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile):
     monkeypatch.setattr(dispatch, "_growing", {})
     monkeypatch.setattr(launch, "_counters", {})
     monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 0)
     for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
         q, k, v, mask = make_inputs(case, device)
         kwargs = sdpa_kwargs(case, mask)
@@ -453,24 +454,28 @@ def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile):
     assert not launch._counters
 
 
-def test_kernel_merge_choice(device):
+def test_kernel_merge_choice(device, monkeypatch):
     """The plan has the Triton kernel merge its own splits while num_splits x BLOCK_M is at most
-    KERNEL_MERGE_MAX (decided once per layout: a template's splits and config are fixed)."""
+    KERNEL_MERGE_MAX, or while the keys and values are under KERNEL_MERGE_MIN_BYTES (a launch too
+    short to hide a second one's host time)."""
     from common import plan
     from common.backends import get_backend
     from common.validation import check_call
 
     q, k = torch.randn(1, 4, 1, 32, device=device), torch.randn(1, 1, 8192, 32, device=device)
+    kv_bytes = 2 * k.numel() * k.element_size()
     call = check_call(get_backend("triton"), q, k, k, attn_mask=None, dropout_p=0.0, is_causal=False,
                       scale=None, enable_gqa=True, return_lse=False)
     chosen = {}
-    for splits in (1, 4, 64):  # (powers of two: each split gets the same number of key blocks)
-        with plan.force_splits(splits):
-            planned = plan.make_forward(call, get_backend("triton"), with_lse=False)
-        assert planned.num_splits == splits
-        assert planned.kernel_merge == (splits > 1 and splits * planned.config.block_m <= plan.KERNEL_MERGE_MAX)
-        chosen[splits] = planned.kernel_merge
-    assert chosen == {1: False, 4: True, 64: False}
+    for min_bytes in (kv_bytes, kv_bytes + 1):
+        monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", min_bytes)
+        for splits in (1, 4, 64):  # (powers of two: each split gets the same number of key blocks)
+            with plan.force_splits(splits):
+                planned = plan.make_forward(call, get_backend("triton"), with_lse=False)
+            assert planned.num_splits == splits
+            chosen[min_bytes - kv_bytes, splits] = planned.kernel_merge
+    # 4 splits of 16-64 rows: at most 256; 64 splits: more (then only with enough bytes to read)
+    assert chosen == {(0, 1): False, (0, 4): True, (0, 64): False, (1, 1): False, (1, 4): True, (1, 64): True}
 
 
 def test_split_merge_is_the_same_every_time(device, monkeypatch):
