@@ -151,7 +151,7 @@ class ForwardPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
-    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (KERNEL_MERGE_MAX)
+    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (KERNEL_MERGE_MAX, _MIN_BYTES)
     tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
     resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
 

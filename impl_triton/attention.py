@@ -492,9 +492,10 @@ def _merge_kernel(
     """The split merge as a launch of its own, where one program's fold would take long
     (``common.plan.KERNEL_MERGE_MAX``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
     (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous. One program per
-    BLOCK_R rows, every split at once (BLOCK_S >= NUM_SPLITS): NineToothed's combine, the
-    same tile. o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s); a split whose
-    rows saw no key has lse_s = -inf and weighs 0."""
+    BLOCK_R rows, every split at once (BLOCK_S >= NUM_SPLITS): NineToothed's combine, with
+    fewer rows a program where its tile would not fit (MERGE_TILE). o = sum_s w_s o_s /
+    sum_s w_s, w_s = exp(lse_s - max_s lse_s); a split whose rows saw no key has lse_s = -inf
+    and weighs 0."""
     offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)

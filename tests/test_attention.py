@@ -482,7 +482,7 @@ def test_split_merge_is_the_same_every_time(device, monkeypatch):
     """The in-kernel merge sums the splits in one order whichever program merges: the same bits
     on every call. On a GPU, many calls of a launch of many splits: a program that merged
     before every partial was visible (a missing barrier or fence) would show as a change.
-    (Forced in the kernel: 64 splits of 16 rows would otherwise get a merge launch.)"""
+    (The in-kernel merge forced: on a GPU, 64 splits of 16 rows are past KERNEL_MERGE_MAX.)"""
     from common import plan
     from common.plan import force_splits
 
