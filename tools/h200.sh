@@ -3,7 +3,7 @@
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
 # stages: probe test test1 test2 test-x2 bound-check test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
-#         ab (AB_PROBES="features bandwidth": the probes in ab/ and in this tree)
+#         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
 # (any other word runs as a shell command)
 set -uo pipefail
@@ -58,9 +58,9 @@ for stage in "$@"; do
     ring-bench-long) timeout 560 torchrun --nproc-per-node 2 tools/ring_bench.py --lengths 65536 262144 --bwd-lengths 65536 --calls 5 --json "$OUT/ring_bench_long.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench_long.log"; tail -40 "$OUT/ring_bench_long.log" ;;
     ring-bench) timeout 400 torchrun --nproc-per-node 2 tools/ring_bench.py --json "$OUT/ring_bench.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench.log"; tail -40 "$OUT/ring_bench.log" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
-    # A/B in one call: the probes named in $AB_PROBES in ab/ (an untracked copy of another revision,
-    # made with `git archive REV | tar -x -C ab`; it travels with the working tree) and here.
-    ab) for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 tools/probe.py $AB_PROBES); done 2>&1 | tee "$OUT/ab.log" ;;
+    # A/B in one call: the probes named in $AB_PROBES in each of $AB_TREES (default ab/: untracked
+    # copies of other revisions, made with `git archive REV | tar -x -C ab`; carry them) and here.
+    ab) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 tools/probe.py $AB_PROBES); done 2>&1 | tee "$OUT/ab.log" ;;
     compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;
   esac
