@@ -493,6 +493,7 @@ def steps():
         grid, args, nw, ns = captured["grid"], captured["args"], captured["nw"], captured["ns"]
         compiled = list(ta._fwd_launcher._by_value.values())[-1]
         grid3 = (*grid, 1, 1)[:3]
+        addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
 
         def forward_stubbed():  # module.forward with the launch itself left out
             ta._fwd_launcher.launch = lambda *a: None
@@ -515,6 +516,9 @@ def steps():
             "module.forward, launch stubbed": wall_time_us(forward_stubbed, device="cpu"),
             "launcher.launch": wall_time_us(lambda: launch(grid, args, nw, ns)),
             "compiled[grid](*args)": wall_time_us(lambda: compiled[grid3](*args)),
+            # the same launch with each tensor as its address (what branch bound-pointers passes):
+            # Triton's launcher then makes no data_ptr() call or CUDA pointer query per tensor
+            "compiled[grid](*addresses)": wall_time_us(lambda: compiled[grid3](*addresses)),
             "torch.empty(out)": wall_time_us(lambda: torch.empty(q.shape, dtype=dtype, device="cuda"), device="cpu"),
         }
         print(label + ": " + "  ".join(f"{name} {t:.1f}" for name, t in times.items()), flush=True)
