@@ -278,7 +278,7 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["kernel_merge"])  # (a decode loop may change it: no recompile)
 def _attn_fwd(
     Q, K, V, O, LSE, MASK, SEED, SINK, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
@@ -289,14 +289,14 @@ def _attn_fwd(
     stride_sz, stride_sh, stride_sm,
     stride_lz, stride_lh, stride_lm, stride_ls,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
-    softcap,
+    softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
-    MERGE_LSE: tl.constexpr, KERNEL_MERGE: tl.constexpr,
+    MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -421,9 +421,10 @@ def _attn_fwd(
     if DROPOUT:
         o = o * dropout_scale
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    if SPLIT and KERNEL_MERGE:  # (otherwise _merge_kernel's launch merges them)
-        _last_split_merges(COUNTS, O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
-                           HEAD_DIM_V, BLOCK_M, BLOCK_DV, MERGE_LSE)
+    if SPLIT:
+        if kernel_merge != 0:  # (otherwise _merge_kernel's launch merges them; a runtime switch: one kernel)
+            _last_split_merges(COUNTS, O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
+                               HEAD_DIM_V, BLOCK_M, BLOCK_DV, MERGE_LSE)
 
 
 @triton.jit
@@ -492,28 +493,36 @@ def _merge_kernel(
     """The split merge as a launch of its own, where one program's fold would take long
     (``common.plan.KERNEL_MERGE_MAX``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
     (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous. One program per
-    BLOCK_R rows, every split at once (BLOCK_S >= NUM_SPLITS): NineToothed's combine, with
-    fewer rows a program where its tile would not fit (MERGE_TILE). o = sum_s w_s o_s /
-    sum_s w_s, w_s = exp(lse_s - max_s lse_s); a split whose rows saw no key has lse_s = -inf
-    and weighs 0."""
+    BLOCK_R rows, BLOCK_S splits at once (NineToothed's combine takes them all; a fixed
+    BLOCK_S here, looped over, so that no split count compiles a kernel of its own),
+    folded as an online softmax: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s
+    lse_s); a split whose rows saw no key has lse_s = -inf and weighs 0."""
     offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     r_ok = offs_r < R
-    rs = offs_r[:, None] * NUM_SPLITS + offs_s[None, :]
-    rs_ok = r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
-    lse_part = tl.load(LSE_PART + rs, mask=rs_ok, other=float("-inf"))
-    o_part = tl.load(O_PART + rs[:, :, None] * HEAD_DIM_V + offs_dv[None, None, :],
-                     mask=rs_ok[:, :, None] & (offs_dv < HEAD_DIM_V)[None, None, :], other=0.0)
-    m = tl.max(lse_part, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
-    w = tl.exp(lse_part - m[:, None])
-    l = tl.sum(w, 1)  # noqa: E741
-    o = tl.sum(w[:, :, None] * o_part, 1) / tl.where(l == 0.0, 1.0, l)[:, None]
+    dv_ok = offs_dv < HEAD_DIM_V
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_R], dtype=tl.float32)  # noqa: E741
+    o = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        rs = offs_r[:, None] * NUM_SPLITS + offs_s[None, :]
+        rs_ok = r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
+        lse_part = tl.load(LSE_PART + rs, mask=rs_ok, other=float("-inf"))
+        o_part = tl.load(O_PART + rs[:, :, None] * HEAD_DIM_V + offs_dv[None, None, :],
+                         mask=rs_ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_part, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet: weights 0, not NaN
+        alpha = tl.exp(m - m_sub)
+        w = tl.exp(lse_part - m_sub[:, None])
+        l = l * alpha + tl.sum(w, 1)  # noqa: E741
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * o_part, 1)
+        m = m_new
+    o = o / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(O + offs_r[:, None] * HEAD_DIM_V + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=r_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+             mask=r_ok[:, None] & dv_ok[None, :])
     if WITH_LSE:  # log(0) = -inf: no key at all
-        tl.store(LSE + offs_r, m + tl.log(l), mask=r_ok)
+        tl.store(LSE + offs_r, tl.where(m == float("-inf"), 0.0, m) + tl.log(l), mask=r_ok)
 
 
 # -- backward ---------------------------------------------------------------------------
@@ -1023,20 +1032,22 @@ def _merge_launch(plan) -> tuple:
     """(grid, args, num_warps, num_stages): the launch of :func:`_merge_kernel` for a split
     plan whose kernel does not merge its own splits."""
     merge = plan.merge
-    # Fewer rows per program than the plan's (NineToothed's) where all splits of its rows would
-    # pass MERGE_TILE elements: at B 1, Lk 64k (32 splits of 16 rows of 128) the plan's tile
-    # spilled here and the merge took ~50 us; at 2 rows a program it takes a few.
-    block_r = max(1, min(merge.block_r, MERGE_TILE // (merge.block_s * plan.block_dv)))
+    # MERGE_SPLITS splits at a time whatever their number (a growing cache's changes compile
+    # nothing); rows per program so that the tile holds MERGE_TILE elements: at B 1, Lk 64k
+    # (32 splits of 16 rows of 128) NineToothed's 16-row tile spilled here and the merge took
+    # ~50 us; at 2 rows a program it takes a few.
+    block_r = max(1, min(merge.block_r, MERGE_TILE // (MERGE_SPLITS * plan.block_dv)))
     args = _merge_launcher.positional((
         plan.o_part, plan.lse_part, plan.out, plan.lse if plan.lse is not None else plan.out,
         merge.rows, plan.num_splits,
-    ), dict(HEAD_DIM_V=plan.value.shape[3], BLOCK_R=block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv,
+    ), dict(HEAD_DIM_V=plan.value.shape[3], BLOCK_R=block_r, BLOCK_S=MERGE_SPLITS, BLOCK_DV=plan.block_dv,
             WITH_LSE=plan.with_lse))
-    num_warps = 4 if block_r * merge.block_s * plan.block_dv <= MERGE_TILE else 8  # (one row of many splits)
-    return (-(-merge.rows // block_r), 1, 1), args, num_warps, 1
+    return (-(-merge.rows // block_r), 1, 1), args, 4, 1
 
 
-# the most elements of _merge_kernel's float32 tile (rows x splits x Dv): 64 registers a thread in 4 warps
+# _merge_kernel's splits per step, and the most elements of its float32 tile (rows x splits x
+# Dv): 64 registers a thread in 4 warps (32 x 256 at most: one row)
+MERGE_SPLITS = 32
 MERGE_TILE = 8192
 
 
@@ -1062,20 +1073,21 @@ def _forward_launch(plan) -> tuple:
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
     # Split keys: the kernel merges them itself (the last program of each row block to finish),
-    # or a launch of its own does (_merge_launch; common.plan.KERNEL_MERGE_MAX).
-    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.kernel_merge else None
+    # or a launch of its own does (_merge_launch; common.plan.KERNEL_MERGE_MAX). Either way the
+    # kernel is compiled with the ticket's code (kernel_merge is an argument): int32 counters.
+    counts = ticket_counters(q.device, plan.m_blocks * B * H if plan.kernel_merge else 1) if plan.split else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
     args = _fwd_launcher.positional((
         q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts if counts is not None else out,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *lse_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
-        plan.dropout_scale, *_band_args(plan),
+        plan.dropout_scale, *_band_args(plan), int(plan.kernel_merge),
     ), dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse, KERNEL_MERGE=plan.kernel_merge,
+        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse,
     ))
     return (plan.m_blocks * B * H, plan.num_splits, 1), args, config.num_warps, config.num_stages, counts
 

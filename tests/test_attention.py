@@ -420,18 +420,20 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
-@pytest.mark.parametrize("merge_tile", [8192, 64])
-def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile):
+@pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 32), (64, 2)])
+def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile, merge_splits):
     """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
     plan.KERNEL_MERGE_MAX), the Triton kernel leaves the merge to a launch of its own
     (_merge_kernel, every split at once): SDPA's output and lse on every call, planned, bound
     and as the keys grow, with no ticket counter taken. (The outputs are poisoned: a merge
-    that did not run shows.) A small MERGE_TILE: one row a program, as at many splits."""
+    that did not run shows.) Small MERGE_TILE and MERGE_SPLITS: one row a program, the splits
+    two at a time (a loop of several steps, as at many splits)."""
     from common import dispatch, launch, plan
     from common.plan import force_splits
     from impl_triton import attention as kernels
 
     monkeypatch.setattr(kernels, "MERGE_TILE", merge_tile)
+    monkeypatch.setattr(kernels, "MERGE_SPLITS", merge_splits)
     monkeypatch.setattr(dispatch, "_templates", {})
     monkeypatch.setattr(dispatch, "_growing", {})
     monkeypatch.setattr(launch, "_counters", {})
@@ -451,7 +453,41 @@ def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile):
         with force_splits(3):
             out = attention(q, k, v, enable_gqa=True, backend="triton")
         check_output(out, q, k, v, enable_gqa=True)
-    assert not launch._counters
+    assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())  # no ticket
+
+
+@pytest.mark.skipif(not ON_GPU, reason="counts Triton's compiled kernels")
+def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
+    """A decode loop whose cache grows across KERNEL_MERGE_MIN_BYTES (the Triton kernel's own
+    merge below it, a merge launch above) and through split counts 20-28: the attention kernel
+    is compiled once (the switch is an argument) and the merge kernel once (32 splits a step
+    whatever their number); every step right."""
+    from common import dispatch, plan
+    from impl_triton import attention as kernels
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 4096 * 6000)  # K and V of 6000 keys (fp16, 8 x 128)
+    device = torch.cuda.current_device()
+
+    def compiled(fn):  # (Triton's cache of compiled kernels per device: 3.x keeps it first)
+        return len(fn.device_caches[device][0])
+
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=f16)
+    k_all, v_all = (torch.randn(1, 8, 8192, 128, device="cuda", dtype=f16) for _ in range(2))
+    lengths = list(range(5056, 7040, 128))  # (multiples of 16: one class of Lk for Triton's specialisation)
+    counts = []
+    for i, Lk in enumerate(lengths):
+        k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
+        out = attention(q, k, v, enable_gqa=True, backend="triton")
+        if i in (0, len(lengths) // 2, len(lengths) - 1):
+            check_output(out, q, k, v, enable_gqa=True)
+        counts.append((compiled(kernels._attn_fwd), compiled(kernels._merge_kernel)))
+    crossing = next(i for i, Lk in enumerate(lengths) if Lk >= 6000)
+    assert counts[crossing][1] <= counts[0][1] + 1  # the first merge launch compiled the merge kernel (or found it)
+    assert all(c == counts[crossing] for c in counts[crossing:])  # nothing compiled since
+    assert all(c[0] == counts[0][0] for c in counts)  # the attention kernel: once, before the loop's first step
 
 
 def test_kernel_merge_choice(device, monkeypatch):
