@@ -216,22 +216,28 @@ class CachedLauncher:
 class BoundKernel:
     """One kernel's launch bound to a layout: the grid, the launch options and every argument
     fixed but the call's own tensors (and, for a growing cache, a few integers), which a
-    subclass puts in place (``__call__``) before :meth:`launch`. Once a compiled kernel is
-    known (from the launcher's cache, after a launch), it is launched directly while what
-    Triton specialises it on holds: that is ``key``, which the caller builds (the inputs'
-    16-byte alignment, :func:`inputs_aligned`; the class of each varying integer, :func:`int_classes`)."""
+    subclass puts in place (``__call__``). Once a compiled kernel is known (from the launcher's
+    cache, after a launch: :meth:`launch_new`), it is launched directly (:meth:`run_compiled`)
+    while what Triton specialises it on holds: that is ``key``, which the subclass builds (the
+    inputs' 16-byte alignment, :func:`inputs_aligned`; the class of each varying integer,
+    :func:`int_classes`) and looks up in ``kernels``."""
 
     def __init__(self, launcher: CachedLauncher, grid, num_warps: int, num_stages: int):
         self.launcher, self.grid = launcher, grid
         self.num_warps, self.num_stages = num_warps, num_stages
         self.kernels: dict = {}  # key -> compiled kernel
 
-    def launch(self, args, key) -> None:
-        """Launch with ``args`` (every argument positional, as :meth:`CachedLauncher.run` takes them)."""
-        kernel = self.kernels.get(key)
-        if kernel is not None:
-            kernel[self.grid](*args)
-            return
+    def run_compiled(self, kernel, args) -> None:
+        """Launch ``kernel`` (``kernels[key]``, a compiled kernel) with ``args``, every argument
+        positional and each tensor as its address (an int): Triton's launcher takes an int as it
+        is, where a tensor costs a ``data_ptr()`` call and a CUDA driver query (the pointer's
+        attributes) per launch; our tensors are checked CUDA tensors already."""
+        kernel[self.grid](*args)
+
+    def launch_new(self, args, key) -> None:
+        """Launch through the launcher (compiling where needed; ``args`` every argument positional,
+        tensors as tensors, as :meth:`CachedLauncher.run` takes them) and keep the compiled
+        kernel for ``key``: what a subclass does where ``kernels`` has none for ``key`` yet."""
         self.launcher.run(self.grid, args, self.num_warps, self.num_stages)
         kernel = self.launcher.compiled(args, self.num_warps, self.num_stages)
         if kernel is not None:

@@ -1229,25 +1229,36 @@ class BoundGeneratedLaunch(BoundKernel):
         self.args, self.slots = list(args), tuple(slots)
         for position, _ in self.slots:
             self.args[position] = None  # (the binding call's tensors: not kept)
+        # the same with the kept tensors' addresses, for a compiled kernel called directly (they
+        # are kept alive by self.args: the stride-0 dummies NineToothed's arrangement needs)
+        self.pointer_args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.args]
         # the holes by tensor, each tensor once: (its index, its holes as (position, size or stride, dim))
         self.hole_tensors = tuple((index, tuple((p, size, dim) for p, i, size, dim in holes if i == index))
                                   for index in dict.fromkeys(i for _, i, _, _ in holes))
+        self.hole_positions = tuple(p for _, tensor_holes in self.hole_tensors for p, _, _ in tensor_holes)
 
     def __call__(self, tensors) -> None:
-        args = self.args.copy()
-        for position, index in self.slots:
-            args[position] = tensors[index]
         aligned = inputs_aligned(tensors)
-        if not self.hole_tensors:
-            self.launch(args, aligned)
-            return
         values = []
         for index, holes in self.hole_tensors:  # (one shape and one stride read per tensor)
             shape, stride = tensors[index].shape, tensors[index].stride()
-            for position, size, dim in holes:
-                args[position] = value = shape[dim] if size else stride[dim]
-                values.append(value)
-        self.launch(args, (aligned, int_classes(values)))
+            values += [shape[dim] if size else stride[dim] for _, size, dim in holes]
+        key = (aligned, int_classes(values)) if values else aligned
+        kernel = self.kernels.get(key)
+        if kernel is not None:  # addresses (common.launch.BoundKernel.run_compiled); the kept tensors' are kept
+            args = self.pointer_args.copy()
+            for position, index in self.slots:
+                args[position] = tensors[index].data_ptr()
+        else:
+            args = self.args.copy()
+            for position, index in self.slots:
+                args[position] = tensors[index]
+        for position, value in zip(self.hole_positions, values):
+            args[position] = value
+        if kernel is not None:
+            self.run_compiled(kernel, args)
+        else:
+            self.launch_new(args, key)
 
 
 class BoundForward:

@@ -1159,8 +1159,13 @@ class BoundForward(BoundKernel):
                 tail[i] = value
             tail = tuple(tail)
         aligned = inputs_aligned(tensors)
-        self.launch(tuple([tensors[i] for i in self.prefix]) + tail,
-                    (aligned, int_classes(values)) if values else aligned)
+        key = (aligned, int_classes(values)) if values else aligned
+        kernel = self.kernels.get(key)
+        if kernel is not None:  # addresses, each tensor's once (common.launch.BoundKernel.run_compiled)
+            pointers = [t.data_ptr() if t is not None else 0 for t in tensors]
+            self.run_compiled(kernel, (*[pointers[i] for i in self.prefix], *tail))
+        else:
+            self.launch_new(tuple([tensors[i] for i in self.prefix]) + tail, key)
         if self.merge is not None:
             self.merge(tensors)
 
@@ -1186,7 +1191,12 @@ class BoundMerge(BoundKernel):
     def __call__(self, tensors) -> None:
         """Launch on a BoundForward's ``tensors`` (ROLES order: out, lse, o_part, lse_part at 3-6)."""
         lse = tensors[4] if self.with_lse else tensors[3]  # never written without WITH_LSE
-        self.launch((tensors[5], tensors[6], tensors[3], lse) + self.tail, True)
+        kernel = self.kernels.get(True)
+        if kernel is not None:  # addresses (BoundForward.__call__)
+            self.run_compiled(kernel, (tensors[5].data_ptr(), tensors[6].data_ptr(), tensors[3].data_ptr(),
+                                       lse.data_ptr(), *self.tail))
+        else:
+            self.launch_new((tensors[5], tensors[6], tensors[3], lse) + self.tail, True)
 
 
 def backward(plan):

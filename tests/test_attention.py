@@ -680,6 +680,61 @@ def test_bound_launch_follows_the_inputs_alignment(backend, device, monkeypatch)
     assert len(dispatch._templates) == 1
 
 
+def test_bound_launch_passes_addresses(backend, device, monkeypatch):
+    """Once a bound launch knows its compiled kernel it calls it with addresses for its tensors:
+    the same arguments, position by position, as it gives the launcher (a stand-in for the
+    compiled kernel records them; the rest of the suite runs the real one on a GPU)."""
+    from common import dispatch, plan
+    from common.launch import BoundKernel
+    from common.plan import force_splits
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)  # (triton: the merge's launch too)
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 0)
+    q = torch.randn(1, 4, 1, 32, device=device)
+    k, v = (torch.randn(1, 1, 300, 32, device=device) for _ in range(2))
+    with force_splits(3):
+        for _ in range(2):  # planned, then bound
+            attention(q, k, v, enable_gqa=True, backend=backend)
+    (template,) = dispatch._templates.values()
+    bound = template.bound[0]
+    kernels = [x for x in (bound.launch, *(getattr(bound.launch, name, None) for name in ("attention", "merge")))
+               if isinstance(x, BoundKernel)]
+    assert len(kernels) == 2  # the attention kernel's launch and the merge's
+    out = torch.empty(bound.shape, dtype=bound.dtype, device=device)
+    o_part, lse_part = plan.partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
+    tensors = (q, k, v, out, None, o_part, lse_part)
+    launches, keys = {"launcher": {}, "direct": {}}, {}
+    launch_new = BoundKernel.launch_new
+
+    def through_the_launcher(self, args, key):
+        launches["launcher"][id(self)] = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        keys[id(self)] = key
+        launch_new(self, args, key)
+
+    class Compiled:
+        def __init__(self, owner):
+            self.owner = owner
+
+        def __getitem__(self, grid):
+            return lambda *args: launches["direct"].__setitem__(id(self.owner), list(args))
+
+    monkeypatch.setattr(BoundKernel, "launch_new", through_the_launcher)
+    for kernel in kernels:
+        kernel.kernels.clear()  # (on a GPU they are known by now)
+    bound.launch(tensors)
+    for kernel in kernels:
+        kernel.kernels.clear()
+        kernel.kernels[keys[id(kernel)]] = Compiled(kernel)
+    bound.launch(tensors)
+    assert set(launches["direct"]) == set(launches["launcher"]) == {id(kernel) for kernel in kernels}
+    for kernel in kernels:
+        direct = launches["direct"][id(kernel)]
+        assert not any(isinstance(a, torch.Tensor) for a in direct)
+        assert direct == launches["launcher"][id(kernel)]
+
+
 def test_bound_launch_tells_key_from_value(backend, device, monkeypatch):
     """A layout first seen as self-attention, one tensor passed as query, key and value, binds
     its launch; later calls of that layout with three different tensors get their own answer."""
