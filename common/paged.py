@@ -52,6 +52,7 @@ class PagedPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: planning.Merge | None = None
+    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (common.plan.kernel_merges)
 
     @property
     def split(self) -> bool:
@@ -390,8 +391,12 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.dot_precision = planning.dot_precision(query.dtype)
     if plan.split:  # (the outputs are allocated at launch: _launch)
         rows = B * Hp * Lqp
-        plan.merge = planning.Merge(rows, planning.combine_rows(rows, backend.interpreted()),
-                                    next_power_of_2(plan.num_splits))
+        block_s = next_power_of_2(plan.num_splits)
+        plan.merge = planning.Merge(rows, planning.combine_rows(rows, backend.interpreted(), block_s, plan.block_dv),
+                                    block_s)
+        # (the bytes the table can address: the lengths themselves are on the device)
+        capacity = B * max_pages * page * H_kv * (D + Dv) * key_cache.element_size()
+        plan.kernel_merge = planning.kernel_merges(plan.num_splits, plan.config.block_m, capacity)
     return plan
 
 

@@ -89,8 +89,10 @@ PACK_MAX_LQ = 64
 # Split only where each program would otherwise walk this many keys or more:
 # below it the merge kernel's launch costs more than the split saves.
 MIN_SPLIT_KEYS = 2048
-# Rows per program of the merge kernel.
+# Rows per program of the merge kernel, and the most elements of its float32 tile (rows x
+# splits x Dv): 64 registers a thread in 4 warps.
 COMBINE_ROWS = 16
+MERGE_TILE = 8192
 # The Triton kernel merges its own splits (the last program of a row block folds them
 # in, one launch) while num_splits x BLOCK_M is at most KERNEL_MERGE_MAX; above it one
 # program's fold of that many partial rows outlasts a merge launch spread over the GPU
@@ -355,11 +357,11 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
-    plan.merge = Merge(rows, combine_rows(rows, interpreted), next_power_of_2(plan.num_splits)) if (
+    block_s = next_power_of_2(plan.num_splits)
+    plan.merge = Merge(rows, combine_rows(rows, interpreted, block_s, plan.block_dv), block_s) if (
         plan.num_splits > 1) else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
-    plan.kernel_merge = plan.num_splits > 1 and (
-        plan.num_splits * config.block_m <= KERNEL_MERGE_MAX or kv_bytes < KERNEL_MERGE_MIN_BYTES)
+    plan.kernel_merge = kernel_merges(plan.num_splits, config.block_m, kv_bytes)
     _allocate_outputs(plan, q.dtype, q.device)
 
 
@@ -712,7 +714,17 @@ def pack_gqa(query, H_kv: int, attn_mask, banded: bool):
     return packed_query, packed_mask
 
 
-def combine_rows(rows: int, interpreted: bool) -> int:
-    """Rows per merge program for ``rows`` merged rows: COMBINE_ROWS, or fewer
-    under the interpreter, where padding rows cost as much as real ones."""
-    return min(COMBINE_ROWS, next_power_of_2(rows)) if interpreted else COMBINE_ROWS
+def kernel_merges(num_splits: int, block_m: int, kv_bytes: int) -> bool:
+    """Whether the Triton kernel merges its own ``num_splits`` splits of ``block_m``-row blocks
+    reading ``kv_bytes`` of keys and values (KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES), or a
+    merge launch does."""
+    return num_splits > 1 and (num_splits * block_m <= KERNEL_MERGE_MAX or kv_bytes < KERNEL_MERGE_MIN_BYTES)
+
+
+def combine_rows(rows: int, interpreted: bool, block_s: int, block_dv: int) -> int:
+    """Rows per merge program for ``rows`` merged rows of ``block_s`` splits (a power of two)
+    and ``block_dv`` values: COMBINE_ROWS, fewer where a program's (rows, block_s, block_dv)
+    float32 tile would pass MERGE_TILE (registers), and fewer under the interpreter, where
+    padding rows cost as much as real ones."""
+    block_r = max(1, min(COMBINE_ROWS, MERGE_TILE // (block_s * block_dv)))
+    return min(block_r, next_power_of_2(rows)) if interpreted else block_r

@@ -850,7 +850,7 @@ def _attn_bwd_dkdv(
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["kernel_merge"])
 def _paged_fwd(
     Q, K_CACHE, V_CACHE, TABLE, SEQLENS, O, LSE, OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
@@ -858,7 +858,7 @@ def _paged_fwd(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tz, stride_tb,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
-    H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT,
+    H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
@@ -938,8 +938,9 @@ def _paged_fwd(
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
     if SPLIT:
-        _last_split_merges(COUNTS, O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
-                           HEAD_DIM_V, BLOCK_M, BLOCK_DV, False)
+        if kernel_merge != 0:  # (otherwise _merge_kernel's launch merges them, as in _attn_fwd)
+            _last_split_merges(COUNTS, O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
+                               HEAD_DIM_V, BLOCK_M, BLOCK_DV, False)
 
 
 @triton.jit
@@ -1024,31 +1025,29 @@ def forward(plan):
     """
     _fwd_launcher.run(*_forward_launch(plan)[:4])
     if plan.split and not plan.kernel_merge:
-        _merge_launcher.run(*_merge_launch(plan))
+        _merge_launcher.run(*_merge_launch(plan, plan.value.shape[3], plan.lse))
     return plan.out, plan.lse
 
 
-def _merge_launch(plan) -> tuple:
+def _merge_launch(plan, head_dim_v: int, lse) -> tuple:
     """(grid, args, num_warps, num_stages): the launch of :func:`_merge_kernel` for a split
-    plan whose kernel does not merge its own splits."""
+    plan (dense or paged) whose kernel does not merge its own splits; ``lse``: the merged
+    log-sum-exp to write, or None."""
     merge = plan.merge
     # MERGE_SPLITS splits at a time whatever their number (a growing cache's changes compile
     # nothing); rows per program so that the tile holds MERGE_TILE elements: at B 1, Lk 64k
     # (32 splits of 16 rows of 128) NineToothed's 16-row tile spilled here and the merge took
     # ~50 us; at 2 rows a program it takes a few.
-    block_r = max(1, min(merge.block_r, MERGE_TILE // (MERGE_SPLITS * plan.block_dv)))
+    block_r = max(1, min(merge.block_r, _plan.MERGE_TILE // (MERGE_SPLITS * plan.block_dv)))
     args = _merge_launcher.positional((
-        plan.o_part, plan.lse_part, plan.out, plan.lse if plan.lse is not None else plan.out,
-        merge.rows, plan.num_splits,
-    ), dict(HEAD_DIM_V=plan.value.shape[3], BLOCK_R=block_r, BLOCK_S=MERGE_SPLITS, BLOCK_DV=plan.block_dv,
-            WITH_LSE=plan.with_lse))
+        plan.o_part, plan.lse_part, plan.out, lse if lse is not None else plan.out, merge.rows, plan.num_splits,
+    ), dict(HEAD_DIM_V=head_dim_v, BLOCK_R=block_r, BLOCK_S=MERGE_SPLITS, BLOCK_DV=plan.block_dv,
+            WITH_LSE=lse is not None))
     return (-(-merge.rows // block_r), 1, 1), args, 4, 1
 
 
-# _merge_kernel's splits per step, and the most elements of its float32 tile (rows x splits x
-# Dv): 64 registers a thread in 4 warps (32 x 256 at most: one row)
+# _merge_kernel's splits per step (its tile: at most common.plan.MERGE_TILE elements, or one row)
 MERGE_SPLITS = 32
-MERGE_TILE = 8192
 
 
 def _forward_launch(plan) -> tuple:
@@ -1119,7 +1118,7 @@ def bind_forward(plan, keys: bool = False):
     counters = plan.m_blocks * plan.query.shape[0] * plan.query.shape[1] if counts is not None else 0
     merge = None
     if plan.split and not plan.kernel_merge:  # its tensors: the partials and outputs, by position
-        merge_grid, merge_args, merge_warps, merge_stages = _merge_launch(plan)
+        merge_grid, merge_args, merge_warps, merge_stages = _merge_launch(plan, plan.value.shape[3], plan.lse)
         merge = BoundMerge(merge_args[4:], merge_grid, merge_warps, merge_stages, plan.lse is not None)
     return BoundForward(tuple(BoundForward.ROLES.index(r) for r in prefix), tail, grid, num_warps, num_stages,
                         counters, _KEY_ARGS if keys else (), merge)
@@ -1253,18 +1252,21 @@ def paged_forward(plan):
         o, lse, o_strides = plan.o_part, plan.lse_part, plan.o_part.stride()
     else:
         o, lse, o_strides = out, out, (*out.stride()[:3], 0, out.stride(3))
-    counts = ticket_counters(q.device, plan.m_blocks * B * H) if plan.split else out  # as in forward()
+    # (as in forward(): int32 counters whenever split, taken only where the kernel merges)
+    counts = ticket_counters(q.device, plan.m_blocks * B * H if plan.kernel_merge else 1) if plan.split else out
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
         q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse, out, counts,
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
-        plan.num_splits, plan.blocks_per_split,
+        plan.num_splits, plan.blocks_per_split, int(plan.kernel_merge),
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
         DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
     )
+    if plan.split and not plan.kernel_merge:
+        _merge_launcher.run(*_merge_launch(plan, Dv, None))
     return out
 
 

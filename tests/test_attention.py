@@ -432,7 +432,7 @@ def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile, merge_sp
     from common.plan import force_splits
     from impl_triton import attention as kernels
 
-    monkeypatch.setattr(kernels, "MERGE_TILE", merge_tile)
+    monkeypatch.setattr(plan, "MERGE_TILE", merge_tile)
     monkeypatch.setattr(kernels, "MERGE_SPLITS", merge_splits)
     monkeypatch.setattr(dispatch, "_templates", {})
     monkeypatch.setattr(dispatch, "_growing", {})

@@ -87,6 +87,26 @@ def test_paged_split_merge_in_the_kernel():
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
+def test_paged_split_merge_as_its_own_launch(monkeypatch):
+    """Past common.plan.KERNEL_MERGE_MAX the Triton paged kernel leaves the merge to a launch of
+    its own, as the dense one does: the right answer (outputs poisoned), no ticket taken."""
+    from common import launch, plan
+
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 0)
+    monkeypatch.setattr(launch, "_counters", {})
+    for case in (CASES[1], CASES[0]):
+        lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = case
+        key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
+        query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
+        with force_splits(3):
+            out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal,
+                                  enable_gqa=H_kv < H, backend="triton")
+        tol = {f32: 2e-4, f16: 1e-2}[dtype]
+        torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=tol, atol=tol)
+    assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
+
+
 def test_paged_reference_backend():
     """The torch backend (SDPA over the gathered pages) agrees too."""
     lens = [21, 0, 40]
