@@ -39,6 +39,7 @@ source in a module of its own.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import ninetoothed
@@ -734,6 +735,10 @@ def _band_inputs(keys=False):
     return Tensor(0), Tensor(0), Tensor(0), *per_row(), *(per_row() if keys else ())
 
 
+# application's ``lse`` (a split's partial log-sum-exps), by position
+_LSE_PARAM = list(inspect.signature(application).parameters).index("lse")
+
+
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
     """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
     arrangement_ = functools.partial(
@@ -1042,7 +1047,9 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
             handle._launch.__globals__.setdefault("tl", tl)
             for helper in JIT_HELPERS:
                 handle._launch.__globals__.setdefault(helper.__name__, helper)
-            handle = _made[key] = route_generated_launch(handle)
+            # (a split forward: the partial log-sum-exps' strides change with the split count)
+            loose = (_LSE_PARAM,) if premake_fn is premake and args[4] is not None else ()
+            handle = _made[key] = route_generated_launch(handle, loose)
     return handle
 
 

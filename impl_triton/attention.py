@@ -278,7 +278,13 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["kernel_merge"])  # (a decode loop may change it: no recompile)
+# What a growing cache changes as it grows is not specialised on (Triton compiles a kernel per
+# class of an integer argument: 1, a multiple of 16, other), so that a decode loop compiles
+# nothing once warm: the merge switch, the split count and blocks per split, and the partial
+# log-sum-exps' strides (rows x NUM_SPLITS). (The partial outputs' strides are multiples of Dv:
+# one class while Dv is a multiple of 16. Lk's own two classes are met in the first 16 steps.)
+@triton.jit(do_not_specialize=["kernel_merge", "NUM_SPLITS", "BLOCKS_PER_SPLIT", "stride_lz", "stride_lh",
+                               "stride_lm"])
 def _attn_fwd(
     Q, K, V, O, LSE, MASK, SEED, SINK, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
@@ -484,7 +490,7 @@ def _merge_splits(
         tl.store(LSE + offs_r, tl.where(m == float("-inf"), 0.0, m) + tl.log(l), mask=r_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])  # (a growing cache changes it: no recompile)
 def _merge_kernel(
     O_PART, LSE_PART, O, LSE, R, NUM_SPLITS,
     HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,

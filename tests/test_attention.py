@@ -8,6 +8,8 @@ heads, masks, the log-sum-exp.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -456,6 +458,89 @@ def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile, merge_sp
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())  # no ticket
 
 
+def _specialisation(fn, args) -> tuple:
+    """What Triton compiles a launch of ``fn`` (an interpreted @triton.jit function) with
+    positional ``args`` for: constexprs by value; each other integer by class (1, a multiple
+    of 16, int32) unless ``do_not_specialize`` names it (then its width alone); tensors by
+    dtype and 16-byte alignment. One element per argument, so a difference names it."""
+    import inspect
+
+    import triton.language as tl
+
+    params = list(inspect.signature(fn.fn).parameters.values())
+    loose = set(fn.kwargs.get("do_not_specialize") or ())
+    classes = []
+    for param, arg in zip(params, args):
+        if param.annotation in (tl.constexpr, "tl.constexpr"):
+            classes.append((param.name, arg))
+        elif isinstance(arg, torch.Tensor):
+            classes.append((param.name, arg.dtype, arg.data_ptr() % 16 == 0))
+        elif type(arg) is int:
+            width = -(2**31) <= arg < 2**31
+            classes.append((param.name, width) if param.name in loose else (param.name, arg == 1, arg % 16 == 0, width))
+        else:
+            classes.append((param.name, type(arg).__name__))
+    return tuple(classes)
+
+
+@pytest.mark.skipif(ON_GPU, reason="reads the interpreter's launches; on the GPU the next test counts compiled kernels")
+def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
+    """A decode loop, one key more a step (17 here), through split counts 4-9 and blocks per
+    split 1-8, and for triton across the line where the kernel stops merging its own splits:
+    every launch of a kernel is what Triton would compile that same kernel for (the same
+    constexprs, the same class of each specialised argument) but for the keys' length (Lk, or
+    NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 16
+    steps). (NineToothed's kernels per blocks per split and per split count's power of two are
+    kernels of their own, by name: its tile sizes.) Right at a few steps."""
+    from triton.runtime import interpreter
+
+    from common import dispatch, plan
+    from common.configs import Config, override
+    from common.plan import force_splits
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
+    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 2 * 4 * 32 * 400)  # K and V of 400 keys (1 x 32, float32)
+    seen = {}
+    run = interpreter.InterpretedFunction.run
+
+    def keys_length(name, classes):  # the arguments that are the keys' length
+        if backend == "triton":
+            return {"Lk"}
+        if not name.startswith("nt_attention_fwd"):
+            return set()
+        # NineToothed's: size 2 of key and value, size 3 of attn_mask (the application's
+        # parameters 1-3; its tensors are numbered in order, query first)
+        numbered = [(int(m[1]), m[2]) for c in classes if (m := re.search(r"tensor_(\d+)_(size_\d)$", c[0]))]
+        query = min(n for n, _ in numbered)
+        return {c[0] for c in classes if (m := re.search(r"tensor_(\d+)_(size_\d)$", c[0]))
+                and (int(m[1]) - query, m[2]) in {(1, "size_2"), (2, "size_2"), (3, "size_3")}}
+
+    def recording_run(self, *args, **kwargs):
+        name, classes = self.fn.__name__, _specialisation(self, args)
+        lengths = keys_length(name, classes)
+        seen.setdefault(name, set()).add(tuple(c for c in classes if c[0] not in lengths))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
+    q = torch.randn(1, 4, 1, 32)
+    k_all, v_all = torch.randn(1, 1, 720, 32), torch.randn(1, 1, 720, 32)
+    lengths = range(140, 720, 17)  # 9-45 blocks of 16 keys
+    for i, Lk in enumerate(lengths):
+        k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
+        # (one tile throughout, as the H200's decode table gives whatever the keys' length)
+        with force_splits(9), override(Config(16, 16, 1, 1)):
+            out = attention(q, k, v, enable_gqa=True, backend=backend)
+        if i % 10 == 0:
+            check_output(out, q, k, v, enable_gqa=True)
+    wanted = ("_attn_fwd", "_merge_kernel") if backend == "triton" else ("nt_attention_fwd", "nt_attention_combine")
+    assert all(any(name.startswith(w) for name in seen) for w in wanted), sorted(seen)  # both merges taken
+    for name, classes in seen.items():
+        differ = {c for c in set.union(*map(set, classes)) if not all(c in one for one in classes)}
+        assert len(classes) == 1, f"{name} specialised on what grows: {sorted(differ, key=str)}"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="counts Triton's compiled kernels")
 def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
     """A decode loop whose cache grows across KERNEL_MERGE_MIN_BYTES (the Triton kernel's own
@@ -485,9 +570,10 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
             check_output(out, q, k, v, enable_gqa=True)
         counts.append((compiled(kernels._attn_fwd), compiled(kernels._merge_kernel)))
     crossing = next(i for i, Lk in enumerate(lengths) if Lk >= 6000)
-    assert counts[crossing][1] <= counts[0][1] + 1  # the first merge launch compiled the merge kernel (or found it)
-    assert all(c == counts[crossing] for c in counts[crossing:])  # nothing compiled since
-    assert all(c[0] == counts[0][0] for c in counts)  # the attention kernel: once, before the loop's first step
+    # (attention kernels, merge kernels) compiled after each step
+    assert counts[crossing][1] <= counts[0][1] + 1, counts  # the first merge launch compiled the merge kernel
+    assert all(c == counts[crossing] for c in counts[crossing:]), counts  # nothing compiled since
+    assert all(c[0] == counts[0][0] for c in counts), counts  # the attention kernel: once, before the loop's first step
 
 
 def test_kernel_merge_choice(device, monkeypatch):
