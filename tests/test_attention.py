@@ -559,21 +559,36 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
     def compiled(fn):  # (Triton's cache of compiled kernels per device: 3.x keeps it first)
         return len(fn.device_caches[device][0])
 
+    def new_keys(fn, before):  # what a kernel compiled since ``before`` (its keys then) differs in
+        keys = [str(key) for key in fn.device_caches[device][0]]
+        report = []
+        for key in keys[len(before):]:
+            old = min(before, key=lambda b: sum(x != y for x, y in zip(b, key)), default="")
+            at = next((i for i, (x, y) in enumerate(zip(old, key)) if x != y), min(len(old), len(key)))
+            lo, hi = max(0, at - 150), at + 150
+            report.append(f"{fn.__name__}: ...{old[lo:hi]}... -> ...{key[lo:hi]}...")
+        return report
+
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=f16)
     k_all, v_all = (torch.randn(1, 8, 8192, 128, device="cuda", dtype=f16) for _ in range(2))
     lengths = list(range(5056, 7040, 128))  # (multiples of 16: one class of Lk for Triton's specialisation)
-    counts = []
+    counts, report = [], []
     for i, Lk in enumerate(lengths):
         k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
+        before = {fn: [str(key) for key in fn.device_caches[device][0]]
+                  for fn in (kernels._attn_fwd, kernels._merge_kernel)}
         out = attention(q, k, v, enable_gqa=True, backend="triton")
         if i in (0, len(lengths) // 2, len(lengths) - 1):
             check_output(out, q, k, v, enable_gqa=True)
         counts.append((compiled(kernels._attn_fwd), compiled(kernels._merge_kernel)))
+        if i:
+            report += [f"step {i} (Lk {Lk}) {line}" for fn, keys in before.items() for line in new_keys(fn, keys)]
     crossing = next(i for i, Lk in enumerate(lengths) if Lk >= 6000)
-    # (attention kernels, merge kernels) compiled after each step
-    assert counts[crossing][1] <= counts[0][1] + 1, counts  # the first merge launch compiled the merge kernel
-    assert all(c == counts[crossing] for c in counts[crossing:]), counts  # nothing compiled since
-    assert all(c[0] == counts[0][0] for c in counts), counts  # the attention kernel: once, before the loop's first step
+    # (attention kernels, merge kernels) compiled after each step; what each compile after the first step was for
+    message = f"{counts}\n" + "\n".join(report)
+    assert counts[crossing][1] <= counts[0][1] + 1, message  # the first merge launch compiled the merge kernel
+    assert all(c == counts[crossing] for c in counts[crossing:]), message  # nothing compiled since
+    assert all(c[0] == counts[0][0] for c in counts), message  # the attention kernel: once, before the first step
 
 
 def test_kernel_merge_choice(device, monkeypatch):
