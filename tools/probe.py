@@ -516,7 +516,7 @@ def steps():
             "module.forward, launch stubbed": wall_time_us(forward_stubbed, device="cpu"),
             "launcher.launch": wall_time_us(lambda: launch(grid, args, nw, ns)),
             "compiled[grid](*args)": wall_time_us(lambda: compiled[grid3](*args)),
-            # the same launch with each tensor as its address (what benchmarks/pending/bound-pointers.patch passes):
+            # the same launch with each tensor as its address (what a bound launch passes, BoundKernel.run_compiled):
             # Triton's launcher then makes no data_ptr() call or CUDA pointer query per tensor
             "compiled[grid](*addresses)": wall_time_us(lambda: compiled[grid3](*addresses)),
             "torch.empty(out)": wall_time_us(lambda: torch.empty(q.shape, dtype=dtype, device="cuda"), device="cpu"),
