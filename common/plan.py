@@ -433,12 +433,13 @@ def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config, split count and (split) blocks
-    per split (NineToothed's tile size); where none is yet, launch it through the backend and
+    outputs allocated) through the launch bound to its config, split count, (split) blocks
+    per split (NineToothed's tile size) and own-merge choice; where none is yet, launch it through the backend and
     bind that launch (the backend's ``bind_forward(plan, keys=True)``, which may read what was
     just launched). False where the backend binds none for it: the caller launches the plan
     itself. The bound launch is kept as the template's ``grown``, for :func:`launch_grown`."""
-    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split else None)
+    # (the own-merge choice too: it follows the keys' bytes, not only the split count)
+    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split else None, plan.kernel_merge)
     bound = template.growing.get(key)
     if bound is False:
         return False

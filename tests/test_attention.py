@@ -487,9 +487,10 @@ def _specialisation(fn, args) -> tuple:
 @pytest.mark.skipif(ON_GPU, reason="reads the interpreter's launches; on the GPU the next test counts compiled kernels")
 def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     """A decode loop, one key more a step (17 here), through split counts 4-9 and blocks per
-    split 1-8, and for triton across the line where the kernel stops merging its own splits:
-    every launch of a kernel is what Triton would compile that same kernel for (the same
-    constexprs, the same class of each specialised argument) but for the keys' length (Lk, or
+    split 1-8, and for triton across the line where the kernel stops merging its own splits
+    (the merge launch from the first length past it on, not at the next split count): every
+    launch of a kernel is what Triton would compile that same kernel for (the same constexprs,
+    the same class of each specialised argument) but for the keys' length (Lk, or
     NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 16
     steps). (NineToothed's kernels per blocks per split and per split count's power of two are
     kernels of their own, by name: its tile sizes.) Right at a few steps."""
@@ -518,10 +519,13 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
         return {c[0] for c in classes if (m := re.search(r"tensor_(\d+)_(size_\d)$", c[0]))
                 and (int(m[1]) - query, m[2]) in {(1, "size_2"), (2, "size_2"), (3, "size_3")}}
 
+    step_kernels = set()
+
     def recording_run(self, *args, **kwargs):
         name, classes = self.fn.__name__, _specialisation(self, args)
         lengths = keys_length(name, classes)
         seen.setdefault(name, set()).add(tuple(c for c in classes if c[0] not in lengths))
+        step_kernels.add(name)
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
@@ -531,10 +535,13 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     for i, Lk in enumerate(lengths):
         k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
         # (one tile throughout, as the H200's decode table gives whatever the keys' length)
+        step_kernels.clear()
         with force_splits(9), override(Config(16, 16, 1, 1)):
             out = attention(q, k, v, enable_gqa=True, backend=backend)
         if i % 10 == 0:
             check_output(out, q, k, v, enable_gqa=True)
+        if backend == "triton":  # the merge launch from the line on (every step here has other key blocks)
+            assert ("_merge_kernel" in step_kernels) == (Lk >= 400), Lk
     wanted = ("_attn_fwd", "_merge_kernel") if backend == "triton" else ("nt_attention_fwd", "nt_attention_combine")
     assert all(any(name.startswith(w) for name in seen) for w in wanted), sorted(seen)  # both merges taken
     for name, classes in seen.items():
@@ -591,11 +598,11 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
             report += [f"step {i} (Lk {Lk}) {line}" for fn, keys in before.items() for line in new_keys(fn, keys)]
     # (attention kernels, merge kernels) compiled after each step; what each compile after the first step was for
     message = f"{counts}\n" + "\n".join(report)
-    # The merge launch takes over past the line, at the first replanned split count there (a
-    # growing launch is bound per split count: common.plan.launch_growing); its first launch
-    # may compile the merge kernel, and nothing compiles after that.
+    # The merge launch takes over at the first length past the line (each step here has other
+    # key blocks, so is planned again); its first launch compiles the merge kernel, and
+    # nothing compiles after that.
     crossing = next((i for i, c in enumerate(counts) if c[1] > counts[0][1]), None)
-    assert crossing is not None and lengths[crossing] >= 6000, message
+    assert crossing is not None and lengths[crossing] == next(Lk for Lk in lengths if Lk >= 6000), message
     assert counts[crossing][1] == counts[0][1] + 1, message
     assert all(c == counts[crossing] for c in counts[crossing:]), message  # nothing compiled since
     assert all(c[0] == counts[0][0] for c in counts), message  # the attention kernel: once, before the first step
