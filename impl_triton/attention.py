@@ -452,6 +452,18 @@ def _last_split_merges(
 
 
 @triton.jit
+def _store_merged(O, LSE, o, l, m, offs_r, r_ok, offs_dv, dv_ok, HEAD_DIM_V: tl.constexpr, WITH_LSE: tl.constexpr):
+    """The end of both merges (:func:`_merge_splits`, :func:`_merge_kernel`): rows offs_r of O
+    (R, Dv) = o / l and, WITH_LSE, of LSE (R,) = m + log(l); l = 0 (no key at all) gives 0 and
+    -inf, not NaN."""
+    o = o / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(O + offs_r[:, None] * HEAD_DIM_V + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=r_ok[:, None] & dv_ok[None, :])
+    if WITH_LSE:  # log(0) = -inf: no key at all
+        tl.store(LSE + offs_r, tl.where(m == float("-inf"), 0.0, m) + tl.log(l), mask=r_ok)
+
+
+@triton.jit
 def _merge_splits(
     O_PART, LSE_PART, O, LSE, offs_r, r_ok, NUM_SPLITS,
     HEAD_DIM_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, WITH_LSE: tl.constexpr,
@@ -483,11 +495,7 @@ def _merge_splits(
         l = l * alpha + w  # noqa: E741
         o = o * alpha[:, None] + w[:, None] * o_s
         m = m_new
-    o = o / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(O + offs_r[:, None] * HEAD_DIM_V + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=r_ok[:, None] & dv_ok[None, :])
-    if WITH_LSE:  # log(0) = -inf: no key at all
-        tl.store(LSE + offs_r, tl.where(m == float("-inf"), 0.0, m) + tl.log(l), mask=r_ok)
+    _store_merged(O, LSE, o, l, m, offs_r, r_ok, offs_dv, dv_ok, HEAD_DIM_V, WITH_LSE)
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])  # (a growing cache changes it: no recompile)
@@ -524,11 +532,7 @@ def _merge_kernel(
         l = l * alpha + tl.sum(w, 1)  # noqa: E741
         o = o * alpha[:, None] + tl.sum(w[:, :, None] * o_part, 1)
         m = m_new
-    o = o / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(O + offs_r[:, None] * HEAD_DIM_V + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=r_ok[:, None] & dv_ok[None, :])
-    if WITH_LSE:  # log(0) = -inf: no key at all
-        tl.store(LSE + offs_r, tl.where(m == float("-inf"), 0.0, m) + tl.log(l), mask=r_ok)
+    _store_merged(O, LSE, o, l, m, offs_r, r_ok, offs_dv, dv_ok, HEAD_DIM_V, WITH_LSE)
 
 
 # -- backward ---------------------------------------------------------------------------
