@@ -372,22 +372,23 @@ def route_generated_launch(handle, loose=()):
         return handle
     names = [name for name, value in launch.__globals__.items() if value is kernel]
     if len(names) == 1:
-        launch.__globals__[names[0]] = _RoutedKernel(_loosened(kernel, launch, loose) if loose else kernel)
+        launch.__globals__[names[0]] = _RoutedKernel(_loosened(kernel, launch, frozenset(loose)) if loose else kernel)
     return handle
 
 
 def _loosened(kernel, launch, loose):
-    """``kernel`` made again with ``do_not_specialize`` on the strides of the launcher's
-    parameters at ``loose`` (NineToothed passes every size and stride of a tensor to its
-    kernel, and ``ninetoothed.make`` has no ``do_not_specialize`` of its own): where a growing
-    cache changes those strides (the split partials' log-sum-exps: rows x split count), Triton
-    would otherwise compile another kernel whenever one passes or leaves a multiple of 16.
-    ``kernel`` itself where the launcher's source is not of the form read here."""
+    """``kernel`` made again with ``do_not_specialize`` on the arguments ``loose`` names, as
+    :func:`launcher_arguments` describes them (``("size" | "stride", parameter, dim)``):
+    NineToothed passes every size and stride of a tensor to its kernel, and ``ninetoothed.make``
+    has no ``do_not_specialize`` of its own. Where a growing cache changes such an argument
+    (a split's partials: their number of splits, rows x splits), Triton would otherwise compile
+    another kernel whenever one passes or leaves a multiple of 16. ``kernel`` itself where the
+    launcher's source is not of the form read here."""
     described = launcher_arguments(launch)
     arg_names = getattr(kernel, "arg_names", None)
     if described is None or arg_names is None or len(described) != len(arg_names):
         return kernel
-    names = [name for name, role in zip(arg_names, described) if role[0] == "stride" and role[1] in loose]
+    names = [name for name, role in zip(arg_names, described) if role in loose]
     return triton.jit(kernel.fn, do_not_specialize=names) if names else kernel
 
 

@@ -735,8 +735,16 @@ def _band_inputs(keys=False):
     return Tensor(0), Tensor(0), Tensor(0), *per_row(), *(per_row() if keys else ())
 
 
-# application's ``lse`` (a split's partial log-sum-exps), by position
-_LSE_PARAM = list(inspect.signature(application).parameters).index("lse")
+# What a split forward's launch changes with the split count, which its kernel is not to be
+# specialised on (common.launch.route_generated_launch): the number of splits of both partials,
+# (B, H, Lq, S, Dv) and (B, H, Lq, S), and the partial log-sum-exps' strides (multiples of S;
+# the partial outputs' are multiples of Dv, as in the Triton kernel).
+_OUTPUT, _LSE = (list(inspect.signature(application).parameters).index(name) for name in ("output", "lse"))
+_SPLIT_COUNT_ARGS = (("size", _OUTPUT, 3), ("size", _LSE, 3), *(("stride", _LSE, dim) for dim in range(3)))
+# and the combine's (o_part (R, S, Dv), lse_part (R, S))
+_O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).index(name)
+                      for name in ("o_part", "lse_part"))
+_COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("size", _LSE_PART, 1), ("stride", _LSE_PART, 0))
 
 
 def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
@@ -1047,8 +1055,8 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
             handle._launch.__globals__.setdefault("tl", tl)
             for helper in JIT_HELPERS:
                 handle._launch.__globals__.setdefault(helper.__name__, helper)
-            # (a split forward: the partial log-sum-exps' strides change with the split count)
-            loose = (_LSE_PARAM,) if premake_fn is premake and args[4] is not None else ()
+            loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4] is not None
+                     else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
             handle = _made[key] = route_generated_launch(handle, loose)
     return handle
 

@@ -486,7 +486,7 @@ def _specialisation(fn, args) -> tuple:
 
 @pytest.mark.skipif(ON_GPU, reason="reads the interpreter's launches; on the GPU the next test counts compiled kernels")
 def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
-    """A decode loop, one key more a step (17 here), through split counts 4-9 and blocks per
+    """A decode loop, one key more a step (17 here), through split counts 4-40 and blocks per
     split 1-8, and for triton across the line where the kernel stops merging its own splits
     (the merge launch from the first length past it on, not at the next split count): every
     launch of a kernel is what Triton would compile that same kernel for (the same constexprs,
@@ -529,14 +529,15 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
-    q = torch.randn(1, 4, 1, 32)
+    q = torch.randn(1, 8, 1, 32)  # (8 merged rows: the merge's rows per program are not capped by them)
     k_all, v_all = torch.randn(1, 1, 720, 32), torch.randn(1, 1, 720, 32)
     lengths = range(140, 720, 17)  # 9-45 blocks of 16 keys
     for i, Lk in enumerate(lengths):
         k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
-        # (one tile throughout, as the H200's decode table gives whatever the keys' length)
         step_kernels.clear()
-        with force_splits(9), override(Config(16, 16, 1, 1)):
+        # (one tile throughout, as the H200's decode table gives whatever the keys' length;
+        # the split count asked for in turns: 4-9 splits of 1-8 blocks, and 9-40 of 1-2)
+        with force_splits(9 if i % 2 else 40), override(Config(16, 16, 1, 1)):
             out = attention(q, k, v, enable_gqa=True, backend=backend)
         if i % 10 == 0:
             check_output(out, q, k, v, enable_gqa=True)
