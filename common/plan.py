@@ -79,6 +79,21 @@ PROGRAMS_PER_SM = 2
 # 4.08/4.05; with 16-row programs 1 per SM was not better (-5% to +3.5%).
 PROGRAMS_PER_SM_WIDE = 1
 WIDE_ROWS = 64
+# An unsplit launch of short-row programs (decoding at a large batch) with more programs than
+# this many per SM pipelines two key blocks instead of three: at D = 128 two stages of 64-key
+# tiles (64 KB of shared memory) let three programs share an SM where three stages (96 KB) let
+# two. H200 (tools/probe.py split_sweep, 2026-12-01 14:32 UTC; bf16, D 128, B 64, 32 query heads
+# over 8 K/V heads, Lq 1, Lk 4096): the Triton kernel read K/V at 4.49 TB/s with 2 stages against
+# 3.98 with 3 (SDPA 4.50). Split launches, a program or two per SM, lose with 2 (B 8, Lk 16k:
+# 2.55-3.25 against 4.13), so they keep 3. `tools/probe.py stages` (14:36 UTC, nine shapes, B 16-128,
+# GQA and MHA, Lq 1 and 4): the Triton kernel gained at every one above 2 programs per SM (D 128:
+# 3.90-4.36 -> 4.11-4.49 TB/s; D 64: 3.92-3.98 -> 4.34-4.49) and lost below (B 8 MHA, 1.94 per
+# SM: 4.52 -> 4.19). NineToothed's gained as much at D 64 (3.78-3.79 -> 4.29-4.47) but lost at
+# D 128 where it mattered most (3.89-3.97 -> 3.53-3.56 at 3.88 programs per SM): the rule
+# stops at these padded head dims.
+SHALLOW_PROGRAMS_PER_SM = 2
+SHALLOW_ROWS = 16
+SHALLOW_MAX_HEAD_DIM = {"triton": 128, "ninetoothed": 64}
 # Under the interpreter there are no SMs; pretend there are a few, so that the
 # CPU suite meets split launches on small decode-like shapes.
 INTERPRETER_SMS = 2
@@ -347,6 +362,8 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
     plan.m_blocks = -(-Lqp // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
     plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device,
                                                          config.block_m)
+    plan.config = config = shallow_stages(config, plan.m_blocks * B * Hp, plan.num_splits, q.device,
+                                          max(plan.block_d, plan.block_dv), backend.name)
     if plan.row_bands is not None:  # packed sequences: each row block sees its own few
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     if resume is not None:  # one program per row block folds all of its keys in: no split
@@ -617,7 +634,9 @@ def use_tma(backend, query, key, value) -> bool:
     tile and at best 0.94-1.00x with the best of six tiles, worst at L = 1024, where
     each program walks few key blocks. Warp specialisation (``tl.range(...,
     warp_specialize=True)`` over the unmasked loop, with the descriptors) changed
-    nothing at 8 warps and failed to compile at 4."""
+    nothing at 8 warps and failed to compile at 4. Descriptors made on the host, one
+    per tensor (``benchmarks/experiments/tma_host.patch``), ran at 0.93-1.01x of the
+    pointer loads with the table's tile (2026-12-01): not adopted either."""
     forced = _forced_tma.get()
     return bool(forced) and backend.supports(TMA) and tma_fits(query, key, value)
 
@@ -691,6 +710,21 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     wanted = min(wanted, MAX_GRID_AXIS)
     blocks_per_split = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
     return -(-k_blocks // blocks_per_split), blocks_per_split
+
+
+def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int,
+                   backend: str) -> Config:
+    """``config`` with 2 pipeline stages where an unsplit launch of ``programs`` short-row
+    programs (at most SHALLOW_ROWS rows) has more than SHALLOW_PROGRAMS_PER_SM of them per SM
+    (more programs resident, each with fewer key blocks in flight) at a padded head dim
+    ``block_d`` that ``backend`` (its name) gains at (SHALLOW_MAX_HEAD_DIM), else ``config``
+    itself; a forced config (:func:`common.configs.override`) is kept as it is. Whether it
+    applies does not change as a decode loop's cache grows: such a launch is never split."""
+    if (num_splits == 1 and config.block_m <= SHALLOW_ROWS and config.num_stages > 2
+            and block_d <= SHALLOW_MAX_HEAD_DIM.get(backend, 0) and configs_override() is None
+            and device.type == "cuda" and programs > SHALLOW_PROGRAMS_PER_SM * _sm_count(device)):
+        return dataclasses.replace(config, num_stages=2)
+    return config
 
 
 def pack_gqa(query, H_kv: int, attn_mask, banded: bool):

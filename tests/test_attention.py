@@ -716,6 +716,49 @@ def test_split_plan_wide_rows(monkeypatch):
     assert plan.plan_splits(1, 5000, 64, cpu)[0] > 1
 
 
+def test_shallow_stages_for_many_short_programs(monkeypatch):
+    """An unsplit launch of short-row programs, more than SHALLOW_PROGRAMS_PER_SM of them per SM,
+    pipelines 2 key blocks instead of 3 (the H200's sweep at B 64); split launches, wider rows,
+    fewer programs, a forced config, the CPU keep theirs."""
+    from common import plan
+    from common.configs import Config, override
+
+    monkeypatch.setattr(plan, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda")  # only its type is read: no CUDA call
+    deep = Config(16, 64, 4, 3)
+    many = plan.SHALLOW_PROGRAMS_PER_SM * 132 + 1
+    assert plan.shallow_stages(deep, many, 1, gpu, 128, "triton") == Config(16, 64, 4, 2)
+    assert plan.shallow_stages(deep, many, 1, gpu, 64, "ninetoothed") == Config(16, 64, 4, 2)
+    assert plan.shallow_stages(deep, many, 1, gpu, 128, "ninetoothed") is deep  # (it lost there)
+    assert plan.shallow_stages(deep, many - 1, 1, gpu, 128, "triton") is deep  # not more than 2 per SM
+    assert plan.shallow_stages(deep, many, 2, gpu, 128, "triton") is deep  # split
+    wide = Config(64, 64, 4, 3)
+    assert plan.shallow_stages(wide, many, 1, gpu, 128, "triton") is wide
+    assert plan.shallow_stages(deep, many, 1, torch.device("cpu"), 128, "triton") is deep
+    with override(deep):
+        assert plan.shallow_stages(deep, many, 1, gpu, 128, "triton") is deep
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the SMs of a GPU decide it (the CPU's part: the test above)")
+def test_decode_at_a_large_batch(backend):
+    """Decoding at a batch whose unsplit launch has more programs than 2 per SM (3 per SM x 8 K/V
+    heads): the 2-stage pipeline where the backend gains from it, and SDPA's output (fp16 and
+    bf16, GQA and MHA, D 64 and 128)."""
+    from common.backends import get_backend
+    from common.plan import SHALLOW_MAX_HEAD_DIM, make_forward
+    from common.validation import check_call
+
+    batch = 3 * torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
+    for dtype, heads, D in ((torch.float16, 8, 64), (torch.bfloat16, 8, 128), (torch.bfloat16, 32, 128)):
+        q = torch.randn(batch, 32, 1, D, device="cuda", dtype=dtype)
+        k, v = (torch.randn(batch, heads, 300, D, device="cuda", dtype=dtype) for _ in range(2))
+        call = check_call(get_backend(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                          scale=None, enable_gqa=True, return_lse=False)
+        stages = 2 if D <= SHALLOW_MAX_HEAD_DIM[backend] else 3
+        assert make_forward(call, get_backend(backend), with_lse=False).config.num_stages == stages
+        check_output(attention(q, k, v, enable_gqa=True, backend=backend), q, k, v, enable_gqa=True)
+
+
 def test_decode_without_forcing(backend, device):
     """A decode-like call big enough that the heuristic itself splits (and packs) it."""
     from common.backends import get_backend

@@ -21,9 +21,10 @@ is written to the project.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
 - graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
+- stages: unsplit decode launches of many short-row programs, 2 pipeline stages against 3.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - split_sweep: the split decode shapes short of the bound in `bandwidth`, under other tiles and
-  programs-per-SM targets.
+  programs-per-SM targets (SWEEP_SHAPES="B:H:H_kv:Lq:Lk ..." for others).
 - bandwidth: decode kernel time (graph replay) and K/V bandwidth over batch 1-64, Lq 1 and 16,
   GQA and MHA, against SDPA's.
 - steps: the reused path's host time per call, step by step (template lookup, the bound launch,
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import sys
 
@@ -549,6 +551,8 @@ def split_sweep():
     replay) and K/V bandwidth under other tiles, warps, stages and programs-per-SM targets, both
     backends, against the shipped choice and SDPA (bf16, D = 128)."""
     shapes = [(1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 16, 16384), (1, 32, 32, 1, 32768)]
+    if os.environ.get("SWEEP_SHAPES"):  # e.g. "64:32:8:1:4096 8:32:8:1:16384" (B:H:H_kv:Lq:Lk)
+        shapes = [tuple(map(int, shape.split(":"))) for shape in os.environ["SWEEP_SHAPES"].split()]
     for B, H, H_kv, Lq, Lk in shapes:
         q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -576,6 +580,33 @@ def split_sweep():
             with _programs_per_sm(per_sm):
                 nt.append(f"x{per_sm} {tbs('ninetoothed'):.2f}")
         line.append("ninetoothed (shipped tile): " + ", ".join(nt))
+        print("  ".join(line), flush=True)
+
+
+def stages():
+    """Unsplit decode launches of many short-row programs (``common.plan.shallow_stages``): the
+    shipped choice against 3 and 2 stages forced, both backends, kernel time by graph replay and
+    K/V bandwidth (bf16, D 64 and 128), with SDPA's; the programs per SM of each launch."""
+    shapes = [(64, 32, 8, 1, 4096, 128), (40, 32, 8, 1, 8192, 128), (128, 32, 8, 1, 2048, 128),
+              (16, 32, 32, 1, 4096, 128), (8, 32, 32, 1, 8192, 128), (34, 32, 8, 1, 8192, 128),
+              (64, 32, 8, 4, 4096, 128), (64, 32, 8, 1, 4096, 64), (16, 32, 32, 1, 8192, 64)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for B, H, H_kv, Lq, Lk, D in shapes:
+        q = torch.randn(B, H, Lq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        sdpa = gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20)
+        rows, block_n = max(16, Lq * H // H_kv), 64 if D > 64 else 128  # (common.configs.default_config)
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk} D={D} ({B * H_kv / sms:.2f} programs/SM): sdpa {sdpa:.2f}"]
+        for backend in ("triton", "ninetoothed"):
+            def tbs():
+                return gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+            shipped = tbs()
+            with override(Config(rows, block_n, 4, 3)):
+                three = tbs()
+            with override(Config(rows, block_n, 4, 2)):
+                two = tbs()
+            line.append(f"{backend} shipped {shipped:.2f} 3s {three:.2f} 2s {two:.2f}")
         print("  ".join(line), flush=True)
 
 
