@@ -14,7 +14,8 @@ The call (its forward, or with --backward its backward) is planned by the projec
 instead of running (``triton.JITFunction.warmup``); nothing is launched. Prints, per kernel:
 registers, spills, shared memory, and counts of the tensor-core, copy and global-memory
 instructions; writes its TTGIR, PTX and SASS to --out. Uses the installed Triton, which
-may be newer than the GPU machine's.
+may be newer than the GPU machine's: for the GPU's own, install that version into a folder
+(``pip install --no-deps --target DIR triton==3.6.0``) and put DIR first on PYTHONPATH.
 """
 
 from __future__ import annotations

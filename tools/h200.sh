@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test-x2 bound-check test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
+# stages: probe test test1 test2 test-x2 bound-check maxnreg test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
 #         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
@@ -57,6 +57,8 @@ for stage in "$@"; do
     # issue 13's open points: 256k, and 64k causal with more calls per point
     ring-bench-long) timeout 560 torchrun --nproc-per-node 2 tools/ring_bench.py --lengths 65536 262144 --bwd-lengths 65536 --calls 5 --json "$OUT/ring_bench_long.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench_long.log"; tail -40 "$OUT/ring_bench_long.log" ;;
     ring-bench) timeout 400 torchrun --nproc-per-node 2 tools/ring_bench.py --json "$OUT/ring_bench.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench.log"; tail -40 "$OUT/ring_bench.log" ;;
+    # NineToothed's D 128 decode at many programs per SM with its registers capped (stages, below 4 an SM)
+    maxnreg) (PROBE_MAXNREG=128 timeout 200 python3 tools/probe.py maxnreg; timeout 200 python3 tools/probe.py maxnreg) 2>&1 | tee "$OUT/maxnreg.log" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
     # A/B in one call: the probes named in $AB_PROBES in each of $AB_TREES (default ab/: untracked
     # copies of other revisions, made with `git archive REV | tar -x -C ab`; carry them) and here.

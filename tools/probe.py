@@ -22,6 +22,8 @@ is written to the project.
   tile configurations, against SDPA.
 - graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
 - stages: unsplit decode launches of many short-row programs, 2 pipeline stages against 3.
+- maxnreg: `stages`' D 128 shapes, 3 and 2 stages, every kernel capped at $PROBE_MAXNREG registers
+  (run once with it and once without).
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - split_sweep: the split decode shapes short of the bound in `bandwidth`, under other tiles and
   programs-per-SM targets (SWEEP_SHAPES="B:H:H_kv:Lq:Lk ..." for others).
@@ -607,6 +609,41 @@ def stages():
             with override(Config(rows, block_n, 4, 2)):
                 two = tbs()
             line.append(f"{backend} shipped {shipped:.2f} 3s {three:.2f} 2s {two:.2f}")
+        print("  ".join(line), flush=True)
+
+
+def maxnreg():
+    """The `stages` shapes at D 128 with every kernel this process compiles capped at
+    $PROBE_MAXNREG registers (Triton's ``maxnreg`` launch option, which our launch path does not
+    pass: put in here by wrapping ``CachedLauncher._compile_fitting``); run it once with the cap and
+    once without (a process each: compiled kernels are cached per process). NineToothed's D 128
+    decode kernel takes 143 registers with 2 stages (3 programs an SM), 123 capped at 128 (4)."""
+    from common import launch
+
+    cap = int(os.environ.get("PROBE_MAXNREG", "0"))
+    if cap:
+        def capped(self, grid, args, num_warps, num_stages):
+            return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, maxnreg=cap)
+        launch.CachedLauncher._compile_fitting = capped
+    print(f"maxnreg {cap or 'none'}:", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for B, H, H_kv, Lq, Lk in ((64, 32, 8, 1, 4096), (16, 32, 32, 1, 4096), (64, 32, 8, 4, 4096),
+                               (128, 32, 8, 1, 2048), (40, 32, 8, 1, 8192)):
+        q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk} ({B * H_kv / sms:.2f} programs/SM):"]
+        for backend in ("triton", "ninetoothed"):
+            def tbs():
+                return gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+            times = []
+            for stages in (3, 2):
+                with override(Config(max(16, Lq * H // H_kv), 64, 4, stages)):
+                    out = attention(q, k, v, enable_gqa=True, backend=backend)
+                    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
+                    times.append(f"{stages}s {tbs():.2f}{bad}")
+            line.append(f"{backend} " + " ".join(times))
         print("  ".join(line), flush=True)
 
 
