@@ -82,9 +82,10 @@ WIDE_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
 # this many per SM pipelines two key blocks instead of three: more programs share an SM. (Compiled
 # by triton 3.6 for sm_90, 16 x 64 tiles at D 128: the Triton kernel takes 70 KB of shared memory
-# with 3 stages, 3 programs an SM, and 38 KB with 2, where its 128 registers allow 4.) H200 (tools/probe.py split_sweep, 2026-12-01 14:32 UTC; bf16, D 128, B 64, 32 query heads
-# over 8 K/V heads, Lq 1, Lk 4096): the Triton kernel read K/V at 4.49 TB/s with 2 stages against
-# 3.98 with 3 (SDPA 4.50). Split launches, a program or two per SM, lose with 2 (B 8, Lk 16k:
+# with 3 stages, 3 programs an SM, and 38 KB with 2, where its 128 registers allow 4.) H200
+# (tools/probe.py split_sweep, 2026-12-01 14:32 UTC; bf16, D 128, B 64, 32 query heads over 8 K/V
+# heads, Lq 1, Lk 4096): the Triton kernel read K/V at 4.49 TB/s with 2 stages against 3.98 with
+# 3 (SDPA 4.50). Split launches, a program or two per SM, lose with 2 (B 8, Lk 16k:
 # 2.55-3.25 against 4.13), so they keep 3. `tools/probe.py stages` (14:36 UTC, nine shapes, B 16-128,
 # GQA and MHA, Lq 1 and 4): the Triton kernel gained at every one above 2 programs per SM (D 128:
 # 3.90-4.36 -> 4.11-4.49 TB/s; D 64: 3.92-3.98 -> 4.34-4.49) and lost below (B 8 MHA, 1.94 per
