@@ -57,8 +57,8 @@ for stage in "$@"; do
     # issue 13's open points: 256k, and 64k causal with more calls per point
     ring-bench-long) timeout 560 torchrun --nproc-per-node 2 tools/ring_bench.py --lengths 65536 262144 --bwd-lengths 65536 --calls 5 --json "$OUT/ring_bench_long.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench_long.log"; tail -40 "$OUT/ring_bench_long.log" ;;
     ring-bench) timeout 400 torchrun --nproc-per-node 2 tools/ring_bench.py --json "$OUT/ring_bench.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench.log"; tail -40 "$OUT/ring_bench.log" ;;
-    # NineToothed's kernels with their registers capped where they hold fewer programs an SM than ours
-    maxnreg) (for cap in 0 128 168; do PROBE_MAXNREG=$cap timeout 180 python3 tools/probe.py maxnreg; done) 2>&1 | tee "$OUT/maxnreg.log" ;;
+    # Registers capped (Triton's maxnreg) where a kernel would then hold one more program an SM: decode, D 64 forward
+    maxnreg) (for cap in 0 128 168; do PROBE_MAXNREG=$cap timeout 190 python3 tools/probe.py maxnreg; done) 2>&1 | tee "$OUT/maxnreg.log" ;;
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
     # A/B in one call: the probes named in $AB_PROBES in each of $AB_TREES (default ab/: untracked
     # copies of other revisions, made with `git archive REV | tar -x -C ab`; carry them) and here.

@@ -22,8 +22,8 @@ is written to the project.
   tile configurations, against SDPA.
 - graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
 - stages: unsplit decode launches of many short-row programs, 2 pipeline stages against 3.
-- maxnreg: `stages`' D 128 shapes, 3 and 2 stages, and the D 64 causal L 4096 forward, every kernel
-  capped at $PROBE_MAXNREG registers (run once per cap, and once without).
+- maxnreg: `stages`' D 128 shapes, 3 and 2 stages, and the D 64 forward, every kernel capped at
+  $PROBE_MAXNREG registers (run once per cap, and once without).
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - split_sweep: the split decode shapes short of the bound in `bandwidth`, under other tiles and
   programs-per-SM targets (SWEEP_SHAPES="B:H:H_kv:Lq:Lk ..." for others).
@@ -613,13 +613,15 @@ def stages():
 
 
 def maxnreg():
-    """The `stages` shapes at D 128 (3 and 2 stages) and the D 64 causal L 4096 forward, with every
+    """The `stages` shapes at D 128 (3 and 2 stages) and the D 64 forward (L 4k and 16k), with every
     kernel this process compiles capped at $PROBE_MAXNREG registers (Triton's ``maxnreg`` launch
     option, which our launch path does not pass: put in here by wrapping
     ``CachedLauncher._compile_fitting``); run once per cap and once without (a process each:
-    compiled kernels are cached per process). Compiled by triton 3.6 on the CPU, NineToothed's D 128
-    decode kernel takes 143 registers with 2 stages (3 programs an SM), 123 capped at 128 (4); its
-    D 64 causal forward at 64 x 64 tiles 188 (2 an SM), 168 capped at 168 (3)."""
+    compiled kernels are cached per process). The decode shapes run uncapped and at caps up to
+    128, the forward uncapped and at caps from 160. Compiled by triton 3.6 on the CPU,
+    NineToothed's D 128 decode kernel takes 143 registers with 2 stages (3 programs an SM), 123
+    capped at 128 (4); its D 64 causal forward at 64 x 64 tiles 188 (2 an SM), 168 capped at 168
+    (3); ours at 128 x 64 / 4 warps 232 (2 an SM), 168 capped (3)."""
     from common import launch
 
     cap = int(os.environ.get("PROBE_MAXNREG", "0"))
@@ -629,8 +631,9 @@ def maxnreg():
         launch.CachedLauncher._compile_fitting = capped
     print(f"maxnreg {cap or 'none'}:", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for B, H, H_kv, Lq, Lk in ((64, 32, 8, 1, 4096), (16, 32, 32, 1, 4096), (64, 32, 8, 4, 4096),
-                               (128, 32, 8, 1, 2048), (40, 32, 8, 1, 8192)):
+    decode = [(64, 32, 8, 1, 4096), (16, 32, 32, 1, 4096), (64, 32, 8, 4, 4096), (128, 32, 8, 1, 2048),
+              (40, 32, 8, 1, 8192)]
+    for B, H, H_kv, Lq, Lk in decode if cap <= 128 else ():  # (a decode tile's registers: 126-145)
         q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gb = 2 * k.numel() * k.element_size() / 1e9
@@ -647,22 +650,27 @@ def maxnreg():
                     times.append(f"{stages}s {tbs():.2f}{bad}")
             line.append(f"{backend} " + " ".join(times))
         print("  ".join(line), flush=True)
-    # NineToothed's worst forward against ours (0.78x): D 64, causal, L 4096, its table's 64 x 64 tile,
-    # 188 registers (2 programs an SM; ours at that tile 151: 3); 168 under maxnreg=168, no spills
-    B, H, L, D = 4, 32, 4096, 64
-    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    flops = 4 * B * H * L * L * D / 2
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    line = [f"forward B={B} H={H} L={L} D={D} causal: sdpa {flops / sdpa / 1e9:.0f}"]
-    for backend in ("triton", "ninetoothed"):
-        for config in (None, Config(64, 64, 4, 3)):
-            with (override(config) if config else contextlib.nullcontext()):
-                out = attention(q, k, v, is_causal=True, backend=backend)
-                bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
-                t = gpu_time_ms(lambda: attention(q, k, v, is_causal=True, backend=backend))
-            line.append(f"{backend} {'table' if config is None else '64/64/4/3'} {flops / t / 1e9:.0f}{bad}")
-    print("  ".join(line), flush=True)
+    # The D 64 forward: NineToothed's worst against ours (causal, L 4096, 0.78x) runs its table's 64 x 64
+    # tile at 188 registers (2 programs an SM; ours at that tile 151: 3), 168 capped at 168; ours at
+    # 128 x 64 / 4 warps takes 232 (2 an SM), 168 capped (3 an SM), neither spilling: a third program
+    # an SM to overlap one's exponentials with another's products, if the cap costs less than that.
+    for causal in (True, False) if cap == 0 or cap >= 160 else ():  # (a forward tile's: 151-254)
+        for L in (4096, 16384):
+            B, H, D = 16384 // L, 32, 64
+            q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+            flops = 4 * B * H * L * L * D / (2 if causal else 1)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+            line = [f"forward B={B} H={H} L={L} D={D} causal={causal}: sdpa {flops / sdpa / 1e9:.0f}"]
+            for backend in ("triton", "ninetoothed"):
+                for config in (None, Config(64, 64, 4, 3), Config(128, 64, 4, 3)):
+                    with (override(config) if config else contextlib.nullcontext()):
+                        out = attention(q, k, v, is_causal=causal, backend=backend)
+                        bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
+                        t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend=backend))
+                    name = "table" if config is None else "/".join(map(str, dataclasses.astuple(config)))
+                    line.append(f"{backend} {name} {flops / t / 1e9:.0f}{bad}")
+            print("  ".join(line), flush=True)
 
 
 def tma():
