@@ -121,12 +121,25 @@ def main(argv=None) -> int:
         regs = re.search(r"REG:(\d+)", usage)
         spills = re.search(r"LOCAL:(\d+)", usage)
         counts = collections.Counter(re.findall(INSTRUCTIONS, sass))
+        resident = programs_per_sm(int(regs.group(1)), kernel.metadata.shared, kernel.metadata.num_warps) if (
+            regs and args.capability == 90) else "?"
         print(f"{name}: {regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes "
               f"of local memory (spills), {kernel.metadata.shared} bytes of shared memory, "
-              f"{kernel.metadata.num_warps} warps, {kernel.metadata.num_stages} stages")
+              f"{kernel.metadata.num_warps} warps, {kernel.metadata.num_stages} stages, "
+              f"{resident} programs an SM (sm_90)")
         print("  " + ", ".join(f"{count} {op}" for op, count in sorted(counts.items())))
     print(f"TTGIR, PTX and SASS in {out}")
     return 0
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """How many programs of a kernel an sm_90 SM (H100, H200) holds at once: the fewest that its
+    registers (65536 a SM, allocated per warp in units of 256: a thread's count rounded up to 8),
+    its shared memory (227 KB a program at most, 228 KB a SM, 1 KB of it reserved per program)
+    and its warps (64 a SM) allow, at most 32."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * 32 * warps)
+    by_shared = 228 * 1024 // (shared + 1024)
+    return min(by_registers, by_shared, 64 // warps, 32)
 
 
 if __name__ == "__main__":
