@@ -80,19 +80,12 @@ PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_WIDE = 1
 WIDE_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
-# this many per SM pipelines two key blocks instead of three: more programs share an SM. (Compiled
-# by triton 3.6 for sm_90, 16 x 64 tiles at D 128: the Triton kernel takes 70 KB of shared memory
-# with 3 stages, 3 programs an SM, and 38 KB with 2, where its 128 registers allow 4.) H200
-# (tools/probe.py split_sweep, 2026-12-01 14:32 UTC; bf16, D 128, B 64, 32 query heads over 8 K/V
-# heads, Lq 1, Lk 4096): the Triton kernel read K/V at 4.49 TB/s with 2 stages against 3.98 with
-# 3 (SDPA 4.50). Split launches, a program or two per SM, lose with 2 (B 8, Lk 16k:
-# 2.55-3.25 against 4.13), so they keep 3. `tools/probe.py stages` (14:36 UTC, nine shapes, B 16-128,
-# GQA and MHA, Lq 1 and 4): the Triton kernel gained at every one above 2 programs per SM (D 128:
-# 3.90-4.36 -> 4.11-4.49 TB/s; D 64: 3.92-3.98 -> 4.34-4.49) and lost below (B 8 MHA, 1.94 per
-# SM: 4.52 -> 4.19). NineToothed's gained as much at D 64 (3.78-3.79 -> 4.29-4.47) but lost at
-# D 128 where it mattered most (3.89-3.97 -> 3.53-3.56 at 3.88 programs per SM): its kernel
-# there takes 143 registers with 2 stages, 3 programs an SM as with 3 (at D 64: 128, 4 an SM).
-# The rule stops at these padded head dims.
+# this many per SM pipelines two key blocks instead of three, so that more programs share an SM
+# (the Triton kernel's 16 x 64 tile at D 128: 70 KB of shared memory, 3 an SM, with 3 stages;
+# 38 KB and 128 registers, 4 an SM, with 2). H200, bf16, B 64, 32/8 heads, Lk 4k: 3.98 -> 4.48
+# TB/s (SDPA 4.50); split launches (about 2 programs an SM) lose with 2 stages. NineToothed's
+# D 128 kernel takes 143 registers, 3 an SM either way, and lost (3.95 -> 3.55): for it the rule
+# stops at D 64, where it gained as ours did. (benchmarks/NOTES.md, "Decode at a large batch".)
 SHALLOW_PROGRAMS_PER_SM = 2
 SHALLOW_ROWS = 16
 SHALLOW_MAX_HEAD_DIM = {"triton": 128, "ninetoothed": 64}
