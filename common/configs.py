@@ -37,12 +37,16 @@ _MAX_LENGTH_KEY = 1 << 15
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Forward pass: BLOCK_M query rows x BLOCK_N keys per inner step."""
+    """Forward pass: BLOCK_M query rows x BLOCK_N keys per inner step; ``maxnreg``, where set,
+    caps each thread's registers (Triton's launch option of that name: the compiler then fits
+    the kernel into that many, so that more programs share an SM); tables never set it, the
+    plan does (:func:`common.plan.shallow_stages`)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +174,8 @@ class ConfigTable:
 
     @staticmethod
     def write(path: pathlib.Path, entries: dict, meta: dict) -> None:
-        data = {"meta": meta, "entries": {k: list(dataclasses.astuple(v)) for k, v in sorted(entries.items())}}
+        data = {"meta": meta, "entries": {k: [x for x in dataclasses.astuple(v) if x is not None]
+                                          for k, v in sorted(entries.items())}}
         path.write_text(json.dumps(data, indent=1) + "\n")
 
     def lookup(self, block_d: int, dtype: torch.dtype, is_causal: bool, q_len: int, k_len: int,

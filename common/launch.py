@@ -73,7 +73,7 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
 
 class CachedLauncher:
     """Launch one ``@triton.jit`` function: ``launcher(grid, *args, num_warps=,
-    num_stages=, **constexprs)``, the runtime arguments positionally in
+    num_stages=, maxnreg=None, **constexprs)``, the runtime arguments positionally in
     signature order, the constexprs by keyword; each argument in the same
     role (tensor or scalar) on every call. Safe to call from several threads
     (the caches are dicts written whole; the roles are set in one assignment;
@@ -93,11 +93,12 @@ class CachedLauncher:
             (lambda kw, n=names[0]: (kw[n],)) if names else (lambda kw: ()))
         self._arg_names = tuple(getattr(fn, "arg_names", ()))
 
-    def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs) -> None:
+    def __call__(self, grid, *args, num_warps: int, num_stages: int, maxnreg: int | None = None,
+                 **constexprs) -> None:
         if not self.enabled:
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
             return
-        self.run(grid, args + self._constexprs(constexprs), num_warps, num_stages)
+        self.run(grid, args + self._constexprs(constexprs), num_warps, num_stages, maxnreg)
 
     def positional(self, args: tuple, constexprs: dict) -> tuple:
         """The runtime ``args`` and the ``constexprs`` (by name, the parameters after them) as
@@ -110,8 +111,10 @@ class CachedLauncher:
         """The position of parameter ``name`` in the signature."""
         return self._arg_names.index(name)
 
-    def run(self, grid, args, num_warps: int, num_stages: int) -> None:
-        """Launch with every argument positional (:meth:`positional`), through the caches."""
+    def run(self, grid, args, num_warps: int, num_stages: int, maxnreg: int | None = None) -> None:
+        """Launch with every argument positional (:meth:`positional`), through the caches;
+        ``maxnreg``, where not None, caps each thread's registers (Triton's launch option; the
+        interpreter has no registers to cap)."""
         if not self.enabled:
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             return
@@ -120,13 +123,13 @@ class CachedLauncher:
             # kernel's global scratch memory at launch: ours, for this launch only.
             token = _ALLOCATOR.set(_torch_scratch)
             try:
-                self.launch(grid, args, num_warps, num_stages)
+                self.launch(grid, args, num_warps, num_stages, maxnreg)
             finally:
                 _ALLOCATOR.reset(token)
             return
-        self.launch(grid, args, num_warps, num_stages)
+        self.launch(grid, args, num_warps, num_stages, maxnreg)
 
-    def compiled(self, args, num_warps: int, num_stages: int):
+    def compiled(self, args, num_warps: int, num_stages: int, maxnreg: int | None = None):
         """The compiled kernel a launch of ``args`` (as :meth:`run` takes them) went to, once the
         by-value cache holds it; None before that, under the interpreter, and for a kernel that
         needs global scratch memory at launch (which :meth:`run` provides)."""
@@ -134,12 +137,12 @@ class CachedLauncher:
             return None
         tensors, scalars = self._roles[0](args), self._roles[1](args)
         layout = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
-        kernel = self._by_value.get((scalars, layout, num_warps, num_stages, torch.cuda.current_device()))
+        kernel = self._by_value.get((scalars, layout, num_warps, num_stages, maxnreg, torch.cuda.current_device()))
         if kernel is None or getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0):
             return None
         return kernel
 
-    def launch(self, grid, args, num_warps: int, num_stages: int) -> None:
+    def launch(self, grid, args, num_warps: int, num_stages: int, maxnreg: int | None = None) -> None:
         """Launch with every argument positional, constexprs included, in signature order."""
         if not self.enabled:
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
@@ -150,10 +153,11 @@ class CachedLauncher:
         tensors, scalars = roles[0](args), roles[1](args)
         device = torch.cuda.current_device()
         layout = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
-        key = (scalars, layout, num_warps, num_stages, device)
+        key = (scalars, layout, num_warps, num_stages, maxnreg, device)
         kernel = self._by_value.get(key)
         if kernel is None:
-            kernel = self._by_class_lookup(grid, args, scalars, layout, num_warps, num_stages, device, roles[2])
+            kernel = self._by_class_lookup(grid, args, scalars, layout, (num_warps, num_stages, maxnreg), device,
+                                           roles[2])
             if kernel is None:
                 return  # launched through Triton's own dispatch
             if len(self._by_value) >= _MAX_BY_VALUE:
@@ -176,20 +180,20 @@ class CachedLauncher:
             (lambda a, i=scalar_at[0]: (a[i],)) if scalar_at else (lambda a: ()))
         return tensors, scalars, tuple(i in constexpr_at for i in scalar_at)
 
-    def _by_class_lookup(self, grid, args, scalars, layout, num_warps, num_stages, device, constexpr):
+    def _by_class_lookup(self, grid, args, scalars, layout, options, device, constexpr):
         classes = tuple([
             a if is_constexpr or type(a) not in (int, float)  # constexprs (and bools) by value
             else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31) if type(a) is int
             else float
             for a, is_constexpr in zip(scalars, constexpr)
         ])
-        key = (classes, layout, num_warps, num_stages, device)
+        key = (classes, layout, *options, device)
         kernel = self._by_class.get(key)
         if kernel is None:
             # Triton's own dispatch compiles on a miss; first calls from several
             # threads at once go through it one at a time (a first call only).
             with _compile_lock:
-                compiled = self._compile_fitting(grid, args, num_warps, num_stages)
+                compiled = self._compile_fitting(grid, args, *options)
             # A Triton whose launch returns no launchable kernel keeps the slow path.
             if not hasattr(compiled, "__getitem__"):
                 return None
@@ -198,15 +202,16 @@ class CachedLauncher:
         return kernel
 
 
-    def _compile_fitting(self, grid, args, num_warps, num_stages):
+    def _compile_fitting(self, grid, args, num_warps, num_stages, maxnreg=None):
         """Compile and launch with ``num_stages``, or with fewer where its pipeline buffers
         do not fit the GPU's shared memory (a configuration tuned on the H200 on a GPU
         with less, or a tile the table did not foresee, e.g. a mask's): stages change
         the kernel's speed, never its grid or its result. Raises when one stage does
         not fit either."""
+        capped = {} if maxnreg is None else {"maxnreg": maxnreg}
         while True:
             try:
-                return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+                return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **capped)
             except triton.runtime.errors.OutOfResources as error:
                 if num_stages <= 1 or error.name != "shared memory":
                     raise
@@ -222,9 +227,9 @@ class BoundKernel:
     inputs' 16-byte alignment, :func:`inputs_aligned`; the class of each varying integer,
     :func:`int_classes`) and looks up in ``kernels``."""
 
-    def __init__(self, launcher: CachedLauncher, grid, num_warps: int, num_stages: int):
+    def __init__(self, launcher: CachedLauncher, grid, num_warps: int, num_stages: int, maxnreg: int | None = None):
         self.launcher, self.grid = launcher, grid
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.maxnreg = num_warps, num_stages, maxnreg
         self.kernels: dict = {}  # key -> compiled kernel
 
     def run_compiled(self, kernel, args) -> None:
@@ -238,8 +243,8 @@ class BoundKernel:
         """Launch through the launcher (compiling where needed; ``args`` every argument positional,
         tensors as tensors, as :meth:`CachedLauncher.run` takes them) and keep the compiled
         kernel for ``key``: what a subclass does where ``kernels`` has none for ``key`` yet."""
-        self.launcher.run(self.grid, args, self.num_warps, self.num_stages)
-        kernel = self.launcher.compiled(args, self.num_warps, self.num_stages)
+        self.launcher.run(self.grid, args, self.num_warps, self.num_stages, self.maxnreg)
+        kernel = self.launcher.compiled(args, self.num_warps, self.num_stages, self.maxnreg)
         if kernel is not None:
             self.kernels[key] = kernel
 
@@ -279,11 +284,13 @@ def recorded_launches():
 class _RoutedKernel:
     """Stands in for a ``@triton.jit`` function inside generated launch code:
     ``kernel[grid](*args, num_warps=..., num_stages=...)`` goes through a
-    :class:`CachedLauncher`."""
+    :class:`CachedLauncher`, with ``maxnreg`` (a register cap, which the generated code does not
+    pass: given when the launcher is routed; NineToothed makes a launcher per set of options)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, maxnreg: int | None = None):
         self.fn = fn
         self.launcher = CachedLauncher(fn)
+        self.maxnreg = maxnreg
 
     def __getitem__(self, grid):
         def run(*args, **options):
@@ -294,7 +301,7 @@ class _RoutedKernel:
                 num_warps, num_stages = options.get("num_warps", 4), options.get("num_stages", 3)
                 if launches is not None:
                     launches[self] = (launch_grid, args, num_warps, num_stages)
-                self.launcher.launch(launch_grid, args, num_warps, num_stages)
+                self.launcher.launch(launch_grid, args, num_warps, num_stages, self.maxnreg)
             else:  # anything else: Triton's own dispatch, unchanged
                 if launches is not None:
                     launches[self] = None
@@ -355,7 +362,7 @@ def _read_launcher(launch) -> tuple | None:
     return tuple(described)
 
 
-def route_generated_launch(handle, loose=()):
+def route_generated_launch(handle, loose=(), maxnreg: int | None = None):
     """Route the kernel launch of a ``ninetoothed.make`` handle through a :class:`CachedLauncher`.
 
     NineToothed generates a Python launcher that reads every size and stride
@@ -365,14 +372,17 @@ def route_generated_launch(handle, loose=()):
     code as it is and only changes how its one launch is done (under the
     interpreter, where the launcher's cache is off, only the recording of the
     last launch: :meth:`_RoutedKernel.last`). Where the handle does not look
-    like that (another NineToothed version) it is returned untouched.
+    like that (another NineToothed version) it is returned untouched (and ``maxnreg``, a register
+    cap for the launch, which only our launch path can pass, is then not applied: it changes
+    the kernel's speed, never its result).
     """
     launch, kernel = getattr(handle, "_launch", None), getattr(handle, "_kernel", None)
     if not isinstance(kernel, (triton.runtime.JITFunction, InterpretedFunction)) or not hasattr(launch, "__globals__"):
         return handle
     names = [name for name, value in launch.__globals__.items() if value is kernel]
     if len(names) == 1:
-        launch.__globals__[names[0]] = _RoutedKernel(_loosened(kernel, launch, frozenset(loose)) if loose else kernel)
+        launch.__globals__[names[0]] = _RoutedKernel(_loosened(kernel, launch, frozenset(loose)) if loose else kernel,
+                                                     maxnreg)
     return handle
 
 

@@ -1026,8 +1026,10 @@ _made: dict = {}
 _make_lock = threading.Lock()
 
 
-def _make(premake_fn, *args, num_warps: int, num_stages: int):
-    """``ninetoothed.make(*premake_fn(*args))``, made once per process.
+def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | None = None):
+    """``ninetoothed.make(*premake_fn(*args))``, made once per process; ``maxnreg``, where not
+    None, caps each thread's registers (a launch option ``make`` does not take: our launch path
+    passes it, so each cap has a handle of its own).
 
     ``make`` generates, writes and imports Triton code on every call (0.1-0.5 s)
     and sets the application's annotations while it works, so it runs under a
@@ -1035,7 +1037,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
     written atomically (``common.codecache``). Each handle's generated module gets the
     kernels' named constants, and its launch goes through a ``CachedLauncher``.
     """
-    key = (premake_fn, args, num_warps, num_stages)
+    key = (premake_fn, args, num_warps, num_stages, maxnreg)
     handle = _made.get(key)
     if handle is not None:
         return handle
@@ -1057,7 +1059,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int):
                 handle._launch.__globals__.setdefault(helper.__name__, helper)
             loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4] is not None
                      else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
-            handle = _made[key] = route_generated_launch(handle, loose)
+            handle = _made[key] = route_generated_launch(handle, loose, maxnreg)
     return handle
 
 
@@ -1125,7 +1127,7 @@ def _attention_launch(plan) -> tuple:
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
-                   num_warps=config.num_warps, num_stages=config.num_stages)
+                   num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
     inputs = (q, plan.key, plan.value, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
               plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
     return kernel, inputs, dict(
@@ -1227,7 +1229,7 @@ def _bind(kernel, inputs, roles: dict, key_inputs=()):
             slots.append((position, roles[index]))
         elif not _is_stand_in(given):
             return None  # a tensor of this call alone (those calls are not templated)
-    return BoundGeneratedLaunch(routed.launcher, args, slots, holes, grid, num_warps, num_stages)
+    return BoundGeneratedLaunch(routed.launcher, args, slots, holes, grid, num_warps, num_stages, routed.maxnreg)
 
 
 _KEY_LENGTH_DIM = 2  # of the keys and values, (B, H_kv, Lk, D)
@@ -1239,8 +1241,8 @@ class BoundGeneratedLaunch(BoundKernel):
     ((position, index into the call's tensors)) and, for ``holes`` ((position, index, size or
     stride, dim)), those tensors' sizes and strides."""
 
-    def __init__(self, launcher, args, slots, holes, grid, num_warps, num_stages):
-        super().__init__(launcher, grid, num_warps, num_stages)
+    def __init__(self, launcher, args, slots, holes, grid, num_warps, num_stages, maxnreg=None):
+        super().__init__(launcher, grid, num_warps, num_stages, maxnreg)
         self.args, self.slots = list(args), tuple(slots)
         for position, _ in self.slots:
             self.args[position] = None  # (the binding call's tensors: not kept)

@@ -1033,7 +1033,7 @@ def forward(plan):
 
     Returns ``(plan.out, plan.lse)``, filled in.
     """
-    _fwd_launcher.run(*_forward_launch(plan)[:4])
+    _fwd_launcher.run(*_forward_launch(plan)[:5])
     if plan.split and not plan.kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, plan.value.shape[3], plan.lse))
     return plan.out, plan.lse
@@ -1061,8 +1061,8 @@ MERGE_SPLITS = 32
 
 
 def _forward_launch(plan) -> tuple:
-    """(grid, args, num_warps, num_stages, counts): the forward launch of a plan, every argument
-    positional (``CachedLauncher.run``); counts, the split's ticket counters (None unsplit)."""
+    """(grid, args, num_warps, num_stages, maxnreg, counts): the forward launch of a plan, every
+    argument positional (``CachedLauncher.run``); counts, the split's ticket counters (None unsplit)."""
     q, k, v, out = plan.query, plan.key, plan.value, plan.out
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
@@ -1098,7 +1098,8 @@ def _forward_launch(plan) -> tuple:
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
         TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse,
     ))
-    return (plan.m_blocks * B * H, plan.num_splits, 1), args, config.num_warps, config.num_stages, counts
+    grid = (plan.m_blocks * B * H, plan.num_splits, 1)
+    return grid, args, config.num_warps, config.num_stages, config.maxnreg, counts
 
 
 def bind_forward(plan, keys: bool = False):
@@ -1108,7 +1109,7 @@ def bind_forward(plan, keys: bool = False):
     result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`)."""
-    grid, args, num_warps, num_stages, counts = _forward_launch(plan)
+    grid, args, num_warps, num_stages, maxnreg, counts = _forward_launch(plan)
     if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
         return None
     # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x));
@@ -1131,7 +1132,7 @@ def bind_forward(plan, keys: bool = False):
         merge_grid, merge_args, merge_warps, merge_stages = _merge_launch(plan, plan.value.shape[3], plan.lse)
         merge = BoundMerge(merge_args[4:], merge_grid, merge_warps, merge_stages, plan.lse is not None)
     return BoundForward(tuple(BoundForward.ROLES.index(r) for r in prefix), tail, grid, num_warps, num_stages,
-                        counters, _KEY_ARGS if keys else (), merge)
+                        maxnreg, counters, _KEY_ARGS if keys else (), merge)
 
 
 # the forward's arguments that depend on the keys' length and strides (BoundForward's holes)
@@ -1149,8 +1150,8 @@ class BoundForward(BoundKernel):
 
     ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "counts")
 
-    def __init__(self, prefix, tail, grid, num_warps, num_stages, counters, holes=(), merge=None):
-        super().__init__(_fwd_launcher, grid, num_warps, num_stages)
+    def __init__(self, prefix, tail, grid, num_warps, num_stages, maxnreg, counters, holes=(), merge=None):
+        super().__init__(_fwd_launcher, grid, num_warps, num_stages, maxnreg)
         self.prefix, self.tail = prefix, tail
         self.counters = counters  # ticket counters a split launch that merges itself takes (else 0)
         self.holes = tuple(i - len(prefix) for i in holes)  # positions in the tail

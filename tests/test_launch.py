@@ -118,6 +118,42 @@ def test_fewer_stages_where_shared_memory_runs_out(monkeypatch, fits):
     assert fn.log[0][3] == args and fn.log[0][2] == (4, 1, 1)
 
 
+class OptionsJIT(FakeJIT):
+    """Records the launch options each compile is asked for."""
+
+    def __init__(self):
+        super().__init__(constexpr_positions={3})
+        self.options = []
+
+    def __getitem__(self, grid):
+        run = super().__getitem__(grid)
+
+        def recording(*args, **options):
+            self.options.append(options)
+            return run(*args, **options)
+        return recording
+
+
+def test_a_register_cap_compiles_a_kernel_of_its_own(monkeypatch):
+    """``maxnreg`` goes to Triton's compile as its launch option (and none where there is no cap);
+    a capped and an uncapped launch of one kernel each keep their own compiled kernel; a routed
+    generated launcher passes the cap it was routed with."""
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    fn = OptionsJIT()
+    launcher = launch.CachedLauncher(fn)
+    launcher.enabled = True
+    args = (torch.zeros(64), 64, 0.5, 128)
+    for _ in range(2):
+        launcher.launch((4, 1, 1), args, 4, 2)
+        launcher.launch((4, 1, 1), args, 4, 2, 128)
+    assert fn.options == [{"num_warps": 4, "num_stages": 2}, {"num_warps": 4, "num_stages": 2, "maxnreg": 128}]
+    assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("dispatch", 2), ("direct", 1), ("direct", 2)]
+    routed = launch._RoutedKernel(OptionsJIT(), maxnreg=96)
+    routed.launcher.enabled = True
+    routed[(4,)](*args, num_warps=4, num_stages=3)
+    assert routed.fn.options == [{"num_warps": 4, "num_stages": 3, "maxnreg": 96}]
+
+
 def test_scratch_allocator_for_the_launch_only(monkeypatch):
     """A kernel that may need global scratch memory (tensor descriptors made on the device) gets
     Triton's allocator set to torch's for its launches, and the caller's setting back afterwards."""

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--splits", type=int, default=1, help="key splits (a split decode launch)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--tile", nargs="+", type=int, metavar="N",
-                        help="the tile instead of the table's: BLOCK_M BLOCK_N WARPS STAGES (forward), "
+                        help="the tile instead of the table's: BLOCK_M BLOCK_N WARPS STAGES [MAXNREG] (forward), "
                              "BLOCK_M1 BLOCK_N1 BLOCK_M2 BLOCK_N2 WARPS STAGES (--backward)")
     parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
@@ -75,10 +75,11 @@ def main(argv=None) -> int:
 
     compiled = {}
 
-    def compile_only(self, grid, arguments, num_warps, num_stages):
+    def compile_only(self, grid, arguments, num_warps, num_stages, maxnreg=None):
         grid = grid({}) if callable(grid) else grid
+        capped = {} if maxnreg is None else {"maxnreg": maxnreg}
         compiled[self.fn.__name__] = self.fn.warmup(*arguments, grid=grid, num_warps=num_warps,
-                                                    num_stages=num_stages)
+                                                    num_stages=num_stages, **capped)
 
     launch.CachedLauncher.launch = compile_only
     validation._check_kernel_device = lambda *a: None  # CPU tensors, planned as if on the GPU
