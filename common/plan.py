@@ -80,15 +80,16 @@ PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM_WIDE = 1
 WIDE_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
-# this many per SM pipelines two key blocks instead of three, so that more programs share an SM
-# (the Triton kernel's 16 x 64 tile at D 128: 70 KB of shared memory, 3 an SM, with 3 stages;
-# 38 KB and 128 registers, 4 an SM, with 2). H200, bf16, B 64, 32/8 heads, Lk 4k: 3.98 -> 4.48
-# TB/s (SDPA 4.50); split launches (about 2 programs an SM) lose with 2 stages. NineToothed's
-# D 128 kernel takes 143 registers, 3 an SM either way, and lost (3.95 -> 3.55): for it the rule
-# stops at D 64, where it gained as ours did. (benchmarks/NOTES.md, "Decode at a large batch".)
+# this many per SM pipelines two key blocks instead of three and caps registers at 128, so that
+# four programs of 4 warps share an SM (the Triton kernel's 16 x 64 tile at D 128: 70 KB of
+# shared memory, 3 an SM, with 3 stages; 38 KB and 128 registers, 4 an SM, with 2; NineToothed's
+# takes 143 registers, 3 an SM, unless capped: 123, no spills). H200, bf16, B 64, 32/8 heads,
+# Lk 4k: 3.94-3.98 -> 4.47-4.48 TB/s both (SDPA 4.50); split launches (about 2 programs an SM)
+# lose with 2 stages. (benchmarks/NOTES.md, "Decode at a large batch".)
 SHALLOW_PROGRAMS_PER_SM = 2
 SHALLOW_ROWS = 16
-SHALLOW_MAX_HEAD_DIM = {"triton": 128, "ninetoothed": 64}
+SHALLOW_MAX_HEAD_DIM = 128
+SHALLOW_MAX_REGISTERS = 128
 # Under the interpreter there are no SMs; pretend there are a few, so that the
 # CPU suite meets split launches on small decode-like shapes.
 INTERPRETER_SMS = 2
@@ -358,7 +359,7 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
     plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device,
                                                          config.block_m)
     plan.config = config = shallow_stages(config, plan.m_blocks * B * Hp, plan.num_splits, q.device,
-                                          max(plan.block_d, plan.block_dv), backend.name)
+                                          max(plan.block_d, plan.block_dv))
     if plan.row_bands is not None:  # packed sequences: each row block sees its own few
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     if resume is not None:  # one program per row block folds all of its keys in: no split
@@ -707,18 +708,18 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     return -(-k_blocks // blocks_per_split), blocks_per_split
 
 
-def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int,
-                   backend: str) -> Config:
-    """``config`` with 2 pipeline stages where an unsplit launch of ``programs`` short-row
-    programs (at most SHALLOW_ROWS rows) has more than SHALLOW_PROGRAMS_PER_SM of them per SM
-    (more programs resident, each with fewer key blocks in flight) at a padded head dim
-    ``block_d`` that ``backend`` (its name) gains at (SHALLOW_MAX_HEAD_DIM), else ``config``
-    itself; a forced config (:func:`common.configs.override`) is kept as it is. Whether it
-    applies does not change as a decode loop's cache grows: such a launch is never split."""
+def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int) -> Config:
+    """``config`` with 2 pipeline stages and at most SHALLOW_MAX_REGISTERS registers a thread
+    where an unsplit launch of ``programs`` short-row programs (at most SHALLOW_ROWS rows) has
+    more than SHALLOW_PROGRAMS_PER_SM of them per SM (more programs resident, each with fewer
+    key blocks in flight) at a padded head dim ``block_d`` up to SHALLOW_MAX_HEAD_DIM, else
+    ``config`` itself; a forced config (:func:`common.configs.override`) is kept as it is.
+    Whether it applies does not change as a decode loop's cache grows: such a launch is never
+    split."""
     if (num_splits == 1 and config.block_m <= SHALLOW_ROWS and config.num_stages > 2
-            and block_d <= SHALLOW_MAX_HEAD_DIM.get(backend, 0) and configs_override() is None
+            and block_d <= SHALLOW_MAX_HEAD_DIM and configs_override() is None
             and device.type == "cuda" and programs > SHALLOW_PROGRAMS_PER_SM * _sm_count(device)):
-        return dataclasses.replace(config, num_stages=2)
+        return dataclasses.replace(config, num_stages=2, maxnreg=SHALLOW_MAX_REGISTERS)
     return config
 
 

@@ -718,8 +718,8 @@ def test_split_plan_wide_rows(monkeypatch):
 
 def test_shallow_stages_for_many_short_programs(monkeypatch):
     """An unsplit launch of short-row programs, more than SHALLOW_PROGRAMS_PER_SM of them per SM,
-    pipelines 2 key blocks instead of 3 (the H200's sweep at B 64); split launches, wider rows,
-    fewer programs, a forced config, the CPU keep theirs."""
+    pipelines 2 key blocks instead of 3 and caps registers at 128 (the H200's sweeps at B 64);
+    split launches, wider rows, wider heads, fewer programs, a forced config, the CPU keep theirs."""
     from common import plan
     from common.configs import Config, override
 
@@ -727,36 +727,54 @@ def test_shallow_stages_for_many_short_programs(monkeypatch):
     gpu = torch.device("cuda")  # only its type is read: no CUDA call
     deep = Config(16, 64, 4, 3)
     many = plan.SHALLOW_PROGRAMS_PER_SM * 132 + 1
-    assert plan.shallow_stages(deep, many, 1, gpu, 128, "triton") == Config(16, 64, 4, 2)
-    assert plan.shallow_stages(deep, many, 1, gpu, 64, "ninetoothed") == Config(16, 64, 4, 2)
-    assert plan.shallow_stages(deep, many, 1, gpu, 128, "ninetoothed") is deep  # (it lost there)
-    assert plan.shallow_stages(deep, many - 1, 1, gpu, 128, "triton") is deep  # not more than 2 per SM
-    assert plan.shallow_stages(deep, many, 2, gpu, 128, "triton") is deep  # split
+    assert plan.shallow_stages(deep, many, 1, gpu, 128) == Config(16, 64, 4, 2, maxnreg=128)
+    assert plan.shallow_stages(deep, many, 1, gpu, 64) == Config(16, 64, 4, 2, maxnreg=128)
+    assert plan.shallow_stages(deep, many, 1, gpu, 256) is deep  # wider than measured
+    assert plan.shallow_stages(deep, many - 1, 1, gpu, 128) is deep  # not more than 2 per SM
+    assert plan.shallow_stages(deep, many, 2, gpu, 128) is deep  # split
     wide = Config(64, 64, 4, 3)
-    assert plan.shallow_stages(wide, many, 1, gpu, 128, "triton") is wide
-    assert plan.shallow_stages(deep, many, 1, torch.device("cpu"), 128, "triton") is deep
+    assert plan.shallow_stages(wide, many, 1, gpu, 128) is wide
+    assert plan.shallow_stages(deep, many, 1, torch.device("cpu"), 128) is deep
     with override(deep):
-        assert plan.shallow_stages(deep, many, 1, gpu, 128, "triton") is deep
+        assert plan.shallow_stages(deep, many, 1, gpu, 128) is deep
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the SMs of a GPU decide it (the CPU's part: the test above)")
 def test_decode_at_a_large_batch(backend):
     """Decoding at a batch whose unsplit launch has more programs than 2 per SM (3 per SM x 8 K/V
-    heads): the 2-stage pipeline where the backend gains from it, and SDPA's output (fp16 and
-    bf16, GQA and MHA, D 64 and 128)."""
+    heads): the 2-stage pipeline, kernels compiled within the register cap, and SDPA's output
+    (fp16, bf16 and fp32, GQA and MHA, D 64 and 128)."""
     from common.backends import get_backend
-    from common.plan import SHALLOW_MAX_HEAD_DIM, make_forward
+    from common.plan import SHALLOW_MAX_REGISTERS, make_forward
     from common.validation import check_call
 
     batch = 3 * torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
-    for dtype, heads, D in ((torch.float16, 8, 64), (torch.bfloat16, 8, 128), (torch.bfloat16, 32, 128)):
+    for dtype, heads, D in ((torch.float16, 8, 64), (torch.bfloat16, 8, 128), (torch.bfloat16, 32, 128),
+                            (torch.float32, 8, 128)):
         q = torch.randn(batch, 32, 1, D, device="cuda", dtype=dtype)
         k, v = (torch.randn(batch, heads, 300, D, device="cuda", dtype=dtype) for _ in range(2))
         call = check_call(get_backend(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
                           scale=None, enable_gqa=True, return_lse=False)
-        stages = 2 if D <= SHALLOW_MAX_HEAD_DIM[backend] else 3
-        assert make_forward(call, get_backend(backend), with_lse=False).config.num_stages == stages
+        config = make_forward(call, get_backend(backend), with_lse=False).config
+        assert (config.num_stages, config.maxnreg) == (2, SHALLOW_MAX_REGISTERS)
         check_output(attention(q, k, v, enable_gqa=True, backend=backend), q, k, v, enable_gqa=True)
+    capped = _capped_forward_kernels(backend)
+    assert capped and all(0 < registers <= SHALLOW_MAX_REGISTERS for registers in capped), capped
+
+
+def _capped_forward_kernels(backend: str) -> list:
+    """The registers of each forward kernel this process compiled under a register cap."""
+    from common.launch import routed_kernel
+
+    if backend == "triton":
+        from impl_triton.attention import _fwd_launcher
+        launchers = [_fwd_launcher]
+    else:
+        from impl_ninetoothed.attention import _made
+        launchers = [routed_kernel(handle).launcher for key, handle in _made.items() if key[-1] is not None]
+    # (the by-class cache's key: classes, layout, num_warps, num_stages, maxnreg, device)
+    return [kernel.n_regs for launcher in launchers for key, kernel in launcher._by_class.items()
+            if key[4] is not None]
 
 
 def test_decode_without_forcing(backend, device):
