@@ -24,6 +24,7 @@ is written to the project.
 - stages: unsplit decode launches of many short-row programs, 2 pipeline stages against 3.
 - maxnreg: `stages`' D 128 shapes, 3 and 2 stages, and the D 64 forward, every kernel capped at
   $PROBE_MAXNREG registers (run once per cap, and once without).
+- fwd_tiles: NineToothed's D 64 forward under its table's tile and the tune's others, fp16 and bf16.
 - tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - split_sweep: the split decode shapes short of the bound in `bandwidth`, under other tiles and
   programs-per-SM targets (SWEEP_SHAPES="B:H:H_kv:Lq:Lk ..." for others).
@@ -626,7 +627,7 @@ def maxnreg():
 
     cap = int(os.environ.get("PROBE_MAXNREG", "0"))
     if cap:
-        def capped(self, grid, args, num_warps, num_stages):
+        def capped(self, grid, args, num_warps, num_stages, maxnreg=None):
             return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, maxnreg=cap)
         launch.CachedLauncher._compile_fitting = capped
     print(f"maxnreg {cap or 'none'}:", flush=True)
@@ -671,6 +672,32 @@ def maxnreg():
                     name = "table" if config is None else "/".join(map(str, dataclasses.astuple(config)))
                     line.append(f"{backend} {name} {flops / t / 1e9:.0f}{bad}")
             print("  ".join(line), flush=True)
+
+
+def fwd_tiles():
+    """NineToothed's D 64 forward under its table's tile and the others its tune tries, fp16 and
+    bf16 (the table is tuned in fp16 and used for both), causal or not, L 1024 and 4096, beside
+    Triton's table (B·L = 16384, 32 heads; TFLOP/s)."""
+    shipped = resolve("ninetoothed").configs
+    for dtype in (torch.float16, torch.bfloat16):
+        for causal in (True, False):
+            for L in (1024, 4096):
+                B, H, D = 16384 // L, 32, 64
+                q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device="cuda") for _ in range(3))
+                flops = 4 * B * H * L * L * D / (2 if causal else 1)
+                ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                table = dataclasses.astuple(shipped.lookup(D, dtype, causal, L, L, False))
+                t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend="triton"))
+                line = [f"{str(dtype)[6:]} causal={causal} L={L}: triton {flops / t / 1e9:.0f}  nt table {table}"]
+                for config in (None, Config(64, 64, 4, 3), Config(128, 64, 4, 3), Config(128, 64, 4, 4),
+                               Config(128, 64, 8, 3), Config(128, 128, 8, 3)):
+                    with (override(config) if config else contextlib.nullcontext()):
+                        out = attention(q, k, v, is_causal=causal, backend="ninetoothed")
+                        bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
+                        t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend="ninetoothed"))
+                    name = "table" if config is None else "/".join(map(str, dataclasses.astuple(config)[:4]))
+                    line.append(f"{name} {flops / t / 1e9:.0f}{bad}")
+                print("  ".join(line), flush=True)
 
 
 def tma():
