@@ -85,7 +85,7 @@ WIDE_ROWS = 64
 # shared memory, 3 an SM, with 3 stages; 38 KB and 128 registers, 4 an SM, with 2; NineToothed's
 # takes 143 registers, 3 an SM, unless capped: 123, no spills). H200, bf16, B 64, 32/8 heads,
 # Lk 4k: 3.94-3.98 -> 4.47-4.48 TB/s both (SDPA 4.50); split launches (about 2 programs an SM)
-# lose with 2 stages. (benchmarks/NOTES.md, "Decode at a large batch".)
+# lose with 2 stages. (benchmarks/NOTES.md, "Decode at a large batch", "Register caps".)
 SHALLOW_PROGRAMS_PER_SM = 2
 SHALLOW_ROWS = 16
 SHALLOW_MAX_HEAD_DIM = 128

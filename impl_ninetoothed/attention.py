@@ -1341,7 +1341,7 @@ def paged_forward(plan):
     pages_per_step = config.block_n // page
     # (the table's tile per split: its steps' pages)
     _make(premake_paged, D, Dv, config.block_m, page, plan.blocks_per_split * pages_per_step if plan.split else None,
-          num_warps=config.num_warps, num_stages=config.num_stages)(
+          num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)(
         q, kc, vc, plan.block_table, plan.cache_seqlens, plan.scale, plan.lq_seq, kc.shape[0], o, lse,
         IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
         PAGES_PER_STEP=pages_per_step,

@@ -1271,7 +1271,7 @@ def paged_forward(plan):
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
         plan.num_splits, plan.blocks_per_split, int(plan.kernel_merge),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
         DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
