@@ -18,6 +18,8 @@ is written to the project.
   dense kernel on each sequence and SDPA on the padded batch.
 - paged: paged decode (pages of 16 and 64 keys, shuffled) against our contiguous-cache
   decode on the same keys, kernel time by CUDA-graph replay, bandwidth of K/V read; append_kv.
+- paged_batch: paged decode at a large batch, the paged plan's stages against 3, 2, and 2 with the
+  dense path's register cap; beside dense decode and SDPA.
 - decode: split-KV decode shapes under several programs-per-SM targets and
   tile configurations, against SDPA.
 - graphs: a serving decode step (append_kv + paged_attention) eager against CUDA-graph replay.
@@ -288,7 +290,8 @@ def paged():
         print("; ".join(line), flush=True)
 
 
-# (backend, None: the shipped configuration, or (keys per step | None: the shipped one, warps, stages))
+# (backend, None: the shipped configuration, or (keys per step | None: the shipped one, warps, stages
+# [, maxnreg]))
 PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", (16, 4, 6))]  # 16: a page per step
 
 
@@ -301,9 +304,9 @@ def _paged_variant(variant):
 
     def config(backend, block_d, block_dv, rows, page, dtype):
         base = shipped(backend, block_d, block_dv, rows, page, dtype)
-        block_n, warps, stages = variant
+        block_n, warps, stages, *cap = variant
         return dataclasses.replace(base, block_n=max(page, block_n or base.block_n), num_warps=warps,
-                                   num_stages=stages)
+                                   num_stages=stages, maxnreg=cap[0] if cap else None)
 
     if variant is not None:
         paged_module.paged_config = config
@@ -311,6 +314,45 @@ def _paged_variant(variant):
         yield
     finally:
         paged_module.paged_config = shipped
+
+
+def paged_batch():
+    """Paged decode at a large batch (more programs than 2 an SM, unsplit), where the paged plan's
+    deep pipeline (up to 160 KB of stages: 1 program an SM) meets the dense path's large-batch
+    rule (2 stages, 128 registers): K/V TB/s by graph replay, shipped / 3 stages / 2 stages / 2 stages
+    and the cap, both backends, beside our dense decode (the rule on) and SDPA's (bf16, D 128)."""
+    from common import paged_attention
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = [None, (None, 4, 3), (None, 4, 2), (None, 4, 2, 128)]
+    for B, H, H_kv, Lk, page in [(64, 32, 8, 4096, 16), (64, 32, 8, 4096, 64), (16, 32, 32, 4096, 64),
+                                 (32, 32, 8, 8192, 64), (8, 32, 8, 16384, 64)]:
+        k, v = (torch.randn(B, H_kv, Lk, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        q = torch.randn(B, H, 1, 128, dtype=torch.bfloat16, device="cuda")
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        pages = Lk // page
+        table = torch.randperm(B * pages, device="cuda").view(B, pages).to(torch.int32)
+        caches = []
+        for x in (k, v):
+            cache = torch.empty(B * pages, page, H_kv, 128, dtype=x.dtype, device="cuda")
+            cache[table.long()] = x.view(B, H_kv, pages, page, 128).permute(0, 2, 3, 1, 4)
+            caches.append(cache)
+        lengths = torch.full((B,), Lk, dtype=torch.int32, device="cuda")
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        sdpa = gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20)
+        line = [f"B={B} H={H}/{H_kv} Lk={Lk} page {page} ({B * H_kv / sms:.2f} programs/SM): sdpa {sdpa:.2f}"]
+        for backend in ("triton", "ninetoothed"):
+            dense = gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+            times = []
+            for variant in variants:
+                with _paged_variant(variant):
+                    out = paged_attention(q, *caches, table, lengths, enable_gqa=True, backend=backend)
+                    bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
+                    t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                               backend=backend), replays=20)
+                times.append(f"{gb / t:.2f}{bad}")
+            line.append(f"{backend} dense {dense:.2f} paged " + " / ".join(times))
+        print("  ".join(line), flush=True)
 
 
 def _graph_time_ms(fn, replays: int = 50) -> float:
@@ -492,13 +534,21 @@ def steps():
         prepared = plan.rebind_forward(template, q, k, v)
         captured = {}
         launch = ta._fwd_launcher.launch
-        ta._fwd_launcher.launch = lambda grid, args, nw, ns: captured.update(grid=grid, args=args, nw=nw, ns=ns)
+        ta._fwd_launcher.launch = lambda grid, args, nw, ns, maxnreg=None: captured.update(grid=grid, args=args,
+                                                                                           nw=nw, ns=ns)
         module.forward(prepared)
         ta._fwd_launcher.launch = launch
         grid, args, nw, ns = captured["grid"], captured["args"], captured["nw"], captured["ns"]
         compiled = list(ta._fwd_launcher._by_value.values())[-1]
         grid3 = (*grid, 1, 1)[:3]
         addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        # Triton's compiled-kernel launch in its parts (triton 3.6's CompiledKernel.__getitem__: the
+        # current device and stream, the launch metadata for the hooks, then its launcher object)
+        import triton
+
+        knobs = triton.knobs.runtime
+        stream = torch.cuda.current_stream().cuda_stream
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
 
         def forward_stubbed():  # module.forward with the launch itself left out
             ta._fwd_launcher.launch = lambda *a: None
@@ -524,6 +574,12 @@ def steps():
             # the same launch with each tensor as its address (what a bound launch passes, BoundKernel.run_compiled):
             # Triton's launcher then makes no data_ptr() call or CUDA pointer query per tensor
             "compiled[grid](*addresses)": wall_time_us(lambda: compiled[grid3](*addresses)),
+            "device+stream": wall_time_us(lambda: torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()),
+                                          device="cpu"),
+            "launch_metadata": wall_time_us(lambda: compiled.launch_metadata(grid3, stream, *addresses), device="cpu"),
+            "compiled.run(*addresses)": wall_time_us(lambda: run(*grid3, stream, function, packed, None,
+                                                                 knobs.launch_enter_hook, knobs.launch_exit_hook,
+                                                                 *addresses)),
             "torch.empty(out)": wall_time_us(lambda: torch.empty(q.shape, dtype=dtype, device="cuda"), device="cpu"),
         }
         print(label + ": " + "  ".join(f"{name} {t:.1f}" for name, t in times.items()), flush=True)
