@@ -272,3 +272,30 @@ def test_ninetoothed_helpers_define_in_a_generated_module():
         # (dont_inherit: not this module's ``from __future__ import annotations``)
         exec(compile(source.removeprefix("@triton.jit\n"), "generated", "exec", dont_inherit=True), namespace)
         assert callable(namespace[helper.__name__])
+
+
+def test_a_plans_register_cap_reaches_each_backends_launch(device):
+    """A forward plan's register cap (what ``common.plan.shallow_stages`` sets on a GPU) is in the
+    Triton forward's launch and its bound launch, and NineToothed makes a handle of its own for
+    it, whose routed launch passes it."""
+    import dataclasses
+
+    import impl_ninetoothed.attention as nt
+    import impl_triton.attention as ta
+    from common.backends import get_backend
+    from common.launch import routed_kernel
+    from common.plan import make_forward
+    from common.validation import check_call
+
+    q, k, v = (torch.randn(1, 2, 3, 16, device=device) for _ in range(3))
+    backend = get_backend("triton")
+    call = check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False, return_lse=False)
+    plan = make_forward(call, backend, with_lse=False)
+    plan.config = dataclasses.replace(plan.config, maxnreg=96)
+    assert ta._forward_launch(plan)[4] == 96
+    assert ta.bind_forward(plan).maxnreg == 96
+    capped = nt._make(nt.premake, 16, 16, 16, 16, None, num_warps=1, num_stages=1, maxnreg=96)
+    plain = nt._make(nt.premake, 16, 16, 16, 16, None, num_warps=1, num_stages=1)
+    assert capped is not plain
+    assert (routed_kernel(capped).maxnreg, routed_kernel(plain).maxnreg) == (96, None)
