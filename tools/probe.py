@@ -676,8 +676,9 @@ def stages():
 def maxnreg():
     """The `stages` shapes at D 128 (3 and 2 stages) and the D 64 forward (L 4k and 16k), with every
     kernel this process compiles capped at $PROBE_MAXNREG registers (Triton's ``maxnreg`` launch
-    option, which our launch path does not pass: put in here by wrapping
-    ``CachedLauncher._compile_fitting``); run once per cap and once without (a process each:
+    option; our launch path passes a config's, which the plan sets for many-program decode only:
+    here every compile is capped, by wrapping ``CachedLauncher._compile_fitting``, and the decode
+    shapes run forced configs, which carry none); run once per cap and once without (a process each:
     compiled kernels are cached per process). The decode shapes run uncapped and at caps up to
     128, the forward uncapped and at caps from 160. Compiled by triton 3.6 on the CPU,
     NineToothed's D 128 decode kernel takes 143 registers with 2 stages (3 programs an SM), 123
