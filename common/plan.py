@@ -446,13 +446,14 @@ def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config, split count, (split) blocks
-    per split (NineToothed's tile size) and own-merge choice; where none is yet, launch it through the backend and
+    outputs allocated) through the launch bound to its config, split count and own-merge
+    choice (the blocks per split are a per-call argument of the Triton kernel, and NineToothed's
+    derives them from the keys' length); where none is yet, launch it through the backend and
     bind that launch (the backend's ``bind_forward(plan, keys=True)``, which may read what was
     just launched). False where the backend binds none for it: the caller launches the plan
     itself. The bound launch is kept as the template's ``grown``, for :func:`launch_grown`."""
     # (the own-merge choice too: it follows the keys' bytes, not only the split count)
-    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split else None, plan.kernel_merge)
+    key = (plan.config, plan.num_splits, plan.kernel_merge)
     bound = template.growing.get(key)
     if bound is False:
         return False
@@ -683,14 +684,16 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split
     of ``block_m`` rows each.
 
-    Splits only when the unsplit launch leaves the GPU short of programs.
-    ``blocks_per_split`` is a power of two (NineToothed makes it a tile size,
-    so each value is a compiled kernel) and every split holds at least one key
-    block; ``num_splits == 1`` means one program walks all the keys.
+    Splits only when the unsplit launch leaves the GPU short of programs. The
+    split count is that of splits of a power of two of key blocks (as many as the
+    GPU wants, rounded down), and ``blocks_per_split`` is ceil(k_blocks / num_splits):
+    what NineToothed's arrangement derives from the keys' length and the split count
+    (one compiled kernel for every split size); every split holds at least one key
+    block, and ceil(k_blocks / blocks_per_split) == num_splits. ``num_splits == 1``
+    means one program walks all the keys.
     """
     # Every key block counts (causal calls have already dropped the keys past
-    # Lq - 1 that no row sees); NineToothed's arrangement makes exactly
-    # ceil(k_blocks / blocks_per_split) splits of the same blocks.
+    # Lq - 1 that no row sees).
     k_blocks = -(-Lk // block_n)
     wanted = _forced_splits.get()
     if wanted is None:
@@ -704,8 +707,8 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     if wanted <= 1:
         return 1, k_blocks
     wanted = min(wanted, MAX_GRID_AXIS)
-    blocks_per_split = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
-    return -(-k_blocks // blocks_per_split), blocks_per_split
+    num_splits = -(-k_blocks // next_power_of_2(-(-k_blocks // min(wanted, k_blocks))))
+    return num_splits, -(-k_blocks // num_splits)
 
 
 def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int) -> Config:

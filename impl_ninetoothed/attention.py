@@ -89,7 +89,7 @@ def _row_slices(x, block_m):
 def _key_row(x, heads, m_blocks, block_n, block_d, blocks_per_split=None):
     """(B, H_kv, Lk, D) -> per program of (B, heads, m_blocks[, S]), the row of
     (BLOCK_N, D) tiles of the K/V head its query head reads (split: its split's
-    part of that row, BLOCKS_PER_SPLIT tiles). Query head h reads K/V head
+    part of that row, ``blocks_per_split`` tiles, a symbol: :func:`_split_blocks`). Query head h reads K/V head
     h // GROUP, so the H_kv heads are repeated GROUP times by broadcasting
     (expand), never by copying."""
     group = heads // x.shape[1]
@@ -117,6 +117,15 @@ def _mask_row(attn_mask, block_m, block_n, blocks_per_split=None):
     arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
     arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1))
     return arranged
+
+
+def _split_blocks(key, num_splits, block_n):
+    """The key blocks of each split, as the plan makes them (``common.plan.plan_splits``):
+    ceil(ceil(Lk / BLOCK_N) / S), in symbols of the keys' length and the partials' split count,
+    so that one compiled kernel serves every split size (a tile size of the arrangement; a
+    Python int here would be a kernel per value, compiled as a decode loop's cache grows)."""
+    k_blocks = (key.shape[2] + (block_n - 1)) // block_n
+    return (k_blocks + (num_splits - 1)) // num_splits
 
 
 def _per_split(arranged, num_splits):
@@ -231,17 +240,18 @@ def arrangement(
     query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     row_bands_lo, row_bands_hi, sinks, output, lse,
     BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME,
-    block_m, block_n, block_d, block_dv, blocks_per_split=None,
+    block_m, block_n, block_d, block_dv, split=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
-    of the keys when ``blocks_per_split`` is given.
+    of the keys when ``split``.
 
     Unsplit, output is (B, H, Lq, Dv) and lse (B, H, Lq); split, output is the
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
-    each program sees ``blocks_per_split`` key blocks instead of all of them.
+    each program sees its split's key blocks (:func:`_split_blocks`) instead of all of them.
     """
     query_arranged = _rows(query, block_m, block_d)
     m_blocks = query_arranged.shape[2]
+    blocks_per_split = _split_blocks(key, output.shape[3], block_n) if split else None
     key_arranged = _key_row(key, query.shape[1], m_blocks, block_n, block_d, blocks_per_split)
     value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
     attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
@@ -747,13 +757,12 @@ _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).in
 _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("size", _LSE_PART, 1), ("stride", _LSE_PART, 0))
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
-    """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
+def premake(head_dim, head_dim_v, block_m, block_n, split=False):
+    """The forward; with ``split``, its split-KV variant (see ``arrangement``)."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v), blocks_per_split=blocks_per_split,
+        block_dv=padded_head_dim(head_dim_v), split=split,
     )
-    split = blocks_per_split is not None
     tensors = (
         *_attention_inputs(head_dim, head_dim_v),
         Tensor(0),  # scale (runtime float)
@@ -1047,7 +1056,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             apply_interpreter_fixes()
             use_private_cache()
             name = "_".join(["nt_attention", premake_fn.__name__.removeprefix("premake")[1:] or "fwd",
-                             *(str(a) for a in args if a is not None)])
+                             *("split" if a is True else str(a) for a in args if a is not None)])
             handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)
@@ -1057,7 +1066,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             handle._launch.__globals__.setdefault("tl", tl)
             for helper in JIT_HELPERS:
                 handle._launch.__globals__.setdefault(helper.__name__, helper)
-            loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4] is not None
+            loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
                      else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
             handle = _made[key] = route_generated_launch(handle, loose, maxnreg)
     return handle
@@ -1126,7 +1135,7 @@ def _attention_launch(plan) -> tuple:
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, True if plan.split else None,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
     inputs = (q, plan.key, plan.value, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
               plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
@@ -1294,8 +1303,8 @@ class BoundForward:
             self.merge((tensors[5], tensors[6], tensors[3], tensors[4]))
 
     def launch_keys(self, tensors, blocks_per_split: int) -> None:
-        """Launch for keys of another length and strides (bound with ``keys``; the blocks per
-        split are the kernel's own: NineToothed makes them a tile size)."""
+        """Launch for keys of another length and strides (bound with ``keys``; the kernel
+        derives the blocks per split from the keys' length and the split count)."""
         self(tensors)
 
     def launch_plan(self, plan) -> None:

@@ -492,8 +492,9 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     launch of a kernel is what Triton would compile that same kernel for (the same constexprs,
     the same class of each specialised argument) but for the keys' length (Lk, or
     NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 16
-    steps). (NineToothed's kernels per blocks per split and per split count's power of two are
-    kernels of their own, by name: its tile sizes.) Right at a few steps."""
+    steps). NineToothed's split forward is one kernel for every split size (its arrangement
+    derives it from the keys' length and the split count); its combine is a kernel per power of
+    two of the split count (a tile size, by name). Right at a few steps."""
     from triton.runtime import interpreter
 
     from common import dispatch, plan
@@ -545,6 +546,8 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
             assert ("_merge_kernel" in step_kernels) == (Lk >= 400), Lk
     wanted = ("_attn_fwd", "_merge_kernel") if backend == "triton" else ("nt_attention_fwd", "nt_attention_combine")
     assert all(any(name.startswith(w) for name in seen) for w in wanted), sorted(seen)  # both merges taken
+    if backend == "ninetoothed":  # split sizes 1-8 blocks, one split forward
+        assert len([name for name in seen if name.startswith("nt_attention_fwd")]) == 1, sorted(seen)
     for name, classes in seen.items():
         differ = {c for c in set.union(*map(set, classes)) if not all(c in one for one in classes)}
         assert len(classes) == 1, f"{name} specialised on what grows: {sorted(differ, key=str)}"
@@ -681,7 +684,9 @@ def test_split_merge_on_two_streams(device, monkeypatch):
 
 
 def test_split_plan():
-    """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
+    """The heuristic splits only short launches over long keys: as many splits as ranges of a
+    power of two of key blocks make, each of ceil(key blocks / splits) blocks (what NineToothed's
+    arrangement derives from the keys' length and the split count), none empty."""
     from common.plan import INTERPRETER_SMS, MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
 
     cpu = torch.device("cpu")  # under the interpreter: plan.INTERPRETER_SMS
@@ -689,7 +694,14 @@ def test_split_plan():
     assert plan_splits(full, 1 << 16, 64, cpu) == (1, 1024)  # enough programs already
     assert plan_splits(1, MIN_SPLIT_KEYS - 64, 64, cpu) == (1, MIN_SPLIT_KEYS // 64 - 1)  # too few keys
     splits, per_split = plan_splits(1, 5000, 64, cpu)  # 79 key blocks, one program
-    assert splits > 1 and per_split & (per_split - 1) == 0 and (splits - 1) * per_split < 79 <= splits * per_split
+    assert splits > 1 and (splits - 1) * per_split < 79 <= splits * per_split
+    for blocks in range(1, 200):
+        for wanted in range(2, 41):
+            with force_splits(wanted):
+                splits, per_split = plan_splits(1, blocks * 16, 16, cpu)
+            power = 1 << max(0, (-(-blocks // min(wanted, blocks)) - 1).bit_length())
+            assert splits == -(-blocks // power), (blocks, wanted)
+            assert per_split == -(-blocks // splits) and -(-blocks // per_split) == splits, (blocks, wanted)
     with force_splits(1000):
         assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
     with force_splits(1):
