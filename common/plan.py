@@ -104,6 +104,11 @@ MIN_SPLIT_KEYS = 2048
 # splits x Dv): 64 registers a thread in 4 warps.
 COMBINE_ROWS = 16
 MERGE_TILE = 8192
+# NineToothed's merge takes every split in one tile, a power of two of them wide: at least this
+# many on a GPU (the Triton merge's splits per step), so that a growing cache's split counts up
+# to it share one compiled merge; under the interpreter, the count's own power of two (a padded
+# split costs as much as a real one there).
+MIN_MERGE_SPLITS = 32
 # The Triton kernel merges its own splits (the last program of a row block folds them
 # in, one launch) while num_splits x BLOCK_M is at most KERNEL_MERGE_MAX; above it one
 # program's fold of that many partial rows outlasts a merge launch spread over the GPU
@@ -370,7 +375,7 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
-    block_s = next_power_of_2(plan.num_splits)
+    block_s = merge_splits(plan.num_splits, interpreted)
     plan.merge = Merge(rows, combine_rows(rows, interpreted, block_s, plan.block_dv), block_s) if (
         plan.num_splits > 1) else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
@@ -753,6 +758,11 @@ def kernel_merges(num_splits: int, block_m: int, kv_bytes: int) -> bool:
     reading ``kv_bytes`` of keys and values (KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES), or a
     merge launch does."""
     return num_splits > 1 and (num_splits * block_m <= KERNEL_MERGE_MAX or kv_bytes < KERNEL_MERGE_MIN_BYTES)
+
+
+def merge_splits(num_splits: int, interpreted: bool) -> int:
+    """The split tile of a merge of ``num_splits`` splits (MIN_MERGE_SPLITS)."""
+    return next_power_of_2(num_splits) if interpreted else max(MIN_MERGE_SPLITS, next_power_of_2(num_splits))
 
 
 def combine_rows(rows: int, interpreted: bool, block_s: int, block_dv: int) -> int:

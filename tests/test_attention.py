@@ -494,7 +494,8 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 16
     steps). NineToothed's split forward is one kernel for every split size (its arrangement
     derives it from the keys' length and the split count); its combine is a kernel per power of
-    two of the split count (a tile size, by name). Right at a few steps."""
+    two of the split count here (a tile size, by name; on a GPU at least plan.MIN_MERGE_SPLITS
+    wide). Right at a few steps."""
     from triton.runtime import interpreter
 
     from common import dispatch, plan
@@ -706,6 +707,17 @@ def test_split_plan():
         assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
     with force_splits(1):
         assert plan_splits(1, 1 << 16, 64, cpu) == (1, 1024)
+
+
+def test_merge_split_tile():
+    """NineToothed's merge takes every split in one tile: on a GPU at least MIN_MERGE_SPLITS wide
+    (one compiled merge for a growing cache's split counts up to it), under the interpreter the
+    count's own power of two; rows per program as the Triton merge's for that tile."""
+    from common.plan import MERGE_TILE, MIN_MERGE_SPLITS, combine_rows, merge_splits
+
+    assert [merge_splits(s, False) for s in (2, 5, 32, 33)] == [MIN_MERGE_SPLITS] * 3 + [64]
+    assert [merge_splits(s, True) for s in (2, 5, 32, 33)] == [2, 8, 32, 64]
+    assert combine_rows(1000, False, merge_splits(5, False), 128) == MERGE_TILE // (MIN_MERGE_SPLITS * 128)
 
 
 def test_split_plan_wide_rows(monkeypatch):
