@@ -580,6 +580,10 @@ def steps():
             "compiled.run(*addresses)": wall_time_us(lambda: run(*grid3, stream, function, packed, None,
                                                                  knobs.launch_enter_hook, knobs.launch_exit_hook,
                                                                  *addresses)),
+            # no launch hooks registered: None for them and for their metadata (Triton's C launcher then calls
+            # no Python per launch)
+            "compiled.run, no hooks": wall_time_us(lambda: run(*grid3, stream, function, packed, None, None, None,
+                                                               *addresses)),
             "torch.empty(out)": wall_time_us(lambda: torch.empty(q.shape, dtype=dtype, device="cuda"), device="cpu"),
         }
         print(label + ": " + "  ".join(f"{name} {t:.1f}" for name, t in times.items()), flush=True)
