@@ -104,11 +104,10 @@ MIN_SPLIT_KEYS = 2048
 # splits x Dv): 64 registers a thread in 4 warps.
 COMBINE_ROWS = 16
 MERGE_TILE = 8192
-# NineToothed's merge takes every split in one tile, a power of two of them wide: at least this
-# many on a GPU (the Triton merge's splits per step), so that a growing cache's split counts up
-# to it share one compiled merge; under the interpreter, the count's own power of two (a padded
-# split costs as much as a real one there).
-MIN_MERGE_SPLITS = 32
+# Both merges (a launch of their own) walk a row's splits MERGE_SPLITS at a time, so that the
+# split counts of a growing cache share one compiled merge; under the interpreter, at most the
+# count's own power of two (a padded split costs as much as a real one there).
+MERGE_SPLITS = 32
 # The Triton kernel merges its own splits (the last program of a row block folds them
 # in, one launch) while num_splits x BLOCK_M is at most KERNEL_MERGE_MAX; above it one
 # program's fold of that many partial rows outlasts a merge launch spread over the GPU
@@ -125,8 +124,8 @@ MAX_GRID_AXIS = 65535
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Merge:
-    """The split merge: ``rows`` rows (B·H·Lq, flattened), BLOCK_R per program,
-    every split of a row at once (BLOCK_S = num_splits rounded up to a power of two)."""
+    """The split merge: ``rows`` rows (B·H·Lq, flattened), BLOCK_R per program, walking a
+    row's splits BLOCK_S at a time (:func:`merge_splits`)."""
 
     rows: int
     block_r: int
@@ -761,8 +760,8 @@ def kernel_merges(num_splits: int, block_m: int, kv_bytes: int) -> bool:
 
 
 def merge_splits(num_splits: int, interpreted: bool) -> int:
-    """The split tile of a merge of ``num_splits`` splits (MIN_MERGE_SPLITS)."""
-    return next_power_of_2(num_splits) if interpreted else max(MIN_MERGE_SPLITS, next_power_of_2(num_splits))
+    """The splits a merge of ``num_splits`` splits takes a step (MERGE_SPLITS)."""
+    return min(MERGE_SPLITS, next_power_of_2(num_splits)) if interpreted else MERGE_SPLITS
 
 
 def combine_rows(rows: int, interpreted: bool, block_s: int, block_dv: int) -> int:

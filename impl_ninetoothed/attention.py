@@ -419,11 +419,15 @@ def application(
 
 
 def combine_arrangement(o_part, lse_part, output, lse, WITH_LSE, block_r, block_s, block_dv):
-    """One program per BLOCK_R rows of the flattened (B·H·Lq) rows."""
-    # (R, S, Dv) -> programs (R / BLOCK_R,), each a (BLOCK_R, BLOCK_S, Dv) tile: every split at once
-    o_part_arranged = o_part.tile((block_r, block_s, block_dv)).squeeze((1, 2))
-    # (R, S) -> (BLOCK_R, BLOCK_S) tiles
-    lse_part_arranged = lse_part.tile((block_r, block_s)).squeeze(1)
+    """One program per BLOCK_R rows of the flattened (B·H·Lq) rows, walking their splits
+    BLOCK_S at a time (as the Triton merge, :func:`impl_triton.attention._merge_kernel`): the
+    split count is a size, not a tile size, so no split count compiles a merge of its own."""
+    # (R, S, Dv) -> programs (R / BLOCK_R,), each a row of S / BLOCK_S (BLOCK_R, BLOCK_S, Dv) tiles
+    o_part_arranged = o_part.tile((block_r, block_s, block_dv)).tile((1, -1, -1)).squeeze((1, 2))
+    o_part_arranged.dtype = o_part_arranged.dtype.squeeze((0, 2))
+    # (R, S) -> a row of (BLOCK_R, BLOCK_S) tiles
+    lse_part_arranged = lse_part.tile((block_r, block_s)).tile((1, -1)).squeeze(1)
+    lse_part_arranged.dtype = lse_part_arranged.dtype.squeeze(0)
     # (R, Dv) -> (BLOCK_R, Dv) tiles; (R,) -> (BLOCK_R,) slices
     output_arranged = output.tile((block_r, block_dv)).squeeze(1)
     lse_arranged = lse.tile((block_r,))
@@ -431,17 +435,26 @@ def combine_arrangement(o_part, lse_part, output, lse, WITH_LSE, block_r, block_
 
 
 def combine_application(o_part, lse_part, output, lse, WITH_LSE):
-    """Merge the splits: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s).
+    """Merge the splits, folded as an online softmax: o = sum_s w_s o_s / sum_s w_s,
+    w_s = exp(lse_s - max_s lse_s).
 
     A split whose rows saw no key has lse_s = -inf and weighs 0.
     """
-    m = ntl.max(lse_part, 1)
-    m = ntl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
-    w = ntl.exp(lse_part - m[:, None])
-    l = ntl.sum(w, 1)  # noqa: E741
-    output = ntl.sum(w[:, :, None] * o_part, 1) / ntl.where(l == 0.0, 1.0, l)[:, None]  # noqa: F841
+    m = ntl.full((output.shape[0],), float("-inf"), dtype=ntl.float32)
+    l = ntl.zeros((output.shape[0],), dtype=ntl.float32)  # noqa: E741
+    o = ntl.zeros(output.shape, dtype=ntl.float32)
+    for s in range(lse_part.shape[0]):
+        lse_s = lse_part[s]
+        m_new = ntl.maximum(m, ntl.max(lse_s, 1))
+        m_sub = ntl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet: weights 0, not NaN
+        alpha = ntl.exp(m - m_sub)
+        w = ntl.exp(lse_s - m_sub[:, None])
+        l = l * alpha + ntl.sum(w, 1)  # noqa: E741
+        o = o * alpha[:, None] + ntl.sum(w[:, :, None] * o_part[s], 1)
+        m = m_new
+    output = o / ntl.where(l == 0.0, 1.0, l)[:, None]  # noqa: F841
     if WITH_LSE:
-        lse = m + ntl.log(l)  # noqa: F841 (a store; log(0) = -inf: no key at all)
+        lse = ntl.where(m == float("-inf"), 0.0, m) + ntl.log(l)  # noqa: F841 (a store; log(0) = -inf: no key at all)
 
 
 # -- backward ----------------------------------------------------------------------------------

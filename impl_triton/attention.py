@@ -1044,20 +1044,15 @@ def _merge_launch(plan, head_dim_v: int, lse) -> tuple:
     plan (dense or paged) whose kernel does not merge its own splits; ``lse``: the merged
     log-sum-exp to write, or None."""
     merge = plan.merge
-    # MERGE_SPLITS splits at a time whatever their number, and rows per program for a tile of
-    # that many splits (not the plan's, sized for NineToothed's tile of every split): no split
-    # count of a growing cache compiles a kernel of its own. At B 1, Lk 64k (32 splits of 16
-    # rows of 128) a 16-row tile spilled here and the merge took ~50 us; at 2 rows, a few.
-    block_r = _plan.combine_rows(merge.rows, INTERPRETED, MERGE_SPLITS, plan.block_dv)
+    # (the plan's steps of common.plan.MERGE_SPLITS splits whatever their number, and rows per
+    # program for that tile: no split count of a growing cache compiles a kernel of its own. At
+    # B 1, Lk 64k (32 splits of 16 rows of 128) a 16-row tile spilled here and the merge took
+    # ~50 us; at 2 rows, a few.)
     args = _merge_launcher.positional((
         plan.o_part, plan.lse_part, plan.out, lse if lse is not None else plan.out, merge.rows, plan.num_splits,
-    ), dict(HEAD_DIM_V=head_dim_v, BLOCK_R=block_r, BLOCK_S=MERGE_SPLITS, BLOCK_DV=plan.block_dv,
+    ), dict(HEAD_DIM_V=head_dim_v, BLOCK_R=merge.block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv,
             WITH_LSE=lse is not None))
-    return (-(-merge.rows // block_r), 1, 1), args, 4, 1
-
-
-# _merge_kernel's splits per step (its tile: at most common.plan.MERGE_TILE elements, or one row)
-MERGE_SPLITS = 32
+    return (-(-merge.rows // merge.block_r), 1, 1), args, 4, 1
 
 
 def _forward_launch(plan) -> tuple:

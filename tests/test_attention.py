@@ -424,19 +424,18 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
 
 
 @pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 32), (64, 2)])
-def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile, merge_splits):
+def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile, merge_splits):
     """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
     plan.KERNEL_MERGE_MAX), the Triton kernel leaves the merge to a launch of its own
-    (_merge_kernel, every split at once): SDPA's output and lse on every call, planned, bound
-    and as the keys grow, with no ticket counter taken. (The outputs are poisoned: a merge
-    that did not run shows.) Small MERGE_TILE and MERGE_SPLITS: one row a program, the splits
-    two at a time (a loop of several steps, as at many splits)."""
+    (_merge_kernel; NineToothed's combine always is): SDPA's output and lse on every call,
+    planned, bound and as the keys grow, with no ticket counter taken. (The outputs are
+    poisoned: a merge that did not run shows.) Small MERGE_TILE and MERGE_SPLITS: one row a
+    program, the splits two at a time (a loop of several steps, as at many splits)."""
     from common import dispatch, launch, plan
     from common.plan import force_splits
-    from impl_triton import attention as kernels
 
     monkeypatch.setattr(plan, "MERGE_TILE", merge_tile)
-    monkeypatch.setattr(kernels, "MERGE_SPLITS", merge_splits)
+    monkeypatch.setattr(plan, "MERGE_SPLITS", merge_splits)
     monkeypatch.setattr(dispatch, "_templates", {})
     monkeypatch.setattr(dispatch, "_growing", {})
     monkeypatch.setattr(launch, "_counters", {})
@@ -447,14 +446,14 @@ def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile, merge_sp
         kwargs = sdpa_kwargs(case, mask)
         for _ in range(3):  # planned; planned and bound; through the bound launches
             with force_splits(splits):
-                out, lse = attention(q, k, v, backend="triton", return_lse=True, **kwargs)
+                out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
             check_output(out, q, k, v, **kwargs)
             check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
     q = torch.randn(1, 4, 1, 32, device=device)
     for Lk in (300, 301, 302, 303):  # a growing cache: its bound launch, its keys filled in
         k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
         with force_splits(3):
-            out = attention(q, k, v, enable_gqa=True, backend="triton")
+            out = attention(q, k, v, enable_gqa=True, backend=backend)
         check_output(out, q, k, v, enable_gqa=True)
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())  # no ticket
 
@@ -493,9 +492,9 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     the same class of each specialised argument) but for the keys' length (Lk, or
     NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 16
     steps). NineToothed's split forward is one kernel for every split size (its arrangement
-    derives it from the keys' length and the split count); its combine is a kernel per power of
-    two of the split count here (a tile size, by name; on a GPU at least plan.MIN_MERGE_SPLITS
-    wide). Right at a few steps."""
+    derives it from the keys' length and the split count), and so is its combine (the splits
+    MERGE_SPLITS a step, here 4: under the interpreter fewer where there are fewer splits).
+    Right at a few steps."""
     from triton.runtime import interpreter
 
     from common import dispatch, plan
@@ -506,6 +505,7 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     monkeypatch.setattr(dispatch, "_growing", {})
     monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
     monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 2 * 4 * 32 * 400)  # K and V of 400 keys (1 x 32, float32)
+    monkeypatch.setattr(plan, "MERGE_SPLITS", 4)
     seen = {}
     run = interpreter.InterpretedFunction.run
 
@@ -547,8 +547,8 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
             assert ("_merge_kernel" in step_kernels) == (Lk >= 400), Lk
     wanted = ("_attn_fwd", "_merge_kernel") if backend == "triton" else ("nt_attention_fwd", "nt_attention_combine")
     assert all(any(name.startswith(w) for name in seen) for w in wanted), sorted(seen)  # both merges taken
-    if backend == "ninetoothed":  # split sizes 1-8 blocks, one split forward
-        assert len([name for name in seen if name.startswith("nt_attention_fwd")]) == 1, sorted(seen)
+    if backend == "ninetoothed":  # split sizes 1-8 blocks and 4-40 splits: one split forward, one combine
+        assert [len([name for name in seen if name.startswith(w)]) for w in wanted] == [1, 1], sorted(seen)
     for name, classes in seen.items():
         differ = {c for c in set.union(*map(set, classes)) if not all(c in one for one in classes)}
         assert len(classes) == 1, f"{name} specialised on what grows: {sorted(differ, key=str)}"
@@ -709,15 +709,15 @@ def test_split_plan():
         assert plan_splits(1, 1 << 16, 64, cpu) == (1, 1024)
 
 
-def test_merge_split_tile():
-    """NineToothed's merge takes every split in one tile: on a GPU at least MIN_MERGE_SPLITS wide
-    (one compiled merge for a growing cache's split counts up to it), under the interpreter the
-    count's own power of two; rows per program as the Triton merge's for that tile."""
-    from common.plan import MERGE_TILE, MIN_MERGE_SPLITS, combine_rows, merge_splits
+def test_merge_split_step():
+    """Both merges walk the splits MERGE_SPLITS a step on a GPU whatever their number (one
+    compiled merge for every split count of a growing cache); under the interpreter at most
+    the count's own power of two; rows per program for that tile."""
+    from common.plan import MERGE_SPLITS, MERGE_TILE, combine_rows, merge_splits
 
-    assert [merge_splits(s, False) for s in (2, 5, 32, 33)] == [MIN_MERGE_SPLITS] * 3 + [64]
-    assert [merge_splits(s, True) for s in (2, 5, 32, 33)] == [2, 8, 32, 64]
-    assert combine_rows(1000, False, merge_splits(5, False), 128) == MERGE_TILE // (MIN_MERGE_SPLITS * 128)
+    assert [merge_splits(s, False) for s in (2, 5, 32, 33, 1000)] == [MERGE_SPLITS] * 5
+    assert [merge_splits(s, True) for s in (2, 5, 32, 33)] == [min(MERGE_SPLITS, n) for n in (2, 8, 32, 64)]
+    assert combine_rows(1000, False, merge_splits(5, False), 128) == MERGE_TILE // (MERGE_SPLITS * 128)
 
 
 def test_split_plan_wide_rows(monkeypatch):
@@ -917,12 +917,17 @@ def test_bound_launch_passes_addresses(backend, device, monkeypatch):
         keys[id(self)] = key
         launch_new(self, args, key)
 
-    class Compiled:
+    class Compiled:  # either launch form: kernel[grid](*args), or its launcher called directly
+        function, packed_metadata = None, None
+
         def __init__(self, owner):
             self.owner = owner
 
         def __getitem__(self, grid):
             return lambda *args: launches["direct"].__setitem__(id(self.owner), list(args))
+
+        def run(self, *args):  # grid (3), stream, function, metadata, launch metadata, hooks (2), arguments
+            launches["direct"][id(self.owner)] = list(args[9:])
 
     monkeypatch.setattr(BoundKernel, "launch_new", through_the_launcher)
     for kernel in kernels:
