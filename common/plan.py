@@ -79,6 +79,15 @@ PROGRAMS_PER_SM = 2
 # 4.08/4.05; with 16-row programs 1 per SM was not better (-5% to +3.5%).
 PROGRAMS_PER_SM_WIDE = 1
 WIDE_ROWS = 64
+# Split launches of tiles of this many rows or more split the keys into a power of two of
+# key blocks each, which NineToothed takes as a tile size (a kernel per value: a growing cache
+# compiles one per power of two); narrower tiles into ceil(key blocks / splits) blocks, which
+# NineToothed's arrangement derives from the keys' length and the split count (one kernel for
+# every split size). The derived size in a 64-row tile (Hopper's warpgroup MMA) had ptxas
+# serialize every MMA of the kernel (its C7515: the tile's zero accumulator set between an MMA
+# and its wait), 3.0-3.3 against 4.1 TB/s at B 8, 32/8 heads, Lq 16, Lk 16k on the H200
+# (benchmarks/NOTES.md, "Split sizes in symbols"); 16-row tiles use no warpgroup MMA.
+TILED_SPLIT_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
 # this many per SM pipelines two key blocks instead of three and caps registers at 128, so that
 # four programs of 4 warps share an SM (the Triton kernel's 16 x 64 tile at D 128: 70 KB of
@@ -450,14 +459,16 @@ def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config, split count and own-merge
-    choice (the blocks per split are a per-call argument of the Triton kernel, and NineToothed's
-    derives them from the keys' length); where none is yet, launch it through the backend and
-    bind that launch (the backend's ``bind_forward(plan, keys=True)``, which may read what was
-    just launched). False where the backend binds none for it: the caller launches the plan
-    itself. The bound launch is kept as the template's ``grown``, for :func:`launch_grown`."""
+    outputs allocated) through the launch bound to its config, split count, blocks per split
+    where they are a tile size (:func:`tiled_split`; else a per-call argument of the Triton
+    kernel, and NineToothed's derives them from the keys' length) and own-merge choice; where
+    none is yet, launch it through the backend and bind that launch (the backend's
+    ``bind_forward(plan, keys=True)``, which may read what was just launched). False where the
+    backend binds none for it: the caller launches the plan itself. The bound launch is kept
+    as the template's ``grown``, for :func:`launch_grown`."""
     # (the own-merge choice too: it follows the keys' bytes, not only the split count)
-    key = (plan.config, plan.num_splits, plan.kernel_merge)
+    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split and tiled_split(plan.config) else None,
+           plan.kernel_merge)
     bound = template.growing.get(key)
     if bound is False:
         return False
@@ -690,11 +701,12 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
 
     Splits only when the unsplit launch leaves the GPU short of programs. The
     split count is that of splits of a power of two of key blocks (as many as the
-    GPU wants, rounded down), and ``blocks_per_split`` is ceil(k_blocks / num_splits):
-    what NineToothed's arrangement derives from the keys' length and the split count
-    (one compiled kernel for every split size); every split holds at least one key
-    block, and ceil(k_blocks / blocks_per_split) == num_splits. ``num_splits == 1``
-    means one program walks all the keys.
+    GPU wants, rounded down), and ``blocks_per_split`` is that power of two where
+    ``block_m`` is TILED_SPLIT_ROWS or more (NineToothed's tile size), else
+    ceil(k_blocks / num_splits): what NineToothed's arrangement derives from the keys'
+    length and the split count (one compiled kernel for every split size). Every split
+    holds at least one key block, and ceil(k_blocks / blocks_per_split) == num_splits.
+    ``num_splits == 1`` means one program walks all the keys.
     """
     # Every key block counts (causal calls have already dropped the keys past
     # Lq - 1 that no row sees).
@@ -711,8 +723,15 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     if wanted <= 1:
         return 1, k_blocks
     wanted = min(wanted, MAX_GRID_AXIS)
-    num_splits = -(-k_blocks // next_power_of_2(-(-k_blocks // min(wanted, k_blocks))))
-    return num_splits, -(-k_blocks // num_splits)
+    power = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
+    num_splits = -(-k_blocks // power)
+    return num_splits, power if block_m >= TILED_SPLIT_ROWS else -(-k_blocks // num_splits)
+
+
+def tiled_split(config: Config) -> bool:
+    """A split launch of ``config`` splits the keys into a power of two of blocks each, a tile
+    size of NineToothed's kernel (TILED_SPLIT_ROWS), not a size its arrangement derives."""
+    return config.block_m >= TILED_SPLIT_ROWS
 
 
 def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int) -> Config:

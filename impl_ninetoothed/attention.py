@@ -61,7 +61,7 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, tiled_split
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
@@ -89,9 +89,9 @@ def _row_slices(x, block_m):
 def _key_row(x, heads, m_blocks, block_n, block_d, blocks_per_split=None):
     """(B, H_kv, Lk, D) -> per program of (B, heads, m_blocks[, S]), the row of
     (BLOCK_N, D) tiles of the K/V head its query head reads (split: its split's
-    part of that row, ``blocks_per_split`` tiles, a symbol: :func:`_split_blocks`). Query head h reads K/V head
-    h // GROUP, so the H_kv heads are repeated GROUP times by broadcasting
-    (expand), never by copying."""
+    part of that row, ``blocks_per_split`` tiles: an int, or a symbol of
+    :func:`_split_blocks`). Query head h reads K/V head h // GROUP, so the H_kv
+    heads are repeated GROUP times by broadcasting (expand), never by copying."""
     group = heads // x.shape[1]
     arranged = x.tile((1, 1, block_n, block_d))
     if blocks_per_split is None:
@@ -247,11 +247,15 @@ def arrangement(
 
     Unsplit, output is (B, H, Lq, Dv) and lse (B, H, Lq); split, output is the
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
-    each program sees its split's key blocks (:func:`_split_blocks`) instead of all of them.
+    each program sees its split's key blocks instead of all of them: ``split`` of them
+    (an int, a tile size), or with ``split="derived"`` as many as :func:`_split_blocks` derives
+    (``common.plan.tiled_split`` chooses).
     """
     query_arranged = _rows(query, block_m, block_d)
     m_blocks = query_arranged.shape[2]
-    blocks_per_split = _split_blocks(key, output.shape[3], block_n) if split else None
+    blocks_per_split = None
+    if split:
+        blocks_per_split = _split_blocks(key, output.shape[3], block_n) if split == "derived" else split
     key_arranged = _key_row(key, query.shape[1], m_blocks, block_n, block_d, blocks_per_split)
     value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
     attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
@@ -771,7 +775,8 @@ _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("size", _LSE_PART, 1), ("str
 
 
 def premake(head_dim, head_dim_v, block_m, block_n, split=False):
-    """The forward; with ``split``, its split-KV variant (see ``arrangement``)."""
+    """The forward; with ``split`` ("derived", or the key blocks of a split), its split-KV variant
+    (see ``arrangement``)."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
         block_dv=padded_head_dim(head_dim_v), split=split,
@@ -1069,7 +1074,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             apply_interpreter_fixes()
             use_private_cache()
             name = "_".join(["nt_attention", premake_fn.__name__.removeprefix("premake")[1:] or "fwd",
-                             *("split" if a is True else str(a) for a in args if a is not None)])
+                             *(str(a) for a in args if a is not None)])
             handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)
@@ -1148,7 +1153,8 @@ def _attention_launch(plan) -> tuple:
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, True if plan.split else None,
+    split = (plan.blocks_per_split if tiled_split(config) else "derived") if plan.split else None
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, split,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
     inputs = (q, plan.key, plan.value, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
               plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
@@ -1317,7 +1323,8 @@ class BoundForward:
 
     def launch_keys(self, tensors, blocks_per_split: int) -> None:
         """Launch for keys of another length and strides (bound with ``keys``; the kernel
-        derives the blocks per split from the keys' length and the split count)."""
+        derives the blocks per split from the keys' length and the split count, or has them as
+        its tile size: then bound per value, ``common.plan.launch_growing``)."""
         self(tensors)
 
     def launch_plan(self, plan) -> None:

@@ -280,6 +280,40 @@ def test_split_keys(case, num_splits, backend, device):
     check_lse(lse, q, k, **kwargs)
 
 
+@pytest.mark.parametrize("case", params([SPLIT_CASES[1], SPLIT_CASES[3]]))
+def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
+    """Splits of a power of two of key blocks (the form tiles of plan.TILED_SPLIT_ROWS rows and
+    more take: NineToothed's tile size) give SDPA's output and lse too; here every tile takes it,
+    and NineToothed's split forward is the kernel of that tile size."""
+    from common import dispatch, plan
+    from common.backends import get_backend
+    from common.plan import force_splits
+    from common.validation import check_call
+
+    monkeypatch.setattr(plan, "TILED_SPLIT_ROWS", 1)
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    q, k, v, mask = make_inputs(case, device)
+    kwargs = sdpa_kwargs(case, mask)
+    with force_splits(5):
+        for _ in range(2):  # planned, then bound where the call binds
+            out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+            check_output(out, q, k, v, **kwargs)
+            check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
+        call = check_call(get_backend(backend), q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0,
+                          is_causal=case.causal, scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"],
+                          return_lse=True)
+        planned = plan.make_forward(call, get_backend(backend), with_lse=True)
+    per_split = planned.blocks_per_split
+    assert planned.num_splits > 1 and per_split & (per_split - 1) == 0, (planned.num_splits, per_split)
+    if backend == "ninetoothed":
+        from impl_ninetoothed import attention as kernels
+
+        made = {key[1][4] for key in kernels._made if key[0] is kernels.premake and key[1][2:4] == (
+            planned.config.block_m, planned.config.block_n)}
+        assert per_split in made, made
+
+
 def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
     """Outside poisoning, a split launch's partials are views of its stream's scratch buffer:
     calls one after the other reuse it (no allocation per decode step) and each is right; a
@@ -687,8 +721,16 @@ def test_split_merge_on_two_streams(device, monkeypatch):
 def test_split_plan():
     """The heuristic splits only short launches over long keys: as many splits as ranges of a
     power of two of key blocks make, each of ceil(key blocks / splits) blocks (what NineToothed's
-    arrangement derives from the keys' length and the split count), none empty."""
-    from common.plan import INTERPRETER_SMS, MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
+    arrangement derives from the keys' length and the split count), or for tiles of
+    TILED_SPLIT_ROWS rows and more of that power of two; none empty."""
+    from common.plan import (
+        INTERPRETER_SMS,
+        MIN_SPLIT_KEYS,
+        PROGRAMS_PER_SM,
+        TILED_SPLIT_ROWS,
+        force_splits,
+        plan_splits,
+    )
 
     cpu = torch.device("cpu")  # under the interpreter: plan.INTERPRETER_SMS
     full = PROGRAMS_PER_SM * INTERPRETER_SMS // 2
@@ -703,6 +745,8 @@ def test_split_plan():
             power = 1 << max(0, (-(-blocks // min(wanted, blocks)) - 1).bit_length())
             assert splits == -(-blocks // power), (blocks, wanted)
             assert per_split == -(-blocks // splits) and -(-blocks // per_split) == splits, (blocks, wanted)
+            with force_splits(wanted):
+                assert plan_splits(1, blocks * 16, 16, cpu, block_m=TILED_SPLIT_ROWS) == (splits, power)
     with force_splits(1000):
         assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
     with force_splits(1):
