@@ -115,8 +115,12 @@ COMBINE_ROWS = 16
 MERGE_TILE = 8192
 # Both merges (a launch of their own) walk a row's splits MERGE_SPLITS at a time, so that the
 # split counts of a growing cache share one compiled merge; under the interpreter, at most the
-# count's own power of two (a padded split costs as much as a real one there).
-MERGE_SPLITS = 32
+# count's own power of two (a padded split costs as much as a real one there). Measured on the
+# H200 (bf16, D 128, K/V TB/s of the whole decode, NineToothed / Triton with its merge launch;
+# benchmarks/NOTES.md, "Split sizes in symbols"): 8 a step 3.95 / 3.98 at B 8, Lq 16, Lk 16k
+# (2 splits of 4096 rows; 32 a step: 3.72 / 3.82, most of each tile padding), 3.64 / 3.63 at
+# B 1, Lq 16, Lk 64k (32 splits; 32 a step: 3.62 / 3.66), 2 and 4 a step slower there.
+MERGE_SPLITS = 8
 # The Triton kernel merges its own splits (the last program of a row block folds them
 # in, one launch) while num_splits x BLOCK_M is at most KERNEL_MERGE_MAX; above it one
 # program's fold of that many partial rows outlasts a merge launch spread over the GPU
@@ -542,7 +546,7 @@ def reuse_key():
     if _forced_tma.get():
         return None
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES)
+            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS, TILED_SPLIT_ROWS)
 
 
 def tensorless_fields(plan) -> list:

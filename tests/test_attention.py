@@ -457,7 +457,7 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
-@pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 32), (64, 2)])
+@pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 8), (64, 2)])
 def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile, merge_splits):
     """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
     plan.KERNEL_MERGE_MAX), the Triton kernel leaves the merge to a launch of its own
@@ -592,8 +592,8 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
 def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
     """A decode loop whose cache grows across KERNEL_MERGE_MIN_BYTES (the Triton kernel's own
     merge below it, a merge launch above) and through split counts 20-28: the attention kernel
-    is compiled once (the switch is an argument) and the merge kernel once (32 splits a step
-    whatever their number); every step right."""
+    is compiled once (the switch is an argument) and the merge kernel once (plan.MERGE_SPLITS
+    splits a step whatever their number); every step right."""
     from common import dispatch, plan
     from impl_triton import attention as kernels
 

@@ -652,6 +652,8 @@ def merge_steps():
     and the Triton kernel with its own merge turned off (its merge launch every call)."""
     shapes = [(8, 32, 8, 16, 16384), (1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 1, 16384),
               (1, 32, 32, 1, 32768), (4, 32, 8, 1, 3000)]
+    if os.environ.get("SWEEP_SHAPES"):  # as split_sweep's
+        shapes = [tuple(map(int, shape.split(":"))) for shape in os.environ["SWEEP_SHAPES"].split()]
     from common import dispatch
 
     saved = plan.MERGE_SPLITS, plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES
