@@ -132,13 +132,15 @@ class CachedLauncher:
     def compiled(self, args, num_warps: int, num_stages: int, maxnreg: int | None = None):
         """The compiled kernel a launch of ``args`` (as :meth:`run` takes them) went to, once the
         by-value cache holds it; None before that, under the interpreter, and for a kernel that
-        needs global scratch memory at launch (which :meth:`run` provides)."""
+        needs scratch memory at launch: global (which :meth:`run` provides) or a profiler's."""
         if not self.enabled or self._roles is None:
             return None
         tensors, scalars = self._roles[0](args), self._roles[1](args)
         layout = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
         kernel = self._by_value.get((scalars, layout, num_warps, num_stages, maxnreg, torch.cuda.current_device()))
-        if kernel is None or getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0):
+        metadata = getattr(kernel, "metadata", None)
+        if kernel is None or getattr(metadata, "global_scratch_size", 0) or getattr(
+                metadata, "profile_scratch_size", 0):
             return None
         return kernel
 
@@ -236,8 +238,17 @@ class BoundKernel:
         """Launch ``kernel`` (``kernels[key]``, a compiled kernel) with ``args``, every argument
         positional and each tensor as its address (an int): Triton's launcher takes an int as it
         is, where a tensor costs a ``data_ptr()`` call and a CUDA driver query (the pointer's
-        attributes) per launch; our tensors are checked CUDA tensors already."""
-        kernel[self.grid](*args)
+        attributes) per launch; our tensors are checked CUDA tensors already. Where no launch
+        hook is registered (a profiler's) and this Triton's compiled-kernel launch has the form
+        :func:`direct_launches` knows, its launcher is called as ``kernel[grid](*args)`` would
+        call it, without the launch metadata and the empty hook chains (Python calls per
+        launch that do nothing then)."""
+        if _direct and not _hooked():
+            grid = self.grid
+            kernel.run(grid[0], grid[1], grid[2], _raw_stream(_current_device()), kernel.function,
+                       kernel.packed_metadata, None, None, None, *args)
+        else:
+            kernel[self.grid](*args)
 
     def launch_new(self, args, key) -> None:
         """Launch through the launcher (compiling where needed; ``args`` every argument positional,
@@ -247,6 +258,37 @@ class BoundKernel:
         kernel = self.launcher.compiled(args, self.num_warps, self.num_stages, self.maxnreg)
         if kernel is not None:
             self.kernels[key] = kernel
+
+
+def direct_launches() -> bool:
+    """Whether Triton's compiled-kernel launch (``CompiledKernel.__getitem__``) is the one read
+    here: its runner calls ``self.run(grid[0], grid[1], grid[2], stream, self.function,
+    self.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` (triton 3.6-3.9), and
+    its hooks are chains whose ``calls`` say whether any is registered. Read once, from the
+    source; False for any other form (the launch then goes through ``kernel[grid]``)."""
+    try:
+        from triton import knobs
+        from triton.compiler.compiler import CompiledKernel
+
+        source = " ".join(inspect.getsource(CompiledKernel.__getitem__).split())
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    expected = ("self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata, "
+                "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)")
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return expected in source and all(isinstance(getattr(h, "calls", None), list) for h in hooks)
+
+
+def _hooked() -> bool:
+    """A launch hook is registered (e.g. by a profiler): launches go through Triton's own path."""
+    runtime = triton.knobs.runtime
+    return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
+
+
+_direct = direct_launches()
+_current_device = torch.cuda.current_device
+_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+_direct = _direct and _raw_stream is not None
 
 
 def inputs_aligned(tensors) -> bool:

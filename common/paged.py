@@ -391,7 +391,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.dot_precision = planning.dot_precision(query.dtype)
     if plan.split:  # (the outputs are allocated at launch: _launch)
         rows = B * Hp * Lqp
-        block_s = next_power_of_2(plan.num_splits)
+        block_s = planning.merge_splits(plan.num_splits, backend.interpreted())
         plan.merge = planning.Merge(rows, planning.combine_rows(rows, backend.interpreted(), block_s, plan.block_dv),
                                     block_s)
         # (the bytes the table can address: the lengths themselves are on the device)

@@ -79,6 +79,15 @@ PROGRAMS_PER_SM = 2
 # 4.08/4.05; with 16-row programs 1 per SM was not better (-5% to +3.5%).
 PROGRAMS_PER_SM_WIDE = 1
 WIDE_ROWS = 64
+# Split launches of tiles of this many rows or more split the keys into a power of two of
+# key blocks each, which NineToothed takes as a tile size (a kernel per value: a growing cache
+# compiles one per power of two); narrower tiles into ceil(key blocks / splits) blocks, which
+# NineToothed's arrangement derives from the keys' length and the split count (one kernel for
+# every split size). The derived size in a 64-row tile (Hopper's warpgroup MMA) had ptxas
+# serialize every MMA of the kernel (its C7515: the tile's zero accumulator set between an MMA
+# and its wait), 3.0-3.3 against 4.1 TB/s at B 8, 32/8 heads, Lq 16, Lk 16k on the H200
+# (benchmarks/NOTES.md, "Split sizes in symbols"); 16-row tiles use no warpgroup MMA.
+TILED_SPLIT_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
 # this many per SM pipelines two key blocks instead of three and caps registers at 128, so that
 # four programs of 4 warps share an SM (the Triton kernel's 16 x 64 tile at D 128: 70 KB of
@@ -104,6 +113,14 @@ MIN_SPLIT_KEYS = 2048
 # splits x Dv): 64 registers a thread in 4 warps.
 COMBINE_ROWS = 16
 MERGE_TILE = 8192
+# Both merges (a launch of their own) walk a row's splits MERGE_SPLITS at a time, so that the
+# split counts of a growing cache share one compiled merge; under the interpreter, at most the
+# count's own power of two (a padded split costs as much as a real one there). Measured on the
+# H200 (bf16, D 128, K/V TB/s of the whole decode, NineToothed / Triton with its merge launch;
+# benchmarks/NOTES.md, "Split sizes in symbols"): 8 a step 3.95 / 3.98 at B 8, Lq 16, Lk 16k
+# (2 splits of 4096 rows; 32 a step: 3.72 / 3.82, most of each tile padding), 3.64 / 3.63 at
+# B 1, Lq 16, Lk 64k (32 splits; 32 a step: 3.62 / 3.66), 2 and 4 a step slower there.
+MERGE_SPLITS = 8
 # The Triton kernel merges its own splits (the last program of a row block folds them
 # in, one launch) while num_splits x BLOCK_M is at most KERNEL_MERGE_MAX; above it one
 # program's fold of that many partial rows outlasts a merge launch spread over the GPU
@@ -120,8 +137,8 @@ MAX_GRID_AXIS = 65535
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Merge:
-    """The split merge: ``rows`` rows (B·H·Lq, flattened), BLOCK_R per program,
-    every split of a row at once (BLOCK_S = num_splits rounded up to a power of two)."""
+    """The split merge: ``rows`` rows (B·H·Lq, flattened), BLOCK_R per program, walking a
+    row's splits BLOCK_S at a time (:func:`merge_splits`)."""
 
     rows: int
     block_r: int
@@ -370,7 +387,7 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
-    block_s = next_power_of_2(plan.num_splits)
+    block_s = merge_splits(plan.num_splits, interpreted)
     plan.merge = Merge(rows, combine_rows(rows, interpreted, block_s, plan.block_dv), block_s) if (
         plan.num_splits > 1) else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
@@ -446,13 +463,16 @@ def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config, split count, (split) blocks
-    per split (NineToothed's tile size) and own-merge choice; where none is yet, launch it through the backend and
-    bind that launch (the backend's ``bind_forward(plan, keys=True)``, which may read what was
-    just launched). False where the backend binds none for it: the caller launches the plan
-    itself. The bound launch is kept as the template's ``grown``, for :func:`launch_grown`."""
+    outputs allocated) through the launch bound to its config, split count, blocks per split
+    where they are a tile size (:func:`tiled_split`; else a per-call argument of the Triton
+    kernel, and NineToothed's derives them from the keys' length) and own-merge choice; where
+    none is yet, launch it through the backend and bind that launch (the backend's
+    ``bind_forward(plan, keys=True)``, which may read what was just launched). False where the
+    backend binds none for it: the caller launches the plan itself. The bound launch is kept
+    as the template's ``grown``, for :func:`launch_grown`."""
     # (the own-merge choice too: it follows the keys' bytes, not only the split count)
-    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split else None, plan.kernel_merge)
+    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split and tiled_split(plan.config) else None,
+           plan.kernel_merge)
     bound = template.growing.get(key)
     if bound is False:
         return False
@@ -526,7 +546,7 @@ def reuse_key():
     if _forced_tma.get():
         return None
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES)
+            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS, TILED_SPLIT_ROWS)
 
 
 def tensorless_fields(plan) -> list:
@@ -683,14 +703,17 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split
     of ``block_m`` rows each.
 
-    Splits only when the unsplit launch leaves the GPU short of programs.
-    ``blocks_per_split`` is a power of two (NineToothed makes it a tile size,
-    so each value is a compiled kernel) and every split holds at least one key
-    block; ``num_splits == 1`` means one program walks all the keys.
+    Splits only when the unsplit launch leaves the GPU short of programs. The
+    split count is that of splits of a power of two of key blocks (as many as the
+    GPU wants, rounded down), and ``blocks_per_split`` is that power of two where
+    ``block_m`` is TILED_SPLIT_ROWS or more (NineToothed's tile size), else
+    ceil(k_blocks / num_splits): what NineToothed's arrangement derives from the keys'
+    length and the split count (one compiled kernel for every split size). Every split
+    holds at least one key block, and ceil(k_blocks / blocks_per_split) == num_splits.
+    ``num_splits == 1`` means one program walks all the keys.
     """
     # Every key block counts (causal calls have already dropped the keys past
-    # Lq - 1 that no row sees); NineToothed's arrangement makes exactly
-    # ceil(k_blocks / blocks_per_split) splits of the same blocks.
+    # Lq - 1 that no row sees).
     k_blocks = -(-Lk // block_n)
     wanted = _forced_splits.get()
     if wanted is None:
@@ -704,8 +727,15 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     if wanted <= 1:
         return 1, k_blocks
     wanted = min(wanted, MAX_GRID_AXIS)
-    blocks_per_split = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
-    return -(-k_blocks // blocks_per_split), blocks_per_split
+    power = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
+    num_splits = -(-k_blocks // power)
+    return num_splits, power if block_m >= TILED_SPLIT_ROWS else -(-k_blocks // num_splits)
+
+
+def tiled_split(config: Config) -> bool:
+    """A split launch of ``config`` splits the keys into a power of two of blocks each, a tile
+    size of NineToothed's kernel (TILED_SPLIT_ROWS), not a size its arrangement derives."""
+    return config.block_m >= TILED_SPLIT_ROWS
 
 
 def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int) -> Config:
@@ -750,6 +780,11 @@ def kernel_merges(num_splits: int, block_m: int, kv_bytes: int) -> bool:
     reading ``kv_bytes`` of keys and values (KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES), or a
     merge launch does."""
     return num_splits > 1 and (num_splits * block_m <= KERNEL_MERGE_MAX or kv_bytes < KERNEL_MERGE_MIN_BYTES)
+
+
+def merge_splits(num_splits: int, interpreted: bool) -> int:
+    """The splits a merge of ``num_splits`` splits takes a step (MERGE_SPLITS)."""
+    return min(MERGE_SPLITS, next_power_of_2(num_splits)) if interpreted else MERGE_SPLITS
 
 
 def combine_rows(rows: int, interpreted: bool, block_s: int, block_dv: int) -> int:

@@ -61,7 +61,7 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, tiled_split
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
@@ -89,9 +89,9 @@ def _row_slices(x, block_m):
 def _key_row(x, heads, m_blocks, block_n, block_d, blocks_per_split=None):
     """(B, H_kv, Lk, D) -> per program of (B, heads, m_blocks[, S]), the row of
     (BLOCK_N, D) tiles of the K/V head its query head reads (split: its split's
-    part of that row, BLOCKS_PER_SPLIT tiles). Query head h reads K/V head
-    h // GROUP, so the H_kv heads are repeated GROUP times by broadcasting
-    (expand), never by copying."""
+    part of that row, ``blocks_per_split`` tiles: an int, or a symbol of
+    :func:`_split_blocks`). Query head h reads K/V head h // GROUP, so the H_kv
+    heads are repeated GROUP times by broadcasting (expand), never by copying."""
     group = heads // x.shape[1]
     arranged = x.tile((1, 1, block_n, block_d))
     if blocks_per_split is None:
@@ -117,6 +117,15 @@ def _mask_row(attn_mask, block_m, block_n, blocks_per_split=None):
     arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
     arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1))
     return arranged
+
+
+def _split_blocks(key, num_splits, block_n):
+    """The key blocks of each split, as the plan makes them (``common.plan.plan_splits``):
+    ceil(ceil(Lk / BLOCK_N) / S), in symbols of the keys' length and the partials' split count,
+    so that one compiled kernel serves every split size (a tile size of the arrangement; a
+    Python int here would be a kernel per value, compiled as a decode loop's cache grows)."""
+    k_blocks = (key.shape[2] + (block_n - 1)) // block_n
+    return (k_blocks + (num_splits - 1)) // num_splits
 
 
 def _per_split(arranged, num_splits):
@@ -231,17 +240,22 @@ def arrangement(
     query, key, value, attn_mask, scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     row_bands_lo, row_bands_hi, sinks, output, lse,
     BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME,
-    block_m, block_n, block_d, block_dv, blocks_per_split=None,
+    block_m, block_n, block_d, block_dv, split=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
-    of the keys when ``blocks_per_split`` is given.
+    of the keys when ``split``.
 
     Unsplit, output is (B, H, Lq, Dv) and lse (B, H, Lq); split, output is the
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
-    each program sees ``blocks_per_split`` key blocks instead of all of them.
+    each program sees its split's key blocks instead of all of them: ``split`` of them
+    (an int, a tile size), or with ``split="derived"`` as many as :func:`_split_blocks` derives
+    (``common.plan.tiled_split`` chooses).
     """
     query_arranged = _rows(query, block_m, block_d)
     m_blocks = query_arranged.shape[2]
+    blocks_per_split = None
+    if split:
+        blocks_per_split = _split_blocks(key, output.shape[3], block_n) if split == "derived" else split
     key_arranged = _key_row(key, query.shape[1], m_blocks, block_n, block_d, blocks_per_split)
     value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
     attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
@@ -409,11 +423,15 @@ def application(
 
 
 def combine_arrangement(o_part, lse_part, output, lse, WITH_LSE, block_r, block_s, block_dv):
-    """One program per BLOCK_R rows of the flattened (B·H·Lq) rows."""
-    # (R, S, Dv) -> programs (R / BLOCK_R,), each a (BLOCK_R, BLOCK_S, Dv) tile: every split at once
-    o_part_arranged = o_part.tile((block_r, block_s, block_dv)).squeeze((1, 2))
-    # (R, S) -> (BLOCK_R, BLOCK_S) tiles
-    lse_part_arranged = lse_part.tile((block_r, block_s)).squeeze(1)
+    """One program per BLOCK_R rows of the flattened (B·H·Lq) rows, walking their splits
+    BLOCK_S at a time (as the Triton merge, :func:`impl_triton.attention._merge_kernel`): the
+    split count is a size, not a tile size, so no split count compiles a merge of its own."""
+    # (R, S, Dv) -> programs (R / BLOCK_R,), each a row of S / BLOCK_S (BLOCK_R, BLOCK_S, Dv) tiles
+    o_part_arranged = o_part.tile((block_r, block_s, block_dv)).tile((1, -1, -1)).squeeze((1, 2))
+    o_part_arranged.dtype = o_part_arranged.dtype.squeeze((0, 2))
+    # (R, S) -> a row of (BLOCK_R, BLOCK_S) tiles
+    lse_part_arranged = lse_part.tile((block_r, block_s)).tile((1, -1)).squeeze(1)
+    lse_part_arranged.dtype = lse_part_arranged.dtype.squeeze(0)
     # (R, Dv) -> (BLOCK_R, Dv) tiles; (R,) -> (BLOCK_R,) slices
     output_arranged = output.tile((block_r, block_dv)).squeeze(1)
     lse_arranged = lse.tile((block_r,))
@@ -421,17 +439,26 @@ def combine_arrangement(o_part, lse_part, output, lse, WITH_LSE, block_r, block_
 
 
 def combine_application(o_part, lse_part, output, lse, WITH_LSE):
-    """Merge the splits: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s).
+    """Merge the splits, folded as an online softmax: o = sum_s w_s o_s / sum_s w_s,
+    w_s = exp(lse_s - max_s lse_s).
 
     A split whose rows saw no key has lse_s = -inf and weighs 0.
     """
-    m = ntl.max(lse_part, 1)
-    m = ntl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
-    w = ntl.exp(lse_part - m[:, None])
-    l = ntl.sum(w, 1)  # noqa: E741
-    output = ntl.sum(w[:, :, None] * o_part, 1) / ntl.where(l == 0.0, 1.0, l)[:, None]  # noqa: F841
+    m = ntl.full((output.shape[0],), float("-inf"), dtype=ntl.float32)
+    l = ntl.zeros((output.shape[0],), dtype=ntl.float32)  # noqa: E741
+    o = ntl.zeros(output.shape, dtype=ntl.float32)
+    for s in range(lse_part.shape[0]):
+        lse_s = lse_part[s]
+        m_new = ntl.maximum(m, ntl.max(lse_s, 1))
+        m_sub = ntl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a key yet: weights 0, not NaN
+        alpha = ntl.exp(m - m_sub)
+        w = ntl.exp(lse_s - m_sub[:, None])
+        l = l * alpha + ntl.sum(w, 1)  # noqa: E741
+        o = o * alpha[:, None] + ntl.sum(w[:, :, None] * o_part[s], 1)
+        m = m_new
+    output = o / ntl.where(l == 0.0, 1.0, l)[:, None]  # noqa: F841
     if WITH_LSE:
-        lse = m + ntl.log(l)  # noqa: F841 (a store; log(0) = -inf: no key at all)
+        lse = ntl.where(m == float("-inf"), 0.0, m) + ntl.log(l)  # noqa: F841 (a store; log(0) = -inf: no key at all)
 
 
 # -- backward ----------------------------------------------------------------------------------
@@ -747,13 +774,13 @@ _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).in
 _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("size", _LSE_PART, 1), ("stride", _LSE_PART, 0))
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, blocks_per_split=None):
-    """The forward; with ``blocks_per_split``, its split-KV variant (see ``arrangement``)."""
+def premake(head_dim, head_dim_v, block_m, block_n, split=False):
+    """The forward; with ``split`` ("derived", or the key blocks of a split), its split-KV variant
+    (see ``arrangement``)."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v), blocks_per_split=blocks_per_split,
+        block_dv=padded_head_dim(head_dim_v), split=split,
     )
-    split = blocks_per_split is not None
     tensors = (
         *_attention_inputs(head_dim, head_dim_v),
         Tensor(0),  # scale (runtime float)
@@ -1057,7 +1084,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             handle._launch.__globals__.setdefault("tl", tl)
             for helper in JIT_HELPERS:
                 handle._launch.__globals__.setdefault(helper.__name__, helper)
-            loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4] is not None
+            loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
                      else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
             handle = _made[key] = route_generated_launch(handle, loose, maxnreg)
     return handle
@@ -1126,7 +1153,8 @@ def _attention_launch(plan) -> tuple:
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.blocks_per_split if plan.split else None,
+    split = (plan.blocks_per_split if tiled_split(config) else "derived") if plan.split else None
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, split,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
     inputs = (q, plan.key, plan.value, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
               plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
@@ -1294,8 +1322,9 @@ class BoundForward:
             self.merge((tensors[5], tensors[6], tensors[3], tensors[4]))
 
     def launch_keys(self, tensors, blocks_per_split: int) -> None:
-        """Launch for keys of another length and strides (bound with ``keys``; the blocks per
-        split are the kernel's own: NineToothed makes them a tile size)."""
+        """Launch for keys of another length and strides (bound with ``keys``; the kernel
+        derives the blocks per split from the keys' length and the split count, or has them as
+        its tile size: then bound per value, ``common.plan.launch_growing``)."""
         self(tensors)
 
     def launch_plan(self, plan) -> None:

@@ -507,10 +507,10 @@ def _merge_kernel(
     """The split merge as a launch of its own, where one program's fold would take long
     (``common.plan.KERNEL_MERGE_MAX``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
     (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous. One program per
-    BLOCK_R rows, BLOCK_S splits at once (NineToothed's combine takes them all; a fixed
-    BLOCK_S here, looped over, so that no split count compiles a kernel of its own),
-    folded as an online softmax: o = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max_s
-    lse_s); a split whose rows saw no key has lse_s = -inf and weighs 0."""
+    BLOCK_R rows, BLOCK_S splits a step (the plan's fixed step, as NineToothed's combine: no
+    split count compiles a kernel of its own), folded as an online softmax: o = sum_s w_s o_s
+    / sum_s w_s, w_s = exp(lse_s - max_s lse_s); a split whose rows saw no key has lse_s =
+    -inf and weighs 0."""
     offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_dv = tl.arange(0, BLOCK_DV)
     r_ok = offs_r < R
@@ -1044,20 +1044,15 @@ def _merge_launch(plan, head_dim_v: int, lse) -> tuple:
     plan (dense or paged) whose kernel does not merge its own splits; ``lse``: the merged
     log-sum-exp to write, or None."""
     merge = plan.merge
-    # MERGE_SPLITS splits at a time whatever their number, and rows per program for a tile of
-    # that many splits (not the plan's, sized for NineToothed's tile of every split): no split
-    # count of a growing cache compiles a kernel of its own. At B 1, Lk 64k (32 splits of 16
-    # rows of 128) a 16-row tile spilled here and the merge took ~50 us; at 2 rows, a few.
-    block_r = _plan.combine_rows(merge.rows, INTERPRETED, MERGE_SPLITS, plan.block_dv)
+    # (the plan's steps of common.plan.MERGE_SPLITS splits whatever their number, and rows per
+    # program for that tile, at most MERGE_TILE elements: no split count of a growing cache
+    # compiles a kernel of its own. At B 1, Lk 64k, a 16 x 32 x 128 tile spilled here and the
+    # merge took ~50 us; within MERGE_TILE, a few.)
     args = _merge_launcher.positional((
         plan.o_part, plan.lse_part, plan.out, lse if lse is not None else plan.out, merge.rows, plan.num_splits,
-    ), dict(HEAD_DIM_V=head_dim_v, BLOCK_R=block_r, BLOCK_S=MERGE_SPLITS, BLOCK_DV=plan.block_dv,
+    ), dict(HEAD_DIM_V=head_dim_v, BLOCK_R=merge.block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv,
             WITH_LSE=lse is not None))
-    return (-(-merge.rows // block_r), 1, 1), args, 4, 1
-
-
-# _merge_kernel's splits per step (its tile: at most common.plan.MERGE_TILE elements, or one row)
-MERGE_SPLITS = 32
+    return (-(-merge.rows // merge.block_r), 1, 1), args, 4, 1
 
 
 def _forward_launch(plan) -> tuple:

@@ -280,6 +280,40 @@ def test_split_keys(case, num_splits, backend, device):
     check_lse(lse, q, k, **kwargs)
 
 
+@pytest.mark.parametrize("case", params([SPLIT_CASES[1], SPLIT_CASES[3]]))
+def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
+    """Splits of a power of two of key blocks (the form tiles of plan.TILED_SPLIT_ROWS rows and
+    more take: NineToothed's tile size) give SDPA's output and lse too; here every tile takes it,
+    and NineToothed's split forward is the kernel of that tile size."""
+    from common import dispatch, plan
+    from common.backends import get_backend
+    from common.plan import force_splits
+    from common.validation import check_call
+
+    monkeypatch.setattr(plan, "TILED_SPLIT_ROWS", 1)
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    q, k, v, mask = make_inputs(case, device)
+    kwargs = sdpa_kwargs(case, mask)
+    with force_splits(5):
+        for _ in range(2):  # planned, then bound where the call binds
+            out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+            check_output(out, q, k, v, **kwargs)
+            check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
+        call = check_call(get_backend(backend), q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0,
+                          is_causal=case.causal, scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"],
+                          return_lse=True)
+        planned = plan.make_forward(call, get_backend(backend), with_lse=True)
+    per_split = planned.blocks_per_split
+    assert planned.num_splits > 1 and per_split & (per_split - 1) == 0, (planned.num_splits, per_split)
+    if backend == "ninetoothed":
+        from impl_ninetoothed import attention as kernels
+
+        made = {key[1][4] for key in kernels._made if key[0] is kernels.premake and key[1][2:4] == (
+            planned.config.block_m, planned.config.block_n)}
+        assert per_split in made, made
+
+
 def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
     """Outside poisoning, a split launch's partials are views of its stream's scratch buffer:
     calls one after the other reuse it (no allocation per decode step) and each is right; a
@@ -423,20 +457,19 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
-@pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 32), (64, 2)])
-def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile, merge_splits):
+@pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 8), (64, 2)])
+def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile, merge_splits):
     """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
     plan.KERNEL_MERGE_MAX), the Triton kernel leaves the merge to a launch of its own
-    (_merge_kernel, every split at once): SDPA's output and lse on every call, planned, bound
-    and as the keys grow, with no ticket counter taken. (The outputs are poisoned: a merge
-    that did not run shows.) Small MERGE_TILE and MERGE_SPLITS: one row a program, the splits
-    two at a time (a loop of several steps, as at many splits)."""
+    (_merge_kernel; NineToothed's combine always is): SDPA's output and lse on every call,
+    planned, bound and as the keys grow, with no ticket counter taken. (The outputs are
+    poisoned: a merge that did not run shows.) Small MERGE_TILE and MERGE_SPLITS: one row a
+    program, the splits two at a time (a loop of several steps, as at many splits)."""
     from common import dispatch, launch, plan
     from common.plan import force_splits
-    from impl_triton import attention as kernels
 
     monkeypatch.setattr(plan, "MERGE_TILE", merge_tile)
-    monkeypatch.setattr(kernels, "MERGE_SPLITS", merge_splits)
+    monkeypatch.setattr(plan, "MERGE_SPLITS", merge_splits)
     monkeypatch.setattr(dispatch, "_templates", {})
     monkeypatch.setattr(dispatch, "_growing", {})
     monkeypatch.setattr(launch, "_counters", {})
@@ -447,14 +480,14 @@ def test_split_merge_as_its_own_launch(device, monkeypatch, merge_tile, merge_sp
         kwargs = sdpa_kwargs(case, mask)
         for _ in range(3):  # planned; planned and bound; through the bound launches
             with force_splits(splits):
-                out, lse = attention(q, k, v, backend="triton", return_lse=True, **kwargs)
+                out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
             check_output(out, q, k, v, **kwargs)
             check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
     q = torch.randn(1, 4, 1, 32, device=device)
     for Lk in (300, 301, 302, 303):  # a growing cache: its bound launch, its keys filled in
         k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
         with force_splits(3):
-            out = attention(q, k, v, enable_gqa=True, backend="triton")
+            out = attention(q, k, v, enable_gqa=True, backend=backend)
         check_output(out, q, k, v, enable_gqa=True)
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())  # no ticket
 
@@ -492,8 +525,10 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     launch of a kernel is what Triton would compile that same kernel for (the same constexprs,
     the same class of each specialised argument) but for the keys' length (Lk, or
     NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 16
-    steps). (NineToothed's kernels per blocks per split and per split count's power of two are
-    kernels of their own, by name: its tile sizes.) Right at a few steps."""
+    steps). NineToothed's split forward is one kernel for every split size (its arrangement
+    derives it from the keys' length and the split count), and so is its combine (the splits
+    MERGE_SPLITS a step, here 4: under the interpreter fewer where there are fewer splits).
+    Right at a few steps."""
     from triton.runtime import interpreter
 
     from common import dispatch, plan
@@ -504,6 +539,7 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     monkeypatch.setattr(dispatch, "_growing", {})
     monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
     monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 2 * 4 * 32 * 400)  # K and V of 400 keys (1 x 32, float32)
+    monkeypatch.setattr(plan, "MERGE_SPLITS", 4)
     seen = {}
     run = interpreter.InterpretedFunction.run
 
@@ -545,6 +581,8 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
             assert ("_merge_kernel" in step_kernels) == (Lk >= 400), Lk
     wanted = ("_attn_fwd", "_merge_kernel") if backend == "triton" else ("nt_attention_fwd", "nt_attention_combine")
     assert all(any(name.startswith(w) for name in seen) for w in wanted), sorted(seen)  # both merges taken
+    if backend == "ninetoothed":  # split sizes 1-8 blocks and 4-40 splits: one split forward, one combine
+        assert [len([name for name in seen if name.startswith(w)]) for w in wanted] == [1, 1], sorted(seen)
     for name, classes in seen.items():
         differ = {c for c in set.union(*map(set, classes)) if not all(c in one for one in classes)}
         assert len(classes) == 1, f"{name} specialised on what grows: {sorted(differ, key=str)}"
@@ -554,8 +592,8 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
 def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
     """A decode loop whose cache grows across KERNEL_MERGE_MIN_BYTES (the Triton kernel's own
     merge below it, a merge launch above) and through split counts 20-28: the attention kernel
-    is compiled once (the switch is an argument) and the merge kernel once (32 splits a step
-    whatever their number); every step right."""
+    is compiled once (the switch is an argument) and the merge kernel once (plan.MERGE_SPLITS
+    splits a step whatever their number); every step right."""
     from common import dispatch, plan
     from impl_triton import attention as kernels
 
@@ -681,19 +719,49 @@ def test_split_merge_on_two_streams(device, monkeypatch):
 
 
 def test_split_plan():
-    """The heuristic splits only short launches over long keys, into power-of-two block ranges."""
-    from common.plan import INTERPRETER_SMS, MIN_SPLIT_KEYS, PROGRAMS_PER_SM, force_splits, plan_splits
+    """The heuristic splits only short launches over long keys: as many splits as ranges of a
+    power of two of key blocks make, each of ceil(key blocks / splits) blocks (what NineToothed's
+    arrangement derives from the keys' length and the split count), or for tiles of
+    TILED_SPLIT_ROWS rows and more of that power of two; none empty."""
+    from common.plan import (
+        INTERPRETER_SMS,
+        MIN_SPLIT_KEYS,
+        PROGRAMS_PER_SM,
+        TILED_SPLIT_ROWS,
+        force_splits,
+        plan_splits,
+    )
 
     cpu = torch.device("cpu")  # under the interpreter: plan.INTERPRETER_SMS
     full = PROGRAMS_PER_SM * INTERPRETER_SMS // 2
     assert plan_splits(full, 1 << 16, 64, cpu) == (1, 1024)  # enough programs already
     assert plan_splits(1, MIN_SPLIT_KEYS - 64, 64, cpu) == (1, MIN_SPLIT_KEYS // 64 - 1)  # too few keys
     splits, per_split = plan_splits(1, 5000, 64, cpu)  # 79 key blocks, one program
-    assert splits > 1 and per_split & (per_split - 1) == 0 and (splits - 1) * per_split < 79 <= splits * per_split
+    assert splits > 1 and (splits - 1) * per_split < 79 <= splits * per_split
+    for blocks in range(1, 200):
+        for wanted in range(2, 41):
+            with force_splits(wanted):
+                splits, per_split = plan_splits(1, blocks * 16, 16, cpu)
+            power = 1 << max(0, (-(-blocks // min(wanted, blocks)) - 1).bit_length())
+            assert splits == -(-blocks // power), (blocks, wanted)
+            assert per_split == -(-blocks // splits) and -(-blocks // per_split) == splits, (blocks, wanted)
+            with force_splits(wanted):
+                assert plan_splits(1, blocks * 16, 16, cpu, block_m=TILED_SPLIT_ROWS) == (splits, power)
     with force_splits(1000):
         assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
     with force_splits(1):
         assert plan_splits(1, 1 << 16, 64, cpu) == (1, 1024)
+
+
+def test_merge_split_step():
+    """Both merges walk the splits MERGE_SPLITS a step on a GPU whatever their number (one
+    compiled merge for every split count of a growing cache); under the interpreter at most
+    the count's own power of two; rows per program for that tile."""
+    from common.plan import MERGE_SPLITS, MERGE_TILE, combine_rows, merge_splits
+
+    assert [merge_splits(s, False) for s in (2, 5, 32, 33, 1000)] == [MERGE_SPLITS] * 5
+    assert [merge_splits(s, True) for s in (2, 5, 32, 33)] == [min(MERGE_SPLITS, n) for n in (2, 8, 32, 64)]
+    assert combine_rows(1000, False, merge_splits(5, False), 128) == MERGE_TILE // (MERGE_SPLITS * 128)
 
 
 def test_split_plan_wide_rows(monkeypatch):
@@ -893,12 +961,17 @@ def test_bound_launch_passes_addresses(backend, device, monkeypatch):
         keys[id(self)] = key
         launch_new(self, args, key)
 
-    class Compiled:
+    class Compiled:  # either launch form: kernel[grid](*args), or its launcher called directly
+        function, packed_metadata = None, None
+
         def __init__(self, owner):
             self.owner = owner
 
         def __getitem__(self, grid):
             return lambda *args: launches["direct"].__setitem__(id(self.owner), list(args))
+
+        def run(self, *args):  # grid (3), stream, function, metadata, launch metadata, hooks (2), arguments
+            launches["direct"][id(self.owner)] = list(args[9:])
 
     monkeypatch.setattr(BoundKernel, "launch_new", through_the_launcher)
     for kernel in kernels:

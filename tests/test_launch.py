@@ -299,3 +299,40 @@ def test_a_plans_register_cap_reaches_each_backends_launch(device):
     plain = nt._make(nt.premake, 16, 16, 16, 16, None, num_warps=1, num_stages=1)
     assert capped is not plain
     assert (routed_kernel(capped).maxnreg, routed_kernel(plain).maxnreg) == (96, None)
+
+
+def test_a_bound_launch_calls_tritons_launcher_directly(monkeypatch):
+    """A bound launch of a known compiled kernel calls its launcher as ``kernel[grid](*args)``
+    would (grid, the current stream, the kernel's function and metadata, then the arguments),
+    with no launch metadata and no hooks, while none is registered; with one registered (a
+    profiler's), through ``kernel[grid]``, which calls it. This Triton's launch has the form read."""
+    from triton import knobs
+
+    assert launch.direct_launches()  # (the Triton installed here; the GPU's 3.6 was read too)
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", ("metadata",)
+
+        def run(self, *args):
+            calls.append(("run", args))
+
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("getitem", grid, args))
+
+    monkeypatch.setattr(launch, "_direct", True)
+    monkeypatch.setattr(launch, "_current_device", lambda: 3)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1000 + device)
+    bound = launch.BoundKernel(None, (5, 2, 1), 4, 3)
+    bound.run_compiled(Compiled(), (11, 12))
+    assert calls == [("run", (5, 2, 1, 1003, "function", ("metadata",), None, None, None, 11, 12))]
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        bound.run_compiled(Compiled(), (11, 12))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls[1] == ("getitem", (5, 2, 1), (11, 12))
