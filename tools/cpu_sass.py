@@ -3,7 +3,8 @@
 Triton compiles for a named target with no GPU present (its ptxas and disassembler ship in
 its package), so registers, spills, shared memory and the instructions of the code a call
 would launch on an H200 (sm_90) can be read on a CPU: where the lent GPU's time is short,
-this finds what differs between two kernels, or what a change did to one, before timing it.
+this finds what differs between two kernels, or what a change did to one, before timing it
+(registers and spills, programs an SM, and whether ptxas serialised the warpgroup MMAs).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
         [--causal] [--backward] [--tile N ...] [--capability 90] [--out DIR]
@@ -127,10 +128,23 @@ def main(argv=None) -> int:
         print(f"{name}: {regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes "
               f"of local memory (spills), {kernel.metadata.shared} bytes of shared memory, "
               f"{kernel.metadata.num_warps} warps, {kernel.metadata.num_stages} stages, "
-              f"{resident} programs an SM (sm_90)")
+              f"{resident} programs an SM (sm_90), {serialized(tools, out / f'{name}.ptx', kernel)}")
         print("  " + ", ".join(f"{count} {op}" for op, count in sorted(counts.items())))
     print(f"TTGIR, PTX and SASS in {out}")
     return 0
+
+
+def serialized(tools: pathlib.Path, ptx: pathlib.Path, kernel) -> str:
+    """Whether ptxas serialises the kernel's warpgroup MMAs (its performance note C7515: each
+    ``wgmma`` then waits for the one before; a NineToothed split forward did, 2026-12-01,
+    benchmarks/NOTES.md "Split sizes in symbols timed"), from ptxas run again on the PTX with
+    ``-v`` for the kernel's own architecture."""
+    arch = re.search(r"\.target\s+(sm_\w+)", kernel.asm["ptx"])
+    if arch is None:
+        return "MMA serialisation unknown"
+    notes = subprocess.run([str(tools / "ptxas"), f"-arch={arch.group(1)}", "-v", str(ptx), "-o", os.devnull],
+                           capture_output=True, text=True).stderr
+    return "MMAs serialized (ptxas C7515)" if "C7515" in notes else "MMAs not serialized"
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:
