@@ -666,35 +666,40 @@ def split_sweep():
 
 def merge_steps():
     """The merge launch (both backends' loop over splits, ``plan.MERGE_SPLITS`` a step): decode
-    kernel time (graph replay, bf16, D 128) under steps of 4-32 splits, NineToothed as planned
-    and the Triton kernel with its own merge turned off (its merge launch every call)."""
+    kernel time (graph replay, bf16, D 128) under steps of 2-32 splits, NineToothed as planned
+    and the Triton kernel with its own merge turned off (its merge launch every call), each
+    output checked against SDPA; the shipped plan first."""
+    from common import dispatch
+
     shapes = [(8, 32, 8, 16, 16384), (1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 1, 16384),
               (1, 32, 32, 1, 32768), (4, 32, 8, 1, 3000)]
     if os.environ.get("SWEEP_SHAPES"):  # as split_sweep's
         shapes = [tuple(map(int, shape.split(":"))) for shape in os.environ["SWEEP_SHAPES"].split()]
-    from common import dispatch
-
     saved = plan.MERGE_SPLITS, plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES
     for B, H, H_kv, Lq, Lk in shapes:
         q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         gb = 2 * k.numel() * k.element_size() / 1e9
-        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk}: sdpa {gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20):.2f};"]
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        sdpa = gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20)
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk}: sdpa {sdpa:.2f};"]
         for backend in ("ninetoothed", "triton"):
-            dispatch._templates.clear()  # (plans keep their merge: each variant plans afresh)
-            line.append(f"{backend} as shipped {gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20):.2f}")
             parts = []
-            for step in (4, 8, 16, 32):
-                plan.MERGE_SPLITS = step
-                plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES = 0, 0
-                dispatch._templates.clear()
+            for step in (None, 2, 4, 8, 16, 32):  # (None: as shipped)
+                if step is not None:
+                    plan.MERGE_SPLITS, plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES = step, 0, 0
+                dispatch._templates.clear()  # (plans keep their merge: each variant plans afresh)
+                dispatch._growing.clear()
                 try:
+                    error = (attention(q, k, v, enable_gqa=True, backend=backend).float() - ref.float()).abs().max()
                     ms = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
                 finally:
                     plan.MERGE_SPLITS, plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES = saved
                     dispatch._templates.clear()
-                parts.append(f"{step} {gb / ms:.2f}")
-            line.append(f"merge launch, splits a step: {', '.join(parts)} TB/s;")
+                    dispatch._growing.clear()
+                wrong = "" if error < 2e-2 else f" (WRONG: {error:.3f} from SDPA)"
+                parts.append(f"{'shipped' if step is None else step} {gb / ms:.2f}{wrong}")
+            line.append(f"{backend}, splits a step: {', '.join(parts)} TB/s;")
         print("  ".join(line), flush=True)
 
 
