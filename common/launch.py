@@ -285,10 +285,9 @@ def _hooked() -> bool:
     return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
 
 
-_direct = direct_launches()
 _current_device = torch.cuda.current_device
-_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
-_direct = _direct and _raw_stream is not None
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_direct = _raw_stream is not None and direct_launches()
 
 
 def inputs_aligned(tensors) -> bool:

@@ -471,8 +471,8 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
     backend binds none for it: the caller launches the plan itself. The bound launch is kept
     as the template's ``grown``, for :func:`launch_grown`."""
     # (the own-merge choice too: it follows the keys' bytes, not only the split count)
-    key = (plan.config, plan.num_splits, plan.blocks_per_split if plan.split and tiled_split(plan.config) else None,
-           plan.kernel_merge)
+    tile_size = plan.blocks_per_split if plan.split and tiled_split(plan.config.block_m) else None
+    key = (plan.config, plan.num_splits, tile_size, plan.kernel_merge)
     bound = template.growing.get(key)
     if bound is False:
         return False
@@ -729,13 +729,14 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     wanted = min(wanted, MAX_GRID_AXIS)
     power = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
     num_splits = -(-k_blocks // power)
-    return num_splits, power if block_m >= TILED_SPLIT_ROWS else -(-k_blocks // num_splits)
+    return num_splits, power if tiled_split(block_m) else -(-k_blocks // num_splits)
 
 
-def tiled_split(config: Config) -> bool:
-    """A split launch of ``config`` splits the keys into a power of two of blocks each, a tile
-    size of NineToothed's kernel (TILED_SPLIT_ROWS), not a size its arrangement derives."""
-    return config.block_m >= TILED_SPLIT_ROWS
+def tiled_split(block_m: int) -> bool:
+    """A split launch of ``block_m``-row tiles splits the keys into a power of two of blocks
+    each, a tile size of NineToothed's kernel (TILED_SPLIT_ROWS), not a size its arrangement
+    derives."""
+    return block_m >= TILED_SPLIT_ROWS
 
 
 def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int) -> Config:

@@ -1153,7 +1153,7 @@ def _attention_launch(plan) -> tuple:
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
-    split = (plan.blocks_per_split if tiled_split(config) else "derived") if plan.split else None
+    split = (plan.blocks_per_split if tiled_split(config.block_m) else "derived") if plan.split else None
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, split,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
     inputs = (q, plan.key, plan.value, attn_mask, plan.scale, *_dropout_args(plan), *_band_args(plan),
