@@ -111,6 +111,47 @@ def test_gpu_commands_without_a_gpu_say_so():
         assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_tune_keeps_each_key_as_it_goes(tmp_path, monkeypatch):
+    """A tune cut short (the GPU call's time limit) keeps the keys it timed: the table is
+    written after every key, each entry for every dtype asked, the rest as committed."""
+    import argparse
+    import dataclasses
+    import json
+
+    import torch
+
+    from common.configs import Config, ConfigTable, key
+    from common.tools import tune
+
+    path = tmp_path / "configs.json"
+    monkeypatch.setattr(ConfigTable, "path", staticmethod(lambda package: path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    timed = []
+
+    def tune_one(backend, block_d, dtype, is_causal, bucket, backward=False):
+        if len(timed) == 2:
+            raise KeyboardInterrupt  # the time limit, after two keys
+        timed.append((block_d, is_causal, bucket))
+        return Config(128, 32 * len(timed), 4, 3), {}
+    monkeypatch.setattr(tune, "tune_one", tune_one)
+    args = argparse.Namespace(backends=["triton"], passes=["fwd"], head_dims=[64], buckets=[1024, 4096],
+                              dtypes=["float16", "bfloat16"])
+    with pytest.raises(KeyboardInterrupt):
+        tune.main(args)
+    entries = json.loads(path.read_text())["entries"]
+    assert timed == [(64, False, 1024), (64, False, 4096)]
+    for dtype in (torch.float16, torch.bfloat16):
+        assert entries[key(64, dtype, False, 1024, False)] == [128, 32, 4, 3]
+        assert entries[key(64, dtype, False, 4096, False)] == [128, 64, 4, 3]
+    # the keys not reached keep the committed table's entries
+    from common.backends import get_backend
+
+    committed = get_backend("triton").configs.entries
+    untouched = key(64, torch.float16, True, 1024, False)
+    assert entries[untouched] == [x for x in dataclasses.astuple(committed[untouched]) if x is not None]
+
+
 def test_quiet_run_names_the_interpreter():
     """The README's `pytest -q` hides pytest's header; the summary line still says where the tests ran."""
     import subprocess

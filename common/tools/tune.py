@@ -5,8 +5,9 @@ mode and query-length bucket it times a short list of candidate
 configurations on a throughput shape of that bucket (B·L = 16k tokens,
 H·D = 2048) and keeps the fastest. Candidates are timed through
 ``common.configs.override``; the live tables are never touched. The new
-entries are merged into each backend's ``configs.json`` (in its package) at
-the end. Users' calls only look the tables up.
+entries are merged into each backend's ``configs.json`` (in its package) after
+every key, so a run cut short keeps what it timed. Users' calls only look the
+tables up.
 """
 
 from __future__ import annotations
@@ -86,9 +87,15 @@ def main(args) -> int:
         raise CommandError("tune needs a CUDA GPU; this machine has none")
     import triton
 
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        how="twin-attention tune (timed in float16, applied to every dtype listed)",
+    )
     for backend in args.backends:
         spec = get_backend(backend)
         entries = dict(spec.configs.entries)  # the new table starts from the committed one
+        path = ConfigTable.path(spec.package)
         for pass_ in args.passes:
             backward = pass_ == "bwd"
             for block_d in args.head_dims:
@@ -99,13 +106,8 @@ def main(args) -> int:
                         best, _ = tune_one(backend, block_d, torch.float16, is_causal, bucket, backward)
                         for dtype_name in args.dtypes:
                             entries[key(block_d, getattr(torch, dtype_name), is_causal, bucket, backward)] = best
-        meta = dict(
-            gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-            how="twin-attention tune (timed in float16, applied to every dtype listed)",
-        )
-        path = ConfigTable.path(spec.package)
-        ConfigTable.write(path, entries, meta)
+                        # written after every key: a run cut short (a time limit) keeps what it timed
+                        ConfigTable.write(path, entries, meta)
         print(f"wrote {path}")
     return 0
 
