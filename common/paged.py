@@ -388,6 +388,13 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
                                                                   plan.config.block_n, query.device)
+    # More short-row programs than 2 an SM, unsplit (a large batch): the dense decode's rule, 2
+    # stages and 128 registers, not the deep pipeline. H200, bf16, D 128, B 64, 32/8 heads, Lk 4k
+    # (tools/probe.py paged_batch, 2026-12-01): Triton 3.40 -> 4.23 TB/s (pages of 16), 3.44 ->
+    # 4.26 (64); NineToothed 2.61 -> 3.29 (16), 4.30 -> 4.31 (64); MHA at B 16 4.34 -> 4.30 and
+    # 4.37 -> 4.33; at 1.94 programs an SM (not shallow) the cap lost, 4.34 -> 3.11.
+    plan.config = planning.shallow_stages(plan.config, plan.m_blocks * B * Hp, plan.num_splits, query.device,
+                                          max(plan.block_d, plan.block_dv))
     plan.dot_precision = planning.dot_precision(query.dtype)
     if plan.split:  # (the outputs are allocated at launch: _launch)
         rows = B * Hp * Lqp

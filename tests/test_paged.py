@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from common import append_kv, attention, paged_attention
+from common.backends import get_backend
 from common.plan import force_splits
 from tests.conftest import DEVICE
 
@@ -325,6 +328,56 @@ def test_paged_plan_reused(backend, splits, monkeypatch):
     with pytest.raises(AssertionError, match="planned again"):  # a table of another width: a new layout
         paged_attention(query2, key_cache, value_cache, block_table[:, :-1], seqlens, is_causal, enable_gqa=True,
                         backend=backend)
+
+
+def test_paged_shallow_stages_at_a_large_batch(backend, monkeypatch):
+    """The paged plan asks the dense decode's rule (common.plan.shallow_stages) with its own
+    launch: every (batch, K/V head, row block) program, its split count, its padded head dim;
+    the 2-stage, register-capped config it returns is what launches, with the right answer."""
+    import common.paged as paged
+    from common import plan as planning
+    from common.configs import Config
+
+    monkeypatch.setattr(paged, "_templates", {})
+    asked = []
+    shallow = Config(16, 64, 4, 2, maxnreg=planning.SHALLOW_MAX_REGISTERS)
+
+    def record(config, programs, num_splits, device, block_d):
+        asked.append((config.block_m, programs, num_splits, block_d))
+        return dataclasses.replace(shallow, block_n=config.block_n)
+    monkeypatch.setattr(planning, "shallow_stages", record)
+    lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = CASES[0]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
+    query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
+    with force_splits(1):
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=True,
+                              backend=backend)
+        plan = paged._make_plan(get_backend(backend), query, key_cache, value_cache, block_table, seqlens,
+                                is_causal, None)
+    # (GQA packs each K/V head's 2 query heads into rows: one 16-row block a head)
+    assert asked[0] == (16, len(lens) * H_kv, 1, 32)
+    assert (plan.config.num_stages, plan.config.maxnreg) == (2, planning.SHALLOW_MAX_REGISTERS)
+    torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the SMs of a GPU decide it (the CPU's part: the test above)")
+def test_paged_decode_at_a_large_batch(backend):
+    """Paged decode at a batch whose unsplit launch has more programs than 2 per SM: the 2-stage
+    pipeline and the register cap (as the dense decode's), SDPA's answer on the gathered pages."""
+    import common.paged as paged
+    from common.plan import SHALLOW_MAX_REGISTERS
+
+    batch = 3 * torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
+    for page, heads in ((16, 8), (64, 8), (64, 32)):
+        lens = [300 + 7 * b for b in range(batch)]
+        key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, heads, 128, 128, page,
+                                                                            torch.bfloat16)
+        query = torch.randn(batch, 32, 1, 128, device=DEVICE, dtype=torch.bfloat16)
+        plan = paged._make_plan(get_backend(backend), query, key_cache, value_cache, block_table, seqlens,
+                                False, None)
+        assert (plan.num_splits, plan.config.num_stages, plan.config.maxnreg) == (1, 2, SHALLOW_MAX_REGISTERS)
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, enable_gqa=True, backend=backend)
+        torch.testing.assert_close(out.double(), _reference(query, keys, values, False), rtol=2e-2, atol=2e-2)
 
 
 def test_append_checks_a_layout_once(backend, monkeypatch):

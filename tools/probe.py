@@ -320,8 +320,9 @@ def _paged_variant(variant):
 def paged_batch():
     """Paged decode at a large batch (more programs than 2 an SM, unsplit), where the paged plan's
     deep pipeline (up to 160 KB of stages: 1 program an SM) meets the dense path's large-batch
-    rule (2 stages, 128 registers): K/V TB/s by graph replay, shipped / 3 stages / 2 stages / 2 stages
-    and the cap, both backends, beside our dense decode (the rule on) and SDPA's (bf16, D 128)."""
+    rule (2 stages, 128 registers; the paged plan takes it too since this probe's run of
+    2026-12-01): K/V TB/s by graph replay, shipped / 3 stages / 2 stages / 2 stages and the cap,
+    both backends, beside our dense decode (the rule on) and SDPA's (bf16, D 128)."""
     from common import paged_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
