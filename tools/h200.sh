@@ -3,6 +3,7 @@
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
 # stages: probe test test1 test2 test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
+#         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
 #         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
 # (any other word runs as a shell command)
@@ -68,6 +69,11 @@ for stage in "$@"; do
     # A/B in one call: the probes named in $AB_PROBES in each of $AB_TREES (default ab/: untracked
     # copies of other revisions, made with `git archive REV | tar -x -C ab`; carry them) and here.
     ab) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 tools/probe.py $AB_PROBES); done 2>&1 | tee "$OUT/ab.log" ;;
+    # The forward (and with AB_BWD=1 the backward) throughput of both kernel backends in each of $AB_TREES and
+    # here (fp16, L 1k/4k/16k), one results_<tree>.json each: the A/B of a kernel change
+    ab-bench) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; name=$(basename "$(cd "$tree" && pwd)")
+                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 270 python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --dtypes float16 --lengths 1024 4096 16384 --backends triton ninetoothed --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
+                cp "/tmp/ab-$name/results.json" "$OUT/results_$name.json"; done 2>&1 | tee "$OUT/ab_bench.log" ;;
     compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;
   esac
