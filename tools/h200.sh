@@ -46,11 +46,12 @@ for stage in "$@"; do
               tail -3 "$OUT/bench_fp16.log" "$OUT/bench_bf16.log" ;;
     # NineToothed's backward keys not tuned yet (2026-12-01: the D 64 six and D 128 causal L 1k took one call)
     bwd-tune-nt) BWD_TUNE_KEYS="${BWD_TUNE_KEYS:-128:full:1024 128:full:16384 128:causal:16384}" timeout 560 python3 tools/probe.py bwd_tune 2>&1 | tee "$OUT/bwd_tune.log" ;;
-    # NineToothed's forward table again (its D 64 causal 4k entry ran 14% under another candidate on 2026-12-01)
-    # the same for the head dims in $TUNE_DIMS (default 64), then NineToothed against Triton there (fp16 forward)
+    # NineToothed's forward table again (its D 64 causal 4k entry ran 14% under another candidate on 2026-12-01;
+    # on 19:48 UTC it was the fastest again)
+    tune-fwd-nt) timeout 450 python3 -m common tune --backends ninetoothed --passes fwd 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    # NineToothed's forward table for the head dims in $TUNE_DIMS only (default 64), then its parity with Triton there
     tune-fwd-nt-dims) timeout 400 python3 -m common tune --backends ninetoothed --passes fwd --head-dims ${TUNE_DIMS:-64} 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json"
                       timeout 180 python3 -m common bench --sections throughput --modes fwd --dtypes float16 --head-dims ${TUNE_DIMS:-64} --lengths 1024 4096 16384 --backends triton ninetoothed --out /tmp/parity --markdown "" > "$OUT/parity.log" 2>&1; cp /tmp/parity/results.json "$OUT/results_parity.json"; tail -20 "$OUT/parity.log" ;;
-    tune-fwd-nt) timeout 450 python3 -m common tune --backends ninetoothed --passes fwd 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune-bwd) timeout 500 python3 -m common tune --passes bwd 2>&1 | tee "$OUT/tune_bwd.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
