@@ -289,3 +289,33 @@ def test_cpu_sass_compiles_a_call_for_hopper_without_a_gpu(backend, tmp_path):
     assert re.search(r"MMAs (not )?serialized", result.stdout), result.stdout  # ptxas's C7515 note read
     sass = list(tmp_path.glob("*.sass"))
     assert sass and "MMA" in sass[0].read_text()  # tensor-core instructions: compiled for the GPU, not interpreted
+    step = re.search(r"loop \.L_x_\d+: (\d+) instructions a step \(", result.stdout)  # the key loop's step
+    assert step and int(step.group(1)) > 0, result.stdout
+
+
+def test_cpu_sass_reads_the_loops_of_tensor_core_products():
+    """tools/cpu_sass.py's loop report: a label to the last branch back to it, instructions
+    counted by opcode (predicates and modifiers dropped); loops without MMAs and forward branches
+    are not loops of products."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "cpu_sass.py"
+    spec = importlib.util.spec_from_file_location("cpu_sass_under_test", path)
+    cpu_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_sass)
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   BRA `(.L_x_9) ;",  # forward: not a loop
+        ".L_x_1:",
+        "        /*0020*/                   HGMMA.64x64x16.F32 gdesc[UR4], RZ, !UPT ;",
+        "        /*0030*/               @P0 FMUL R2, R2, R3 ;",
+        "        /*0040*/              @!P1 FMUL.FTZ R4, R4, R3 ;",
+        "        /*0050*/                   BRA `(.L_x_1) ;",
+        ".L_x_2:",
+        "        /*0060*/                   IADD3 R5, R5, 0x1, RZ ;",
+        "        /*0070*/                   BRA `(.L_x_2) ;",  # a loop without MMAs
+        ".L_x_9:",
+        "        /*0080*/                   EXIT ;",
+    ])
+    assert cpu_sass.mma_loops(sass) == [(".L_x_1", 4, [("FMUL", 2), ("HGMMA", 1), ("BRA", 1)])]

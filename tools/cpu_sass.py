@@ -4,7 +4,8 @@ Triton compiles for a named target with no GPU present (its ptxas and disassembl
 its package), so registers, spills, shared memory and the instructions of the code a call
 would launch on an H200 (sm_90) can be read on a CPU: where the lent GPU's time is short,
 this finds what differs between two kernels, or what a change did to one, before timing it
-(registers and spills, programs an SM, and whether ptxas serialised the warpgroup MMAs).
+(registers and spills, programs an SM, whether ptxas serialised the warpgroup MMAs, and the
+instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
         [--causal] [--backward] [--tile N ...] [--capability 90] [--out DIR]
@@ -13,9 +14,10 @@ this finds what differs between two kernels, or what a change did to one, before
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
 --splits for a split decode launch, since a CPU has none), then each launch compiles
 instead of running (``triton.JITFunction.warmup``); nothing is launched. Prints, per kernel:
-registers, spills, shared memory, and counts of the tensor-core, copy and global-memory
-instructions; writes its TTGIR, PTX and SASS to --out. Uses the installed Triton, which
-may be newer than the GPU machine's: for the GPU's own, install that version into a folder
+registers, spills, shared memory, counts of the tensor-core, copy and global-memory
+instructions, and each tensor-core loop's instructions a step; writes its TTGIR, PTX and SASS
+to --out. Uses the installed Triton, which may be newer than the GPU machine's: for the GPU's
+own, install that version into a folder
 (``pip install --no-deps --target DIR triton==3.6.0``) and put DIR first on PYTHONPATH.
 """
 
@@ -130,8 +132,37 @@ def main(argv=None) -> int:
               f"{kernel.metadata.num_warps} warps, {kernel.metadata.num_stages} stages, "
               f"{resident} programs an SM (sm_90), {serialized(tools, out / f'{name}.ptx', kernel)}")
         print("  " + ", ".join(f"{count} {op}" for op, count in sorted(counts.items())))
+        for label, size, mix in mma_loops(sass):
+            print(f"  loop {label}: {size} instructions a step ({', '.join(f'{n} {op}' for op, n in mix)})")
     print(f"TTGIR, PTX and SASS in {out}")
     return 0
+
+
+def mma_loops(sass: str) -> list:
+    """The loops of a kernel's SASS that hold tensor-core products (a key or query loop's
+    steps): ``(label, instructions a step, the 8 commonest opcodes)`` each, in address order. A
+    loop is the code from a label to the last branch back to it."""
+    labels, instructions = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        instruction = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if instruction:
+            instructions.append(instruction.group(1).strip())
+    ends = {}
+    for i, instruction in enumerate(instructions):
+        target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", instruction)
+        if target and target.group(1) in labels and labels[target.group(1)] <= i:
+            ends[target.group(1)] = i
+    loops = []
+    for label, end in ends.items():
+        body = instructions[labels[label]:end + 1]
+        opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+        if opcodes["HGMMA"] or opcodes["HMMA"]:
+            loops.append((labels[label], label, len(body), opcodes.most_common(8)))
+    return [loop[1:] for loop in sorted(loops)]
 
 
 def serialized(tools: pathlib.Path, ptx: pathlib.Path, kernel) -> str:
