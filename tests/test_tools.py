@@ -298,12 +298,15 @@ def test_cpu_sass_reads_the_loops_of_tensor_core_products():
     counted by opcode (predicates and modifiers dropped); loops without MMAs and forward branches
     are not loops of products."""
     import importlib.util
+    import os
     import pathlib
 
     path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "cpu_sass.py"
     spec = importlib.util.spec_from_file_location("cpu_sass_under_test", path)
     cpu_sass = importlib.util.module_from_spec(spec)
+    interpret = os.environ.get("TRITON_INTERPRET")
     spec.loader.exec_module(cpu_sass)
+    assert os.environ.get("TRITON_INTERPRET") == interpret  # (only the script clears it: later tests interpret)
     sass = "\n".join([
         "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
         "        /*0010*/                   BRA `(.L_x_9) ;",  # forward: not a loop

@@ -32,7 +32,8 @@ import re
 import subprocess
 import sys
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
+if __name__ == "__main__":  # (imported, e.g. by a test, it changes nothing of its importer's)
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
 
 import torch  # noqa: E402
 import triton  # noqa: E402
