@@ -397,10 +397,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
                                           max(plan.block_d, plan.block_dv))
     plan.dot_precision = planning.dot_precision(query.dtype)
     if plan.split:  # (the outputs are allocated at launch: _launch)
-        rows = B * Hp * Lqp
-        block_s = planning.merge_splits(plan.num_splits, backend.interpreted())
-        plan.merge = planning.Merge(rows, planning.combine_rows(rows, backend.interpreted(), block_s, plan.block_dv),
-                                    block_s)
+        plan.merge = planning.plan_merge(B * Hp * Lqp, plan.num_splits, backend.interpreted(), plan.block_dv)
         # (the bytes the table can address: the lengths themselves are on the device)
         capacity = B * max_pages * page * H_kv * (D + Dv) * key_cache.element_size()
         plan.kernel_merge = planning.kernel_merges(plan.num_splits, plan.config.block_m, capacity)

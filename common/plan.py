@@ -387,9 +387,7 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
-    block_s = merge_splits(plan.num_splits, interpreted)
-    plan.merge = Merge(rows, combine_rows(rows, interpreted, block_s, plan.block_dv), block_s) if (
-        plan.num_splits > 1) else None
+    plan.merge = plan_merge(rows, plan.num_splits, interpreted, plan.block_dv) if plan.num_splits > 1 else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
     plan.kernel_merge = kernel_merges(plan.num_splits, config.block_m, kv_bytes)
     _allocate_outputs(plan, q.dtype, q.device)
@@ -786,6 +784,13 @@ def kernel_merges(num_splits: int, block_m: int, kv_bytes: int) -> bool:
 def merge_splits(num_splits: int, interpreted: bool) -> int:
     """The splits a merge of ``num_splits`` splits takes a step (MERGE_SPLITS)."""
     return min(MERGE_SPLITS, next_power_of_2(num_splits)) if interpreted else MERGE_SPLITS
+
+
+def plan_merge(rows: int, num_splits: int, interpreted: bool, block_dv: int) -> Merge:
+    """The merge of ``rows`` rows of ``num_splits`` splits (dense and paged plans alike): its
+    splits a step (:func:`merge_splits`) and rows a program (:func:`combine_rows`)."""
+    block_s = merge_splits(num_splits, interpreted)
+    return Merge(rows, combine_rows(rows, interpreted, block_s, block_dv), block_s)
 
 
 def combine_rows(rows: int, interpreted: bool, block_s: int, block_dv: int) -> int:
