@@ -123,6 +123,21 @@ def _key_blocks_row(x, heads, m_blocks, block_d, num_splits=None):
     return arranged
 
 
+def _group_row_blocks(x, group, n_blocks, block_d=None):
+    """(B, H, Lq // BLOCK_M, BLOCK_M[, D]), the rows' whole blocks as a dimension of their own
+    (a view) -> per program of (B, H_kv, n_blocks), the (GROUP, Lq // BLOCK_M) tiles of
+    (BLOCK_M[, D]) of the query heads that read K/V head h_kv, as :func:`_group_rows`."""
+    if block_d is None:
+        arranged = x.tile((1, 1, 1, x.shape[3])).tile((1, group, -1, -1)).squeeze((2, 3))
+        arranged.dtype = arranged.dtype.squeeze((0, 3))
+        arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1, 2))
+    else:
+        arranged = x.tile((1, 1, 1, x.shape[3], block_d)).tile((1, group, -1, -1, -1)).squeeze((2, 3, 4))
+        arranged.dtype = arranged.dtype.squeeze((0, 3, 4))
+        arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1, 2))
+    return arranged.unsqueeze(2).expand((-1, -1, n_blocks))
+
+
 def _mask_row(attn_mask, block_m, block_n, blocks_per_split=None):
     """(B, H, Lq, Lk), broadcast views welcome -> per program a row of
     (BLOCK_M, BLOCK_N) tiles (split: BLOCKS_PER_SPLIT of them)."""
@@ -491,9 +506,9 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
 # -- backward ----------------------------------------------------------------------------------
 
 def dq_arrangement(
-    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
-    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
+    query, key, value, key_blocks, value_blocks, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed,
+    dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
@@ -503,13 +518,15 @@ def dq_arrangement(
         query_arranged,
         _key_row(key, query.shape[1], m_blocks, block_n, block_d),
         _key_row(value, query.shape[1], m_blocks, block_n, block_dv),
+        _key_blocks_row(key_blocks, query.shape[1], m_blocks, block_d),
+        _key_blocks_row(value_blocks, query.shape[1], m_blocks, block_dv),
         _mask_row(attn_mask, block_m, block_n),
         _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
         _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         _row_slices(row_bands_lo, block_m), _row_slices(row_bands_hi, block_m), _row_slices(delta_out, block_m),
         _rows(grad_query, block_m, block_d),
-        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
+        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     )
 
 
@@ -558,9 +575,9 @@ def _attn_bwd_dq_inner(
 
 
 def dq_application(
-    query, key, value, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
-    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP,
+    query, key, value, key_blocks, value_blocks, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed,
+    dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
+    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
 ):
     q = query
     do = grad_out
@@ -598,11 +615,18 @@ def dq_application(
             cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
             SOFTCAP,
         )
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi, qk_scale,
-        cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
-        SOFTCAP,
-    )
+    if BLOCKED:  # the whole blocks from their own view, as in the forward (no dropout)
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, m2, delta, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi,
+            qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False,
+            DOT_PRECISION, DROPOUT, SOFTCAP,
+        )
+    else:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi, qk_scale,
+            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION,
+            DROPOUT, SOFTCAP,
+        )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, row_lo, row_hi, qk_scale,
         cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
@@ -612,9 +636,10 @@ def dq_application(
 
 
 def dkdv_arrangement(
-    query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, key_bands_lo, key_bands_hi, grad_key, grad_value,
-    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
+    query, key, value, attn_mask, grad_out, lse, delta, query_blocks, grad_out_blocks, lse_blocks, delta_blocks,
+    scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi,
+    key_bands_lo, key_bands_hi, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, K/V head, block of BLOCK_N keys); it sees the
@@ -633,11 +658,14 @@ def dkdv_arrangement(
         key_arranged, _rows(value, block_n, block_dv), attn_mask_arranged,
         _group_rows(grad_out, group, n_blocks, block_m, block_dv),
         _group_rows(lse, group, n_blocks, block_m), _group_rows(delta, group, n_blocks, block_m),
+        _group_row_blocks(query_blocks, group, n_blocks, block_d),
+        _group_row_blocks(grad_out_blocks, group, n_blocks, block_dv),
+        _group_row_blocks(lse_blocks, group, n_blocks), _group_row_blocks(delta_blocks, group, n_blocks),
         scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         _group_rows(row_bands_lo, group, n_blocks, block_m), _group_rows(row_bands_hi, group, n_blocks, block_m),
         _row_slices(key_bands_lo, block_n), _row_slices(key_bands_hi, block_n),
         _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
-        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
+        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     )
 
 
@@ -698,9 +726,10 @@ def _attn_bwd_dkdv_inner(
 
 
 def dkdv_application(
-    query, key, value, attn_mask, grad_out, lse, delta, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, key_bands_lo, key_bands_hi, grad_key, grad_value,
-    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP,
+    query, key, value, attn_mask, grad_out, lse, delta, query_blocks, grad_out_blocks, lse_blocks, delta_blocks,
+    scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi,
+    key_bands_lo, key_bands_hi, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
 ):
     k = key
     v = value
@@ -736,11 +765,18 @@ def dkdv_application(
             band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
             True, DOT_PRECISION, DROPOUT, SOFTCAP,
         )
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, full_lo,
-            full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED,
-            MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
-        )
+        if BLOCKED:  # the whole row blocks from their own views (no dropout): see blocked_keys
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, query_blocks, grad_out_blocks, lse_blocks, delta_blocks, attn_mask, row_bands_lo,
+                row_bands_hi, g, offs_kn, full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head,
+                dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
+            )
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn,
+                full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale,
+                BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
+            )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, full_hi, hi,
             band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
@@ -769,6 +805,14 @@ def _attention_inputs(head_dim, head_dim_v):
         Tensor(4, shape=(None, None, None, head_dim_v), other=0),
         Tensor(4, other=0),
     )
+
+
+def _key_blocks_inputs(head_dim, head_dim_v, block_n):
+    """The keys' and values' whole blocks, (B, H_kv, Lk // BLOCK_N, BLOCK_N, D | Dv) (see
+    ``blocked_keys``): the block size a constant of the kernel, so that loads of them check no
+    key against the keys' length."""
+    return (Tensor(5, shape=(None, None, None, block_n, head_dim), other=0),
+            Tensor(5, shape=(None, None, None, block_n, head_dim_v), other=0))
 
 
 def _dropout_inputs():
@@ -810,11 +854,7 @@ def premake(head_dim, head_dim_v, block_m, block_n, split=False):
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
     tensors = (
-        query, key, value,
-        # the keys' and values' whole blocks, (B, H_kv, Lk // BLOCK_N, BLOCK_N, D | Dv): see blocked_keys
-        Tensor(5, shape=(None, None, None, block_n, head_dim), other=0),
-        Tensor(5, shape=(None, None, None, block_n, head_dim_v), other=0),
-        attn_mask,
+        query, key, value, *_key_blocks_inputs(head_dim, head_dim_v, block_n), attn_mask,
         Tensor(0),  # scale (runtime float)
         *_dropout_inputs(),
         *_band_inputs(),
@@ -850,8 +890,9 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         dq_arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
         block_dv=padded_head_dim(head_dim_v),
     )
+    query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
     tensors = (
-        *_attention_inputs(head_dim, head_dim_v),
+        query, key, value, *_key_blocks_inputs(head_dim, head_dim_v, block_n), attn_mask,
         Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # out
         Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
         Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
@@ -861,7 +902,7 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         *_band_inputs(),
         Tensor(3),  # delta_out
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_query
-        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT", "SOFTCAP"),
+        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED"),
     )
     return arrangement_, dq_application, tensors
 
@@ -877,12 +918,17 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
         Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
         Tensor(3, other=0),  # delta
+        # the whole row blocks of query, grad_out, lse and delta, (B, H, Lq // BLOCK_M, BLOCK_M[, D | Dv])
+        Tensor(5, shape=(None, None, None, block_m, head_dim), other=0),
+        Tensor(5, shape=(None, None, None, block_m, head_dim_v), other=0),
+        Tensor(4, shape=(None, None, None, block_m), other=0),
+        Tensor(4, shape=(None, None, None, block_m), other=0),
         Tensor(0),  # scale
         *_dropout_inputs(),
         *_band_inputs(keys=True),
         Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
         Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
-        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP"),
+        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED"),
     )
     return arrangement_, dkdv_application, tensors
 
@@ -1187,11 +1233,17 @@ def blocked_keys(plan) -> bool:
 def _key_blocks(x, block_n: int, blocked: bool):
     """(B, H_kv, Lk, D) -> its whole blocks, a view (B, H_kv, Lk // BLOCK_N, BLOCK_N, D) that
     starts where ``x`` does; a stand-in where the kernel reads none (not ``blocked``)."""
-    B, H_kv, Lk, D = x.shape
+    return _row_blocks(x, block_n, blocked)
+
+
+def _row_blocks(x, block: int, blocked: bool):
+    """(B, H, L[, D]) -> its whole blocks of ``block`` rows, a view (B, H, L // block, block[, D])
+    that starts where ``x`` does; a stand-in where the kernel reads none (not ``blocked``)."""
+    B, H, L = x.shape[:3]
     if not blocked:
-        return _absent(x, B, H_kv, 1, block_n, D)
-    whole = Lk // block_n
-    return x[:, :, :whole * block_n].unflatten(2, (whole, block_n))
+        return _absent(x, B, H, 1, block, *x.shape[3:])
+    whole = L // block
+    return x[:, :, :whole * block].unflatten(2, (whole, block))
 
 
 def _attention_launch(plan) -> tuple:
@@ -1422,15 +1474,19 @@ def backward(plan):
     flags = dict(BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
                  DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind))
     dropout = _dropout_args(plan)
+    blocked = not plan.dropout  # (both passes' unmasked stages, as the forward's: blocked_keys)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan),
-        plan.delta, plan.grad_query, WITH_DLSE=plan.grad_lse is not None, **flags,
+        q, k, v, _key_blocks(k, config.block_n2, blocked), _key_blocks(v, config.block_n2, blocked), attn_mask,
+        plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), plan.delta,
+        plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
     )
+    rows = (q, plan.grad_out, plan.lse, plan.delta)
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta, plan.scale, *dropout,
-        *_band_args(plan, keys=True), plan.grad_key, plan.grad_value, **flags,
+        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta,
+        *(_row_blocks(x, config.block_m1, blocked) for x in rows), plan.scale, *dropout,
+        *_band_args(plan, keys=True), plan.grad_key, plan.grad_value, BLOCKED=blocked, **flags,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value
 
