@@ -1242,8 +1242,10 @@ def _row_blocks(x, block: int, blocked: bool):
     B, H, L = x.shape[:3]
     if not blocked:
         return _absent(x, B, H, 1, block, *x.shape[3:])
-    whole = L // block
-    return x[:, :, :whole * block].unflatten(2, (whole, block))
+    stride = x.stride()
+    # (as_strided: one torch call, where slicing then unflattening is two)
+    return x.as_strided((B, H, L // block, block, *x.shape[3:]), (*stride[:2], stride[2] * block, *stride[2:]),
+                        x.storage_offset())
 
 
 def _attention_launch(plan) -> tuple:
