@@ -1049,6 +1049,33 @@ def test_plan_reuse_keeps_every_check(device, monkeypatch):
     assert len(dispatch._templates) == 2
 
 
+def test_growing_keys_within_their_blocks(backend, device, monkeypatch):
+    """A decode loop that is not split, its keys growing within one count of key blocks (97-112
+    keys: 7 blocks of 16, the last one whole only at 112) and moving into a longer buffer (other
+    strides): each call after the first launches the last growing launch again with its keys'
+    length and strides filled in (NineToothed's whole blocks' view too: its length is the keys'
+    // BLOCK_N, its strides the keys' own), and gives SDPA's answer."""
+    from common import dispatch, plan
+    from common.configs import Config, override
+    from common.plan import force_splits
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    q = torch.randn(2, 4, 1, 32, device=device)
+    buffer = torch.randn(2, 2, 1, 130, 64, device=device)[..., :32]  # (every stride other than a fresh cache's)
+    replanned = []
+    rebind_forward = plan.rebind_forward
+    monkeypatch.setattr(plan, "rebind_forward", lambda *a: replanned.append(a[2].shape[2]) or rebind_forward(*a))
+    with force_splits(1), override(Config(16, 16, 1, 1)):
+        for Lk in (97, 98, 104, 111, 112):
+            k, v = (torch.randn(2, 1, Lk, 32, device=device) for _ in range(2))
+            if Lk >= 104:  # views into a longer buffer: other strides
+                k, v = buffer[0, :, :, :Lk], buffer[1, :, :, :Lk]
+            out = attention(q, k, v, enable_gqa=True, backend=backend)
+            check_output(out, q, k, v, enable_gqa=True)
+    assert replanned == [98]  # (97 planned the template; 98 its growing launch; the rest launch that)
+
+
 def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
     """A decode loop (keys one longer each step, a fresh cache tensor each time): calls that are
     not causal validate and plan only what depends on the keys' length, and only where it

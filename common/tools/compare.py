@@ -37,18 +37,18 @@ KERNEL_FUNCTIONS = {
         "paged": ["_paged_fwd", "_append_kv"],
     },
     "ninetoothed": {
-        "forward": ["_rows", "_row_slices", "_key_row", "_mask_row", "_per_split", "arrangement",
+        "forward": ["_rows", "_row_slices", "_key_row", "_key_blocks_row", "_mask_row", "_per_split", "arrangement",
                     "_attn_fwd_inner", "application", "combine_arrangement", "combine_application"],
-        "backward": ["_group_rows", "dq_arrangement", "_attn_bwd_dq_inner", "dq_application", "dkdv_arrangement",
-                     "_attn_bwd_dkdv_inner", "dkdv_application"],
+        "backward": ["_group_rows", "_group_row_blocks", "dq_arrangement", "_attn_bwd_dq_inner", "dq_application",
+                     "dkdv_arrangement", "_attn_bwd_dkdv_inner", "dkdv_application"],
         "paged": ["_pages", "paged_arrangement", "paged_application", "append_arrangement", "append_application"],
     },
 }
 HOST_FUNCTIONS = {
     "triton": ["forward", "_forward_launch", "bind_forward", "backward", "paged_forward", "append_kv"],
-    "ninetoothed": ["_flags", "_attention_inputs", "premake", "premake_combine", "premake_dq", "premake_dkdv",
-                    "premake_paged", "premake_append", "_make", "_absent", "forward", "_is_stand_in", "bind_forward",
-                    "backward", "paged_forward", "append_kv"],
+    "ninetoothed": ["_flags", "_attention_inputs", "_key_blocks_inputs", "premake", "premake_combine", "premake_dq",
+                    "premake_dkdv", "premake_paged", "premake_append", "_make", "_absent", "blocked_keys", "_key_blocks",
+                    "_row_blocks", "forward", "_is_stand_in", "bind_forward", "backward", "paged_forward", "append_kv"],
 }
 
 
