@@ -72,6 +72,22 @@ def test_bench_merges_runs():
         ("bwd", 1024, 4.0), ("fwd", 1024, 1.0), ("fwd", 4096, 3.0)]
 
 
+def test_bench_plans_the_masking_asked_for():
+    """--masking picks the throughput section's shapes: causal only, full only, or both (default)."""
+    import argparse
+
+    from common.tools.bench import add_arguments, plan
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--sections", "throughput", "--dtypes", "float16", "--lengths", "1024", "4096"]
+    for masking, wanted in ((["causal"], {True}), (["full"], {False}), ([], {False, True})):
+        args = parser.parse_args(base + (["--masking", *masking] if masking else []))
+        jobs = plan(args)
+        assert {job[8] for job in jobs} == wanted, masking  # (section, B, H, H_kv, Lq, Lk, D, dtype, is_causal, ...)
+        assert len(jobs) == 2 * 2 * len(wanted)  # head dims x lengths x masking
+
+
 def test_compare_speed_keeps_forward_and_backward_apart(tmp_path, monkeypatch):
     """A shape timed forward and backward is two rows of COMPARISON.md's speed table, each with its own numbers."""
     import json

@@ -76,10 +76,11 @@ for stage in "$@"; do
     ab) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 tools/probe.py $AB_PROBES); done 2>&1 | tee "$OUT/ab.log" ;;
     # The forward (and with AB_BWD=1 the backward) throughput of both kernel backends in each of $AB_TREES and
     # here (fp16, L 1k/4k/16k), one results_<tree>.json each: the A/B of a kernel change
-    # AB_HERE: the backends timed in this tree (Triton's kernel is the same in both when only NineToothed changed).
+    # AB_HERE: the backends timed in this tree (Triton's kernel is the same in both when only NineToothed changed);
+    # AB_MASKING: "causal" or "full" for half the shapes.
     ab-bench) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; name=$(basename "$(cd "$tree" && pwd)")
                 backends="triton ninetoothed"; [ "$tree" = . ] && backends=${AB_HERE:-$backends}
-                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --dtypes float16 --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
+                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --masking ${AB_MASKING:-full causal} --dtypes float16 --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
                 cp "/tmp/ab-$name/results.json" "$OUT/results_$name.json"; done 2>&1 | tee "$OUT/ab_bench.log" ;;
     compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;

@@ -122,7 +122,7 @@ def plan(args):
     if "throughput" in args.sections:
         for dtype in dtypes:
             for D in args.head_dims:
-                for is_causal in (False, True):
+                for is_causal in [mode == "causal" for mode in args.masking]:
                     for L in args.lengths:
                         B, H = max(1, TOKENS // L), WIDTH // D
                         for mode in args.modes:
@@ -433,6 +433,8 @@ def add_arguments(parser):
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], help="head dims of the throughput section")
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS),
                         help="sequence lengths L of the throughput section (B = 16384 / L)")
+    parser.add_argument("--masking", nargs="+", default=["full", "causal"], choices=["full", "causal"],
+                        help="the throughput section's shapes without a mask, causal, or both")
     parser.add_argument("--modes", nargs="+", default=["fwd"], choices=list(MODE_FLOPS),
                         help="what the throughput section times: forward, backward (autograd, after one "
                              "forward), or both; TFLOP/s counts 1, 2.5 and 3.5 forwards")
