@@ -124,12 +124,13 @@ def main(argv=None) -> int:
         usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)],
                                capture_output=True, text=True).stdout
         regs = re.search(r"REG:(\d+)", usage)
-        spills = re.search(r"LOCAL:(\d+)", usage)
+        # ptxas spills to the stack frame (STACK), not to LOCAL (which stays 0 for our kernels)
+        stack = re.search(r"STACK:(\d+)", usage)
         counts = collections.Counter(re.findall(INSTRUCTIONS, sass))
         resident = programs_per_sm(int(regs.group(1)), kernel.metadata.shared, kernel.metadata.num_warps) if (
             regs and args.capability == 90) else "?"
-        print(f"{name}: {regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes "
-              f"of local memory (spills), {kernel.metadata.shared} bytes of shared memory, "
+        print(f"{name}: {regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} bytes "
+              f"of stack (spills), {kernel.metadata.shared} bytes of shared memory, "
               f"{kernel.metadata.num_warps} warps, {kernel.metadata.num_stages} stages, "
               f"{resident} programs an SM (sm_90), {serialized(tools, out / f'{name}.ptx', kernel)}")
         print("  " + ", ".join(f"{count} {op}" for op, count in sorted(counts.items())))
