@@ -1222,18 +1222,12 @@ def _band_args(plan, keys=False) -> tuple:
 
 def blocked_keys(plan) -> bool:
     """Whether the forward's unmasked stage reads the keys and values through views of their
-    whole blocks (:func:`_key_blocks`): every load of NineToothed's is masked against the
+    whole blocks (:func:`_row_blocks`): every load of NineToothed's is masked against the
     bounds of its source, and a source whose block size is a constant makes the per-key
     check of those loads a constant too (on sm_90, D 64, 128 x 64 tiles: 577 -> 538
     instructions a step of that loop, against the Triton kernel's 509). Unsplit launches
     without dropout (whose unmasked stage reads the keys' positions from the keys' tiles)."""
     return not plan.split and not plan.dropout
-
-
-def _key_blocks(x, block_n: int, blocked: bool):
-    """(B, H_kv, Lk, D) -> its whole blocks, a view (B, H_kv, Lk // BLOCK_N, BLOCK_N, D) that
-    starts where ``x`` does; a stand-in where the kernel reads none (not ``blocked``)."""
-    return _row_blocks(x, block_n, blocked)
 
 
 def _row_blocks(x, block: int, blocked: bool):
@@ -1263,8 +1257,8 @@ def _attention_launch(plan) -> tuple:
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, split,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
     blocked = blocked_keys(plan)
-    inputs = (q, plan.key, plan.value, _key_blocks(plan.key, config.block_n, blocked),
-              _key_blocks(plan.value, config.block_n, blocked), attn_mask, plan.scale, *_dropout_args(plan),
+    inputs = (q, plan.key, plan.value, _row_blocks(plan.key, config.block_n, blocked),
+              _row_blocks(plan.value, config.block_n, blocked), attn_mask, plan.scale, *_dropout_args(plan),
               *_band_args(plan), plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
     return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
@@ -1342,7 +1336,7 @@ def _bind(kernel, inputs, roles: dict, key_inputs=None):
     """The last launch of ``kernel`` on this thread, made with ``inputs``, bound (a
     :class:`BoundGeneratedLaunch`): the inputs with a role (index into the tensors a later call passes)
     put in their slots; the length and strides of ``key_inputs`` (index -> None for keys or values
-    themselves, or BLOCK_N for the views of their whole blocks, :func:`_key_blocks`) read per call
+    themselves, or BLOCK_N for the views of their whole blocks, :func:`_row_blocks`) read per call
     from the tensors of their roles. None where the recorded launch is not one of ``inputs`` or
     holds another call's tensor."""
     key_inputs = key_inputs or {}
@@ -1479,7 +1473,7 @@ def backward(plan):
     blocked = not plan.dropout  # (both passes' unmasked stages, as the forward's: blocked_keys)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages)(
-        q, k, v, _key_blocks(k, config.block_n2, blocked), _key_blocks(v, config.block_n2, blocked), attn_mask,
+        q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
         plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), plan.delta,
         plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
     )

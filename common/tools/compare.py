@@ -47,7 +47,7 @@ KERNEL_FUNCTIONS = {
 HOST_FUNCTIONS = {
     "triton": ["forward", "_forward_launch", "bind_forward", "backward", "paged_forward", "append_kv"],
     "ninetoothed": ["_flags", "_attention_inputs", "_key_blocks_inputs", "premake", "premake_combine", "premake_dq",
-                    "premake_dkdv", "premake_paged", "premake_append", "_make", "_absent", "blocked_keys", "_key_blocks",
+                    "premake_dkdv", "premake_paged", "premake_append", "_make", "_absent", "blocked_keys",
                     "_row_blocks", "forward", "_is_stand_in", "bind_forward", "backward", "paged_forward", "append_kv"],
 }
 
