@@ -150,6 +150,12 @@ def _mask_row(attn_mask, block_m, block_n, blocks_per_split=None):
     return arranged
 
 
+def _last_first(arranged):
+    """Programs (B, H, M[, ...]) -> the same with the row blocks last to first (a causal row
+    block's work grows with its index: the longest start first, as in the Triton kernel)."""
+    return arranged[:, :, ::-1]
+
+
 def _split_blocks(key, num_splits, block_n):
     """The key blocks of each split, as the plan makes them (``common.plan.plan_splits``):
     ceil(ceil(Lk / BLOCK_N) / S), in symbols of the keys' length and the partials' split count,
@@ -274,7 +280,7 @@ def arrangement(
     block_m, block_n, block_d, block_dv, split=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
-    of the keys when ``split``.
+    of the keys when ``split``; a head's row blocks last to first (:func:`_last_first`).
 
     Unsplit, output is (B, H, Lq, Dv) and lse (B, H, Lq); split, output is the
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
@@ -282,7 +288,7 @@ def arrangement(
     (an int, a tile size), or with ``split="derived"`` as many as :func:`_split_blocks` derives
     (``common.plan.tiled_split`` chooses).
     """
-    query_arranged = _rows(query, block_m, block_d)
+    query_arranged = _last_first(_rows(query, block_m, block_d))
     m_blocks = query_arranged.shape[2]
     blocks_per_split = None
     if split:
@@ -292,12 +298,12 @@ def arrangement(
     num_splits = output.shape[3] if split else None
     key_blocks_arranged = _key_blocks_row(key_blocks, query.shape[1], m_blocks, block_d, num_splits)
     value_blocks_arranged = _key_blocks_row(value_blocks, query.shape[1], m_blocks, block_dv, num_splits)
-    attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
-    sinks_arranged = _row_slices(sinks, block_m)  # (B, H, Lq): stride 0 but over H
-    row_bands_arranged = [_row_slices(x, block_m) for x in (row_bands_lo, row_bands_hi)]  # (B, H, Lq), stride 0
+    attn_mask_arranged = _last_first(_mask_row(attn_mask, block_m, block_n, blocks_per_split))
+    sinks_arranged = _last_first(_row_slices(sinks, block_m))  # (B, H, Lq): stride 0 but over H
+    row_bands_arranged = [_last_first(_row_slices(x, block_m)) for x in (row_bands_lo, row_bands_hi)]
     if blocks_per_split is None:
-        output_arranged = _rows(output, block_m, block_dv)
-        lse_arranged = _row_slices(lse, block_m)
+        output_arranged = _last_first(_rows(output, block_m, block_dv))
+        lse_arranged = _last_first(_row_slices(lse, block_m))
     else:
         query_arranged = _per_split(query_arranged, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
@@ -305,9 +311,11 @@ def arrangement(
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
+        output_arranged = _last_first(output_arranged)
         # (B, H, Lq, S) -> a (BLOCK_M,) slice per program
         lse_arranged = lse.tile((1, 1, block_m, 1))
         lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
+        lse_arranged = _last_first(lse_arranged)
     return (
         query_arranged, key_arranged, value_arranged, key_blocks_arranged, value_blocks_arranged,
         attn_mask_arranged, scale, _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo,
@@ -511,21 +519,24 @@ def dq_arrangement(
     BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     block_m, block_n, block_d, block_dv,
 ):
-    """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
-    query_arranged = _rows(query, block_m, block_d)
+    """One program per (batch, head, block of BLOCK_M query rows), as the forward (row blocks
+    last to first)."""
+    query_arranged = _last_first(_rows(query, block_m, block_d))
     m_blocks = query_arranged.shape[2]
+
+    def rows(x, block_d=None):  # a per-row-block tensor, last to first as the query
+        return _last_first(_rows(x, block_m, block_d) if block_d is not None else _row_slices(x, block_m))
+
     return (
         query_arranged,
         _key_row(key, query.shape[1], m_blocks, block_n, block_d),
         _key_row(value, query.shape[1], m_blocks, block_n, block_dv),
         _key_blocks_row(key_blocks, query.shape[1], m_blocks, block_d),
         _key_blocks_row(value_blocks, query.shape[1], m_blocks, block_dv),
-        _mask_row(attn_mask, block_m, block_n),
-        _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
-        _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
+        _last_first(_mask_row(attn_mask, block_m, block_n)),
+        rows(out, block_dv), rows(grad_out, block_dv), rows(lse), rows(grad_lse), scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
-        _row_slices(row_bands_lo, block_m), _row_slices(row_bands_hi, block_m), _row_slices(delta_out, block_m),
-        _rows(grad_query, block_m, block_d),
+        rows(row_bands_lo), rows(row_bands_hi), rows(delta_out), rows(grad_query, block_d),
         BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     )
 

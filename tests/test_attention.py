@@ -314,6 +314,25 @@ def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
         assert per_split in made, made
 
 
+def test_ninetoothed_row_blocks_last_to_first():
+    """NineToothed's forward and dQ programs take a head's row blocks last to first, as the
+    Triton kernel's (a causal row block's work grows with its index: the longest start first):
+    the program at index m of a head's M row blocks reads row block M - 1 - m, whatever the
+    levels below (a tile of rows, a row slice, a row of mask tiles)."""
+    import ninetoothed
+
+    from impl_ninetoothed.attention import _last_first, _mask_row, _row_slices, _rows
+
+    B, H, M = 2, 3, 5
+    for arranged in (_rows(ninetoothed.Tensor(shape=(B, H, M * 16, 32)), 16, 32),
+                     _row_slices(ninetoothed.Tensor(shape=(B, H, M * 16)), 16),
+                     _mask_row(ninetoothed.Tensor(shape=(B, H, M * 16, 64)), 16, 32)):
+        reversed_ = _last_first(arranged)
+        assert tuple(reversed_.shape) == tuple(arranged.shape) == (B, H, M)
+        for m in range(M):
+            assert reversed_._offsets((1, 2, m)) == ((1, 2, M - 1 - m),), m
+
+
 def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
     """Outside poisoning, a split launch's partials are views of its stream's scratch buffer:
     calls one after the other reuse it (no allocation per decode step) and each is right; a
