@@ -280,30 +280,37 @@ def test_split_keys(case, num_splits, backend, device):
     check_lse(lse, q, k, **kwargs)
 
 
-@pytest.mark.parametrize("case", params([SPLIT_CASES[1], SPLIT_CASES[3]]))
-def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
-    """Splits of a power of two of key blocks (the form tiles of plan.TILED_SPLIT_ROWS rows and
-    more take: NineToothed's tile size) give SDPA's output and lse too; here every tile takes it,
-    and NineToothed's split forward is the kernel of that tile size."""
+def _forced_split_call(case, backend, device, monkeypatch, switch):
+    """Five splits of ``case``'s keys with plan.``switch`` set to 1 (every tile takes that path),
+    called twice (planned, then bound where the call binds), each time checked against SDPA's
+    output and lse; returns the call's plan."""
     from common import dispatch, plan
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
 
-    monkeypatch.setattr(plan, "TILED_SPLIT_ROWS", 1)
+    monkeypatch.setattr(plan, switch, 1)
     monkeypatch.setattr(dispatch, "_templates", {})
     monkeypatch.setattr(dispatch, "_growing", {})
     q, k, v, mask = make_inputs(case, device)
     kwargs = sdpa_kwargs(case, mask)
     with force_splits(5):
-        for _ in range(2):  # planned, then bound where the call binds
+        for _ in range(2):
             out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
             check_output(out, q, k, v, **kwargs)
             check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
         call = check_call(get_backend(backend), q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0,
                           is_causal=case.causal, scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"],
                           return_lse=True)
-        planned = plan.make_forward(call, get_backend(backend), with_lse=True)
+        return plan.make_forward(call, get_backend(backend), with_lse=True)
+
+
+@pytest.mark.parametrize("case", params([SPLIT_CASES[1], SPLIT_CASES[3]]))
+def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
+    """Splits of a power of two of key blocks (the form tiles of plan.TILED_SPLIT_ROWS rows and
+    more take: NineToothed's tile size) give SDPA's output and lse too; here every tile takes it,
+    and NineToothed's split forward is the kernel of that tile size."""
+    planned = _forced_split_call(case, backend, device, monkeypatch, "TILED_SPLIT_ROWS")
     per_split = planned.blocks_per_split
     assert planned.num_splits > 1 and per_split & (per_split - 1) == 0, (planned.num_splits, per_split)
     if backend == "ninetoothed":
@@ -320,26 +327,9 @@ def test_split_keys_in_one_masked_stage(case, device, monkeypatch):
     key blocks in one masked loop (with a split size in symbols, two loops had ptxas serialise a
     warpgroup tile's MMAs); here every tile does: SDPA's output and lse, with the keys' ragged
     end, a mask with empty rows, and causal rows that see no key of a split."""
-    from common import dispatch, plan
-    from common.backends import get_backend
-    from common.plan import force_splits
-    from common.validation import check_call
     from impl_ninetoothed import attention as kernels
 
-    monkeypatch.setattr(plan, "ONE_STAGE_SPLIT_ROWS", 1)
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
-    q, k, v, mask = make_inputs(case, device)
-    kwargs = sdpa_kwargs(case, mask)
-    with force_splits(5):
-        for _ in range(2):  # planned, then bound where the call binds
-            out, lse = attention(q, k, v, backend="ninetoothed", return_lse=True, **kwargs)
-            check_output(out, q, k, v, **kwargs)
-            check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
-        call = check_call(get_backend("ninetoothed"), q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0,
-                          is_causal=case.causal, scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"],
-                          return_lse=True)
-        planned = plan.make_forward(call, get_backend("ninetoothed"), with_lse=True)
+    planned = _forced_split_call(case, "ninetoothed", device, monkeypatch, "ONE_STAGE_SPLIT_ROWS")
     assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE
 
 
