@@ -61,13 +61,14 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, tiled_split
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, one_stage_split, tiled_split
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
+ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (common.plan.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
-                        ROW_BANDS=ROW_BANDS)
+                        ROW_BANDS=ROW_BANDS, ONE_STAGE=ONE_STAGE)
 
 
 # -- arranging tiles (plain Python on symbolic tensors, run once per make) ---------------
@@ -431,6 +432,12 @@ def application(
         row_lo = row_bands_lo
         row_hi = row_bands_hi
     first, full_lo, full_hi, end = _key_stages(offs_m, lo, lo + key.shape[0], Lk, row_lo, row_hi, BLOCK_N, BANDED)
+    if SPLIT == ONE_STAGE:
+        # All of [first, end) in the last, masked loop: with a split size in symbols, two loops
+        # had ptxas serialise a warpgroup tile's MMAs (common.plan.TILED_SPLIT_ROWS); one costs
+        # a compare and a select per score, in a launch bound by memory.
+        full_lo = first
+        full_hi = first
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
@@ -1273,9 +1280,18 @@ def _attention_launch(plan) -> tuple:
               *_band_args(plan), plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
     return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
-        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
+        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan), DROPOUT=plan.dropout,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume, BLOCKED=blocked,
     )
+
+
+def _split_kind(plan) -> int:
+    """The kernel's SPLIT: 0 unsplit, 1 split, ONE_STAGE split at the derived size in tiles of
+    common.plan.ONE_STAGE_SPLIT_ROWS rows and more."""
+    if not plan.split:
+        return 0
+    block_m = plan.config.block_m
+    return ONE_STAGE if one_stage_split(block_m) and not tiled_split(block_m) else 1
 
 
 def _merge_kernel(plan):
