@@ -87,7 +87,13 @@ WIDE_ROWS = 64
 # serialize every MMA of the kernel (its C7515: the tile's zero accumulator set between an MMA
 # and its wait), 3.0-3.3 against 4.1 TB/s at B 8, 32/8 heads, Lq 16, Lk 16k on the H200
 # (benchmarks/NOTES.md, "Split sizes in symbols"); 16-row tiles use no warpgroup MMA.
-TILED_SPLIT_ROWS = 64
+# Now NineToothed's kernel walks a split of such tiles in one masked loop (ONE_STAGE_SPLIT_ROWS:
+# no second loop for that block to sit between) at the derived size, and no split takes a tile
+# size: one kernel for every split count of a decode loop. Compiled for sm_90 (triton 3.6, on the
+# CPU) at that shape: not serialised, 534 instructions a step, where the tile size's two loops
+# take 445 (unmasked) and 526 (masked). TILED_SPLIT_ROWS stays a switch (tests, A/B).
+TILED_SPLIT_ROWS = 1 << 30
+ONE_STAGE_SPLIT_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
 # this many per SM pipelines two key blocks instead of three and caps registers at 128, so that
 # four programs of 4 warps share an SM (the Triton kernel's 16 x 64 tile at D 128: 70 KB of
@@ -544,7 +550,8 @@ def reuse_key():
     if _forced_tma.get():
         return None
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS, TILED_SPLIT_ROWS)
+            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS, TILED_SPLIT_ROWS,
+            ONE_STAGE_SPLIT_ROWS)
 
 
 def tensorless_fields(plan) -> list:
@@ -728,6 +735,12 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     power = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
     num_splits = -(-k_blocks // power)
     return num_splits, power if tiled_split(block_m) else -(-k_blocks // num_splits)
+
+
+def one_stage_split(block_m: int) -> bool:
+    """A split launch of ``block_m``-row tiles at the derived size walks its key blocks in one
+    masked loop in NineToothed's kernel (ONE_STAGE_SPLIT_ROWS: a warpgroup MMA's rows)."""
+    return block_m >= ONE_STAGE_SPLIT_ROWS
 
 
 def tiled_split(block_m: int) -> bool:

@@ -61,13 +61,14 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, tiled_split
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, one_stage_split, tiled_split
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
+ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (common.plan.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
-                        ROW_BANDS=ROW_BANDS)
+                        ROW_BANDS=ROW_BANDS, ONE_STAGE=ONE_STAGE)
 
 
 # -- arranging tiles (plain Python on symbolic tensors, run once per make) ---------------
@@ -148,6 +149,12 @@ def _mask_row(attn_mask, block_m, block_n, blocks_per_split=None):
     arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
     arranged.dtype.dtype = arranged.dtype.dtype.squeeze((0, 1))
     return arranged
+
+
+def _last_first(arranged):
+    """Programs (B, H, M[, ...]) -> the same with the row blocks last to first (a causal row
+    block's work grows with its index: the longest start first, as in the Triton kernel)."""
+    return arranged[:, :, ::-1]
 
 
 def _split_blocks(key, num_splits, block_n):
@@ -274,7 +281,7 @@ def arrangement(
     block_m, block_n, block_d, block_dv, split=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
-    of the keys when ``split``.
+    of the keys when ``split``; a head's row blocks last to first (:func:`_last_first`).
 
     Unsplit, output is (B, H, Lq, Dv) and lse (B, H, Lq); split, output is the
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
@@ -282,7 +289,7 @@ def arrangement(
     (an int, a tile size), or with ``split="derived"`` as many as :func:`_split_blocks` derives
     (``common.plan.tiled_split`` chooses).
     """
-    query_arranged = _rows(query, block_m, block_d)
+    query_arranged = _last_first(_rows(query, block_m, block_d))
     m_blocks = query_arranged.shape[2]
     blocks_per_split = None
     if split:
@@ -292,12 +299,12 @@ def arrangement(
     num_splits = output.shape[3] if split else None
     key_blocks_arranged = _key_blocks_row(key_blocks, query.shape[1], m_blocks, block_d, num_splits)
     value_blocks_arranged = _key_blocks_row(value_blocks, query.shape[1], m_blocks, block_dv, num_splits)
-    attn_mask_arranged = _mask_row(attn_mask, block_m, block_n, blocks_per_split)
-    sinks_arranged = _row_slices(sinks, block_m)  # (B, H, Lq): stride 0 but over H
-    row_bands_arranged = [_row_slices(x, block_m) for x in (row_bands_lo, row_bands_hi)]  # (B, H, Lq), stride 0
+    attn_mask_arranged = _last_first(_mask_row(attn_mask, block_m, block_n, blocks_per_split))
+    sinks_arranged = _last_first(_row_slices(sinks, block_m))  # (B, H, Lq): stride 0 but over H
+    row_bands_arranged = [_last_first(_row_slices(x, block_m)) for x in (row_bands_lo, row_bands_hi)]
     if blocks_per_split is None:
-        output_arranged = _rows(output, block_m, block_dv)
-        lse_arranged = _row_slices(lse, block_m)
+        output_arranged = _last_first(_rows(output, block_m, block_dv))
+        lse_arranged = _last_first(_row_slices(lse, block_m))
     else:
         query_arranged = _per_split(query_arranged, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
@@ -305,9 +312,11 @@ def arrangement(
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
+        output_arranged = _last_first(output_arranged)
         # (B, H, Lq, S) -> a (BLOCK_M,) slice per program
         lse_arranged = lse.tile((1, 1, block_m, 1))
         lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
+        lse_arranged = _last_first(lse_arranged)
     return (
         query_arranged, key_arranged, value_arranged, key_blocks_arranged, value_blocks_arranged,
         attn_mask_arranged, scale, _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo,
@@ -423,6 +432,12 @@ def application(
         row_lo = row_bands_lo
         row_hi = row_bands_hi
     first, full_lo, full_hi, end = _key_stages(offs_m, lo, lo + key.shape[0], Lk, row_lo, row_hi, BLOCK_N, BANDED)
+    if SPLIT == ONE_STAGE:
+        # All of [first, end) in the last, masked loop: with a split size in symbols, two loops
+        # had ptxas serialise a warpgroup tile's MMAs (common.plan.TILED_SPLIT_ROWS); one costs
+        # a compare and a select per score, in a launch bound by memory.
+        full_lo = first
+        full_hi = first
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
@@ -511,21 +526,24 @@ def dq_arrangement(
     BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     block_m, block_n, block_d, block_dv,
 ):
-    """One program per (batch, head, block of BLOCK_M query rows), as the forward."""
-    query_arranged = _rows(query, block_m, block_d)
+    """One program per (batch, head, block of BLOCK_M query rows), as the forward (row blocks
+    last to first)."""
+    query_arranged = _last_first(_rows(query, block_m, block_d))
     m_blocks = query_arranged.shape[2]
+
+    def rows(x, block_d=None):  # a per-row-block tensor, last to first as the query
+        return _last_first(_rows(x, block_m, block_d) if block_d is not None else _row_slices(x, block_m))
+
     return (
         query_arranged,
         _key_row(key, query.shape[1], m_blocks, block_n, block_d),
         _key_row(value, query.shape[1], m_blocks, block_n, block_dv),
         _key_blocks_row(key_blocks, query.shape[1], m_blocks, block_d),
         _key_blocks_row(value_blocks, query.shape[1], m_blocks, block_dv),
-        _mask_row(attn_mask, block_m, block_n),
-        _rows(out, block_m, block_dv), _rows(grad_out, block_m, block_dv),
-        _row_slices(lse, block_m), _row_slices(grad_lse, block_m), scale,
+        _last_first(_mask_row(attn_mask, block_m, block_n)),
+        rows(out, block_dv), rows(grad_out, block_dv), rows(lse), rows(grad_lse), scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
-        _row_slices(row_bands_lo, block_m), _row_slices(row_bands_hi, block_m), _row_slices(delta_out, block_m),
-        _rows(grad_query, block_m, block_d),
+        rows(row_bands_lo), rows(row_bands_hi), rows(delta_out), rows(grad_query, block_d),
         BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
     )
 
@@ -1262,9 +1280,18 @@ def _attention_launch(plan) -> tuple:
               *_band_args(plan), plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
     return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
-        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split, DROPOUT=plan.dropout,
+        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan), DROPOUT=plan.dropout,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume, BLOCKED=blocked,
     )
+
+
+def _split_kind(plan) -> int:
+    """The kernel's SPLIT: 0 unsplit, 1 split, ONE_STAGE split at the derived size in tiles of
+    common.plan.ONE_STAGE_SPLIT_ROWS rows and more."""
+    if not plan.split:
+        return 0
+    block_m = plan.config.block_m
+    return ONE_STAGE if one_stage_split(block_m) and not tiled_split(block_m) else 1
 
 
 def _merge_kernel(plan):

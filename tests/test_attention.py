@@ -280,30 +280,37 @@ def test_split_keys(case, num_splits, backend, device):
     check_lse(lse, q, k, **kwargs)
 
 
-@pytest.mark.parametrize("case", params([SPLIT_CASES[1], SPLIT_CASES[3]]))
-def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
-    """Splits of a power of two of key blocks (the form tiles of plan.TILED_SPLIT_ROWS rows and
-    more take: NineToothed's tile size) give SDPA's output and lse too; here every tile takes it,
-    and NineToothed's split forward is the kernel of that tile size."""
+def _forced_split_call(case, backend, device, monkeypatch, switch):
+    """Five splits of ``case``'s keys with plan.``switch`` set to 1 (every tile takes that path),
+    called twice (planned, then bound where the call binds), each time checked against SDPA's
+    output and lse; returns the call's plan."""
     from common import dispatch, plan
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
 
-    monkeypatch.setattr(plan, "TILED_SPLIT_ROWS", 1)
+    monkeypatch.setattr(plan, switch, 1)
     monkeypatch.setattr(dispatch, "_templates", {})
     monkeypatch.setattr(dispatch, "_growing", {})
     q, k, v, mask = make_inputs(case, device)
     kwargs = sdpa_kwargs(case, mask)
     with force_splits(5):
-        for _ in range(2):  # planned, then bound where the call binds
+        for _ in range(2):
             out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
             check_output(out, q, k, v, **kwargs)
             check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
         call = check_call(get_backend(backend), q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0,
                           is_causal=case.causal, scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"],
                           return_lse=True)
-        planned = plan.make_forward(call, get_backend(backend), with_lse=True)
+        return plan.make_forward(call, get_backend(backend), with_lse=True)
+
+
+@pytest.mark.parametrize("case", params([SPLIT_CASES[1], SPLIT_CASES[3]]))
+def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
+    """Splits of a power of two of key blocks (the form tiles of plan.TILED_SPLIT_ROWS rows and
+    more take: NineToothed's tile size) give SDPA's output and lse too; here every tile takes it,
+    and NineToothed's split forward is the kernel of that tile size."""
+    planned = _forced_split_call(case, backend, device, monkeypatch, "TILED_SPLIT_ROWS")
     per_split = planned.blocks_per_split
     assert planned.num_splits > 1 and per_split & (per_split - 1) == 0, (planned.num_splits, per_split)
     if backend == "ninetoothed":
@@ -312,6 +319,80 @@ def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
         made = {key[1][4] for key in kernels._made if key[0] is kernels.premake and key[1][2:4] == (
             planned.config.block_m, planned.config.block_n)}
         assert per_split in made, made
+
+
+def test_ninetoothed_row_blocks_last_to_first():
+    """NineToothed's forward and dQ programs take a head's row blocks last to first, as the
+    Triton kernel's (a causal row block's work grows with its index: the longest start first):
+    the program at index m of a head's M row blocks reads row block M - 1 - m, whatever the
+    levels below (a tile of rows, a row slice, a row of mask tiles)."""
+    import ninetoothed
+
+    from impl_ninetoothed.attention import _last_first, _mask_row, _row_slices, _rows
+
+    B, H, M = 2, 3, 5
+    for arranged in (_rows(ninetoothed.Tensor(shape=(B, H, M * 16, 32)), 16, 32),
+                     _row_slices(ninetoothed.Tensor(shape=(B, H, M * 16)), 16),
+                     _mask_row(ninetoothed.Tensor(shape=(B, H, M * 16, 64)), 16, 32)):
+        reversed_ = _last_first(arranged)
+        assert tuple(reversed_.shape) == tuple(arranged.shape) == (B, H, M)
+        for m in range(M):
+            assert reversed_._offsets((1, 2, m)) == ((1, 2, M - 1 - m),), m
+
+
+@pytest.mark.parametrize("case", params([SPLIT_CASES[0], SPLIT_CASES[2], SPLIT_CASES[5]]))
+def test_split_keys_in_one_masked_stage(case, device, monkeypatch):
+    """NineToothed's split launches in tiles of plan.ONE_STAGE_SPLIT_ROWS rows and more walk their
+    key blocks in one masked loop (with a split size in symbols, two loops had ptxas serialise a
+    warpgroup tile's MMAs); here every tile does: SDPA's output and lse, with the keys' ragged
+    end, a mask with empty rows, and causal rows that see no key of a split."""
+    from impl_ninetoothed import attention as kernels
+
+    planned = _forced_split_call(case, "ninetoothed", device, monkeypatch, "ONE_STAGE_SPLIT_ROWS")
+    assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE
+
+
+def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
+    """A decode loop of 16 query rows over a group of 4 heads (64 packed rows: a warpgroup's tile
+    on a GPU) whose keys grow through several split sizes: NineToothed makes no split forward
+    of a tile size (the split size is derived from the keys' length: one kernel for them all),
+    and the first and last steps are right. (On the CPU every tile is made to take that path.)"""
+    from common import dispatch, plan
+    from common.backends import get_backend
+    from common.plan import force_splits
+    from common.validation import check_call
+    from impl_ninetoothed import attention as kernels
+
+    if device == "cpu":
+        monkeypatch.setattr(plan, "ONE_STAGE_SPLIT_ROWS", 1)
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    gpu = device == "cuda"
+    H, H_kv, D = (32, 8, 128) if gpu else (8, 2, 32)
+    q = torch.randn(1, H, 16, D, device=device, dtype=f16)
+    k_all, v_all = (torch.randn(1, H_kv, 4096 if gpu else 1024, D, device=device, dtype=f16) for _ in range(2))
+    lengths = [1024, 1536, 2048, 3072, 4096] if gpu else [256, 384, 512, 768, 1024]
+    nt = get_backend("ninetoothed")
+
+    def split_makes():
+        return {key for key in kernels._made if key[0] is kernels.premake and key[1][4] is not None}
+
+    before = split_makes()
+    sizes = set()
+    with force_splits(4):
+        for i, Lk in enumerate(lengths):
+            k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
+            out = attention(q, k, v, enable_gqa=True, backend="ninetoothed")
+            if i in (0, len(lengths) - 1):
+                check_output(out, q, k, v, enable_gqa=True)
+            call = check_call(nt, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=True, return_lse=False)
+            planned = plan.make_forward(call, nt, with_lse=False)
+            assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE, planned.config
+            sizes.add(planned.blocks_per_split)
+    made = split_makes() - before
+    assert len(sizes) > 1, sizes  # the keys went through more than one split size
+    assert all(key[1][4] == "derived" for key in made), made  # no kernel of a tile size
 
 
 def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
