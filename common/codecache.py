@@ -109,6 +109,23 @@ def _cache_source(source: str) -> pathlib.Path:
     return path
 
 
+def number_tensors_from_zero() -> None:
+    """Name the ``ninetoothed.Tensor``s made next ``tensor_0``, ``tensor_1``, ... Call before making
+    a kernel's tensors (under the lock that makes kernels one at a time).
+
+    NineToothed names each tensor after a count of every tensor the process has made, and its
+    kernel's parameters after those names, sorted as strings. A kernel made after others therefore
+    had other names and another parameter order than the same kernel made first: another source,
+    another file here, and a miss in Triton's cache of compiled kernels (keyed by the source), so
+    a new process compiled again every kernel it did not make in the same order as the last one.
+    Counted from zero for each kernel, the source depends on the kernel alone. (The count is a
+    class attribute of NineToothed's ``Tensor``; a version without it is left as it is.)"""
+    from ninetoothed import Tensor
+
+    if isinstance(getattr(Tensor, "num_instances", None), int):
+        Tensor.num_instances = 0
+
+
 def use_private_cache() -> pathlib.Path:
     """Point NineToothed's code generation at :func:`cache_dir`, checked private,
     with atomic writes. Call before each ``ninetoothed.make``; returns the directory."""

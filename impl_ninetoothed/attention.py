@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from ninetoothed import Tensor
 
-from common.codecache import use_private_cache
+from common.codecache import number_tensors_from_zero, use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.launch import (
@@ -1171,6 +1171,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             use_private_cache()
             name = "_".join(["nt_attention", premake_fn.__name__.removeprefix("premake")[1:] or "fwd",
                              *(str(a) for a in args if a is not None)])
+            number_tensors_from_zero()  # the same source in every process, whatever was made before
             handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)

@@ -268,6 +268,29 @@ def test_code_cache_names_a_module_by_its_definitions_not_their_order(tmp_path, 
     assert len(paths) == len(others) and first not in paths
 
 
+def test_a_kernel_made_after_others_is_the_same_file(tmp_path, monkeypatch):
+    """NineToothed names a kernel's tensors (and orders its parameters) by a count of every tensor
+    the process has made: the same kernel made first or after many others is to be one source, so
+    one file here and one entry in Triton's cache of compiled kernels, in every process."""
+    import ninetoothed
+    import ninetoothed.generation as generation
+
+    from common import codecache
+    from impl_ninetoothed import attention as nt
+
+    monkeypatch.setenv(codecache.ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(generation, "CACHE_DIR", generation.CACHE_DIR)
+    monkeypatch.setattr(generation, "cache_source", generation.cache_source)
+    monkeypatch.setattr(nt, "_made", {})
+    first = nt._make(nt.premake_append, 16, 16, num_warps=4, num_stages=1)
+    nt._made.clear()
+    nt._make(nt.premake_append, 32, 32, num_warps=4, num_stages=1)  # another kernel before it
+    monkeypatch.setattr(ninetoothed.Tensor, "num_instances", 987)  # and a process that made many
+    again = nt._make(nt.premake_append, 16, 16, num_warps=4, num_stages=1)
+    assert again is not first and again._source == first._source
+    assert len(list(tmp_path.iterdir())) == 2
+
+
 def test_no_numpy_warnings_under_the_interpreter(backend, device):
     """A row with no visible key: log(0) = -inf is the intended value, and nothing is printed about it."""
     import warnings
