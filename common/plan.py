@@ -79,20 +79,15 @@ PROGRAMS_PER_SM = 2
 # 4.08/4.05; with 16-row programs 1 per SM was not better (-5% to +3.5%).
 PROGRAMS_PER_SM_WIDE = 1
 WIDE_ROWS = 64
-# Split launches of tiles of this many rows or more split the keys into a power of two of
-# key blocks each, which NineToothed takes as a tile size (a kernel per value: a growing cache
-# compiles one per power of two); narrower tiles into ceil(key blocks / splits) blocks, which
-# NineToothed's arrangement derives from the keys' length and the split count (one kernel for
-# every split size). The derived size in a 64-row tile (Hopper's warpgroup MMA) had ptxas
-# serialize every MMA of the kernel (its C7515: the tile's zero accumulator set between an MMA
-# and its wait), 3.0-3.3 against 4.1 TB/s at B 8, 32/8 heads, Lq 16, Lk 16k on the H200
-# (benchmarks/NOTES.md, "Split sizes in symbols"); 16-row tiles use no warpgroup MMA.
-# Now NineToothed's kernel walks a split of such tiles in one masked loop (ONE_STAGE_SPLIT_ROWS:
-# no second loop for that block to sit between) at the derived size, and no split takes a tile
-# size: one kernel for every split count of a decode loop. Compiled for sm_90 (triton 3.6, on the
-# CPU) at that shape: not serialised, 534 instructions a step, where the tile size's two loops
-# take 445 (unmasked) and 526 (masked). TILED_SPLIT_ROWS stays a switch (tests, A/B).
-TILED_SPLIT_ROWS = 1 << 30
+# A split launch gives each split ceil(key blocks / splits) blocks, which NineToothed's arrangement
+# derives from the keys' length and the split count: one kernel for every split size. In a tile of
+# this many rows or more (Hopper's warpgroup MMA) NineToothed's kernel walks a split's blocks in one
+# masked loop: with two, ptxas serialised every MMA of the kernel (its C7515: the tile's zero
+# accumulator set between an MMA and its wait), 3.0-3.3 against 4.1 TB/s at B 8, 32/8 heads, Lq 16,
+# Lk 16k on the H200. One masked loop: not serialised, and as fast as the tile size (a power of two
+# of key blocks, a kernel per value: compiled again whenever a decode loop's keys crossed one) that
+# such tiles took before: 3.62 / 4.07 TB/s against 3.62 / 4.03 at B 1, Lk 64k and B 8, Lk 16k
+# (benchmarks/NOTES.md, "NineToothed's last-to-first rows and one-loop splits timed").
 ONE_STAGE_SPLIT_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
 # this many per SM pipelines two key blocks instead of three and caps registers at 128, so that
@@ -467,16 +462,15 @@ def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
     """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config, split count, blocks per split
-    where they are a tile size (:func:`tiled_split`; else a per-call argument of the Triton
-    kernel, and NineToothed's derives them from the keys' length) and own-merge choice; where
+    outputs allocated) through the launch bound to its config, split count and own-merge choice
+    (the blocks per split are a per-call argument of the Triton kernel, and NineToothed's
+    derives them from the keys' length); where
     none is yet, launch it through the backend and bind that launch (the backend's
     ``bind_forward(plan, keys=True)``, which may read what was just launched). False where the
     backend binds none for it: the caller launches the plan itself. The bound launch is kept
     as the template's ``grown``, for :func:`launch_grown`."""
     # (the own-merge choice too: it follows the keys' bytes, not only the split count)
-    tile_size = plan.blocks_per_split if plan.split and tiled_split(plan.config.block_m) else None
-    key = (plan.config, plan.num_splits, tile_size, plan.kernel_merge)
+    key = (plan.config, plan.num_splits, plan.kernel_merge)
     bound = template.growing.get(key)
     if bound is False:
         return False
@@ -550,7 +544,7 @@ def reuse_key():
     if _forced_tma.get():
         return None
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS, TILED_SPLIT_ROWS,
+            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS,
             ONE_STAGE_SPLIT_ROWS)
 
 
@@ -710,10 +704,9 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
 
     Splits only when the unsplit launch leaves the GPU short of programs. The
     split count is that of splits of a power of two of key blocks (as many as the
-    GPU wants, rounded down), and ``blocks_per_split`` is that power of two where
-    ``block_m`` is TILED_SPLIT_ROWS or more (NineToothed's tile size), else
-    ceil(k_blocks / num_splits): what NineToothed's arrangement derives from the keys'
-    length and the split count (one compiled kernel for every split size). Every split
+    GPU wants, rounded down), and ``blocks_per_split`` is ceil(k_blocks / num_splits):
+    what NineToothed's arrangement derives from the keys' length and the split count
+    (one compiled kernel for every split size). Every split
     holds at least one key block, and ceil(k_blocks / blocks_per_split) == num_splits.
     ``num_splits == 1`` means one program walks all the keys.
     """
@@ -734,20 +727,13 @@ def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, bloc
     wanted = min(wanted, MAX_GRID_AXIS)
     power = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
     num_splits = -(-k_blocks // power)
-    return num_splits, power if tiled_split(block_m) else -(-k_blocks // num_splits)
+    return num_splits, -(-k_blocks // num_splits)
 
 
 def one_stage_split(block_m: int) -> bool:
     """A split launch of ``block_m``-row tiles at the derived size walks its key blocks in one
     masked loop in NineToothed's kernel (ONE_STAGE_SPLIT_ROWS: a warpgroup MMA's rows)."""
     return block_m >= ONE_STAGE_SPLIT_ROWS
-
-
-def tiled_split(block_m: int) -> bool:
-    """A split launch of ``block_m``-row tiles splits the keys into a power of two of blocks
-    each, a tile size of NineToothed's kernel (TILED_SPLIT_ROWS), not a size its arrangement
-    derives."""
-    return block_m >= TILED_SPLIT_ROWS
 
 
 def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int) -> Config:

@@ -61,7 +61,7 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, one_stage_split, tiled_split
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, one_stage_split
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
@@ -285,15 +285,14 @@ def arrangement(
 
     Unsplit, output is (B, H, Lq, Dv) and lse (B, H, Lq); split, output is the
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
-    each program sees its split's key blocks instead of all of them: ``split`` of them
-    (an int, a tile size), or with ``split="derived"`` as many as :func:`_split_blocks` derives
-    (``common.plan.tiled_split`` chooses).
+    each program sees its split's key blocks instead of all of them: as many as
+    :func:`_split_blocks` derives from the keys' length and the split count.
     """
     query_arranged = _last_first(_rows(query, block_m, block_d))
     m_blocks = query_arranged.shape[2]
     blocks_per_split = None
     if split:
-        blocks_per_split = _split_blocks(key, output.shape[3], block_n) if split == "derived" else split
+        blocks_per_split = _split_blocks(key, output.shape[3], block_n)
     key_arranged = _key_row(key, query.shape[1], m_blocks, block_n, block_d, blocks_per_split)
     value_arranged = _key_row(value, query.shape[1], m_blocks, block_n, block_dv, blocks_per_split)
     num_splits = output.shape[3] if split else None
@@ -434,7 +433,7 @@ def application(
     first, full_lo, full_hi, end = _key_stages(offs_m, lo, lo + key.shape[0], Lk, row_lo, row_hi, BLOCK_N, BANDED)
     if SPLIT == ONE_STAGE:
         # All of [first, end) in the last, masked loop: with a split size in symbols, two loops
-        # had ptxas serialise a warpgroup tile's MMAs (common.plan.TILED_SPLIT_ROWS); one costs
+        # had ptxas serialise a warpgroup tile's MMAs (common.plan.ONE_STAGE_SPLIT_ROWS); one costs
         # a compare and a select per score, in a launch bound by memory.
         full_lo = first
         full_hi = first
@@ -864,8 +863,7 @@ _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("size", _LSE_PART, 1), ("str
 
 
 def premake(head_dim, head_dim_v, block_m, block_n, split=False):
-    """The forward; with ``split`` ("derived", or the key blocks of a split), its split-KV variant
-    (see ``arrangement``)."""
+    """The forward; with ``split``, its split-KV variant (see ``arrangement``)."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
         block_dv=padded_head_dim(head_dim_v), split=split,
@@ -1272,8 +1270,7 @@ def _attention_launch(plan) -> tuple:
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
-    split = (plan.blocks_per_split if tiled_split(config.block_m) else "derived") if plan.split else None
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, split,
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
     blocked = blocked_keys(plan)
     inputs = (q, plan.key, plan.value, _row_blocks(plan.key, config.block_n, blocked),
@@ -1291,8 +1288,7 @@ def _split_kind(plan) -> int:
     common.plan.ONE_STAGE_SPLIT_ROWS rows and more."""
     if not plan.split:
         return 0
-    block_m = plan.config.block_m
-    return ONE_STAGE if one_stage_split(block_m) and not tiled_split(block_m) else 1
+    return ONE_STAGE if one_stage_split(plan.config.block_m) else 1
 
 
 def _merge_kernel(plan):

@@ -280,47 +280,6 @@ def test_split_keys(case, num_splits, backend, device):
     check_lse(lse, q, k, **kwargs)
 
 
-def _forced_split_call(case, backend, device, monkeypatch, switch):
-    """Five splits of ``case``'s keys with plan.``switch`` set to 1 (every tile takes that path),
-    called twice (planned, then bound where the call binds), each time checked against SDPA's
-    output and lse; returns the call's plan."""
-    from common import dispatch, plan
-    from common.backends import get_backend
-    from common.plan import force_splits
-    from common.validation import check_call
-
-    monkeypatch.setattr(plan, switch, 1)
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
-    q, k, v, mask = make_inputs(case, device)
-    kwargs = sdpa_kwargs(case, mask)
-    with force_splits(5):
-        for _ in range(2):
-            out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
-            check_output(out, q, k, v, **kwargs)
-            check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
-        call = check_call(get_backend(backend), q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0,
-                          is_causal=case.causal, scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"],
-                          return_lse=True)
-        return plan.make_forward(call, get_backend(backend), with_lse=True)
-
-
-@pytest.mark.parametrize("case", params([SPLIT_CASES[1], SPLIT_CASES[3]]))
-def test_split_keys_of_a_tile_size(case, backend, device, monkeypatch):
-    """Splits of a power of two of key blocks (the form tiles of plan.TILED_SPLIT_ROWS rows and
-    more take: NineToothed's tile size) give SDPA's output and lse too; here every tile takes it,
-    and NineToothed's split forward is the kernel of that tile size."""
-    planned = _forced_split_call(case, backend, device, monkeypatch, "TILED_SPLIT_ROWS")
-    per_split = planned.blocks_per_split
-    assert planned.num_splits > 1 and per_split & (per_split - 1) == 0, (planned.num_splits, per_split)
-    if backend == "ninetoothed":
-        from impl_ninetoothed import attention as kernels
-
-        made = {key[1][4] for key in kernels._made if key[0] is kernels.premake and key[1][2:4] == (
-            planned.config.block_m, planned.config.block_n)}
-        assert per_split in made, made
-
-
 def test_ninetoothed_row_blocks_last_to_first():
     """NineToothed's forward and dQ programs take a head's row blocks last to first, as the
     Triton kernel's (a causal row block's work grows with its index: the longest start first):
@@ -344,19 +303,37 @@ def test_ninetoothed_row_blocks_last_to_first():
 def test_split_keys_in_one_masked_stage(case, device, monkeypatch):
     """NineToothed's split launches in tiles of plan.ONE_STAGE_SPLIT_ROWS rows and more walk their
     key blocks in one masked loop (with a split size in symbols, two loops had ptxas serialise a
-    warpgroup tile's MMAs); here every tile does: SDPA's output and lse, with the keys' ragged
-    end, a mask with empty rows, and causal rows that see no key of a split."""
+    warpgroup tile's MMAs); here every tile does (the switch at 1), in five splits, called twice
+    (planned, then bound where the call binds): SDPA's output and lse each time, with the keys'
+    ragged end, a mask with empty rows, and causal rows that see no key of a split."""
+    from common import dispatch, plan
+    from common.backends import get_backend
+    from common.plan import force_splits
+    from common.validation import check_call
     from impl_ninetoothed import attention as kernels
 
-    planned = _forced_split_call(case, "ninetoothed", device, monkeypatch, "ONE_STAGE_SPLIT_ROWS")
+    monkeypatch.setattr(plan, "ONE_STAGE_SPLIT_ROWS", 1)
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    q, k, v, mask = make_inputs(case, device)
+    kwargs = sdpa_kwargs(case, mask)
+    nt = get_backend("ninetoothed")
+    with force_splits(5):
+        for _ in range(2):
+            out, lse = attention(q, k, v, backend="ninetoothed", return_lse=True, **kwargs)
+            check_output(out, q, k, v, **kwargs)
+            check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
+        call = check_call(nt, q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0, is_causal=case.causal,
+                          scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"], return_lse=True)
+        planned = plan.make_forward(call, nt, with_lse=True)
     assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE
 
 
 def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
     """A decode loop of 16 query rows over a group of 4 heads (64 packed rows: a warpgroup's tile
-    on a GPU) whose keys grow through several split sizes: NineToothed makes no split forward
-    of a tile size (the split size is derived from the keys' length: one kernel for them all),
-    and the first and last steps are right. (On the CPU every tile is made to take that path.)"""
+    on a GPU) whose keys grow through several split sizes: NineToothed makes one split forward
+    for them all (the split size is derived from the keys' length), and the first and last steps
+    are right. (On the CPU every tile is made to take the one-loop path.)"""
     from common import dispatch, plan
     from common.backends import get_backend
     from common.plan import force_splits
@@ -375,10 +352,9 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
     nt = get_backend("ninetoothed")
 
     def split_makes():
-        return {key for key in kernels._made if key[0] is kernels.premake and key[1][4] is not None}
+        return {key for key in kernels._made if key[0] is kernels.premake and key[1][4]}
 
-    before = split_makes()
-    sizes = set()
+    sizes, tiles = set(), set()
     with force_splits(4):
         for i, Lk in enumerate(lengths):
             k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
@@ -390,9 +366,10 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
             planned = plan.make_forward(call, nt, with_lse=False)
             assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE, planned.config
             sizes.add(planned.blocks_per_split)
-    made = split_makes() - before
-    assert len(sizes) > 1, sizes  # the keys went through more than one split size
-    assert all(key[1][4] == "derived" for key in made), made  # no kernel of a tile size
+            tiles.add((planned.config.block_m, planned.config.block_n))
+    assert len(sizes) > 1 and len(tiles) == 1, (sizes, tiles)  # more than one split size, one tile
+    made = [key for key in split_makes() if key[1][2:4] in tiles]
+    assert len(made) == 1, made  # one kernel for every split size
 
 
 def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
@@ -802,13 +779,11 @@ def test_split_merge_on_two_streams(device, monkeypatch):
 def test_split_plan():
     """The heuristic splits only short launches over long keys: as many splits as ranges of a
     power of two of key blocks make, each of ceil(key blocks / splits) blocks (what NineToothed's
-    arrangement derives from the keys' length and the split count), or for tiles of
-    TILED_SPLIT_ROWS rows and more of that power of two; none empty."""
+    arrangement derives from the keys' length and the split count); none empty."""
     from common.plan import (
         INTERPRETER_SMS,
         MIN_SPLIT_KEYS,
         PROGRAMS_PER_SM,
-        TILED_SPLIT_ROWS,
         force_splits,
         plan_splits,
     )
@@ -826,8 +801,6 @@ def test_split_plan():
             power = 1 << max(0, (-(-blocks // min(wanted, blocks)) - 1).bit_length())
             assert splits == -(-blocks // power), (blocks, wanted)
             assert per_split == -(-blocks // splits) and -(-blocks // per_split) == splits, (blocks, wanted)
-            with force_splits(wanted):
-                assert plan_splits(1, blocks * 16, 16, cpu, block_m=TILED_SPLIT_ROWS) == (splits, power)
     with force_splits(1000):
         assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
     with force_splits(1):
