@@ -87,7 +87,7 @@ WIDE_ROWS = 64
 # Lk 16k on the H200. One masked loop: not serialised, and as fast as the tile size (a power of two
 # of key blocks, a kernel per value: compiled again whenever a decode loop's keys crossed one) that
 # such tiles took before: 3.62 / 4.07 TB/s against 3.62 / 4.03 at B 1, Lk 64k and B 8, Lk 16k
-# (benchmarks/NOTES.md, "NineToothed's last-to-first rows and one-loop splits timed").
+# (benchmarks/NOTES.md, "Last-to-first rows and one-loop splits timed and merged").
 ONE_STAGE_SPLIT_ROWS = 64
 # An unsplit launch of short-row programs (decoding at a large batch) with more programs than
 # this many per SM pipelines two key blocks instead of three and caps registers at 128, so that
