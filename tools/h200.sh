@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test3 test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
+# stages: probe test test1 test2 test3 memtest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
 #         serving (varlen and paged tests, then the paged probe)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
 #         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
@@ -19,6 +19,9 @@ HALF1="tests/test_attention.py tests/test_backward.py tests/test_model_features.
 REST="tests --ignore=tests/test_attention.py --ignore=tests/test_backward.py --ignore=tests/test_model_features.py --ignore=tests/test_fuzz.py --ignore=tests/test_ring.py"
 HALF2="tests/test_paged.py tests/test_varlen.py tests/test_dropout.py tests/test_errors.py tests/test_seed.py tests/test_launch.py"
 HALF3="$REST --ignore=tests/test_paged.py --ignore=tests/test_varlen.py --ignore=tests/test_dropout.py --ignore=tests/test_errors.py --ignore=tests/test_seed.py --ignore=tests/test_launch.py"
+# the memory test compiles a kernel for each class of 10,000 calls' lengths, one after another (NineToothed's
+# pass ran past 400 s): a stage of its own, both backends at once, so that test3 fits a call
+MEMTEST="tests/test_reliability.py::test_no_growth_over_10000_calls"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -26,8 +29,11 @@ for stage in "$@"; do
     test) timeout 570 python3 -m pytest tests -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" ;;
     # The whole suite outgrew one call (600 s) on a fresh machine: three parts, a call each (test2 and test3 may share one).
     test1|test2|test3) part=HALF${stage#test}
-       timeout -s INT 570 python3 -m pytest ${!part} -v -n 14 -p no:cacheprovider --tb=short -rfE --durations=12 > "$OUT/pytest${stage#test}.log" 2>&1
+       deselect=(); [ "$stage" = test3 ] && deselect=(--deselect "$MEMTEST[triton]" --deselect "$MEMTEST[ninetoothed]")
+       timeout -s INT 570 python3 -m pytest ${!part} "${deselect[@]}" -v -n 14 -p no:cacheprovider --tb=short -rfE --durations=12 > "$OUT/pytest${stage#test}.log" 2>&1
        grep -c PASSED "$OUT/pytest${stage#test}.log"; tail -22 "$OUT/pytest${stage#test}.log" ;;
+    memtest) timeout -s INT 570 python3 -m pytest "$MEMTEST" -v -n 2 -p no:cacheprovider --tb=short -rfEP --durations=2 > "$OUT/memtest.log" 2>&1
+             tail -12 "$OUT/memtest.log" ;;
     # Both halves at once, one per GPU (kind nvidia-h200-x2): the suite in one call.
     test-x2) CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m pytest $HALF1 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest1.log" 2>&1 &
              CUDA_VISIBLE_DEVICES=1 timeout 570 python3 -m pytest $REST -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest2.log" 2>&1; wait
