@@ -1170,7 +1170,8 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             name = "_".join(["nt_attention", premake_fn.__name__.removeprefix("premake")[1:] or "fwd",
                              *(str(a) for a in args if a is not None)])
             number_tensors_from_zero()  # the same source in every process, whatever was made before
-            handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,
+            arrangement_, application_, tensors = premake_fn(*args)
+            handle = ninetoothed.make(arrangement_, application_, tensors, kernel_name=name, num_warps=num_warps,
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)
             # NineToothed copies the module's @triton.jit helpers into the generated
@@ -1179,10 +1180,33 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             handle._launch.__globals__.setdefault("tl", tl)
             for helper in JIT_HELPERS:
                 handle._launch.__globals__.setdefault(helper.__name__, helper)
-            loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
-                     else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
+            split_counts = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
+                            else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
+            loose = _loose_arguments(handle, application_, split_counts)
             handle = _made[key] = route_generated_launch(handle, loose, maxnreg)
     return handle
+
+
+def _loose_arguments(handle, application_, split_counts=()) -> set:
+    """The arguments of ``handle``'s kernel that it is not specialised on (roles as
+    ``common.launch.launcher_arguments`` describes them): ``split_counts``, and in the forward every
+    size of every tensor but the keys' length (of the keys, the values and the mask).
+
+    NineToothed passes each tensor's sizes, so the queries' length reaches the forward eight times
+    (query, bands, sinks, output, lse, the mask's rows) and the key blocks' count twice (the
+    views of whole blocks), and Triton compiles a kernel for each class of each (a size of 1, a
+    multiple of 16, another): 10,000 calls of lengths 1-299 asked for 174 forwards, where the
+    Triton kernel, specialised on Lk alone, took 65. Those sizes bound masks and loops whose code
+    does not depend on their class (sm_90: the same instructions a step). The keys' length stays,
+    as Lk in the Triton kernel: a multiple of 16 lets the masked steps compare keys 16 at a time
+    and load the mask's tiles vectorised along it. The backward passes stay specialised: without
+    it their masked steps grew by 8% (dQ) and 29% (dK/dV, whose loop runs over the queries)."""
+    if application_ is not application:
+        return set(split_counts)
+    described = launcher_arguments(handle._launch) or ()
+    names = list(inspect.signature(application_).parameters)
+    keys = {(names.index("key"), 2), (names.index("value"), 2), (names.index("attn_mask"), 3)}
+    return {role for role in described if role[0] == "size" and role[1:] not in keys} | set(split_counts)
 
 
 # The @triton.jit helpers the applications call. The generated module that they are

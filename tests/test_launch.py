@@ -336,3 +336,41 @@ def test_a_bound_launch_calls_tritons_launcher_directly(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert calls[1] == ("getitem", (5, 2, 1), (11, 12))
+
+
+def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monkeypatch):
+    """Calls of many query and key lengths: the integer arguments NineToothed's forward kernels
+    are compiled for (those its launch does not loosen) fall in no more classes (Triton's: 1, a
+    multiple of 16, other) than the keys' lengths of their calls do. NineToothed passes each
+    tensor's sizes, a length a dozen times, and specialised on all of them a kernel was compiled
+    for each combination of their classes (174 forwards for 10,000 calls of lengths 1-299,
+    where 69 now)."""
+    import collections
+
+    from common import attention, dispatch
+    from impl_ninetoothed import attention as nt
+
+    def int_class(value):
+        return value == 1, value % 16 == 0
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    classes, key_classes = collections.defaultdict(set), collections.defaultdict(set)
+    lengths = [(1, 16), (5, 17), (16, 33), (17, 48), (32, 1), (33, 5), (48, 64), (64, 100), (100, 64), (3, 1)]
+    for lq, lk in lengths:
+        q = torch.randn(1, 2, lq, 32, dtype=torch.float16, device=device)
+        k = torch.randn(1, 2, lk, 32, dtype=torch.float16, device=device)
+        with launch.recorded_launches():
+            attention(q, k, k, is_causal=lq <= lk, backend="ninetoothed")
+            launched = [(key, handle, launch.routed_kernel(handle).last()) for key, handle in nt._made.items()
+                        if key[0] is nt.premake and launch.routed_kernel(handle).last() is not None]
+        assert len(launched) == 1, launched
+        key, handle, (_, args, *_) = launched[0]
+        loose = nt._loose_arguments(handle, nt.application)
+        specialised = tuple(int_class(arg) for arg, role in zip(args, launch.launcher_arguments(handle._launch))
+                            if role[0] in ("size", "stride") and role not in loose and type(arg) is int)
+        classes[key].add(specialised)
+        key_classes[key].add(int_class(lk))
+    assert len(classes) > 1  # the lengths took several tiles
+    for key in classes:
+        assert len(classes[key]) <= len(key_classes[key]), (key, classes[key], key_classes[key])
