@@ -79,6 +79,23 @@ def test_what_a_kernel_is_specialised_on_goes_back_to_triton(fake, change):
     assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("dispatch", 2)]
 
 
+def test_an_argument_not_specialised_on_keeps_one_kernel(monkeypatch):
+    """An integer the kernel has ``do_not_specialize`` on: its other classes (1, a multiple of 16,
+    other) reuse the compiled kernel, not Triton's dispatch; past 32 bits (Triton's i64, another
+    signature) it goes back to Triton."""
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    fn = FakeJIT(constexpr_positions={3})
+    fn.params[1].do_not_specialize = True
+    launcher = launch.CachedLauncher(fn)
+    launcher.enabled = True  # as on a GPU
+    t = torch.zeros(64)
+    for n in (64, 1, 17, 96):
+        launcher.launch((4, 1, 1), (t, n, 0.5, 128), 4, 3)
+    assert [entry[:2] for entry in fn.log] == [("dispatch", 1)] + [("direct", 1)] * 3
+    launcher.launch((4, 1, 1), (t, 2**33, 0.5, 128), 4, 3)
+    assert fn.log[-1][:2] == ("dispatch", 2)
+
+
 class SmallSharedMemoryJIT(FakeJIT):
     """A GPU whose shared memory holds at most ``fits`` pipeline stages of this kernel."""
 
