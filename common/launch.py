@@ -37,6 +37,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from common.outputs import stream_key
 
 _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
+_BY_CLASS, _BY_VALUE, _LOOSE = range(3)  # how the by-class cache keys a scalar argument
 _compile_lock = threading.RLock()
 _ALLOCATOR = triton.runtime._allocation._allocator  # what triton.set_allocator sets
 
@@ -85,7 +86,7 @@ class CachedLauncher:
         self.enabled = isinstance(fn, triton.runtime.JITFunction)  # not under the interpreter
         self._by_value: dict = {}
         self._by_class: dict = {}
-        self._roles = None  # (tensor getter, scalar getter, constexpr flags), set on the first call
+        self._roles = None  # (tensor getter, scalar getter, each scalar's kind), set on the first call
         names = [p.name for p in getattr(fn, "params", ()) if p.is_constexpr]
         # the constexprs in signature order, from the keywords (the parameters after the runtime
         # ones; the interpreter's function has no params, so its names come from its arguments)
@@ -175,19 +176,24 @@ class CachedLauncher:
         tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         scalar_at = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         constexpr_at = {p.num for p in self.fn.params if p.is_constexpr}
+        loose_at = {p.num for p in self.fn.params if getattr(p, "do_not_specialize", False)}
         # itemgetter of one index returns the item, not a 1-tuple
         tensors = operator.itemgetter(*tensor_at) if len(tensor_at) > 1 else (
             lambda a, i=tensor_at[0]: (a[i],))
         scalars = operator.itemgetter(*scalar_at) if len(scalar_at) > 1 else (
             (lambda a, i=scalar_at[0]: (a[i],)) if scalar_at else (lambda a: ()))
-        return tensors, scalars, tuple(i in constexpr_at for i in scalar_at)
+        kinds = tuple(_BY_VALUE if i in constexpr_at else _LOOSE if i in loose_at else _BY_CLASS for i in scalar_at)
+        return tensors, scalars, kinds
 
-    def _by_class_lookup(self, grid, args, scalars, layout, options, device, constexpr):
+    def _by_class_lookup(self, grid, args, scalars, layout, options, device, kinds):
+        # An integer the kernel is not specialised on (do_not_specialize) keeps only its type
+        # (Triton's i32 or i64): a kernel compiled for one value serves every other.
         classes = tuple([
-            a if is_constexpr or type(a) not in (int, float)  # constexprs (and bools) by value
+            a if kind == _BY_VALUE or type(a) not in (int, float)  # constexprs (and bools) by value
+            else (-(2**31) <= a < 2**31) if type(a) is int and kind == _LOOSE
             else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31) if type(a) is int
             else float
-            for a, is_constexpr in zip(scalars, constexpr)
+            for a, kind in zip(scalars, kinds)
         ])
         key = (classes, layout, *options, device)
         kernel = self._by_class.get(key)

@@ -1170,7 +1170,8 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             name = "_".join(["nt_attention", premake_fn.__name__.removeprefix("premake")[1:] or "fwd",
                              *(str(a) for a in args if a is not None)])
             number_tensors_from_zero()  # the same source in every process, whatever was made before
-            handle = ninetoothed.make(*premake_fn(*args), kernel_name=name, num_warps=num_warps,
+            arrangement_, application_, tensors = premake_fn(*args)
+            handle = ninetoothed.make(arrangement_, application_, tensors, kernel_name=name, num_warps=num_warps,
                                       num_stages=num_stages)
             define_constants(handle, KERNEL_CONSTANTS)
             # NineToothed copies the module's @triton.jit helpers into the generated
@@ -1179,10 +1180,36 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             handle._launch.__globals__.setdefault("tl", tl)
             for helper in JIT_HELPERS:
                 handle._launch.__globals__.setdefault(helper.__name__, helper)
-            loose = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
-                     else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
+            split_counts = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
+                            else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
+            loose = _loose_arguments(handle, application_, split_counts)
             handle = _made[key] = route_generated_launch(handle, loose, maxnreg)
     return handle
+
+
+def _loose_arguments(handle, application_, split_counts=()) -> set:
+    """The arguments of ``handle``'s kernel that it is not specialised on (roles as
+    ``common.launch.launcher_arguments`` describes them): ``split_counts``, and in the forward
+    every tensor's length (its dimension 2: each is (B, H, L, ...)) but the keys' and the values'.
+
+    NineToothed passes each tensor's sizes, so the queries' length reaches the forward eight times
+    (query, bands, sinks, output, lse, the mask's rows) and the key blocks' count twice (the
+    views of whole blocks), and Triton compiles a kernel for each class of each (a size of 1, a
+    multiple of 16, another): 10,000 calls of lengths 1-299 asked for 174 forwards, 88 with these
+    loosened. They bound masks and loops whose code does not depend on their class (sm_90: the
+    same instructions a step). The keys' length stays, as Lk in the Triton kernel: a multiple of
+    16 lets the masked steps compare keys 16 at a time and load the mask's tiles vectorised
+    along it. The batch and head counts stay too: a batch of 1 is a constant the compiler
+    folds (loosened, the D 128 causal forward at B 1, 16k, spilled 8 more bytes, loaded from the
+    stack 5 times a step instead of once, and ran 4% slower on the H200). The backward passes stay
+    specialised: without it their masked steps grew by 8% (dQ) and 29% (dK/dV, whose loop runs
+    over the queries)."""
+    if application_ is not application:
+        return set(split_counts)
+    described = launcher_arguments(handle._launch) or ()
+    names = list(inspect.signature(application_).parameters)
+    keys = {names.index("key"), names.index("value")}
+    return {role for role in described if role[0] == "size" and role[2] == 2 and role[1] not in keys} | set(split_counts)
 
 
 # The @triton.jit helpers the applications call. The generated module that they are

@@ -79,6 +79,23 @@ def test_what_a_kernel_is_specialised_on_goes_back_to_triton(fake, change):
     assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("dispatch", 2)]
 
 
+def test_an_argument_not_specialised_on_keeps_one_kernel(monkeypatch):
+    """An integer the kernel has ``do_not_specialize`` on: its other classes (1, a multiple of 16,
+    other) reuse the compiled kernel, not Triton's dispatch; past 32 bits (Triton's i64, another
+    signature) it goes back to Triton."""
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    fn = FakeJIT(constexpr_positions={3})
+    fn.params[1].do_not_specialize = True
+    launcher = launch.CachedLauncher(fn)
+    launcher.enabled = True  # as on a GPU
+    t = torch.zeros(64)
+    for n in (64, 1, 17, 96):
+        launcher.launch((4, 1, 1), (t, n, 0.5, 128), 4, 3)
+    assert [entry[:2] for entry in fn.log] == [("dispatch", 1)] + [("direct", 1)] * 3
+    launcher.launch((4, 1, 1), (t, 2**33, 0.5, 128), 4, 3)
+    assert fn.log[-1][:2] == ("dispatch", 2)
+
+
 class SmallSharedMemoryJIT(FakeJIT):
     """A GPU whose shared memory holds at most ``fits`` pipeline stages of this kernel."""
 
@@ -336,3 +353,41 @@ def test_a_bound_launch_calls_tritons_launcher_directly(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert calls[1] == ("getitem", (5, 2, 1), (11, 12))
+
+
+def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monkeypatch):
+    """Calls of many query and key lengths: the integer arguments NineToothed's forward kernels
+    are compiled for (those its launch does not loosen) fall in no more classes (Triton's: 1, a
+    multiple of 16, other) than the keys' lengths of their calls do. NineToothed passes each
+    tensor's sizes, a length a dozen times, and specialised on all of them a kernel was compiled
+    for each combination of their classes (174 forwards for 10,000 calls of lengths 1-299,
+    88 without)."""
+    import collections
+
+    from common import attention, dispatch
+    from impl_ninetoothed import attention as nt
+
+    def int_class(value):
+        return value == 1, value % 16 == 0
+
+    monkeypatch.setattr(dispatch, "_templates", {})
+    monkeypatch.setattr(dispatch, "_growing", {})
+    classes, key_classes = collections.defaultdict(set), collections.defaultdict(set)
+    lengths = [(1, 16), (5, 17), (16, 33), (17, 48), (32, 1), (33, 5), (48, 64), (64, 100), (100, 64), (3, 1)]
+    for lq, lk in lengths:
+        q = torch.randn(1, 2, lq, 32, dtype=torch.float16, device=device)
+        k = torch.randn(1, 2, lk, 32, dtype=torch.float16, device=device)
+        with launch.recorded_launches():
+            attention(q, k, k, is_causal=lq <= lk, backend="ninetoothed")
+            launched = [(key, handle, launch.routed_kernel(handle).last()) for key, handle in nt._made.items()
+                        if key[0] is nt.premake and launch.routed_kernel(handle).last() is not None]
+        assert len(launched) == 1, launched
+        key, handle, (_, args, *_) = launched[0]
+        loose = nt._loose_arguments(handle, nt.application)
+        specialised = tuple(int_class(arg) for arg, role in zip(args, launch.launcher_arguments(handle._launch))
+                            if role[0] in ("size", "stride") and role not in loose and type(arg) is int)
+        classes[key].add(specialised)
+        key_classes[key].add(int_class(lk))
+    assert len(classes) > 1  # the lengths took several tiles
+    for key in classes:
+        assert len(classes[key]) <= len(key_classes[key]), (key, classes[key], key_classes[key])
