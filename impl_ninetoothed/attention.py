@@ -1209,7 +1209,8 @@ def _loose_arguments(handle, application_, split_counts=()) -> set:
     described = launcher_arguments(handle._launch) or ()
     names = list(inspect.signature(application_).parameters)
     keys = {names.index("key"), names.index("value")}
-    return {role for role in described if role[0] == "size" and role[2] == 2 and role[1] not in keys} | set(split_counts)
+    lengths = {role for role in described if role[0] == "size" and role[2] == 2 and role[1] not in keys}
+    return lengths | set(split_counts)
 
 
 # The @triton.jit helpers the applications call. The generated module that they are
