@@ -39,8 +39,9 @@ _MAX_LENGTH_KEY = 1 << 15
 class Config:
     """Forward pass: BLOCK_M query rows x BLOCK_N keys per inner step; ``maxnreg``, where set,
     caps each thread's registers (Triton's launch option of that name: the compiler then fits
-    the kernel into that many, so that more programs share an SM); tables never set it, the
-    plan does (:func:`common.plan.shallow_stages`)."""
+    the kernel into that many, so that more programs share an SM): the plan sets it for
+    decode at a large batch (:func:`common.plan.shallow_stages`), and a table entry may carry
+    it where the tuner timed a capped candidate fastest (``common.tools.tune.CANDIDATES``)."""
 
     block_m: int
     block_n: int

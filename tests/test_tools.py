@@ -168,6 +168,31 @@ def test_tune_keeps_each_key_as_it_goes(tmp_path, monkeypatch):
     assert entries[untouched] == [x for x in dataclasses.astuple(committed[untouched]) if x is not None]
 
 
+def test_a_capped_candidate_round_trips_through_a_table(tmp_path, monkeypatch):
+    """A tuned entry may carry a register cap (a candidate's fifth value, ``Config.maxnreg``):
+    written by ``tune`` and loaded back it is the same config, cap and all, and entries without
+    one stay four values."""
+    import json
+
+    import torch
+
+    from common.configs import Config, ConfigTable, key
+    from common.tools import tune
+
+    capped = Config(*next(c for c in tune.CANDIDATES[64] if len(c) == 5))
+    assert capped.maxnreg is not None
+    package = tmp_path / "captable"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    entries = {key(64, torch.float16, True, 1024, False): capped,
+               key(64, torch.float16, False, 1024, False): Config(128, 64, 4, 3)}
+    ConfigTable.write(package / "configs.json", entries, {"how": "test"})
+    written = json.loads((package / "configs.json").read_text())["entries"]
+    assert sorted(len(v) for v in written.values()) == [4, 5]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ConfigTable.load("captable").entries == entries
+
+
 def test_quiet_run_names_the_interpreter():
     """The README's `pytest -q` hides pytest's header; the summary line still says where the tests ran."""
     import subprocess
