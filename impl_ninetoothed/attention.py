@@ -1208,8 +1208,8 @@ def _loose_arguments(handle, application_, split_counts=()) -> set:
         return set(split_counts)
     described = launcher_arguments(handle._launch) or ()
     names = list(inspect.signature(application_).parameters)
-    keys = {names.index("key"), names.index("value")}
-    lengths = {role for role in described if role[0] == "size" and role[2] == 2 and role[1] not in keys}
+    keys_and_values = {names.index("key"), names.index("value")}
+    lengths = {role for role in described if role[0] == "size" and role[2] == 2 and role[1] not in keys_and_values}
     return lengths | set(split_counts)
 
 

@@ -359,7 +359,7 @@ def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monk
     """Calls of many query and key lengths: the integer arguments NineToothed's forward kernels
     are compiled for (those its launch does not loosen) fall in no more classes (Triton's: 1, a
     multiple of 16, other) than the keys' lengths of their calls do. NineToothed passes each
-    tensor's sizes, a length a dozen times, and specialised on all of them a kernel was compiled
+    tensor's sizes, the queries' length eight times, and specialised on all of them a kernel was compiled
     for each combination of their classes (174 forwards for 10,000 calls of lengths 1-299,
     88 without)."""
     import collections

@@ -8,7 +8,9 @@
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
 # (any other word runs as a shell command)
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# (once a call: the stages a stage runs side by side, as `rest` does, find it installed)
+[ -n "${H200_INSTALLED:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export H200_INSTALLED=1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
