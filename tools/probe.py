@@ -39,6 +39,8 @@ is written to the project.
   candidate's time printed), beside its shipped table's and Triton's shipped backward on the same
   inputs; the new table is written to $OUT/nt_configs.json (the package's table is not touched).
   BWD_TUNE_KEYS="128:full:1024 ..." limits it to those keys (D:full|causal:L).
+- gqa_bwd: the causal backward with 32 query heads over 8 K/V heads against MHA's at the same FLOPs
+  (D 64 and 128, L 1k and 4k, fp16), both backends and SDPA: what the dK/dV pass's group loop costs.
 - host_python: our Python per step of a growing decode loop (split keys), both backends, with the
   kernel launches stubbed out once bound (and, on a CPU, the interpreter's quieting left out, as on a
   GPU): what the library adds to Triton's launches. Runs on a CPU (under the interpreter) too.
@@ -909,6 +911,37 @@ def bwd_tune():
     out_dir = os.environ.get("OUT", "/tmp")
     ConfigTable.write(pathlib.Path(out_dir) / "nt_configs.json", entries, meta)
     print(json.dumps({k: list(dataclasses.astuple(v)) for k, v in entries.items() if k.startswith("bwd")}))
+
+
+def gqa_bwd():
+    """Grouped-query backward against MHA's at the same FLOPs (32 query heads over 8 K/V heads
+    against 32 over 32), causal, fp16: both backends loop over a K/V head's query heads in their
+    dK/dV pass (the Triton kernel's group loop spilled 464 bytes at D 128, sm_90), so GQA running
+    slower per FLOP than MHA is that loop's cost. SDPA's backward (enable_gqa) beside them."""
+    from common import attention_backward
+
+    f16 = torch.float16
+    for D in (64, 128):
+        for L in (1024, 4096):
+            B = 16384 // L
+            flops = 2.5 * 4 * B * 32 * L * L * D / 2  # the backward's 2.5 forwards, causal (half)
+            line = [f"D={D} L={L} causal:"]
+            for H_kv in (32, 8):
+                q = torch.randn(B, 32, L, D, dtype=f16, device="cuda")
+                k, v = (torch.randn(B, H_kv, L, D, dtype=f16, device="cuda") for _ in range(2))
+                grad_out = torch.randn_like(q)
+                for backend in ("triton", "ninetoothed"):
+                    out, lse = attention(q, k, v, is_causal=True, enable_gqa=H_kv != 32, backend=backend,
+                                         return_lse=True)
+                    ms = gpu_time_ms(lambda: attention_backward(grad_out, q, k, v, out, lse, is_causal=True,
+                                                                enable_gqa=H_kv != 32, backend=backend))
+                    line.append(f"{backend} {'MHA' if H_kv == 32 else 'GQA'} {ms * 1e3:.0f}us "
+                                f"({flops / ms / 1e9:.0f} TFLOP/s)")
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                sdpa_out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=H_kv != 32)
+                ms = gpu_time_ms(lambda: torch.autograd.grad(sdpa_out, leaves, grad_out, retain_graph=True))
+                line.append(f"sdpa {'MHA' if H_kv == 32 else 'GQA'} {ms * 1e3:.0f}us")
+            print("  ".join(line), flush=True)
 
 
 def host_python():
