@@ -68,7 +68,7 @@ import impl_triton.attention as ta  # noqa: E402
 from common import attention, plan  # noqa: E402
 from common.backends import resolve  # noqa: E402
 from common.configs import Config, override  # noqa: E402
-from common.tools.timing import gpu_time_ms, wall_time_us  # noqa: E402
+from common.tools.timing import attention_flops, gpu_time_ms, wall_time_us  # noqa: E402
 from common.validation import check_call  # noqa: E402
 
 
@@ -924,7 +924,7 @@ def gqa_bwd():
     for D in (64, 128):
         for L in (1024, 4096):
             B = 16384 // L
-            flops = 2.5 * 4 * B * 32 * L * L * D / 2  # the backward's 2.5 forwards, causal (half)
+            flops = 2.5 * attention_flops(B, 32, L, L, D, causal=True)  # (the backward: 2.5 forwards)
             line = [f"D={D} L={L} causal:"]
             for H_kv in (32, 8):
                 q = torch.randn(B, 32, L, D, dtype=f16, device="cuda")
