@@ -15,7 +15,7 @@ import torch
 from common import ops
 from common import plan as planning
 from common.backends import OFFSETS64, resolve
-from common.validation import OFFSET_LIMIT, check_backward, check_call, span
+from common.validation import OFFSET_LIMIT, check_backward, check_call, slice_span
 
 
 def attention(
@@ -264,11 +264,12 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
 
 def _keys_fit(chosen, key, value) -> bool:
     """What validation checks of the keys' length and strides: one length for key and value,
-    at least one key (none: the full path), the 32-bit offsets of NineToothed's code."""
+    at least one key (none: the full path), the 32-bit offsets of NineToothed's code within one
+    batch and head."""
     Lk = key.shape[-2]
     if Lk == 0 or value.shape[-2] != Lk:
         return False
-    return chosen.supports(OFFSETS64) or (span(key) < OFFSET_LIMIT and span(value) < OFFSET_LIMIT)
+    return chosen.supports(OFFSETS64) or (slice_span(key) < OFFSET_LIMIT and slice_span(value) < OFFSET_LIMIT)
 
 
 def _needs_grad(call) -> bool:

@@ -6,8 +6,9 @@ us: before ``impl_triton`` is imported, or before ``ninetoothed.make`` runs).
 :func:`use_interpreter_if_no_gpu` sets it on machines without a CUDA device.
 
 Three fixes make the interpreter run our kernels, all for reasons outside our
-code, and a fourth makes it faster. :func:`apply_interpreter_fixes` applies
-them; it is a no-op unless the interpreter is on, so a GPU run never sees them.
+code, a fourth makes it faster, and a fifth types integers as a compiled kernel
+does. :func:`apply_interpreter_fixes` applies them; it is a no-op unless the
+interpreter is on, so a GPU run never sees them.
 
 1. Triton's interpreter keeps bfloat16 values as their uint16 bit patterns and
    its ``tl.dot`` multiplies those patterns as integers (triton-lang/triton
@@ -32,6 +33,13 @@ them; it is a no-op unless the interpreter is on, so a GPU run never sees them.
    generated code is mostly such index arithmetic: one (1, 1, 1024, 64) call
    took 5.6 s with the checks and 2.3 s without (triton's kernel: 0.4 s). We
    turn them off; ``TWIN_ATTENTION_OVERFLOW_CHECKS=1`` keeps them.
+5. A compiled kernel types an integer parameter annotated ``int64`` as int64
+   whatever its value (Triton's JIT reads the annotation); the interpreter types
+   every integer by its value, so a stride under 2^31 stays int32 there and an
+   offset built from it wraps past 2^31 elements. Our launch path annotates
+   NineToothed's batch and head strides so (``common.launch._rejitted``); we make
+   the interpreter pass such an argument as int64 too, so that the CPU suite runs
+   what the GPU compiles.
 """
 
 from __future__ import annotations
@@ -125,7 +133,7 @@ def _bf16_dot_widening(original):
 
 @functools.cache
 def apply_interpreter_fixes() -> bool:
-    """Apply the three fixes above when the interpreter is on; return whether it is on.
+    """Apply the fixes above when the interpreter is on; return whether it is on.
 
     Idempotent; call it before launching or making a kernel.
     """
@@ -143,7 +151,43 @@ def apply_interpreter_fixes() -> bool:
     if not getattr(jit._normalize_ty, "__wrapped_by_twin_attention__", False):
         jit._normalize_ty = _normalize_ty_with_full_constexpr_spelling(jit._normalize_ty)
     _without_overflow_checks(interpreter)
+    _annotated_integers(interpreter)
     return True
+
+
+class _Int64(int):
+    """An integer argument the interpreter must pass as int64 (fix 5)."""
+
+
+def _annotated_integers(interpreter) -> None:
+    """Fix 5: an integer argument of a parameter annotated int64 reaches the interpreted
+    kernel as an int64 scalar, as it reaches a compiled one."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.jit as jit
+
+    run = interpreter.InterpretedFunction.run
+    if getattr(run, "__wrapped_by_twin_attention__", False):
+        return
+    implicit_cvt = interpreter._implicit_cvt
+
+    def cvt(arg):
+        if type(arg) is _Int64:
+            return tl.tensor(interpreter.TensorHandle(np.array([int(arg)], dtype=np.int64), tl.int64), tl.int64)
+        return implicit_cvt(arg)
+
+    @functools.wraps(run)
+    def typed_run(self, *args, **kwargs):
+        annotations = getattr(self.fn, "__annotations__", None) or {}
+        wide = {name for name, ty in annotations.items() if jit._normalize_ty(ty) == "i64"}
+        if wide:
+            args = tuple(_Int64(a) if type(a) is int and name in wide else a for name, a in zip(self.arg_names, args))
+            kwargs = {name: _Int64(a) if type(a) is int and name in wide else a for name, a in kwargs.items()}
+        return run(self, *args, **kwargs)
+
+    typed_run.__wrapped_by_twin_attention__ = True
+    interpreter._implicit_cvt = cvt
+    interpreter.InterpretedFunction.run = typed_run
 
 
 def _without_overflow_checks(interpreter) -> None:

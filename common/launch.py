@@ -29,11 +29,13 @@ import inspect
 import operator
 import textwrap
 import threading
+import types
 
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
+from common.interpret import apply_interpreter_fixes
 from common.outputs import stream_key
 
 _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
@@ -409,7 +411,7 @@ def _read_launcher(launch) -> tuple | None:
     return tuple(described)
 
 
-def route_generated_launch(handle, loose=(), maxnreg: int | None = None):
+def route_generated_launch(handle, loose=(), maxnreg: int | None = None, wide_strides: bool = False):
     """Route the kernel launch of a ``ninetoothed.make`` handle through a :class:`CachedLauncher`.
 
     NineToothed generates a Python launcher that reads every size and stride
@@ -418,35 +420,68 @@ def route_generated_launch(handle, loose=(), maxnreg: int | None = None):
     replacing the kernel's name in the launcher's globals leaves the generated
     code as it is and only changes how its one launch is done (under the
     interpreter, where the launcher's cache is off, only the recording of the
-    last launch: :meth:`_RoutedKernel.last`). Where the handle does not look
-    like that (another NineToothed version) it is returned untouched (and ``maxnreg``, a register
-    cap for the launch, which only our launch path can pass, is then not applied: it changes
-    the kernel's speed, never its result).
+    last launch: :meth:`_RoutedKernel.last`). ``loose`` names the arguments the kernel is not
+    specialised on, and ``wide_strides`` types the strides of each tensor's first two
+    dimensions as 64-bit integers (:func:`_rejitted`). Where the handle does not look like that (another NineToothed
+    version) it is returned untouched (and ``maxnreg``, a register cap for the launch, which
+    only our launch path can pass, is then not applied: it changes the kernel's speed, never
+    its result).
     """
     launch, kernel = getattr(handle, "_launch", None), getattr(handle, "_kernel", None)
     if not isinstance(kernel, (triton.runtime.JITFunction, InterpretedFunction)) or not hasattr(launch, "__globals__"):
         return handle
     names = [name for name, value in launch.__globals__.items() if value is kernel]
     if len(names) == 1:
-        launch.__globals__[names[0]] = _RoutedKernel(_loosened(kernel, launch, frozenset(loose)) if loose else kernel,
-                                                     maxnreg)
+        if loose or wide_strides:
+            kernel = _rejitted(kernel, launch, frozenset(loose), wide_strides)
+        launch.__globals__[names[0]] = _RoutedKernel(kernel, maxnreg)
     return handle
 
 
-def _loosened(kernel, launch, loose):
-    """``kernel`` made again with ``do_not_specialize`` on the arguments ``loose`` names, as
-    :func:`launcher_arguments` describes them (``("size" | "stride", parameter, dim)``):
-    NineToothed passes every size and stride of a tensor to its kernel, and ``ninetoothed.make``
-    has no ``do_not_specialize`` of its own. Where a growing cache changes such an argument
-    (a split's partials: their number of splits, rows x splits), Triton would otherwise compile
-    another kernel whenever one passes or leaves a multiple of 16. ``kernel`` itself where the
-    launcher's source is not of the form read here."""
+def _rejitted(kernel, launch, loose, wide_strides):
+    """``kernel`` made again, with ``do_not_specialize`` on the arguments ``loose`` names, as
+    :func:`launcher_arguments` describes them (``("size" | "stride", parameter, dim)``), and
+    with ``wide_strides``, the strides of each tensor's first two dimensions annotated as
+    ``int64``; ``kernel`` itself where the launcher's source is not of the form read here.
+
+    Loose: NineToothed passes every size and stride of a tensor to its kernel, and
+    ``ninetoothed.make`` has no ``do_not_specialize`` of its own. Where a growing cache changes
+    such an argument (a split's partials: their number of splits, rows x splits), Triton would
+    otherwise compile another kernel whenever one passes or leaves a multiple of 16.
+
+    Wide strides: each address NineToothed generates is a sum of (index x stride) products,
+    and Triton types an integer argument by its value, so a stride under 2^31 makes its
+    product 32-bit, and an offset past 2^31 elements wraps. A parameter annotated ``int64``
+    is typed so whatever its value (Triton's JIT reads the annotation, and still specialises
+    on the value's divisibility by 16), and its products are 64-bit: NineToothed's own
+    ahead-of-time path types every stride so for tensors past 32 bits. Only the first two
+    dimensions' (every tensor our kernels take starts (batch, head), or (page, slot) for a
+    paged cache): their products are made once a program, where the compiler then folds the
+    constant part of each element's offset into its load (sm_90, D 64 causal backward: the
+    dK/dV unmasked step 463 -> 421 instructions). Never a tensor's last dimension's: that
+    stride is 1, which Triton specialises as a constant, and annotated the loads lost their
+    vector width (16-bit loads in place of 16-byte copies). Every stride but the last also
+    made ptxas serialise the backward's warpgroup products."""
     described = launcher_arguments(launch)
     arg_names = getattr(kernel, "arg_names", None)
     if described is None or arg_names is None or len(described) != len(arg_names):
         return kernel
     names = [name for name, role in zip(arg_names, described) if role in loose]
-    return triton.jit(kernel.fn, do_not_specialize=names) if names else kernel
+    last = {}  # each tensor parameter's last dimension
+    for role in described:
+        if role[0] == "stride":
+            last[role[1]] = max(last.get(role[1], 0), role[2])
+    wide = [name for name, role in zip(arg_names, described)
+            if wide_strides and role[0] == "stride" and role[2] < min(2, last[role[1]])]
+    if not names and not wide:
+        return kernel
+    fn = kernel.fn
+    if wide:  # a copy of the function, with the annotations Triton's JIT reads
+        apply_interpreter_fixes()  # (the interpreter reads them with our fix 5 only)
+        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        fn.__annotations__ = {**kernel.fn.__annotations__, **dict.fromkeys(wide, "int64")}
+        fn.__qualname__, fn.__module__, fn.__doc__ = kernel.fn.__qualname__, kernel.fn.__module__, kernel.fn.__doc__
+    return triton.jit(fn, do_not_specialize=names)
 
 
 def define_constants(handle, constants: dict) -> None:

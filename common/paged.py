@@ -24,7 +24,7 @@ from common.backends import OFFSETS64, resolve
 from common.configs import Config, default_config, next_power_of_2, padded_head_dim
 from common.ops import _on_device, _quiet
 from common.outputs import allocator, partials
-from common.validation import OFFSET_LIMIT, SUPPORTED_DTYPES, _check_flag, _check_real, _dtype_name
+from common.validation import OFFSET_LIMIT, SUPPORTED_DTYPES, _check_flag, _check_real, _dtype_name, slice_span
 
 
 @dataclasses.dataclass(slots=True)
@@ -304,8 +304,9 @@ def _check_caches(key_cache, value_cache, like, backend, new_tokens=False):
                                  f"{low}..{high}")
         if not backend.supports(OFFSETS64):
             for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("query", like)):
-                if t.numel() >= OFFSET_LIMIT:
-                    raise ValueError(f"{name} has {t.numel()} elements; the {backend.name!r} backend indexes with "
+                if slice_span(t) >= OFFSET_LIMIT:
+                    raise ValueError(f"{name}'s part for one page and slot (one batch and head of the query) spans "
+                                     f"{slice_span(t)} elements; the {backend.name!r} backend indexes within it with "
                                      f"32-bit offsets and takes fewer than {OFFSET_LIMIT}")
     return num_pages, page, H_kv, Dv
 

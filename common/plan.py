@@ -43,6 +43,7 @@ from common.backends import OFFSETS64, TMA
 from common.configs import BackwardConfig, Config, length_key, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
 from common.outputs import allocator, partials
+from common.validation import OFFSET_LIMIT, slice_span
 
 # Constants both kernels name (impl_triton wraps them as tl.constexpr; the
 # NineToothed kernels get them in their generated modules).
@@ -353,6 +354,9 @@ def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
     # (A running output is laid out by query head and row.)
     unpackable = plan.dropout or plan.sinks is not None or plan.row_bands is not None or resume is not None
     packed = None if unpackable else pack_gqa(q, H_kv, mask, plan.band is not None)
+    if packed is not None and not backend.supports(OFFSETS64) and any(
+            t is not None and slice_span(t) >= OFFSET_LIMIT for t in packed):
+        packed = None  # a packed head's rows would pass the 32-bit offsets within a head
     if packed is not None:
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed
@@ -384,8 +388,11 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.out, plan.lse = resume
         plan.with_lse = plan.resume = True
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
-    if plan.num_splits > 1 and not backend.supports(OFFSETS64) and B * Hp * Lqp * plan.num_splits * Dv >= 2**31:
-        plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)  # partials past 32-bit offsets
+    if plan.num_splits > 1 and not backend.supports(OFFSETS64) and (
+            Lqp * plan.num_splits * Dv >= OFFSET_LIMIT or B * Hp * Lqp >= OFFSET_LIMIT):
+        # partials (B, Hp, Lqp, splits, Dv) past 32-bit offsets within a head, or the merge's
+        # log-sum-exp, (B·Hp·Lqp,) rows, past them (a tensor of one dimension)
+        plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
     plan.merge = plan_merge(rows, plan.num_splits, interpreted, plan.block_dv) if plan.num_splits > 1 else None

@@ -18,8 +18,9 @@ import torch
 from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, SINKS, SOFTCAP, Backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# A backend without 64-bit offsets (NineToothed's generated code indexes with
-# 32-bit integers) must see every tensor span fewer elements than this.
+# A backend without 64-bit offsets throughout (NineToothed's generated code indexes
+# within one batch and head with 32-bit integers) must see each tensor's part for one
+# batch and head span fewer elements than this (:func:`slice_span`).
 OFFSET_LIMIT = 2**31
 
 
@@ -167,7 +168,7 @@ def check_call(
             )
     if not backend.supports(OFFSETS64):
         _check_offsets(backend, query=query, key=key, value=value, attn_mask=attn_mask,
-                       output=(B * H * Lq * Dv, 1))
+                       output=(Lq * Dv, 1))
     if dropout_seed is not None:
         _check_seed(backend, dropout_seed, query.device)
     if backend.kernels:
@@ -227,22 +228,26 @@ def _check_window(window):
     return None if window[0] == window[1] == -1 else (int(window[0]), int(window[1]))
 
 
-def span(t) -> int:
-    """How many elements a tensor's indexing reaches: 1 + its largest element offset."""
-    if isinstance(t, tuple):  # (numel, 1): a contiguous tensor still to be made
+def slice_span(t) -> int:
+    """How many elements a tensor's indexing reaches within one index of its first two
+    dimensions (one batch and head of every tensor a call passes): 1 + the largest element
+    offset its other dimensions make. A tuple ``(n, 1)`` stands for a contiguous tensor still
+    to be made whose part for one batch and head holds ``n`` elements."""
+    if isinstance(t, tuple):
         return t[0]
     if t.numel() == 0:
         return 0
-    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
 
 
 def _check_offsets(backend: Backend, **tensors) -> None:
     for name, t in tensors.items():
-        if t is not None and span(t) >= OFFSET_LIMIT:
+        if t is not None and slice_span(t) >= OFFSET_LIMIT:
             raise ValueError(
-                f"the {backend.name!r} backend indexes with 32-bit offsets (NineToothed's generated code), so "
-                f"each tensor must span fewer than 2**31 = {OFFSET_LIMIT} elements, but {name} spans {span(t)}; "
-                "use backend='triton', or split the call (e.g. over the batch)"
+                f"the {backend.name!r} backend indexes within one batch and head with 32-bit offsets "
+                f"(NineToothed's generated code; its batch and head offsets are 64-bit), so each tensor's part "
+                f"for one batch and head must span fewer than 2**31 = {OFFSET_LIMIT} elements, but {name}'s "
+                f"spans {slice_span(t)}; use backend='triton', or split the call (e.g. over the sequence)"
             )
 
 

@@ -1189,7 +1189,8 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             split_counts = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
                             else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
             loose = _loose_arguments(handle, application_, split_counts)
-            handle = _made[key] = route_generated_launch(handle, loose, maxnreg)
+            # (64-bit batch and head strides: tensors past 2^31 elements, each head under it)
+            handle = _made[key] = route_generated_launch(handle, loose, maxnreg, wide_strides=True)
     return handle
 
 

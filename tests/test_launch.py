@@ -270,6 +270,39 @@ def test_reading_a_generated_launcher(tmp_path, monkeypatch):
     assert launch.launcher_arguments(len) is None  # no source
 
 
+def test_a_generated_kernels_batch_and_head_strides_are_64_bit(tmp_path, monkeypatch, device):
+    """route_generated_launch(wide_strides=True) makes the kernel again with the strides of each
+    tensor's first two dimensions, never its last, annotated int64 (what Triton's JIT types them
+    by; the interpreter too, with our fix): a product of such a stride past 2^31 is exact."""
+    import importlib
+
+    (tmp_path / "generated_wide.py").write_text(
+        "import triton\n"
+        "import triton.language as tl\n"
+        "@triton.jit\n"
+        "def kernel(out, x, x_size_0, x_stride_0, x_stride_1, x_stride_2, y, y_stride_0, y_stride_1):\n"
+        "    tl.store(out, x_stride_0 * 3)\n"
+        "    tl.store(out + 1, x_stride_1 * 3)\n"
+        "    tl.store(out + 2, y_stride_0 * 3)\n"
+        "def launch(out, x, y):\n"
+        "    kernel[(1,)](out, x, x.size(0), x.stride(0), x.stride(1), x.stride(2), y, y.stride(0), y.stride(1),"
+        " num_warps=1, num_stages=1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("generated_wide")
+    generated = module.kernel
+    handle = types.SimpleNamespace(_launch=module.launch, _kernel=generated)
+    launch.route_generated_launch(handle, wide_strides=True)
+    annotations = launch.routed_kernel(handle).fn.fn.__annotations__
+    assert {name for name, ty in annotations.items() if ty == "int64"} == {"x_stride_0", "x_stride_1", "y_stride_0"}
+    assert generated.fn.__annotations__ == {}  # the generated kernel itself is unchanged
+    big = 2**30  # x 3: past 2^31
+    x = torch.empty(1, device=device).as_strided((1, 1, 1), (big, big + 16, 1))
+    y = torch.empty(1, device=device).as_strided((1, 1), (big + 32, 1))
+    out = torch.zeros(3, dtype=torch.int64, device=device)
+    module.launch(out, x, y)
+    assert out.tolist() == [3 * big, 3 * (big + 16), 3 * (big + 32)]
+
+
 def test_ninetoothed_helpers_define_in_a_generated_module():
     """NineToothed copies the kernels' @triton.jit helpers into a module that imports
     ``triton`` and ``triton.language`` only (on a GPU; not under the interpreter), and

@@ -5,8 +5,8 @@ on a GPU that is not the current one, more than 65535 (batch x heads),
 tensors past 2^31 elements, concurrent first calls from many threads, and a
 long loop of calls with changing shapes. Most need a GPU (sizes the
 interpreter cannot run in minutes, a second device, threads the interpreter
-cannot share); the CPU suite runs what can run there: the 32-bit offset limit
-and the bounded caches.
+cannot share); the CPU suite runs what can run there: offsets past 32 bits, NineToothed's
+limit within a head, and the bounded caches.
 """
 
 from __future__ import annotations
@@ -77,15 +77,42 @@ def test_more_than_65535_batch_heads(backend):
 # -- 64-bit offsets --------------------------------------------------------------------------------
 
 @needs_gpu
-def test_tensors_past_2_31_elements_triton():
-    """(1040, 64, 256, 128) fp16, causal: 2.2e9 elements per tensor (the issue's case)."""
+def test_tensors_past_2_31_elements(backend):
+    """(1040, 64, 256, 128) fp16, causal: 2.2e9 elements per tensor (the issue's case); each
+    batch and head within 32 bits, which NineToothed's generated code takes (its batch and
+    head offsets are 64-bit)."""
     shape = (1040, 64, 256, 128)
     q, k, v = (torch.randn(shape, dtype=f16, device=DEVICE) for _ in range(3))
     assert q.numel() > OFFSET_LIMIT
-    out = attention(q, k, v, is_causal=True, backend="triton")
+    out = attention(q, k, v, is_causal=True, backend=backend)
     for b in (0, 517, 1039):  # the first, a middle and the last batch (past 2^31 elements from the start)
         assert_matches(out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], is_causal=True)
     del q, k, v, out
+
+
+def test_batches_past_2_31_elements(backend):
+    """Keys and values whose third batch starts past 2^31 elements, at a batch stride under
+    2^31: each batch's offset (index x stride) needs 64 bits, as does NineToothed's (its batch
+    and head strides are typed int64 at launch: ``common.launch._rejitted``; 32-bit, the
+    interpreter read the wrong memory and crashed). Forward and backward, every batch against
+    the reference in float64."""
+    B, H, L, D = 3, 2, 4, 16
+    stride = OFFSET_LIMIT // 2 + 64
+    q, grad_out = (torch.randn(B, H, L, D, dtype=f16, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, H, L, D, dtype=f16, device=DEVICE) for _ in range(2))
+    key, value = (torch.empty(2 * stride + H * L * D, dtype=f16, device=DEVICE)  # (on a CPU: pages never touched
+                  .as_strided((B, H, L, D), (stride, L * D, D, 1)) for _ in range(2))  # take no memory)
+    key.copy_(k)
+    value.copy_(v)
+    assert stride < OFFSET_LIMIT < 2 * stride
+    out, lse = attention(q, key, value, is_causal=True, backend=backend, return_lse=True)
+    assert_matches(out, q, k, v, is_causal=True)
+    dq, dk, dv = attention_backward(grad_out, q, key, value, out, lse, is_causal=True, backend=backend)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    reference(*leaves, is_causal=True).backward(grad_out.double())
+    for grad, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(grad.double(), leaf.grad, rtol=2e-2, atol=2e-2)
+    del key, value
 
 
 @needs_gpu
@@ -108,16 +135,21 @@ def test_long_sequence_in_blhd_layout_triton():
         torch.testing.assert_close(grad[:, heads].double(), leaf.grad, rtol=2e-2, atol=2e-2)
 
 
-def test_ninetoothed_refuses_tensors_past_32_bit_offsets():
-    """NineToothed's generated code indexes with 32-bit integers: a tensor that spans 2^31
-    elements gets a clear error before any launch, naming the limit (not an illegal access)."""
-    q, v = (torch.randn(2, 1, 4, 16, dtype=f16, device=DEVICE) for _ in range(2))
-    storage = torch.empty(OFFSET_LIMIT + 64, dtype=f16, device=DEVICE)  # never touched: no pages on the CPU
-    key = storage.as_strided((2, 1, 4, 16), (OFFSET_LIMIT, 64, 16, 1))  # batch 1 starts 2^31 elements in
-    with pytest.raises(ValueError, match=r"32-bit offsets .* fewer than 2\*\*31 = 2147483648 elements, but key spans"):
+def test_ninetoothed_refuses_a_head_past_32_bit_offsets():
+    """NineToothed's generated code indexes within one batch and head with 32-bit integers: a
+    head whose rows span 2^31 elements gets a clear error before any launch, naming the limit
+    (not an illegal access), and the Triton kernel (64-bit offsets throughout) runs it."""
+    q, v = (torch.randn(1, 1, 2, 16, dtype=f16, device=DEVICE) for _ in range(2))
+    k = torch.randn(1, 1, 2, 16, dtype=f16, device=DEVICE)
+    storage = torch.empty(OFFSET_LIMIT + 16, dtype=f16, device=DEVICE)  # (on a CPU: pages never touched)
+    key = storage.as_strided((1, 1, 2, 16), (OFFSET_LIMIT + 16, OFFSET_LIMIT + 16, OFFSET_LIMIT, 1))  # row 1 at 2^31
+    key.copy_(k)
+    with pytest.raises(ValueError, match=r"32-bit offsets .* fewer than 2\*\*31 = 2147483648 elements, but key's "
+                                         r"spans 2147483664"):
         attention(q, key, v, backend="ninetoothed")
-    out = attention(q, key[:1].expand(2, 1, 4, 16), v, backend="ninetoothed")  # a broadcast view is fine
-    assert out.shape == (2, 1, 4, 16)
+    assert_matches(attention(q, key, v, backend="triton"), q, k, v)
+    out = attention(q, key[:, :, :1].expand(1, 1, 2, 16), v, backend="ninetoothed")  # a broadcast view is fine
+    assert_matches(out, q, k[:, :, :1].expand(1, 1, 2, 16), v)
     del storage, key
 
 
