@@ -376,10 +376,12 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
                      (B, H, Lq, Dv))
     if H != H_kv:
         try:  # each group's query heads as rows of its K/V head: K/V read once per group
-            plan.query = query.view(B, H_kv, (H // H_kv) * Lq, D)
-            plan.group = 1
+            packed = query.view(B, H_kv, (H // H_kv) * Lq, D)
         except RuntimeError:  # strides no view can merge
-            pass
+            packed = None
+        # (not where a packed head's rows would pass the 32-bit offsets within a head)
+        if packed is not None and (backend.supports(OFFSETS64) or slice_span(packed) < OFFSET_LIMIT):
+            plan.query, plan.group = packed, 1
     _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
@@ -389,6 +391,10 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
                                                                   plan.config.block_n, query.device)
+    if plan.split and not backend.supports(OFFSETS64) and (
+            Lqp * plan.num_splits * Dv >= OFFSET_LIMIT or B * Hp * Lqp >= OFFSET_LIMIT):
+        # the partials or the merge's rows past 32-bit offsets (as common.plan._plan_launch)
+        plan.num_splits, plan.blocks_per_split = 1, -(-(max_pages * page) // plan.config.block_n)
     # More short-row programs than 2 an SM, unsplit (a large batch): the dense decode's rule, 2
     # stages and 128 registers, not the deep pipeline. H200, bf16, D 128, B 64, 32/8 heads, Lk 4k
     # (tools/probe.py paged_batch, 2026-12-01): Triton 3.40 -> 4.23 TB/s (pages of 16), 3.44 ->
