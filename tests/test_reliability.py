@@ -100,8 +100,9 @@ def test_batches_past_2_31_elements(backend):
     stride = OFFSET_LIMIT // 2 + 64
     q, grad_out = (torch.randn(B, H, L, D, dtype=f16, device=DEVICE) for _ in range(2))
     k, v = (torch.randn(B, H, L, D, dtype=f16, device=DEVICE) for _ in range(2))
-    key, value = (torch.empty(2 * stride + H * L * D, dtype=f16, device=DEVICE)  # (on a CPU: pages never touched
-                  .as_strided((B, H, L, D), (stride, L * D, D, 1)) for _ in range(2))  # take no memory)
+    # (on a CPU, the pages never touched take no memory)
+    key, value = (torch.empty(2 * stride + H * L * D, dtype=f16, device=DEVICE)
+                  .as_strided((B, H, L, D), (stride, L * D, D, 1)) for _ in range(2))
     key.copy_(k)
     value.copy_(v)
     assert stride < OFFSET_LIMIT < 2 * stride
