@@ -15,7 +15,7 @@ import torch
 from common import ops
 from common import plan as planning
 from common.backends import OFFSETS64, resolve
-from common.validation import OFFSET_LIMIT, check_backward, check_call, slice_span
+from common.validation import OFFSET_LIMIT, check_backward, check_call, span
 
 
 def attention(
@@ -263,13 +263,15 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
 
 
 def _keys_fit(chosen, key, value) -> bool:
-    """What validation checks of the keys' length and strides: one length for key and value,
-    at least one key (none: the full path), the 32-bit offsets of NineToothed's code within one
-    batch and head."""
+    """Whether a growing cache's keys may take the launch bound for the last ones: what
+    validation checks of their length and strides (one length for key and value, at least one
+    key: none takes the full path), and for a backend with 32-bit offsets, keys under 2^31
+    elements (past them, the full path validates each batch and head, and NineToothed launches
+    a kernel with 64-bit batch and head strides)."""
     Lk = key.shape[-2]
     if Lk == 0 or value.shape[-2] != Lk:
         return False
-    return chosen.supports(OFFSETS64) or (slice_span(key) < OFFSET_LIMIT and slice_span(value) < OFFSET_LIMIT)
+    return chosen.supports(OFFSETS64) or (span(key) < OFFSET_LIMIT and span(value) < OFFSET_LIMIT)
 
 
 def _needs_grad(call) -> bool:

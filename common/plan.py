@@ -476,7 +476,8 @@ def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> boo
     ``bind_forward(plan, keys=True)``, which may read what was just launched). False where the
     backend binds none for it: the caller launches the plan itself. The bound launch is kept
     as the template's ``grown``, for :func:`launch_grown`."""
-    # (the own-merge choice too: it follows the keys' bytes, not only the split count)
+    # (the own-merge choice too: it follows the keys' bytes, not only the split count;
+    # NineToothed's keys past 2^31 elements never come here: common.dispatch._keys_fit)
     key = (plan.config, plan.num_splits, plan.kernel_merge)
     bound = template.growing.get(key)
     if bound is False:

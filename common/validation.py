@@ -228,6 +228,13 @@ def _check_window(window):
     return None if window[0] == window[1] == -1 else (int(window[0]), int(window[1]))
 
 
+def span(t) -> int:
+    """How many elements a tensor's indexing reaches from its start: 1 + its largest element offset."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
 def slice_span(t) -> int:
     """How many elements a tensor's indexing reaches within one index of its first two
     dimensions (one batch and head of every tensor a call passes): 1 + the largest element

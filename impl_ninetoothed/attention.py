@@ -62,6 +62,7 @@ from common.launch import (
     routed_kernel,
 )
 from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, one_stage_split
+from common.validation import OFFSET_LIMIT, span
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
@@ -1153,10 +1154,25 @@ _made: dict = {}
 _make_lock = threading.Lock()
 
 
-def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | None = None):
+# Whether every kernel takes its batch and head strides as 64-bit integers (True), or only a
+# launch whose tensors span 2^31 elements or more (False: :func:`_wide`). Either way a tensor
+# past 2^31 elements runs, each batch and head under it (common.validation.slice_span); what
+# differs is the code of every other launch (common.launch._rejitted; benchmarks/NOTES.md,
+# "Branch nt-offsets64").
+WIDE_STRIDES = False
+
+
+def _wide(*tensors) -> bool:
+    """Whether a launch of these tensors (None: absent) takes 64-bit batch and head strides:
+    always with WIDE_STRIDES, else where one of them spans 2^31 elements or more."""
+    return WIDE_STRIDES or any(t is not None and span(t) >= OFFSET_LIMIT for t in tensors)
+
+
+def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | None = None, wide: bool = False):
     """``ninetoothed.make(*premake_fn(*args))``, made once per process; ``maxnreg``, where not
     None, caps each thread's registers (a launch option ``make`` does not take: our launch path
-    passes it, so each cap has a handle of its own).
+    passes it, so each cap has a handle of its own); ``wide``: the kernel takes its batch and
+    head strides as 64-bit integers (:func:`_wide`), a handle of its own too.
 
     ``make`` generates, writes and imports Triton code on every call (0.1-0.5 s)
     and sets the application's annotations while it works, so it runs under a
@@ -1164,7 +1180,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
     written atomically (``common.codecache``). Each handle's generated module gets the
     kernels' named constants, and its launch goes through a ``CachedLauncher``.
     """
-    key = (premake_fn, args, num_warps, num_stages, maxnreg)
+    key = (premake_fn, args, num_warps, num_stages, maxnreg, wide)
     handle = _made.get(key)
     if handle is not None:
         return handle
@@ -1189,8 +1205,7 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             split_counts = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
                             else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
             loose = _loose_arguments(handle, application_, split_counts)
-            # (64-bit batch and head strides: tensors past 2^31 elements, each head under it)
-            handle = _made[key] = route_generated_launch(handle, loose, maxnreg, wide_strides=True)
+            handle = _made[key] = route_generated_launch(handle, loose, maxnreg, wide_strides=wide)
     return handle
 
 
@@ -1306,7 +1321,8 @@ def _attention_launch(plan) -> tuple:
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split,
-                   num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
+                   num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
+                   wide=_wide(q, plan.key, plan.value, plan.attn_mask, o, lse))
     blocked = blocked_keys(plan)
     inputs = (q, plan.key, plan.value, _row_blocks(plan.key, config.block_n, blocked),
               _row_blocks(plan.value, config.block_n, blocked), attn_mask, plan.scale, *_dropout_args(plan),
@@ -1328,7 +1344,8 @@ def _split_kind(plan) -> int:
 
 def _merge_kernel(plan):
     merge = plan.merge
-    return _make(premake_combine, plan.value.shape[3], merge.block_r, merge.block_s, num_warps=4, num_stages=1)
+    return _make(premake_combine, plan.value.shape[3], merge.block_r, merge.block_s, num_warps=4, num_stages=1,
+                 wide=_wide(plan.o_part, plan.out))
 
 
 def _merge_inputs(o_part, lse_part, out, lse, rows: int, num_splits: int) -> tuple:
@@ -1530,15 +1547,17 @@ def backward(plan):
                  DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind))
     dropout = _dropout_args(plan)
     blocked = not plan.dropout  # (both passes' unmasked stages, as the forward's: blocked_keys)
+    wide = _wide(q, k, v, plan.attn_mask, plan.out, plan.grad_out, plan.lse, plan.grad_lse, plan.grad_query,
+                 plan.grad_key, plan.grad_value)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
-          num_warps=config.num_warps, num_stages=config.num_stages)(
+          num_warps=config.num_warps, num_stages=config.num_stages, wide=wide)(
         q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
         plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), plan.delta,
         plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
     )
     rows = (q, plan.grad_out, plan.lse, plan.delta)
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
-          num_warps=config.num_warps, num_stages=config.num_stages)(
+          num_warps=config.num_warps, num_stages=config.num_stages, wide=wide)(
         q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta,
         *(_row_blocks(x, config.block_m1, blocked) for x in rows), plan.scale, *dropout,
         *_band_args(plan, keys=True), plan.grad_key, plan.grad_value, BLOCKED=blocked, GROUP_OF_ONE=H == k.shape[1],
@@ -1560,7 +1579,8 @@ def paged_forward(plan):
     pages_per_step = config.block_n // page
     # (the table's tile per split: its steps' pages)
     _make(premake_paged, D, Dv, config.block_m, page, plan.blocks_per_split * pages_per_step if plan.split else None,
-          num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)(
+          num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
+          wide=_wide(q, kc, vc, plan.block_table, o))(
         q, kc, vc, plan.block_table, plan.cache_seqlens, plan.scale, plan.lq_seq, kc.shape[0], o, lse,
         IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
         PAGES_PER_STEP=pages_per_step,
@@ -1568,7 +1588,8 @@ def paged_forward(plan):
     if plan.split:
         merge = plan.merge
         R = merge.rows
-        _make(premake_combine, Dv, merge.block_r, merge.block_s, num_warps=4, num_stages=1)(
+        _make(premake_combine, Dv, merge.block_r, merge.block_s, num_warps=4, num_stages=1,
+              wide=_wide(plan.o_part, out))(
             plan.o_part.view(R, plan.num_splits, Dv), plan.lse_part.view(R, plan.num_splits), out.view(R, Dv),
             _absent(out, R), WITH_LSE=False,
         )
@@ -1580,5 +1601,5 @@ def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *,
     """Write key and value (B, H_kv, L_new, D | Dv) into the paged caches, in one launch
     (one program per token: see append_arrangement; block sizes as the Triton kernel's API)."""
     D, Dv = key.shape[3], value.shape[3]
-    _make(premake_append, D, Dv, num_warps=4, num_stages=1)(
+    _make(premake_append, D, Dv, num_warps=4, num_stages=1, wide=_wide(key, value, key_cache, value_cache))(
         key, value, key_cache, value_cache, block_table, cache_seqlens, key_cache.shape[0])

@@ -116,6 +116,38 @@ def test_batches_past_2_31_elements(backend):
     del key, value
 
 
+def test_ninetoothed_widens_only_a_launch_past_32_bits(monkeypatch):
+    """Unless every kernel is made wide (``WIDE_STRIDES``), NineToothed takes 64-bit batch and
+    head strides only in a launch whose tensors span 2^31 elements: a decode loop's launches keep
+    their code until its cache moves to a buffer past 2^31 elements, whose keys then take a wide
+    kernel, not the launch bound for the last keys (``common.dispatch._keys_fit``,
+    ``common.plan.launch_growing``); every step against the reference."""
+    import impl_ninetoothed.attention as nt
+
+    monkeypatch.setattr(nt, "WIDE_STRIDES", False)
+    B, H, D = 3, 2, 16
+    stride = OFFSET_LIMIT // 2 + 64
+    q = torch.randn(B, H, 1, D, dtype=f16, device=DEVICE)
+    storages = [torch.empty(2 * stride + H * 8 * D, dtype=f16, device=DEVICE) for _ in range(2)]
+
+    def wide_handles():
+        return {key for key in nt._made if key[-1]}
+
+    before = wide_handles()
+    for L in range(3, 8):
+        k, v = (torch.randn(B, H, L, D, dtype=f16, device=DEVICE) for _ in range(2))
+        if L < 5:  # the cache in buffers of its own size
+            key, value = k, v
+        else:  # moved to buffers whose third batch starts past 2^31 elements
+            key, value = (storage.as_strided((B, H, L, D), (stride, L * D, D, 1)) for storage in storages)
+            key.copy_(k)
+            value.copy_(v)
+        assert_matches(attention(q, key, value, backend="ninetoothed"), q, k, v)
+        new = wide_handles() - before
+        assert bool(new) == (L >= 5), f"L {L}: wide kernels made {new}"
+    del storages, key, value
+
+
 @needs_gpu
 def test_long_sequence_in_blhd_layout_triton():
     """K/V in a (B, L, H, D) buffer with L·H·D > 2^31: every key step's offset
