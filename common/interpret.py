@@ -37,9 +37,9 @@ interpreter is on, so a GPU run never sees them.
    whatever its value (Triton's JIT reads the annotation); the interpreter types
    every integer by its value, so a stride under 2^31 stays int32 there and an
    offset built from it wraps past 2^31 elements. Our launch path annotates
-   NineToothed's batch and head strides so (``common.launch._rejitted``); we make
-   the interpreter pass such an argument as int64 too, so that the CPU suite runs
-   what the GPU compiles.
+   NineToothed's batch and head strides so for a launch past 2^31 elements
+   (``common.launch._rejitted``); we make the interpreter pass such an argument as
+   int64 too, so that the CPU suite runs what the GPU compiles.
 """
 
 from __future__ import annotations
