@@ -175,8 +175,8 @@ def mma_loops(sass: str) -> list:
 
 
 def serialized(tools: pathlib.Path, ptx: pathlib.Path, kernel) -> str:
-    """Whether ptxas serialises the kernel's warpgroup MMAs (its performance note C7515: each
-    ``wgmma`` then waits for the one before; a NineToothed split forward did, 2026-12-01,
+    """Whether ptxas serialises the kernel's warpgroup MMAs (a performance note such as C7515 or
+    C7511: each ``wgmma`` then waits for the one before; a NineToothed split forward did, 2026-12-01,
     benchmarks/NOTES.md "Split sizes in symbols timed"), from ptxas run again on the PTX with
     ``-v`` for the kernel's own architecture."""
     arch = re.search(r"\.target\s+(sm_\w+)", kernel.asm["ptx"])
@@ -184,7 +184,10 @@ def serialized(tools: pathlib.Path, ptx: pathlib.Path, kernel) -> str:
         return "MMA serialisation unknown"
     notes = subprocess.run([str(tools / "ptxas"), f"-arch={arch.group(1)}", "-v", str(ptx), "-o", os.devnull],
                            capture_output=True, text=True).stderr
-    return "MMAs serialized (ptxas C7515)" if "C7515" in notes else "MMAs not serialized"
+    # (C7515: accumulator registers defined between a wgmma's start and end; C7511: too few
+    # registers for the wgmma pipeline; other codes may name other causes)
+    note = re.search(r"\((C\d+)\)[^\n]*wgmma[^\n]*serialized", notes)
+    return f"MMAs serialized (ptxas {note.group(1)})" if note else "MMAs not serialized"
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:
