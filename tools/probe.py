@@ -796,7 +796,8 @@ def maxnreg():
 
 
 def fwd_tiles():
-    """NineToothed's D 64 forward under its table's tile and the others its tune tries, fp16 and
+    """NineToothed's D 64 forward under its table's tile and the others its tune tries (64 x 64
+    capped at 168 registers too: 3 programs an SM, as the Triton kernel's 64 x 64 tile), fp16 and
     bf16 (the table is tuned in fp16 and used for both), causal or not, L 1024 and 4096, beside
     Triton's table (B·L = 16384, 32 heads; TFLOP/s)."""
     shipped = resolve("ninetoothed").configs
@@ -810,13 +811,13 @@ def fwd_tiles():
                 table = dataclasses.astuple(shipped.lookup(D, dtype, causal, L, L, False))
                 t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend="triton"))
                 line = [f"{str(dtype)[6:]} causal={causal} L={L}: triton {flops / t / 1e9:.0f}  nt table {table}"]
-                for config in (None, Config(64, 64, 4, 3), Config(128, 64, 4, 3), Config(128, 64, 4, 4),
-                               Config(128, 64, 8, 3), Config(128, 128, 8, 3)):
+                for config in (None, Config(64, 64, 4, 3), Config(64, 64, 4, 3, 168), Config(128, 64, 4, 3),
+                               Config(128, 64, 4, 4), Config(128, 64, 8, 3), Config(128, 128, 8, 3)):
                     with (override(config) if config else contextlib.nullcontext()):
                         out = attention(q, k, v, is_causal=causal, backend="ninetoothed")
                         bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
                         t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend="ninetoothed"))
-                    name = "table" if config is None else "/".join(map(str, dataclasses.astuple(config)[:4]))
+                    name = "table" if config is None else "/".join(str(x) for x in dataclasses.astuple(config) if x)
                     line.append(f"{name} {flops / t / 1e9:.0f}{bad}")
                 print("  ".join(line), flush=True)
 
