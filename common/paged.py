@@ -24,7 +24,15 @@ from common.backends import OFFSETS64, resolve
 from common.configs import Config, default_config, next_power_of_2, padded_head_dim
 from common.ops import _on_device, _quiet
 from common.outputs import allocator, partials
-from common.validation import OFFSET_LIMIT, SUPPORTED_DTYPES, _check_flag, _check_real, _dtype_name, slice_span
+from common.validation import (
+    OFFSET_LIMIT,
+    SUPPORTED_DTYPES,
+    _check_flag,
+    _check_real,
+    _dtype_name,
+    slice_span,
+    within_offsets,
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -380,7 +388,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
         except RuntimeError:  # strides no view can merge
             packed = None
         # (not where a packed head's rows would pass the 32-bit offsets within a head)
-        if packed is not None and (backend.supports(OFFSETS64) or slice_span(packed) < OFFSET_LIMIT):
+        if packed is not None and within_offsets(backend, packed):
             plan.query, plan.group = packed, 1
     _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
@@ -391,9 +399,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
                                                                   plan.config.block_n, query.device)
-    if plan.split and not backend.supports(OFFSETS64) and (
-            Lqp * plan.num_splits * Dv >= OFFSET_LIMIT or B * Hp * Lqp >= OFFSET_LIMIT):
-        # the partials or the merge's rows past 32-bit offsets (as common.plan._plan_launch)
+    if plan.split and not planning.partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv):
         plan.num_splits, plan.blocks_per_split = 1, -(-(max_pages * page) // plan.config.block_n)
     # More short-row programs than 2 an SM, unsplit (a large batch): the dense decode's rule, 2
     # stages and 128 registers, not the deep pipeline. H200, bf16, D 128, B 64, 32/8 heads, Lk 4k

@@ -43,7 +43,7 @@ from common.backends import OFFSETS64, TMA
 from common.configs import BackwardConfig, Config, length_key, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
 from common.outputs import allocator, partials
-from common.validation import OFFSET_LIMIT, slice_span
+from common.validation import OFFSET_LIMIT, within_offsets
 
 # Constants both kernels name (impl_triton wraps them as tl.constexpr; the
 # NineToothed kernels get them in their generated modules).
@@ -354,8 +354,7 @@ def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
     # (A running output is laid out by query head and row.)
     unpackable = plan.dropout or plan.sinks is not None or plan.row_bands is not None or resume is not None
     packed = None if unpackable else pack_gqa(q, H_kv, mask, plan.band is not None)
-    if packed is not None and not backend.supports(OFFSETS64) and any(
-            t is not None and slice_span(t) >= OFFSET_LIMIT for t in packed):
+    if packed is not None and not within_offsets(backend, *packed):
         packed = None  # a packed head's rows would pass the 32-bit offsets within a head
     if packed is not None:
         # Each group's query heads as rows of one K/V head (views both ways).
@@ -388,10 +387,7 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.out, plan.lse = resume
         plan.with_lse = plan.resume = True
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
-    if plan.num_splits > 1 and not backend.supports(OFFSETS64) and (
-            Lqp * plan.num_splits * Dv >= OFFSET_LIMIT or B * Hp * Lqp >= OFFSET_LIMIT):
-        # partials (B, Hp, Lqp, splits, Dv) past 32-bit offsets within a head, or the merge's
-        # log-sum-exp, (B·Hp·Lqp,) rows, past them (a tensor of one dimension)
+    if plan.num_splits > 1 and not partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv):
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
@@ -465,6 +461,15 @@ def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
     """``launch`` (the backend's) with what :func:`launch_bound` needs of ``plan``'s layout."""
     return BoundLaunch(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
                        plan.with_lse, plan.num_splits, backend.interpreted())
+
+
+def partials_fit(backend, rows_shape: tuple, num_splits: int, dv: int) -> bool:
+    """Whether ``backend`` indexes a split launch's partials (``common.outputs.partials``: (*rows_shape,
+    splits, Dv) and (*rows_shape, splits)) and its merge's (rows, ...) views: every backend with
+    64-bit offsets; one without where a head's part (rows x splits x Dv) and the merge's
+    log-sum-exp, one dimension of every row, stay under OFFSET_LIMIT elements."""
+    B, H, L = rows_shape
+    return backend.supports(OFFSETS64) or (L * num_splits * dv < OFFSET_LIMIT and B * H * L < OFFSET_LIMIT)
 
 
 def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:

@@ -228,23 +228,27 @@ def _check_window(window):
     return None if window[0] == window[1] == -1 else (int(window[0]), int(window[1]))
 
 
-def span(t) -> int:
-    """How many elements a tensor's indexing reaches from its start: 1 + its largest element offset."""
+def span(t, first: int = 0) -> int:
+    """How many elements a tensor's indexing reaches from its start, its dimensions from
+    ``first`` on: 1 + the largest element offset they make."""
     if t.numel() == 0:
         return 0
-    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape[first:], t.stride()[first:]))
 
 
 def slice_span(t) -> int:
     """How many elements a tensor's indexing reaches within one index of its first two
-    dimensions (one batch and head of every tensor a call passes): 1 + the largest element
-    offset its other dimensions make. A tuple ``(n, 1)`` stands for a contiguous tensor still
-    to be made whose part for one batch and head holds ``n`` elements."""
-    if isinstance(t, tuple):
-        return t[0]
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
+    dimensions (one batch and head of every tensor a call passes). A tuple ``(n, 1)`` stands
+    for a contiguous tensor still to be made whose part for one batch and head holds ``n``
+    elements."""
+    return t[0] if isinstance(t, tuple) else span(t, 2)
+
+
+def within_offsets(backend: Backend, *tensors) -> bool:
+    """Whether ``backend`` indexes these tensors (None: absent): a backend with 64-bit offsets
+    throughout any, one without each tensor whose part for one batch and head spans fewer than
+    OFFSET_LIMIT elements (:func:`slice_span`)."""
+    return backend.supports(OFFSETS64) or all(t is None or slice_span(t) < OFFSET_LIMIT for t in tensors)
 
 
 def _check_offsets(backend: Backend, **tensors) -> None:
