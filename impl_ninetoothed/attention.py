@@ -816,57 +816,79 @@ def _flags(*names):
     return tuple(Tensor(0, constexpr=True, name=name) for name in names)
 
 
+# Sizes. A tensor's sizes are symbols (kernel arguments) of its own unless given, and
+# NineToothed unravels the program id into each arranged tensor's coordinates from that
+# tensor's own sizes: an integer division by a kernel argument apiece (about 20 instructions
+# on sm_90: MUFU.RCP and its fix-ups), which LLVM merges only where the arguments are the same.
+# So tensors whose sizes are equal in every launch take the same symbols (the output, the
+# log-sum-exps, the gradients, the bands and sinks take the query's (B, H, Lq); the values the
+# keys'; ...): on sm_90 that left 6-7 divisions before the first key step where there were
+# 14-26, and prologues 25-49% shorter (benchmarks/NOTES.md, "nt-shared-sizes"). Every plan
+# passes tensors of those sizes (stand-ins included); a size given here is never checked.
+
+def _like(sizes, *trailing, other=None):
+    """A tensor whose leading sizes are ``sizes`` (another tensor's symbols), then ``trailing``
+    (an int: a constant; None: a symbol of its own)."""
+    return Tensor(shape=(*sizes, *trailing), other=other)
+
+
+def _rows_like(query, *trailing, other=None):
+    """A tensor of the query's (B, H, Lq), then ``trailing`` sizes (see :func:`_like`)."""
+    return _like(query.shape[:3], *trailing, other=other)
+
+
 def _attention_inputs(head_dim, head_dim_v):
-    """query, key, value and attn_mask, as every attention kernel takes them.
+    """query, key, value and attn_mask, as every attention kernel takes them: the values of the
+    keys' (B, H_kv, Lk), the mask (B, H, Lq, Lk) of the query's and the keys'.
 
     Out-of-range elements must read as 0 (padded head dims enter the dot
     products; past-the-end keys and values meet p = 0, and 0 * garbage may be
     NaN); NineToothed leaves them undefined unless told.
     """
-    return (
-        Tensor(4, shape=(None, None, None, head_dim), other=0),
-        Tensor(4, shape=(None, None, None, head_dim), other=0),
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),
-        Tensor(4, other=0),
-    )
+    query = Tensor(shape=(None, None, None, head_dim), other=0)
+    key = Tensor(shape=(None, None, None, head_dim), other=0)
+    value = _like(key.shape[:3], head_dim_v, other=0)
+    attn_mask = _rows_like(query, key.shape[2], other=0)
+    return query, key, value, attn_mask
 
 
-def _key_blocks_inputs(head_dim, head_dim_v, block_n):
+def _key_blocks_inputs(key, head_dim, head_dim_v, block_n):
     """The keys' and values' whole blocks, (B, H_kv, Lk // BLOCK_N, BLOCK_N, D | Dv) (see
     ``blocked_keys``): the block size a constant of the kernel, so that loads of them check no
-    key against the keys' length."""
-    return (Tensor(5, shape=(None, None, None, block_n, head_dim), other=0),
-            Tensor(5, shape=(None, None, None, block_n, head_dim_v), other=0))
+    key against the keys' length; (B, H_kv) the keys', the block count one symbol of both."""
+    key_blocks = _like(key.shape[:2], None, block_n, head_dim, other=0)
+    return key_blocks, _like(key_blocks.shape[:3], block_n, head_dim_v, other=0)
 
 
 def _dropout_inputs():
     """seed (a (1,) int64 tensor, read on the device: no host sync), dropout_p and
     dropout_scale (runtime floats)."""
-    return Tensor(1), Tensor(0), Tensor(0)
+    return Tensor(shape=(1,)), Tensor(0), Tensor(0)
 
 
-def _band_inputs(keys=False):
+def _band_inputs(query, key=None):
     """band_lo, band_hi (runtime ints): row i sees keys i + band_lo .. i + band_hi when BANDED;
     softcap (runtime float), read when SOFTCAP; then, read when BANDED == ROW_BANDS, each
-    row's own band_lo and band_hi ((B, H, Lq) int32 views, stride 0 but over Lq) and, with
-    ``keys``, each key's rows (key j: rows j + lo .. j + hi; (B, H_kv, Lk) views). Rows and
-    keys past the end see nothing."""
-    def per_row():
-        return Tensor(3, other=UNBOUNDED), Tensor(3, other=-UNBOUNDED)
+    row's own band_lo and band_hi ((B, H, Lq) int32 views, stride 0 but over Lq: the query's
+    sizes) and, given ``key``, each key's rows (key j: rows j + lo .. j + hi; (B, H_kv, Lk)
+    views: the keys' sizes). Rows and keys past the end see nothing."""
+    def per_row(sizes):
+        return _like(sizes, other=UNBOUNDED), _like(sizes, other=-UNBOUNDED)
 
-    return Tensor(0), Tensor(0), Tensor(0), *per_row(), *(per_row() if keys else ())
+    per_key = per_row(key.shape[:3]) if key is not None else ()
+    return Tensor(0), Tensor(0), Tensor(0), *per_row(query.shape[:3]), *per_key
 
 
 # What a split forward's launch changes with the split count, which its kernel is not to be
-# specialised on (common.launch.route_generated_launch): the number of splits of both partials,
-# (B, H, Lq, S, Dv) and (B, H, Lq, S), and the partial log-sum-exps' strides (multiples of S;
-# the partial outputs' are multiples of Dv, as in the Triton kernel).
+# specialised on (common.launch.route_generated_launch): the number of splits of the partials,
+# (B, H, Lq, S, Dv) and (B, H, Lq, S) (one symbol), and the partial log-sum-exps' strides
+# (multiples of S; the partial outputs' are multiples of Dv, as in the Triton kernel).
 _OUTPUT, _LSE = (list(inspect.signature(application).parameters).index(name) for name in ("output", "lse"))
-_SPLIT_COUNT_ARGS = (("size", _OUTPUT, 3), ("size", _LSE, 3), *(("stride", _LSE, dim) for dim in range(3)))
+_SPLIT_COUNT_ARGS = (("size", _OUTPUT, 3), *(("stride", _LSE, dim) for dim in range(3)))
 # and the combine's (o_part (R, S, Dv), lse_part (R, S))
 _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).index(name)
                       for name in ("o_part", "lse_part"))
-_COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("size", _LSE_PART, 1), ("stride", _LSE_PART, 0))
+_COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("stride", _LSE_PART, 0))
 
 
 def premake(head_dim, head_dim_v, block_m, block_n, split=False):
@@ -876,16 +898,17 @@ def premake(head_dim, head_dim_v, block_m, block_n, split=False):
         block_dv=padded_head_dim(head_dim_v), split=split,
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
+    # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse ((B, H, Lq[, S])); read
+    # too when RESUME (a running float32 output and its lse; rows past the end read as no key seen)
+    output = _rows_like(query, *((None,) if split else ()), head_dim_v, other=0)
+    lse = _like(output.shape[:-1], other=float("-inf"))
     tensors = (
-        query, key, value, *_key_blocks_inputs(head_dim, head_dim_v, block_n), attn_mask,
+        query, key, value, *_key_blocks_inputs(key, head_dim, head_dim_v, block_n), attn_mask,
         Tensor(0),  # scale (runtime float)
         *_dropout_inputs(),
-        *_band_inputs(),
-        Tensor(3, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
-        # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse; read too when
-        # RESUME (a running float32 output and its lse; rows past the end read as no key seen)
-        Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,), other=0),
-        Tensor(4 if split else 3, other=float("-inf")),
+        *_band_inputs(query),
+        _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
+        output, lse,
         *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP",
                  "SINKS", "RESUME", "BLOCKED"),
     )
@@ -897,11 +920,13 @@ def premake_combine(head_dim_v, block_r, block_s):
     arrangement_ = functools.partial(
         combine_arrangement, block_r=block_r, block_s=block_s, block_dv=padded_head_dim(head_dim_v)
     )
+    o_part = Tensor(shape=(None, None, head_dim_v), other=0)  # (R, S, Dv)
+    rows = o_part.shape[:1]
     tensors = (
-        Tensor(3, shape=(None, None, head_dim_v), other=0),  # o_part (R, S, Dv)
-        Tensor(2, other=float("-inf")),  # lse_part (R, S): a missing split weighs 0
-        Tensor(2, shape=(None, head_dim_v)),  # output (R, Dv)
-        Tensor(1),  # lse (R,)
+        o_part,
+        _like(o_part.shape[:2], other=float("-inf")),  # lse_part (R, S): a missing split weighs 0
+        _like(rows, head_dim_v),  # output (R, Dv)
+        _like(rows),  # lse (R,)
         *_flags("WITH_LSE"),
     )
     return arrangement_, combine_application, tensors
@@ -915,16 +940,16 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
     tensors = (
-        query, key, value, *_key_blocks_inputs(head_dim, head_dim_v, block_n), attn_mask,
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # out
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
-        Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
-        Tensor(3, other=0),  # grad_lse
+        query, key, value, *_key_blocks_inputs(key, head_dim, head_dim_v, block_n), attn_mask,
+        _rows_like(query, head_dim_v, other=0),  # out
+        _rows_like(query, head_dim_v, other=0),  # grad_out
+        _rows_like(query, other=float("inf")),  # lse: rows past Lq get p = 0
+        _rows_like(query, other=0),  # grad_lse
         Tensor(0),  # scale
         *_dropout_inputs(),
-        *_band_inputs(),
-        Tensor(3),  # delta_out
-        Tensor(4, shape=(None, None, None, head_dim)),  # grad_query
+        *_band_inputs(query),
+        _rows_like(query),  # delta_out
+        _rows_like(query, head_dim),  # grad_query
         *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED"),
     )
     return arrangement_, dq_application, tensors
@@ -936,21 +961,23 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         dkdv_arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
         block_dv=padded_head_dim(head_dim_v),
     )
+    query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
+    # the whole row blocks of query, grad_out, lse and delta, (B, H, Lq // BLOCK_M, BLOCK_M[, D | Dv]):
+    # the query's (B, H), the block count one symbol of all four
+    query_blocks = _like(query.shape[:2], None, block_m, head_dim, other=0)
+    row_blocks = query_blocks.shape[:3]
     tensors = (
-        *_attention_inputs(head_dim, head_dim_v),
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # grad_out
-        Tensor(3, other=float("inf")),  # lse: rows past Lq get p = 0
-        Tensor(3, other=0),  # delta
-        # the whole row blocks of query, grad_out, lse and delta, (B, H, Lq // BLOCK_M, BLOCK_M[, D | Dv])
-        Tensor(5, shape=(None, None, None, block_m, head_dim), other=0),
-        Tensor(5, shape=(None, None, None, block_m, head_dim_v), other=0),
-        Tensor(4, shape=(None, None, None, block_m), other=0),
-        Tensor(4, shape=(None, None, None, block_m), other=0),
+        query, key, value, attn_mask,
+        _rows_like(query, head_dim_v, other=0),  # grad_out
+        _rows_like(query, other=float("inf")),  # lse: rows past Lq get p = 0
+        _rows_like(query, other=0),  # delta
+        query_blocks, _like(row_blocks, block_m, head_dim_v, other=0), _like(row_blocks, block_m, other=0),
+        _like(row_blocks, block_m, other=0),
         Tensor(0),  # scale
         *_dropout_inputs(),
-        *_band_inputs(keys=True),
-        Tensor(4, shape=(None, None, None, head_dim)),  # grad_key
-        Tensor(4, shape=(None, None, None, head_dim_v)),  # grad_value
+        *_band_inputs(query, key),
+        _like(key.shape[:3], head_dim),  # grad_key
+        _like(key.shape[:3], head_dim_v),  # grad_value
         *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED", "GROUP_OF_ONE"),
     )
     return arrangement_, dkdv_application, tensors
@@ -1118,15 +1145,17 @@ def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
         block_dv=padded_head_dim(head_dim_v), blocks_per_split=blocks_per_split,
     )
     split = blocks_per_split is not None
+    query = Tensor(shape=(None, None, None, head_dim), other=0)
+    key_cache = Tensor(shape=(None, None, None, head_dim), other=0)  # (num_pages, PAGE, H_kv, D)
+    output = _rows_like(query, *((None,) if split else ()), head_dim_v)
     tensors = (
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # query
-        Tensor(4, shape=(None, None, None, head_dim), other=0),  # key_cache (num_pages, PAGE, H_kv, D)
-        Tensor(4, shape=(None, None, None, head_dim_v), other=0),  # value_cache
-        Tensor(2, other=0),  # block_table (B, max_pages) int32
-        Tensor(1),  # cache_seqlens (B,) int32
+        query, key_cache,
+        _like(key_cache.shape[:3], head_dim_v, other=0),  # value_cache
+        _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
+        _like(query.shape[:1]),  # cache_seqlens (B,) int32
         Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
-        Tensor(5 if split else 4, shape=(None,) * (4 if split else 3) + (head_dim_v,)),  # output
-        Tensor(4 if split else 3),  # lse (split partials only)
+        output,
+        _like(output.shape[:-1]),  # lse (split partials only)
         *_flags("IS_CAUSAL", "WITH_LSE", "DOT_PRECISION", "SPLIT", "PAGES_PER_STEP"),
     )
     return arrangement_, paged_application, tensors
@@ -1136,13 +1165,15 @@ def premake_append(head_dim, head_dim_v):
     """append_kv: the new tokens' keys and values into their slots."""
     arrangement_ = functools.partial(append_arrangement, block_d=padded_head_dim(head_dim),
                                      block_dv=padded_head_dim(head_dim_v))
+    key = Tensor(shape=(None, None, None, head_dim))  # (B, H_kv, L_new, D)
+    key_cache = Tensor(shape=(None, None, None, head_dim))  # (num_pages, PAGE, H_kv, D)
     tensors = (
-        Tensor(4, shape=(None, None, None, head_dim)),  # key (B, H_kv, L_new, D)
-        Tensor(4, shape=(None, None, None, head_dim_v)),  # value
-        Tensor(4, shape=(None, None, None, head_dim)),  # key_cache (num_pages, PAGE, H_kv, D)
-        Tensor(4, shape=(None, None, None, head_dim_v)),  # value_cache
-        Tensor(2, other=-1),  # block_table (B, max_pages) int32
-        Tensor(1),  # cache_seqlens (B,) int32
+        key,
+        _like(key.shape[:3], head_dim_v),  # value
+        key_cache,
+        _like(key_cache.shape[:3], head_dim_v),  # value_cache
+        _like(key.shape[:1], None, other=-1),  # block_table (B, max_pages) int32
+        _like(key.shape[:1]),  # cache_seqlens (B,) int32
         Tensor(0),  # num_pages
     )
     return arrangement_, append_application, tensors

@@ -424,3 +424,35 @@ def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monk
     assert len(classes) > 1  # the lengths took several tiles
     for key in classes:
         assert len(classes[key]) <= len(key_classes[key]), (key, classes[key], key_classes[key])
+
+
+def test_ninetoothed_kernels_take_each_size_once():
+    """Each NineToothed kernel takes as sizes only those that can differ between its tensors:
+    tensors of equal sizes in every launch share their size symbols (the output, log-sum-exps,
+    gradients, bands and sinks the query's (B, H, Lq); the values the keys'; ...). NineToothed
+    unravels the program id from each tensor's own sizes, an integer division by a kernel
+    argument apiece, so each size passed twice was work every program did twice (sm_90: 14-26
+    divisions before the first key step where 6-7 remain)."""
+    import inspect
+
+    from impl_ninetoothed import attention as nt
+
+    query, key, cache = ({(name, d) for d in range(3)} for name in ("query", "key", "key_cache"))
+    expected = {
+        (nt.premake, (32, 32, 16, 16, False)): query | key | {("key_blocks", 2)},
+        (nt.premake, (32, 32, 16, 16, True)): query | key | {("key_blocks", 2), ("output", 3)},
+        (nt.premake_combine, (32, 16, 16)): {("o_part", 0), ("o_part", 1)},
+        (nt.premake_dq, (32, 32, 16, 16)): query | key | {("key_blocks", 2)},
+        (nt.premake_dkdv, (32, 32, 16, 16)): query | key | {("query_blocks", 2)},
+        (nt.premake_paged, (32, 32, 16, 16, None)): query | cache | {("block_table", 1)},
+        (nt.premake_paged, (32, 32, 16, 16, 2)): query | cache | {("block_table", 1), ("output", 3)},
+        (nt.premake_append, (32, 32)): key | cache | {("block_table", 1)},
+    }
+    for (premake, args), sizes in expected.items():
+        handle = nt._make(premake, *args, num_warps=4, num_stages=1)
+        _, application, _ = premake(*args)
+        names = list(inspect.signature(application).parameters)
+        described = launch.launcher_arguments(handle._launch)
+        assert described is not None, premake
+        passed = [(names[role[1]], role[2]) for role in described if role[0] == "size"]
+        assert len(passed) == len(set(passed)) and set(passed) == sizes, (premake.__name__, args, sorted(passed))
