@@ -1259,8 +1259,14 @@ def _loose_arguments(handle, application_, split_counts=()) -> set:
     along it. The batch and head counts stay too: a batch of 1 is a constant the compiler
     folds (loosened, the D 128 causal forward at B 1, 16k, spilled 8 more bytes, loaded from the
     stack 5 times a step instead of once, and ran 4% slower on the H200). The backward passes stay
-    specialised: without it their masked steps grew by 8% (dQ) and 29% (dK/dV, whose loop runs
-    over the queries)."""
+    specialised on their lengths: without it their masked steps grew by 8% (dQ) and 29% (dK/dV,
+    whose loop runs over the queries). The dQ pass is not specialised on its batch: with its tensors'
+    sizes shared (:func:`_like`), a batch of 1 folded into its code had ptxas serialise its warpgroup
+    products (C7515, D 64 and 128, causal L 16k: 9% slower on the H200); loose, no benchmark shape
+    serialises (sm_90, ``tools/cpu_sass.py``)."""
+    if application_ is dq_application:
+        names = list(inspect.signature(application_).parameters)
+        return {("size", names.index(name), 0) for name in ("query", "key")}
     if application_ is not application:
         return set(split_counts)
     described = launcher_arguments(handle._launch) or ()
