@@ -1246,8 +1246,9 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
 
 def _loose_arguments(handle, application_, split_counts=()) -> set:
     """The arguments of ``handle``'s kernel that it is not specialised on (roles as
-    ``common.launch.launcher_arguments`` describes them): ``split_counts``, and in the forward
-    every tensor's length (its dimension 2: each is (B, H, L, ...)) but the keys' and the values'.
+    ``common.launch.launcher_arguments`` describes them): ``split_counts``, in the forward every
+    tensor's length (its dimension 2: each is (B, H, L, ...)) but the keys' and the values', and
+    in the dQ pass the batch (the query's and the keys' dimension 0).
 
     NineToothed passes each tensor's sizes, so the queries' length reaches the forward eight times
     (query, bands, sinks, output, lse, the mask's rows) and the key blocks' count twice (the
