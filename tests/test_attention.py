@@ -582,7 +582,7 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     (the merge launch from the first length past it on, not at the next split count): every
     launch of a kernel is what Triton would compile that same kernel for (the same constexprs,
     the same class of each specialised argument) but for the keys' length (Lk, or
-    NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 16
+    NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 3
     steps). NineToothed's split forward is one kernel for every split size (its arrangement
     derives it from the keys' length and the split count), and so is its combine (the splits
     MERGE_SPLITS a step, here 4: under the interpreter fewer where there are fewer splits).
@@ -625,7 +625,7 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
     q = torch.randn(1, 8, 1, 32)  # (8 merged rows: the merge's rows per program are not capped by them)
     k_all, v_all = torch.randn(1, 1, 720, 32), torch.randn(1, 1, 720, 32)
-    lengths = range(140, 720, 17)  # 9-45 blocks of 16 keys
+    lengths = range(140, 720, 34)  # 9-45 blocks of 16 keys (each step under the interpreter costs NineToothed ~4 s)
     for i, Lk in enumerate(lengths):
         k, v = k_all[:, :, :Lk], v_all[:, :, :Lk]
         step_kernels.clear()
