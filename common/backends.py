@@ -9,22 +9,11 @@ Backends are imported on first use, so choosing "torch" never imports Triton.
 The contract
 ------------
 A backend is a :class:`Backend` record (what it is and what it can do) and a
-module that implements it. The module provides:
-
-``forward(plan: common.plan.ForwardPlan) -> (out, lse)``
-    Compute the call the plan describes. Kernel backends launch their
-    attention kernel (which merges split keys itself, or, when
-    ``plan.num_splits > 1``, also a merge kernel) into the buffers the plan
-    allocated and return ``plan.out, plan.lse``.
-``backward(plan: common.plan.BackwardPlan) -> (dq, dk, dv)``
-    Only with the ``"backward"`` capability: launch the backward kernels into
-    ``plan.grad_query``, ``plan.grad_key``, ``plan.grad_value``.
-``INTERPRETED: bool``
-    Kernel backends only: whether their kernels run under Triton's CPU
-    interpreter (``TRITON_INTERPRET=1`` was set when they were decorated).
-
-A backend never validates user input, picks defaults or copies inputs: that
-is ``common``'s work, done once for all backends (``validation``, ``plan``).
+module that implements :class:`BackendModule` (every backend) or
+:class:`KernelBackendModule` (backends that launch our kernels): the functions
+``common`` calls, and nothing else is called. A backend never validates user
+input, picks defaults or copies inputs: that is ``common``'s work, done once for
+all backends (``validation``, ``plan``).
 """
 
 from __future__ import annotations
@@ -36,6 +25,13 @@ import importlib
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # (importing common imports no triton and no backend)
+    import torch
+
+    from common.paged import PagedPlan
+    from common.plan import BackwardPlan, ForwardPlan
 
 DEFAULT = "triton"
 ENV_VAR = "ATTENTION_BACKEND"
@@ -96,6 +92,40 @@ class Backend:
     def interpreted(self) -> bool:
         """Whether this backend's kernels run under Triton's CPU interpreter."""
         return self.kernels and _interpreted(self.module)
+
+
+@runtime_checkable
+class BackendModule(Protocol):
+    """What every backend's module provides."""
+
+    INTERPRETED: bool  # its kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 at their decoration)
+
+    def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute the call the plan describes: ``(out, lse)`` in the kernels' view (lse None
+        unless ``plan.with_lse``). Kernel backends launch into the buffers the plan allocated
+        (``plan.out``, ``plan.lse``; with ``plan.num_splits > 1`` the partials, then merged)."""
+
+
+@runtime_checkable
+class KernelBackendModule(BackendModule, Protocol):
+    """What a backend that launches our kernels provides besides :class:`BackendModule`."""
+
+    def backward(self, plan: BackwardPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Launch the backward kernels into ``plan.grad_query``, ``grad_key``, ``grad_value``; return them."""
+
+    def paged_forward(self, plan: PagedPlan) -> torch.Tensor:
+        """Attention over a paged KV cache (``common.paged``) into ``plan.out``; return it."""
+
+    def append_kv(self, key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int,
+                  block_d: int, block_dv: int) -> None:
+        """Write ``key`` and ``value`` (B, H_kv, L_new, D | Dv) into their slots of the paged caches."""
+
+    def bind_forward(self, plan: ForwardPlan, keys: bool = False):
+        """``plan``'s launch (just made) bound to its layout: a callable taking the call's tensors
+        (query, key, value, out, lse, o_part, lse_part) that launches without building its
+        arguments again, with ``launch_keys(tensors, blocks_per_split)`` and ``launch_plan(plan)``
+        where ``keys`` (later keys of another length and strides); None where it cannot bind it
+        (``common.reuse`` then launches each call's plan through :meth:`forward`)."""
 
 
 _KERNEL_HEAD_DIMS = (16, 256)

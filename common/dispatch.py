@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from common import ops
-from common import plan as planning
-from common.backends import OFFSETS64, resolve
-from common.validation import OFFSET_LIMIT, check_backward, check_call, span
+from common.backends import resolve
+from common.reuse import PLANS, AttentionPlan, layout_of
+from common.validation import check_backward, check_call
 
 
 def attention(
@@ -105,6 +105,16 @@ def attention(
         again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
         if again is not None:
             return again
+    return full_attention(query, key, value, is_causal, scale, attn_mask=attn_mask, dropout_p=dropout_p,
+                          enable_gqa=enable_gqa, backend=backend, return_lse=return_lse, dropout_seed=dropout_seed,
+                          alignment=alignment, window=window, softcap=softcap, sinks=sinks)
+
+
+def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=None, dropout_p=0.0,
+                   enable_gqa=False, backend=None, return_lse=False, dropout_seed=None, alignment="top_left",
+                   window=None, softcap=None, sinks=None):
+    """:func:`attention` without a kept plan: validated, planned and launched afresh (through
+    the backend's operator where autograd or ``torch.compile`` watches)."""
     chosen = resolve(backend)
     call = check_call(
         chosen, query, key, value,
@@ -189,22 +199,10 @@ def attention_backward(
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)
 
 
-# A loop of calls with one layout (the same shapes in every layer of a model, a fixed-size
-# benchmark) validates and plans the same thing each time: what validation decides and what
-# the plan holds depend only on the arguments and on the tensors' shapes, strides, dtypes
-# and devices. The plain calls (no mask, dropout, window, soft-capping or sinks; nothing
-# that needs a gradient; not compiling) keep the template of the first call of each layout
-# (common.plan.template_of); later ones only allocate their outputs and launch. Calls that
-# are not causal are also found by their layout less the keys' length and strides (a decode
-# loop's cache grows by a token a step): those check what depends on the keys' length and
-# plan their launch again (config, splits), nothing else.
-_templates: dict = {}  # the exact layout -> template
-_growing: dict = {}  # the layout less the keys' length and strides (calls that are not causal) -> template
-
-
 def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse):
-    """The result of a plain kernel-backend call through the template of its layout (made
-    by this call where it is the layout's first); None where the full path must run."""
+    """The result of a plain kernel-backend call through the plan kept for its layout
+    (:data:`common.reuse.PLANS`, made by this call where it is the layout's first); None where
+    the full path must run."""
     if torch.compiler.is_compiling():  # first: torch.compile traces none of the rest
         return None
     if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
@@ -214,64 +212,19 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None
     chosen = resolve(backend)
-    settings = planning.reuse_key()
-    if not chosen.kernels or settings is None:
+    if not chosen.kernels:
         return None
-    head = (chosen.name, chosen.interpreted(), settings, is_causal, scale, enable_gqa, return_lse,
-            query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device)
-    exact = (head, key.shape, key.stride(), value.shape, value.stride())
-    unbatched = query.ndim == 3
-    template = _templates.get(exact)
-    other_keys = False
-    growing = None
-    # (causal calls drop the keys no row sees: their plan depends on the keys' length)
-    if template is None and not is_causal:
-        growing = (head, key.shape[:-2], key.shape[-1], value.shape[:-2], value.shape[-1])
-        template = _growing.get(growing)
-        other_keys = template is not None
-        if other_keys and not _keys_fit(chosen, key, value):
-            return None  # the full path says what is wrong
-    if template is None:
+    layout = layout_of(chosen, is_causal, scale, enable_gqa, return_lse, query, key, value)
+    if layout is None:
+        return None
+    plan = PLANS.get(layout)
+    if plan is None:
         call = check_call(chosen, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=is_causal,
                           scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
-        out, lse, template = ops.forward(chosen, call, with_lse=return_lse, template=True)
-        if template is not None:
-            planning.remember(_templates, exact, template)
-            if growing is not None:
-                planning.remember(_growing, growing, template)
-    else:
-        if unbatched:
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        # The exact layout's second call binds its launch (common.plan.bind_launch); later
-        # ones allocate their outputs and launch that (plan.launch_bound), nothing else.
-        # Growing keys launch again what the last growing call launched while their plan
-        # would not change (plan.launch_grown).
-        if other_keys:
-            bound = None
-            results = ops.forward_grown(chosen, template, query, key, value)
-        else:
-            bound = template.bound[0]
-            results = ops.forward_bound(chosen, bound, query, key, value) if bound else None
-        if results is None:
-            results = ops.forward_again(chosen, template, query, key, value, other_keys=other_keys,
-                                        bind=bound is None and not other_keys)
-        out, lse = results
-    if unbatched:
-        out = out[0]
-        lse = lse[0] if lse is not None else None
-    return (out, lse) if return_lse else out
-
-
-def _keys_fit(chosen, key, value) -> bool:
-    """Whether a growing cache's keys may take the launch bound for the last ones: what
-    validation checks of their length and strides (one length for key and value, at least one
-    key: none takes the full path), and for a backend with 32-bit offsets, keys under 2^31
-    elements (past them, the full path validates each batch and head, and NineToothed launches
-    a kernel with 64-bit batch and head strides)."""
-    Lk = key.shape[-2]
-    if Lk == 0 or value.shape[-2] != Lk:
-        return False
-    return chosen.supports(OFFSETS64) or (span(key) < OFFSET_LIMIT and span(value) < OFFSET_LIMIT)
+        plan = AttentionPlan(chosen, call, layout, dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                                        return_lse=return_lse, backend=chosen.name))
+        PLANS.put(layout, plan)
+    return plan.results(query, key, value)
 
 
 def _needs_grad(call) -> bool:

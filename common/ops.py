@@ -25,10 +25,8 @@ from common.validation import Call
 NAMESPACE = "twin_attention"
 
 
-def forward(backend, call: Call, with_lse: bool, *, template: bool = False):
-    """``(out, lse)`` for a validated 4-D call; lse None unless ``with_lse``. With
-    ``template``, ``(out, lse, template)``: the plan's template for :func:`forward_again`
-    (:func:`common.plan.template_of`; None where nothing was planned)."""
+def forward(backend, call: Call, with_lse: bool):
+    """``(out, lse)`` for a validated 4-D call; lse None unless ``with_lse``."""
     q, v = call.query, call.value
     B, H, Lq, _ = q.shape
     Lk, Dv = call.key.shape[2], v.shape[3]
@@ -37,68 +35,11 @@ def forward(backend, call: Call, with_lse: bool, *, template: bool = False):
         # log-sum-exp of an empty set is -inf).
         out = q.new_zeros((B, H, Lq, Dv))
         lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if with_lse else None
-        return (out, lse, None) if template else (out, lse)
+        return out, lse
     with _on_device(q.device):
         plan = planning.make_forward(call, backend, with_lse=with_lse)
-        results = _launch(backend, plan)
-    return (*results, planning.template_of(plan, call)) if template else results
-
-
-def forward_again(backend, template, query, key, value, *, other_keys: bool = False, bind: bool = False):
-    """:func:`forward` of a call laid out as the one ``template`` was planned from
-    (:func:`common.plan.template_of`; 4-D tensors): no planning, the launch alone.
-    ``other_keys``: the keys' length and strides may differ (their launch is planned again, and
-    launched through the launch bound to its config and splits: :func:`common.plan.launch_growing`,
-    or, while their plan would not change, the last such launch again: :func:`forward_grown`).
-    ``bind``: also bind the launch to the template's layout for later calls
-    (:func:`common.plan.bind_launch`, kept in ``template.bound``; False where it cannot be)."""
-    with _on_device(query.device):
-        plan = planning.rebind_forward(template, query, key, value, backend if other_keys else None)
-        if other_keys:
-            with _quiet(backend):
-                if planning.launch_growing(template, plan, backend):
-                    return plan.results(plan.out, plan.lse)
-        if not bind:
-            return _launch(backend, plan)
-        # (NineToothed binds the arguments its generated launcher passed: kept only meanwhile.
-        # Imported here: importing common must not import triton, which the interpreter
-        # switch, set by the caller after importing common, has to precede.)
-        from common.launch import recorded_launches
-
-        with recorded_launches():
-            results = _launch(backend, plan)
-            template.bound[0] = planning.bind_launch(plan, backend) or False
-    return results
-
-
-def _launch(backend, plan):
-    """The backend's forward of a plan (on the plan's device), in the caller's view."""
-    with _quiet(backend):
-        return plan.results(*backend.load().forward(plan))
-
-
-def forward_bound(backend, bound, query, key, value):
-    """:func:`common.plan.launch_bound` (4-D tensors): a call launched through the launch
-    bound to its layout; None where it cannot run here."""
-    return _bound_call(backend, bound, planning.launch_bound, bound, query, key, value)
-
-
-def forward_grown(backend, template, query, key, value):
-    """:func:`common.plan.launch_grown` of the template's last growing launch (4-D tensors):
-    None where there is none or these keys need planning again."""
-    grown = template.grown[0]
-    if grown is None:
-        return None
-    return _bound_call(backend, grown[4], planning.launch_grown, grown, query, key, value)
-
-
-def _bound_call(backend, bound, launch, *args):
-    """``launch(*args)``, quieted (:func:`_quiet`) where ``bound``'s kernels run interpreted;
-    on a GPU without the context manager (the bound path's per-call cost)."""
-    if bound.interpreted:
         with _quiet(backend):
-            return launch(*args)
-    return launch(*args)
+            return plan.results(*backend.load().forward(plan))
 
 
 def forward_resume(backend, call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:

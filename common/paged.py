@@ -24,6 +24,7 @@ from common.backends import OFFSETS64, resolve
 from common.configs import Config, default_config, next_power_of_2, padded_head_dim
 from common.ops import _on_device, _quiet
 from common.outputs import allocator, partials
+from common.reuse import PlanCache
 from common.validation import (
     OFFSET_LIMIT,
     SUPPORTED_DTYPES,
@@ -136,7 +137,7 @@ def paged_attention(
         return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
     plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
     if layout is not None:
-        planning.remember(_templates, layout, _template_of(plan, query))
+        _templates.put(layout, _template_of(plan, query))
     return _launch(chosen, plan)
 
 
@@ -146,7 +147,7 @@ def paged_attention(
 # reads), never on their data. The first call of a layout keeps its plan's fields (tensors
 # out) and later ones only allocate their outputs and launch. (As common.dispatch does for
 # attention.)
-_templates: dict = {}
+_templates = PlanCache()
 
 
 def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
@@ -244,7 +245,7 @@ def append_kv(
     if _check_flag("validate", validate):
         _validate_contents(block_table, cache_seqlens + L_new, num_pages, page)
     if layout is not None:
-        planning.remember(_appends, layout, True)
+        _appends.put(layout, True)
     if B * H_kv * L_new == 0:
         return cache_seqlens + L_new
     if not chosen.kernels:
@@ -254,7 +255,7 @@ def append_kv(
     return cache_seqlens + L_new
 
 
-_appends: dict = {}  # the layouts append_kv has checked -> True (see _templates below)
+_appends = PlanCache()  # the layouts append_kv has checked -> True (see _templates below)
 
 
 def _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value) -> None:
@@ -395,25 +396,23 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
+    planner = planning.current_planner()
     # (the thin programs' target whatever the row tile: the wide one was measured for the
     # contiguous cache only)
-    plan.num_splits, plan.blocks_per_split = planning.plan_splits(plan.m_blocks * B * Hp, max_pages * page,
-                                                                  plan.config.block_n, query.device)
+    plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, max_pages * page,
+                                                            plan.config.block_n, query.device)
     if plan.split and not planning.partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv):
         plan.num_splits, plan.blocks_per_split = 1, -(-(max_pages * page) // plan.config.block_n)
-    # More short-row programs than 2 an SM, unsplit (a large batch): the dense decode's rule, 2
-    # stages and 128 registers, not the deep pipeline. H200, bf16, D 128, B 64, 32/8 heads, Lk 4k
-    # (tools/probe.py paged_batch, 2026-12-01): Triton 3.40 -> 4.23 TB/s (pages of 16), 3.44 ->
-    # 4.26 (64); NineToothed 2.61 -> 3.29 (16), 4.30 -> 4.31 (64); MHA at B 16 4.34 -> 4.30 and
-    # 4.37 -> 4.33; at 1.94 programs an SM (not shallow) the cap lost, 4.34 -> 3.11.
-    plan.config = planning.shallow_stages(plan.config, plan.m_blocks * B * Hp, plan.num_splits, query.device,
-                                          max(plan.block_d, plan.block_dv))
+    # Many short-row programs, unsplit (a large batch): the dense decode's shallow pipeline
+    # (benchmarks/NOTES.md, "Decode at a large batch").
+    plan.config = planner.shallow_stages(plan.config, plan.m_blocks * B * Hp, plan.num_splits, query.device,
+                                         max(plan.block_d, plan.block_dv))
     plan.dot_precision = planning.dot_precision(query.dtype)
     if plan.split:  # (the outputs are allocated at launch: _launch)
-        plan.merge = planning.plan_merge(B * Hp * Lqp, plan.num_splits, backend.interpreted(), plan.block_dv)
+        plan.merge = planner.merge(B * Hp * Lqp, plan.num_splits, backend.interpreted(), plan.block_dv)
         # (the bytes the table can address: the lengths themselves are on the device)
         capacity = B * max_pages * page * H_kv * (D + Dv) * key_cache.element_size()
-        plan.kernel_merge = planning.kernel_merges(plan.num_splits, plan.config.block_m, capacity)
+        plan.kernel_merge = planner.kernel_merges(plan.num_splits, plan.config.block_m, capacity)
     return plan
 
 

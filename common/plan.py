@@ -40,7 +40,7 @@ import functools
 import torch
 
 from common.backends import OFFSETS64, TMA
-from common.configs import BackwardConfig, Config, length_key, next_power_of_2, padded_head_dim
+from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
 from common.outputs import allocator, partials
 from common.validation import OFFSET_LIMIT, within_offsets
@@ -68,73 +68,175 @@ class Softcap(enum.IntEnum):
     APPROX = 2  # the GPU's tanh.approx.f32 (NVIDIA, sm_75+): one special-function op where EXP2 takes two
 
 
-# A launch with fewer programs than SMs is split, into enough splits for about
-# this many programs per SM: a decode program streams memory, and more than
-# one of them per SM hides its latency (2 won the decode sweep on the H200)...
-PROGRAMS_PER_SM = 2
-# ...except for programs of WIDE_ROWS rows or more (Lq = 16 of a 4-head group
-# packed into 64 rows: four times the products per key read): one per SM, fewer
-# and longer programs. H200, tools/probe.py bandwidth (2026-11-30): the Triton
-# kernel read K/V at 3.08 TB/s against 2.46 with 2 per SM (B 1, 32/8 heads,
-# Lq 16, Lk 64k) and 4.00 against 3.91 (B 8, Lk 16k), NineToothed 3.55/3.53 and
-# 4.08/4.05; with 16-row programs 1 per SM was not better (-5% to +3.5%).
-PROGRAMS_PER_SM_WIDE = 1
-WIDE_ROWS = 64
-# A split launch gives each split ceil(key blocks / splits) blocks, which NineToothed's arrangement
-# derives from the keys' length and the split count: one kernel for every split size. In a tile of
-# this many rows or more (Hopper's warpgroup MMA) NineToothed's kernel walks a split's blocks in one
-# masked loop: with two, ptxas serialised every MMA of the kernel (its C7515: the tile's zero
-# accumulator set between an MMA and its wait), 3.0-3.3 against 4.1 TB/s at B 8, 32/8 heads, Lq 16,
-# Lk 16k on the H200. One masked loop: not serialised, and as fast as the tile size (a power of two
-# of key blocks, a kernel per value: compiled again whenever a decode loop's keys crossed one) that
-# such tiles took before: 3.62 / 4.07 TB/s against 3.62 / 4.03 at B 1, Lk 64k and B 8, Lk 16k
-# (benchmarks/NOTES.md, "Last-to-first rows and one-loop splits timed and merged").
-ONE_STAGE_SPLIT_ROWS = 64
-# An unsplit launch of short-row programs (decoding at a large batch) with more programs than
-# this many per SM pipelines two key blocks instead of three and caps registers at 128, so that
-# four programs of 4 warps share an SM (the Triton kernel's 16 x 64 tile at D 128: 70 KB of
-# shared memory, 3 an SM, with 3 stages; 38 KB and 128 registers, 4 an SM, with 2; NineToothed's
-# takes 143 registers, 3 an SM, unless capped: 123, no spills). H200, bf16, B 64, 32/8 heads,
-# Lk 4k: 3.94-3.98 -> 4.47-4.48 TB/s both (SDPA 4.50); split launches (about 2 programs an SM)
-# lose with 2 stages. (benchmarks/NOTES.md, "Decode at a large batch", "Register caps".)
-SHALLOW_PROGRAMS_PER_SM = 2
-SHALLOW_ROWS = 16
-SHALLOW_MAX_HEAD_DIM = 128
-SHALLOW_MAX_REGISTERS = 128
+# CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
+MAX_GRID_AXIS = 65535
 # Under the interpreter there are no SMs; pretend there are a few, so that the
 # CPU suite meets split launches on small decode-like shapes.
 INTERPRETER_SMS = 2
-# Pack grouped-query heads only for short queries: for long ones a program is
-# already full of rows of one head, and packing would change nothing but the
-# tile boundaries.
-PACK_MAX_LQ = 64
-# Split only where each program would otherwise walk this many keys or more:
-# below it the merge kernel's launch costs more than the split saves.
-MIN_SPLIT_KEYS = 2048
-# Rows per program of the merge kernel, and the most elements of its float32 tile (rows x
-# splits x Dv): 64 registers a thread in 4 warps.
-COMBINE_ROWS = 16
-MERGE_TILE = 8192
-# Both merges (a launch of their own) walk a row's splits MERGE_SPLITS at a time, so that the
-# split counts of a growing cache share one compiled merge; under the interpreter, at most the
-# count's own power of two (a padded split costs as much as a real one there). Measured on the
-# H200 (bf16, D 128, K/V TB/s of the whole decode, NineToothed / Triton with its merge launch;
-# benchmarks/NOTES.md, "Split sizes in symbols"): 8 a step 3.95 / 3.98 at B 8, Lq 16, Lk 16k
-# (2 splits of 4096 rows; 32 a step: 3.72 / 3.82, most of each tile padding), 3.64 / 3.63 at
-# B 1, Lq 16, Lk 64k (32 splits; 32 a step: 3.62 / 3.66), 2 and 4 a step slower there.
-MERGE_SPLITS = 8
-# The Triton kernel merges its own splits (the last program of a row block folds them
-# in, one launch) while num_splits x BLOCK_M is at most KERNEL_MERGE_MAX; above it one
-# program's fold of that many partial rows outlasts a merge launch spread over the GPU
-# (measured on the H200 at B 1, Lk 64k: 32 x 16 and 16 x 64 rows took 9 and 15 us at the
-# end of the launch; benchmarks/NOTES.md, "Decode at B = 1"). Only where the keys and
-# values read are at least KERNEL_MERGE_MIN_BYTES, though: a launch that long (~50 us at
-# 4 TB/s) outlasts a decode step's host time, which hides the second launch's; shorter
-# ones would pay it in a Python loop. NineToothed always launches its merge.
-KERNEL_MERGE_MAX = 256
-KERNEL_MERGE_MIN_BYTES = 192 << 20
-# CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
-MAX_GRID_AXIS = 65535
+
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+    """The settings the planning rules decide by: a value, so that a test, ``tune`` or a probe
+    plans with other settings by building one and entering :func:`use_planner`, never by
+    patching this module. Each rule is a method that states itself in its docstring; the
+    measurements behind the defaults are in benchmarks/NOTES.md ("The planner's settings")."""
+
+    # Split a launch with fewer programs than SMs into enough splits for about this many
+    # programs per SM (a decode program streams memory; more than one per SM hides latency)...
+    programs_per_sm: int = 2
+    # ...or this many for programs of at least wide_rows rows (more products per key read).
+    programs_per_sm_wide: int = 1
+    wide_rows: int = 64
+    # Split only where each program would otherwise walk at least this many keys: below it
+    # the merge costs more than the split saves.
+    min_split_keys: int = 2048
+    # Pack grouped-query heads into rows only for queries this short: longer ones already
+    # fill a program with rows of one head.
+    pack_max_lq: int = 64
+    # The merge walks a row's splits this many at a time, so that every split count of a
+    # growing cache shares one compiled merge; its rows per program keep a program's float32
+    # tile (rows x splits x Dv) within merge_tile elements, at most combine_rows rows.
+    merge_splits: int = 8
+    merge_tile: int = 8192
+    combine_rows: int = 16
+    # Triton's kernel merges its own splits (its last program per row block folds them in)
+    # while splits x BLOCK_M is at most kernel_merge_max, or while the keys and values read
+    # are under kernel_merge_min_bytes (a launch too short to hide a second launch's host time).
+    kernel_merge_max: int = 256
+    kernel_merge_min_bytes: int = 192 << 20
+    # NineToothed walks a split of tiles this tall (a warpgroup MMA's rows) in one masked loop:
+    # with two loops ptxas serialises the tile's MMAs.
+    one_stage_split_rows: int = 64
+    # An unsplit launch of more than shallow_programs_per_sm short-row programs (at most
+    # shallow_rows rows, head dims up to shallow_max_head_dim) per SM pipelines 2 key blocks
+    # and caps registers, so that more programs share an SM (decoding at a large batch).
+    shallow_programs_per_sm: int = 2
+    shallow_rows: int = 16
+    shallow_max_head_dim: int = 128
+    shallow_max_registers: int = 128
+    # Fixed choices, for tests and benchmarks: the split count of every call (1: none), and
+    # the SM count to plan for (None: the device's).
+    num_splits: int | None = None
+    sms: int | None = None
+
+    def __post_init__(self):
+        if self.num_splits is not None and (type(self.num_splits) is not int or self.num_splits < 1):
+            raise ValueError(f"num_splits must be a positive int or None, got {self.num_splits!r}")
+
+    def sm_count(self, device: torch.device) -> int:
+        return self.sms if self.sms is not None else _sm_count(device)
+
+    def splits(self, programs: int, Lk: int, block_n: int, device: torch.device, block_m: int = 16) -> tuple[int, int]:
+        """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split of
+        ``block_m`` rows each: split only when the unsplit launch leaves the GPU short of
+        programs. Splits hold a power of two of key blocks each, ``blocks_per_split =
+        ceil(k_blocks / num_splits)`` (what NineToothed's arrangement derives from the keys'
+        length and the split count: one compiled kernel for every split size), every split
+        at least one block. E.g. 64 programs, 128 SMs, 256 key blocks of 64: 4 splits of 64."""
+        k_blocks = -(-Lk // block_n)  # (causal calls have dropped the keys no row sees)
+        wanted = self.num_splits
+        if wanted is None:
+            # (the interpreter's pretended SMs take programs_per_sm, so that the CPU suite splits wide rows too)
+            wide = block_m >= self.wide_rows and device.type == "cuda"
+            target = (self.programs_per_sm_wide if wide else self.programs_per_sm) * self.sm_count(device)
+            if programs >= target // 2 or k_blocks * block_n < self.min_split_keys:
+                return 1, k_blocks
+            wanted = min(-(-target // programs), k_blocks // 2)
+        if wanted <= 1:
+            return 1, k_blocks
+        wanted = min(wanted, MAX_GRID_AXIS)
+        power = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
+        num_splits = -(-k_blocks // power)
+        return num_splits, -(-k_blocks // num_splits)
+
+    def one_stage_split(self, block_m: int) -> bool:
+        """Whether NineToothed walks a split launch of ``block_m``-row tiles in one masked loop."""
+        return block_m >= self.one_stage_split_rows
+
+    def shallow_stages(self, config: Config, programs: int, num_splits: int, device: torch.device,
+                       block_d: int) -> Config:
+        """``config`` with 2 stages and a register cap where an unsplit launch of ``programs``
+        short-row programs oversubscribes the SMs (see the settings), else ``config`` itself;
+        a forced config (:func:`common.configs.override`) is kept. A growing cache never
+        changes the answer: such a launch is never split."""
+        if (num_splits == 1 and config.block_m <= self.shallow_rows and config.num_stages > 2
+                and block_d <= self.shallow_max_head_dim and configs_override() is None
+                and device.type == "cuda" and programs > self.shallow_programs_per_sm * self.sm_count(device)):
+            return dataclasses.replace(config, num_stages=2, maxnreg=self.shallow_max_registers)
+        return config
+
+    def pack_gqa(self, query, H_kv: int, attn_mask, banded: bool):
+        """``(query, attn_mask)`` with each group's query heads packed into rows, or None.
+
+        query (B, H, Lq, D) with H = GROUP·H_kv becomes (B, H_kv, GROUP·Lq, D): row g·Lq + i
+        of K/V head j is row i of query head j·GROUP + g. A view, so it exists only where the
+        strides allow (always for Lq = 1 or a contiguous query); the mask likewise. An output
+        (B, H_kv, GROUP·Lq, Dv) computed from it is, contiguous, the output (B, H, Lq, Dv).
+        Banded calls are not packed (a packed row's position is no longer its row index)."""
+        B, H, Lq, D = query.shape
+        if H_kv == H or banded or Lq > self.pack_max_lq:
+            return None
+        group = H // H_kv
+        try:
+            packed_query = query.view(B, H_kv, group * Lq, D)
+            packed_mask = None if attn_mask is None else attn_mask.view(B, H_kv, group * Lq, attn_mask.shape[3])
+        except RuntimeError:  # strides that no view can merge
+            return None
+        return packed_query, packed_mask
+
+    def kernel_merges(self, num_splits: int, block_m: int, kv_bytes: int) -> bool:
+        """Whether the Triton kernel merges its own ``num_splits`` splits of ``block_m``-row
+        blocks reading ``kv_bytes`` of keys and values, or a merge launch does."""
+        return num_splits > 1 and (num_splits * block_m <= self.kernel_merge_max
+                                   or kv_bytes < self.kernel_merge_min_bytes)
+
+    def merge(self, rows: int, num_splits: int, interpreted: bool, block_dv: int) -> Merge:
+        """The merge of ``rows`` rows of ``num_splits`` splits (dense and paged plans alike).
+        Under the interpreter, where a padded split or row costs as much as a real one, at most
+        the count's own power of two of splits a step and of rows a program."""
+        block_s = min(self.merge_splits, next_power_of_2(num_splits)) if interpreted else self.merge_splits
+        block_r = max(1, min(self.combine_rows, self.merge_tile // (block_s * block_dv)))
+        if interpreted:
+            block_r = min(block_r, next_power_of_2(rows))
+        return Merge(rows, block_r, block_s)
+
+
+DEFAULT_PLANNER = Planner()
+_planner: contextvars.ContextVar[Planner] = contextvars.ContextVar("planner", default=DEFAULT_PLANNER)
+
+
+def current_planner() -> Planner:
+    """The planner of this thread's calls: :data:`DEFAULT_PLANNER` outside :func:`use_planner`."""
+    return _planner.get()
+
+
+@contextlib.contextmanager
+def use_planner(planner: Planner):
+    """Inside the block, this thread's calls are planned with ``planner`` (plans made outside
+    it are not reused inside it, nor the other way round). For tests, ``tune`` and probes."""
+    if not isinstance(planner, Planner):
+        raise TypeError(f"planner must be a common.plan.Planner, got {type(planner).__name__}")
+    token = _planner.set(planner)
+    try:
+        yield
+    finally:
+        _planner.reset(token)
+
+
+def force_splits(num_splits: int):
+    """Inside the block, split the keys of every call into ``num_splits`` ranges (at most one per
+    key block) whatever the rule says; 1 turns splitting off. For tests and benchmarks."""
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return use_planner(dataclasses.replace(current_planner(), num_splits=num_splits))
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,9 +285,10 @@ class ForwardPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
-    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (KERNEL_MERGE_MAX, _MIN_BYTES)
+    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (Planner.kernel_merges)
     tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
     resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
+    planner: Planner = None  # the settings it was planned with (DEFAULT_PLANNER unless a caller chose)
 
     @property
     def split(self) -> bool:
@@ -324,12 +427,14 @@ def band_mask(band: tuple[int, int], Lq: int, Lk: int, device) -> torch.Tensor:
     return (offset >= band[0]) & (offset <= band[1])
 
 
-def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
-    """Plan the forward pass of a validated call with at least one query row and one key.
+def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool = True) -> ForwardPlan:
+    """Plan the forward pass of a validated call with at least one query row and one key,
+    with the settings of :func:`current_planner`.
 
     ``resume``: None, or a running ``(out, lse)`` over other keys, float32 (B, H, Lq, Dv) and
     (B, H, Lq), any strides; the call folds its keys into them in place (kernel backends;
-    see :func:`common.ops.forward_resume`)."""
+    see :func:`common.ops.forward_resume`). ``allocate``: False plans no output buffers
+    (a plan kept for later calls: ``common.reuse``)."""
     q, k, v, mask = call.query, call.key, call.value, call.attn_mask
     B, H, Lq, D = q.shape
     H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -338,6 +443,7 @@ def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
     plan.softcap = call.softcap or 0.0
     plan.row_bands = call.row_bands
+    plan.planner = planner = current_planner()
     if not backend.kernels:
         return plan
     plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
@@ -353,7 +459,7 @@ def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
     # (A running output is laid out by query head and row.)
     unpackable = plan.dropout or plan.sinks is not None or plan.row_bands is not None or resume is not None
-    packed = None if unpackable else pack_gqa(q, H_kv, mask, plan.band is not None)
+    packed = None if unpackable else planner.pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None and not within_offsets(backend, *packed):
         packed = None  # a packed head's rows would pass the 32-bit offsets within a head
     if packed is not None:
@@ -362,25 +468,25 @@ def make_forward(call, backend, *, with_lse: bool, resume=None) -> ForwardPlan:
         plan.group = 1
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.dot_precision = dot_precision(q.dtype)
-    _plan_launch(plan, backend, resume)
+    plan_launch(plan, backend, resume, allocate)
     return plan
 
 
-def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
+def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) -> None:
     """The rest of :func:`make_forward`, from the kernels' views on: the config, the row
-    blocks, the key splits and the buffers. (What :func:`rebind_forward` does again for
-    another length of the keys.)"""
-    q = plan.query
+    blocks, the key splits and (``allocate``) the buffers, by ``plan.planner``. (What a kept
+    plan does again for keys of another length: ``common.reuse``.)"""
+    q, planner = plan.query, plan.planner
     B, Hp, Lqp, _ = q.shape
     Lk, Dv = plan.key.shape[2], plan.value.shape[3]
     interpreted = backend.interpreted()
     config = plan.config = backend.configs.lookup(
         max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted)
     plan.m_blocks = -(-Lqp // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
-    plan.num_splits, plan.blocks_per_split = plan_splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device,
-                                                         config.block_m)
-    plan.config = config = shallow_stages(config, plan.m_blocks * B * Hp, plan.num_splits, q.device,
-                                          max(plan.block_d, plan.block_dv))
+    plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device,
+                                                            config.block_m)
+    plan.config = config = planner.shallow_stages(config, plan.m_blocks * B * Hp, plan.num_splits, q.device,
+                                                  max(plan.block_d, plan.block_dv))
     if plan.row_bands is not None:  # packed sequences: each row block sees its own few
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     if resume is not None:  # one program per row block folds all of its keys in: no split
@@ -391,13 +497,14 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
-    plan.merge = plan_merge(rows, plan.num_splits, interpreted, plan.block_dv) if plan.num_splits > 1 else None
+    plan.merge = planner.merge(rows, plan.num_splits, interpreted, plan.block_dv) if plan.num_splits > 1 else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
-    plan.kernel_merge = kernel_merges(plan.num_splits, config.block_m, kv_bytes)
-    _allocate_outputs(plan, q.dtype, q.device)
+    plan.kernel_merge = planner.kernel_merges(plan.num_splits, config.block_m, kv_bytes)
+    if allocate:
+        allocate_outputs(plan, q.dtype, q.device)
 
 
-def _allocate_outputs(plan: ForwardPlan, dtype: torch.dtype, device) -> None:
+def allocate_outputs(plan: ForwardPlan, dtype: torch.dtype, device) -> None:
     """The buffers a forward launch writes that the plan does not hold yet: the output,
     the log-sum-exp (when asked for) and a split's partials."""
     B, Hp, Lqp, _ = plan.query.shape
@@ -411,58 +518,6 @@ def _allocate_outputs(plan: ForwardPlan, dtype: torch.dtype, device) -> None:
         plan.o_part, plan.lse_part = partials((B, Hp, Lqp), plan.num_splits, Dv, device)
 
 
-# -- plans reused: a loop of calls with one layout ------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ForwardTemplate:
-    """A planned forward call with its tensors taken out: every decision :func:`make_forward`
-    made (config, splits, packing, the keys dropped), which depend only on the call's
-    arguments and its tensors' shapes, strides, dtypes and device, never on their data
-    or addresses. :func:`rebind_forward` plans another call of that layout from it."""
-
-    fields: tuple  # the plan's fields in order (ForwardPlan(*fields)), query, key, value and the outputs None
-    query_view: tuple[int, ...] | None  # the packed query's shape, or None (not packed)
-    key_length: int | None  # the keys kept (causal calls drop those no row sees), or None (all)
-    # the backend's launch bound to this exact layout (bind_launch), once made; False: none can be
-    bound: list = dataclasses.field(default_factory=lambda: [None])
-    # (config, splits, blocks per split where split) -> the backend's launch bound to this layout
-    # less the keys' length and strides (a growing cache: launch_growing), or False
-    growing: dict = dataclasses.field(default_factory=dict)
-    # the last of those launches (launch_growing): (length key, block_n, key blocks, blocks per
-    # split, BoundLaunch), what later keys that plan alike launch again (launch_grown)
-    grown: list = dataclasses.field(default_factory=lambda: [None])
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BoundLaunch:
-    """A template's launch bound to its exact layout (the backend's ``bind_forward``): what a
-    later call of that layout needs to allocate its outputs and launch, and nothing else."""
-
-    launch: object  # the backend's, called with (query, key, value, out, lse, o_part, lse_part)
-    device: torch.device
-    dtype: torch.dtype
-    out_shape: tuple[int, ...]  # (B, Hp, Lqp, Dv), the kernel's view of the output
-    shape: tuple[int, ...]  # (B, H, Lq, Dv), the caller's
-    with_lse: bool
-    num_splits: int
-    interpreted: bool  # the kernels run under Triton's interpreter (common.ops quiets NumPy's warnings)
-
-
-def bind_launch(plan: ForwardPlan, backend) -> BoundLaunch | None:
-    """Bind ``plan`` (rebound from a template, just launched) to its layout through the backend's
-    ``bind_forward``; None where the backend has none or cannot bind this launch."""
-    bind = getattr(backend.load(), "bind_forward", None)
-    launch = bind(plan) if bind is not None else None
-    return _bound(launch, plan, backend) if launch is not None else None
-
-
-def _bound(launch, plan: ForwardPlan, backend) -> BoundLaunch:
-    """``launch`` (the backend's) with what :func:`launch_bound` needs of ``plan``'s layout."""
-    return BoundLaunch(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
-                       plan.with_lse, plan.num_splits, backend.interpreted())
-
-
 def partials_fit(backend, rows_shape: tuple, num_splits: int, dv: int) -> bool:
     """Whether ``backend`` indexes a split launch's partials (``common.outputs.partials``: (*rows_shape,
     splits, Dv) and (*rows_shape, splits)) and its merge's (rows, ...) views: every backend with
@@ -472,142 +527,21 @@ def partials_fit(backend, rows_shape: tuple, num_splits: int, dv: int) -> bool:
     return backend.supports(OFFSETS64) or (L * num_splits * dv < OFFSET_LIMIT and B * H * L < OFFSET_LIMIT)
 
 
-def launch_growing(template: ForwardTemplate, plan: ForwardPlan, backend) -> bool:
-    """Launch ``plan`` (rebound from ``template`` for keys of another length and strides, its
-    outputs allocated) through the launch bound to its config, split count and own-merge choice
-    (the blocks per split are a per-call argument of the Triton kernel, and NineToothed's
-    derives them from the keys' length); where
-    none is yet, launch it through the backend and bind that launch (the backend's
-    ``bind_forward(plan, keys=True)``, which may read what was just launched). False where the
-    backend binds none for it: the caller launches the plan itself. The bound launch is kept
-    as the template's ``grown``, for :func:`launch_grown`."""
-    # (the own-merge choice too: it follows the keys' bytes, not only the split count;
-    # NineToothed's keys past 2^31 elements never come here: common.dispatch._keys_fit)
-    key = (plan.config, plan.num_splits, plan.kernel_merge)
-    bound = template.growing.get(key)
-    if bound is False:
-        return False
-    if bound is None:
-        from common.launch import recorded_launches  # (not at import: importing common imports no triton)
-
-        module = backend.load()
-        bind = getattr(module, "bind_forward", None)
-        with recorded_launches():
-            module.forward(plan)
-            bound = bind(plan, keys=True) if bind is not None else None
-        if len(template.growing) >= 64:
-            template.growing.clear()
-        template.growing[key] = bound or False
-        if not bound:
-            return True  # launched; later calls of this key launch their plans themselves
-    else:
-        bound.launch_plan(plan)
-    Lk, block_n = plan.key.shape[2], plan.config.block_n
-    template.grown[0] = (length_key(Lk), block_n, -(-Lk // block_n), plan.blocks_per_split,
-                         _bound(bound, plan, backend))
-    return True
-
-
-def launch_grown(grown: tuple, query, key, value):
-    """``(out, lse)`` of a call laid out as a template whose last growing launch was ``grown``
-    (its ``grown[0]``, see :func:`launch_growing`), keys of any length and strides: launched
-    again with this call's keys where they lead :func:`_plan_launch` to the same decisions
-    (the config depends on the keys' length through ``configs.length_key`` alone, the split
-    count and blocks per split on the number of key blocks); None where they do not (the
-    caller plans the keys again), or where :func:`launch_bound` cannot run."""
-    length, block_n, k_blocks, blocks_per_split, bound = grown
-    Lk = key.shape[2]
-    if length_key(Lk) != length or -(-Lk // block_n) != k_blocks:
-        return None
-    return launch_bound(bound, query, key, value, blocks_per_split)
-
-
-def launch_bound(bound: BoundLaunch, query, key, value, blocks_per_split: int | None = None):
-    """``(out, lse)`` of a call laid out as ``bound``'s template (4-D tensors), in the caller's
-    shape: its outputs allocated, one launch (``blocks_per_split``: a growing launch's, whose
-    keys may differ in length and strides: the backend's ``launch_keys`` fills them in).
-    None where the launch cannot run here (another current GPU than the template's: the full
-    path switches to it)."""
-    device = bound.device
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return None
-    # The kernels' views are not made: a bound launch takes from a tensor only its address
-    # (its sizes and strides are bound, but a growing cache's keys', which are not viewed), and
-    # the packed query, the keys cut to those a causal row sees and the outputs in the packed
-    # shape start where the caller's tensors do (contiguous outputs: the same bytes either way).
-    alloc = allocator()
-    out = alloc(bound.shape, bound.dtype, device)
-    lse = alloc(bound.shape[:3], torch.float32, device) if bound.with_lse else None
-    o_part = lse_part = None
-    if bound.num_splits > 1:
-        o_part, lse_part = partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
-    tensors = (query, key, value, out, lse, o_part, lse_part)
-    if blocks_per_split is None:
-        bound.launch(tensors)
-    else:
-        bound.launch.launch_keys(tensors, blocks_per_split)
-    return out, lse
-
-
 def reuse_key():
-    """What, besides a call's arguments and layout, :func:`make_forward` decides by: the
-    switches of this module and of the config tables (tests, ``tune`` and the probes set
-    them). None while a plan must not be reused at all (forced descriptors: their use
-    depends on the tensors' addresses)."""
+    """What, besides a call's arguments and layout, :func:`make_forward` decides by: the planner
+    and the forced config of this thread (tests, ``tune`` and the probes choose them). None
+    while a plan must not be reused at all (forced descriptors: their use depends on the
+    tensors' addresses)."""
     if _forced_tma.get():
         return None
-    return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
-            PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS,
-            ONE_STAGE_SPLIT_ROWS)
+    return current_planner(), configs_override()
 
 
 def tensorless_fields(plan) -> list:
     """A plan's fields in order (any plan dataclass), each tensor replaced by None: what a
-    template of the plan keeps (common.paged's plans too)."""
+    plan kept for later calls holds (``common.reuse``, ``common.paged``)."""
     return [None if isinstance(value, torch.Tensor) else value
             for value in (getattr(plan, f.name) for f in dataclasses.fields(plan))]
-
-
-MAX_TEMPLATES = 1024  # layouts a cache of templates keeps before it starts over
-
-
-def remember(cache: dict, layout, template) -> None:
-    """``cache[layout] = template``, the cache started over once it holds MAX_TEMPLATES."""
-    if len(cache) >= MAX_TEMPLATES:
-        cache.clear()
-    cache[layout] = template
-
-
-def template_of(plan: ForwardPlan, call) -> ForwardTemplate:
-    """The template of a plan made by :func:`make_forward` for ``call`` (no mask, dropout, sinks,
-    packed sequences or running result: those hold tensors of their own)."""
-    assert plan.attn_mask is None and plan.seed is None and plan.sinks is None and plan.row_bands is None
-    assert not plan.resume and not plan.tma  # descriptors depend on the tensors' addresses
-    query_view = tuple(plan.query.shape) if plan.query.shape != call.query.shape else None
-    key_length = plan.key.shape[2] if plan.key.shape[2] != call.key.shape[2] else None
-    return ForwardTemplate(tuple(tensorless_fields(plan)), query_view, key_length)
-
-
-def rebind_forward(template: ForwardTemplate, query, key, value, backend=None) -> ForwardPlan:
-    """The plan of a call whose arguments, and whose tensors' shapes, strides, dtypes and
-    device, are those ``template`` was made from: the same decisions, these tensors, fresh
-    outputs (what :func:`make_forward` would plan, without planning again).
-
-    With ``backend``, the keys may differ in length and strides (a decode loop's growing
-    cache; calls that drop no keys, i.e. ``template.key_length`` None): the config, the
-    splits and the buffers are planned again for them (:func:`_plan_launch`)."""
-    plan = ForwardPlan(*template.fields)  # (a copy, at a fraction of copy.copy's cost)
-    plan.query = query if template.query_view is None else query.view(template.query_view)
-    if backend is not None:
-        assert template.key_length is None
-        plan.key, plan.value = key, value
-        _plan_launch(plan, backend)
-        return plan
-    if template.key_length is not None:
-        key, value = key[:, :, :template.key_length], value[:, :, :template.key_length]
-    plan.key, plan.value = key, value
-    _allocate_outputs(plan, query.dtype, query.device)
-    return plan
 
 
 def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardPlan:
@@ -683,132 +617,3 @@ def tma_fits(*tensors: torch.Tensor) -> bool:
         if any(n > 1 and stride * size % 16 for n, stride in zip(t.shape[:2], t.stride()[:2])):
             return False
     return True
-
-
-# -- short queries: grouped-query packing and split keys ------------------------------
-
-_forced_splits: contextvars.ContextVar[int | None] = contextvars.ContextVar("forced_splits", default=None)
-
-
-@contextlib.contextmanager
-def force_splits(num_splits: int):
-    """Inside the block, split the keys of every call into ``num_splits`` ranges
-    (at most one per key block) whatever the heuristic says; 1 turns splitting off.
-    For tests and benchmarks."""
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    token = _forced_splits.set(num_splits)
-    try:
-        yield
-    finally:
-        _forced_splits.reset(token)
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def plan_splits(programs: int, Lk: int, block_n: int, device: torch.device, block_m: int = 16) -> tuple[int, int]:
-    """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split
-    of ``block_m`` rows each.
-
-    Splits only when the unsplit launch leaves the GPU short of programs. The
-    split count is that of splits of a power of two of key blocks (as many as the
-    GPU wants, rounded down), and ``blocks_per_split`` is ceil(k_blocks / num_splits):
-    what NineToothed's arrangement derives from the keys' length and the split count
-    (one compiled kernel for every split size). Every split
-    holds at least one key block, and ceil(k_blocks / blocks_per_split) == num_splits.
-    ``num_splits == 1`` means one program walks all the keys.
-    """
-    # Every key block counts (causal calls have already dropped the keys past
-    # Lq - 1 that no row sees).
-    k_blocks = -(-Lk // block_n)
-    wanted = _forced_splits.get()
-    if wanted is None:
-        # (the interpreter has no SMs: its pretended ones take PROGRAMS_PER_SM, so that
-        # the CPU suite splits wide rows as well)
-        wide = block_m >= WIDE_ROWS and device.type == "cuda"
-        target = (PROGRAMS_PER_SM_WIDE if wide else PROGRAMS_PER_SM) * _sm_count(device)
-        if programs >= target // 2 or k_blocks * block_n < MIN_SPLIT_KEYS:
-            return 1, k_blocks
-        wanted = min(-(-target // programs), k_blocks // 2)
-    if wanted <= 1:
-        return 1, k_blocks
-    wanted = min(wanted, MAX_GRID_AXIS)
-    power = next_power_of_2(-(-k_blocks // min(wanted, k_blocks)))
-    num_splits = -(-k_blocks // power)
-    return num_splits, -(-k_blocks // num_splits)
-
-
-def one_stage_split(block_m: int) -> bool:
-    """A split launch of ``block_m``-row tiles at the derived size walks its key blocks in one
-    masked loop in NineToothed's kernel (ONE_STAGE_SPLIT_ROWS: a warpgroup MMA's rows)."""
-    return block_m >= ONE_STAGE_SPLIT_ROWS
-
-
-def shallow_stages(config: Config, programs: int, num_splits: int, device: torch.device, block_d: int) -> Config:
-    """``config`` with 2 pipeline stages and at most SHALLOW_MAX_REGISTERS registers a thread
-    where an unsplit launch of ``programs`` short-row programs (at most SHALLOW_ROWS rows) has
-    more than SHALLOW_PROGRAMS_PER_SM of them per SM (more programs resident, each with fewer
-    key blocks in flight) at a padded head dim ``block_d`` up to SHALLOW_MAX_HEAD_DIM, else
-    ``config`` itself; a forced config (:func:`common.configs.override`) is kept as it is.
-    Whether it applies does not change as a decode loop's cache grows: such a launch is never
-    split."""
-    if (num_splits == 1 and config.block_m <= SHALLOW_ROWS and config.num_stages > 2
-            and block_d <= SHALLOW_MAX_HEAD_DIM and configs_override() is None
-            and device.type == "cuda" and programs > SHALLOW_PROGRAMS_PER_SM * _sm_count(device)):
-        return dataclasses.replace(config, num_stages=2, maxnreg=SHALLOW_MAX_REGISTERS)
-    return config
-
-
-def pack_gqa(query, H_kv: int, attn_mask, banded: bool):
-    """``(query, attn_mask)`` with each group's query heads packed into rows, or None.
-
-    query (B, H, Lq, D) with H = GROUP·H_kv becomes (B, H_kv, GROUP·Lq, D):
-    row g·Lq + i of K/V head j is row i of query head j·GROUP + g. A view,
-    so it exists only where the strides allow (always for Lq = 1 or a
-    contiguous query); the mask likewise. An output (B, H_kv, GROUP·Lq, Dv)
-    computed from it is, contiguous, the output (B, H, Lq, Dv). Causal and
-    windowed calls are not packed (a packed row's position is no longer its row index).
-    """
-    B, H, Lq, D = query.shape
-    if H_kv == H or banded or Lq > PACK_MAX_LQ:
-        return None
-    group = H // H_kv
-    try:
-        packed_query = query.view(B, H_kv, group * Lq, D)
-        packed_mask = None if attn_mask is None else attn_mask.view(B, H_kv, group * Lq, attn_mask.shape[3])
-    except RuntimeError:  # strides that no view can merge
-        return None
-    return packed_query, packed_mask
-
-
-def kernel_merges(num_splits: int, block_m: int, kv_bytes: int) -> bool:
-    """Whether the Triton kernel merges its own ``num_splits`` splits of ``block_m``-row blocks
-    reading ``kv_bytes`` of keys and values (KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES), or a
-    merge launch does."""
-    return num_splits > 1 and (num_splits * block_m <= KERNEL_MERGE_MAX or kv_bytes < KERNEL_MERGE_MIN_BYTES)
-
-
-def merge_splits(num_splits: int, interpreted: bool) -> int:
-    """The splits a merge of ``num_splits`` splits takes a step (MERGE_SPLITS)."""
-    return min(MERGE_SPLITS, next_power_of_2(num_splits)) if interpreted else MERGE_SPLITS
-
-
-def plan_merge(rows: int, num_splits: int, interpreted: bool, block_dv: int) -> Merge:
-    """The merge of ``rows`` rows of ``num_splits`` splits (dense and paged plans alike): its
-    splits a step (:func:`merge_splits`) and rows a program (:func:`combine_rows`)."""
-    block_s = merge_splits(num_splits, interpreted)
-    return Merge(rows, combine_rows(rows, interpreted, block_s, block_dv), block_s)
-
-
-def combine_rows(rows: int, interpreted: bool, block_s: int, block_dv: int) -> int:
-    """Rows per merge program for ``rows`` merged rows of ``block_s`` splits (a power of two)
-    and ``block_dv`` values: COMBINE_ROWS, fewer where a program's (rows, block_s, block_dv)
-    float32 tile would pass MERGE_TILE (registers), and fewer under the interpreter, where
-    padding rows cost as much as real ones."""
-    block_r = max(1, min(COMBINE_ROWS, MERGE_TILE // (block_s * block_dv)))
-    return min(block_r, next_power_of_2(rows)) if interpreted else block_r

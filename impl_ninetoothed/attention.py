@@ -61,12 +61,12 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, one_stage_split
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
 from common.validation import OFFSET_LIMIT
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
-ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (common.plan.one_stage_split)
+ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (common.plan.Planner.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
                         ROW_BANDS=ROW_BANDS, ONE_STAGE=ONE_STAGE)
@@ -159,7 +159,7 @@ def _last_first(arranged):
 
 
 def _split_blocks(key, num_splits, block_n):
-    """The key blocks of each split, as the plan makes them (``common.plan.plan_splits``):
+    """The key blocks of each split, as the plan makes them (``common.plan.Planner.splits``):
     ceil(ceil(Lk / BLOCK_N) / S), in symbols of the keys' length and the partials' split count,
     so that one compiled kernel serves every split size (a tile size of the arrangement; a
     Python int here would be a kernel per value, compiled as a decode loop's cache grows)."""
@@ -1377,11 +1377,11 @@ def _attention_launch(plan) -> tuple:
 
 
 def _split_kind(plan) -> int:
-    """The kernel's SPLIT: 0 unsplit, 1 split, ONE_STAGE split at the derived size in tiles of
-    common.plan.ONE_STAGE_SPLIT_ROWS rows and more."""
+    """The kernel's SPLIT: 0 unsplit, 1 split, ONE_STAGE split walked in one masked loop
+    (``common.plan.Planner.one_stage_split``)."""
     if not plan.split:
         return 0
-    return ONE_STAGE if one_stage_split(plan.config.block_m) else 1
+    return ONE_STAGE if plan.planner.one_stage_split(plan.config.block_m) else 1
 
 
 def _merge_kernel(plan):
@@ -1419,7 +1419,7 @@ def _is_stand_in(t) -> bool:
 
 def bind_forward(plan, keys: bool = False):
     """The launches of ``plan`` (just launched by :func:`forward`, on this thread) bound to its
-    layout, for later calls laid out alike (a ``common.plan.ForwardTemplate``'s): a
+    layout, for later calls laid out alike (a ``common.reuse.AttentionPlan``'s): a
     :class:`BoundForward` made from the arguments NineToothed's generated launchers passed to
     the kernels (recorded by ``common.launch``'s routing) and what the launchers' source says
     each one is (``common.launch.launcher_arguments``), so later calls skip the launchers and
@@ -1552,7 +1552,7 @@ class BoundGeneratedLaunch(BoundKernel):
 
 class BoundForward:
     """The forward's launches bound to a layout: the attention kernel's and, for split keys,
-    the merge's; called with the tensors ``common.plan.launch_bound`` passes (query, key,
+    the merge's; called with the tensors ``common.reuse.BoundLaunch`` passes (query, key,
     value, out, lse, o_part, lse_part)."""
 
     def __init__(self, attention: BoundGeneratedLaunch, merge: BoundGeneratedLaunch | None):
@@ -1568,7 +1568,7 @@ class BoundForward:
     def launch_keys(self, tensors, blocks_per_split: int) -> None:
         """Launch for keys of another length and strides (bound with ``keys``; the kernel
         derives the blocks per split from the keys' length and the split count, or has them as
-        its tile size: then bound per value, ``common.plan.launch_growing``)."""
+        its tile size: then bound per value, ``common.reuse``)."""
         self(tensors)
 
     def launch_plan(self, plan) -> None:

@@ -511,7 +511,7 @@ def _merge_kernel(
     WITH_LSE: tl.constexpr,
 ):
     """The split merge as a launch of its own, where one program's fold would take long
-    (``common.plan.KERNEL_MERGE_MAX``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
+    (``common.plan.Planner.kernel_merges``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
     (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous. One program per
     BLOCK_R rows, BLOCK_S splits a step (the plan's fixed step, as NineToothed's combine: no
     split count compiles a kernel of its own), folded as an online softmax: o = sum_s w_s o_s
@@ -1050,7 +1050,7 @@ def _merge_launch(plan, head_dim_v: int, lse) -> tuple:
     plan (dense or paged) whose kernel does not merge its own splits; ``lse``: the merged
     log-sum-exp to write, or None."""
     merge = plan.merge
-    # (the plan's steps of common.plan.MERGE_SPLITS splits whatever their number, and rows per
+    # (the plan's steps of common.plan.Planner.merge splits whatever their number, and rows per
     # program for that tile, at most MERGE_TILE elements: no split count of a growing cache
     # compiles a kernel of its own. At B 1, Lk 64k, a 16 x 32 x 128 tile spilled here and the
     # merge took ~50 us; within MERGE_TILE, a few.)
@@ -1083,7 +1083,7 @@ def _forward_launch(plan) -> tuple:
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
     # Split keys: the kernel merges them itself (the last program of each row block to finish),
-    # or a launch of its own does (_merge_launch; common.plan.KERNEL_MERGE_MAX). Either way the
+    # or a launch of its own does (_merge_launch; common.plan.Planner.kernel_merges). Either way the
     # kernel is compiled with the ticket's code (kernel_merge is an argument): int32 counters.
     counts = ticket_counters(q.device, plan.m_blocks * B * H if plan.kernel_merge else 1) if plan.split else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
@@ -1105,7 +1105,7 @@ def _forward_launch(plan) -> tuple:
 
 def bind_forward(plan, keys: bool = False):
     """The launch of ``plan`` bound to its layout, for later calls laid out alike (a
-    ``common.plan.ForwardTemplate``'s): a :class:`BoundForward`, or None where the launch's
+    ``common.reuse.AttentionPlan``'s): a :class:`BoundForward`, or None where the launch's
     tensors are not all the plan's own (a mask, dropout, sinks, packed sequences, a running
     result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
@@ -1144,7 +1144,7 @@ _KEY_ARGS = tuple(_fwd_launcher.arg_index(name) for name in (
 
 class BoundForward(BoundKernel):
     """A forward launch whose scalar arguments are fixed by its layout: a later call of that
-    layout supplies its tensors (``common.plan.launch_bound``) and, for ``holes``, the
+    layout supplies its tensors (``common.reuse.BoundLaunch``) and, for ``holes``, the
     arguments that depend on its keys (:meth:`launch_plan`), and launches without building
     the ~60 arguments or our launch cache's key again (``common.launch.BoundKernel``: the
     compiled kernel per alignment of the inputs and class of each hole's integer)."""

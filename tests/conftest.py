@@ -64,6 +64,33 @@ def _seed_and_poison(request):
         yield
 
 
+@pytest.fixture
+def plans():
+    """``common.attention``'s kept plans (common.reuse.PLANS), emptied for this test: what it
+    plans is all there is to see."""
+    from common.reuse import PLANS
+
+    PLANS.clear()
+    yield PLANS
+    PLANS.clear()
+
+
+@pytest.fixture
+def planner():
+    """``planner(**settings)`` plans the rest of this test's calls with those settings changed
+    (fields of common.plan.Planner, e.g. ``kernel_merge_max=0``); undone when the test ends."""
+    import contextlib
+    import dataclasses
+
+    from common.plan import current_planner, use_planner
+
+    with contextlib.ExitStack() as stack:
+        def choose(**settings):
+            return stack.enter_context(use_planner(dataclasses.replace(current_planner(), **settings)))
+
+        yield choose
+
+
 # The homework's module (test_seed.py) runs unchanged once per kernel backend:
 # an autouse fixture, parametrised for that module only, selects the backend
 # around each of its tests (every other test sees no parameter and passes through).

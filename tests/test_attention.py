@@ -9,6 +9,7 @@ heads, masks, the log-sum-exp.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 import pytest
@@ -300,21 +301,19 @@ def test_ninetoothed_row_blocks_last_to_first():
 
 
 @pytest.mark.parametrize("case", params([SPLIT_CASES[0], SPLIT_CASES[2], SPLIT_CASES[5]]))
-def test_split_keys_in_one_masked_stage(case, device, monkeypatch):
+def test_split_keys_in_one_masked_stage(case, device, monkeypatch, plans, planner):
     """NineToothed's split launches in tiles of plan.ONE_STAGE_SPLIT_ROWS rows and more walk their
     key blocks in one masked loop (with a split size in symbols, two loops had ptxas serialise a
     warpgroup tile's MMAs); here every tile does (the switch at 1), in five splits, called twice
     (planned, then bound where the call binds): SDPA's output and lse each time, with the keys'
     ragged end, a mask with empty rows, and causal rows that see no key of a split."""
-    from common import dispatch, plan
+    from common import plan
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
     from impl_ninetoothed import attention as kernels
 
-    monkeypatch.setattr(plan, "ONE_STAGE_SPLIT_ROWS", 1)
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
+    planner(one_stage_split_rows=1)
     q, k, v, mask = make_inputs(case, device)
     kwargs = sdpa_kwargs(case, mask)
     nt = get_backend("ninetoothed")
@@ -329,21 +328,19 @@ def test_split_keys_in_one_masked_stage(case, device, monkeypatch):
     assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE
 
 
-def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
+def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch, plans, planner):
     """A decode loop of 16 query rows over a group of 4 heads (64 packed rows: a warpgroup's tile
     on a GPU) whose keys grow through several split sizes: NineToothed makes no split forward
     after the first step's (the split size is derived from the keys' length: one kernel for them
     all), and the first and last steps are right. (On the CPU every tile is made to take the one-loop path.)"""
-    from common import dispatch, plan
+    from common import plan
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
     from impl_ninetoothed import attention as kernels
 
     if device == "cpu":
-        monkeypatch.setattr(plan, "ONE_STAGE_SPLIT_ROWS", 1)
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
+        planner(one_stage_split_rows=1)
     gpu = device == "cuda"
     H, H_kv, D = (32, 8, 128) if gpu else (8, 2, 32)
     q = torch.randn(1, H, 16, D, device=device, dtype=f16)
@@ -487,14 +484,14 @@ def test_tensor_descriptor_rules():
     assert not tma_fits(torch.randn(40 * 64 + 1, dtype=f16)[1:].view(1, 1, 40, 64))  # not 16-byte aligned
 
 
-def test_split_merge_in_the_kernel(device, monkeypatch):
+def test_split_merge_in_the_kernel(device, monkeypatch, planner):
     """The Triton kernel merges its own splits (the last program of each row block to finish, one
     launch): the right answer, and its counters back at 0 for the next launch; a larger launch gets
     larger counters."""
-    from common import launch, plan
+    from common import launch
     from common.plan import force_splits
 
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 1 << 30)  # (whatever the splits' rows: the in-kernel merge)
+    planner(kernel_merge_max=1 << 30)  # (whatever the splits' rows: the in-kernel merge)
     monkeypatch.setattr(launch, "MIN_COUNTERS", 4)
     monkeypatch.setattr(launch, "_counters", {})
     for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
@@ -516,23 +513,18 @@ def test_split_merge_in_the_kernel(device, monkeypatch):
 
 
 @pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 8), (64, 2)])
-def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile, merge_splits):
+def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile, merge_splits, plans, planner):
     """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
     plan.KERNEL_MERGE_MAX), the Triton kernel leaves the merge to a launch of its own
     (_merge_kernel; NineToothed's combine always is): SDPA's output and lse on every call,
     planned, bound and as the keys grow, with no ticket counter taken. (The outputs are
     poisoned: a merge that did not run shows.) Small MERGE_TILE and MERGE_SPLITS: one row a
     program, the splits two at a time (a loop of several steps, as at many splits)."""
-    from common import dispatch, launch, plan
+    from common import launch
     from common.plan import force_splits
 
-    monkeypatch.setattr(plan, "MERGE_TILE", merge_tile)
-    monkeypatch.setattr(plan, "MERGE_SPLITS", merge_splits)
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
+    planner(merge_tile=merge_tile, merge_splits=merge_splits, kernel_merge_max=0, kernel_merge_min_bytes=0)
     monkeypatch.setattr(launch, "_counters", {})
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 0)
     for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
         q, k, v, mask = make_inputs(case, device)
         kwargs = sdpa_kwargs(case, mask)
@@ -576,7 +568,7 @@ def _specialisation(fn, args) -> tuple:
 
 
 @pytest.mark.skipif(ON_GPU, reason="reads the interpreter's launches; on the GPU the next test counts compiled kernels")
-def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
+def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch, plans, planner):
     """A decode loop, one key more a step (17 here), through split counts 4-40 and blocks per
     split 1-8, and for triton across the line where the kernel stops merging its own splits
     (the merge launch from the first length past it on, not at the next split count): every
@@ -589,15 +581,10 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
     Right at a few steps."""
     from triton.runtime import interpreter
 
-    from common import dispatch, plan
     from common.configs import Config, override
     from common.plan import force_splits
-
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 2 * 4 * 32 * 400)  # K and V of 400 keys (1 x 32, float32)
-    monkeypatch.setattr(plan, "MERGE_SPLITS", 4)
+    # (K and V of 400 keys, 1 x 32 float32: past it, the merge launch)
+    planner(kernel_merge_max=0, kernel_merge_min_bytes=2 * 4 * 32 * 400, merge_splits=4)
     seen = {}
     run = interpreter.InterpretedFunction.run
 
@@ -647,18 +634,13 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="counts Triton's compiled kernels")
-def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
+def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch, plans, planner):
     """A decode loop whose cache grows across KERNEL_MERGE_MIN_BYTES (the Triton kernel's own
     merge below it, a merge launch above) and through split counts 20-28: the attention kernel
     is compiled once (the switch is an argument) and the merge kernel once (plan.MERGE_SPLITS
     splits a step whatever their number); every step right."""
-    from common import dispatch, plan
     from impl_triton import attention as kernels
-
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 4096 * 6000)  # K and V of 6000 keys (fp16, 8 x 128)
+    planner(kernel_merge_max=0, kernel_merge_min_bytes=4096 * 6000)  # K and V of 6000 keys (fp16, 8 x 128)
     device = torch.cuda.current_device()
     # the merge kernel as if never compiled in this process (another test's may be the same)
     merge = kernels._merge_kernel
@@ -705,7 +687,7 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
     assert all(c[0] == counts[0][0] for c in counts), message  # the attention kernel: once, before the first step
 
 
-def test_kernel_merge_choice(device, monkeypatch):
+def test_kernel_merge_choice(device, monkeypatch, planner):
     """The plan has the Triton kernel merge its own splits while num_splits x BLOCK_M is at most
     KERNEL_MERGE_MAX, or while the keys and values are under KERNEL_MERGE_MIN_BYTES (a launch too
     short to hide a second one's host time)."""
@@ -719,7 +701,7 @@ def test_kernel_merge_choice(device, monkeypatch):
                       scale=None, enable_gqa=True, return_lse=False)
     chosen = {}
     for min_bytes in (kv_bytes, kv_bytes + 1):
-        monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", min_bytes)
+        planner(kernel_merge_min_bytes=min_bytes)
         for splits in (1, 4, 64):  # (powers of two: each split gets the same number of key blocks)
             with plan.force_splits(splits):
                 planned = plan.make_forward(call, get_backend("triton"), with_lse=False)
@@ -729,15 +711,14 @@ def test_kernel_merge_choice(device, monkeypatch):
     assert chosen == {(0, 1): False, (0, 4): True, (0, 64): False, (1, 1): False, (1, 4): True, (1, 64): True}
 
 
-def test_split_merge_is_the_same_every_time(device, monkeypatch):
+def test_split_merge_is_the_same_every_time(device, monkeypatch, planner):
     """The in-kernel merge sums the splits in one order whichever program merges: the same bits
     on every call. On a GPU, many calls of a launch of many splits: a program that merged
     before every partial was visible (a missing barrier or fence) would show as a change.
     (The in-kernel merge forced: on a GPU, 64 splits of 16 rows are past KERNEL_MERGE_MAX.)"""
-    from common import plan
     from common.plan import force_splits
 
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 1 << 30)
+    planner(kernel_merge_max=1 << 30)
 
     calls, B, D, Lk = (300, 4, 128, 8192) if ON_GPU else (2, 1, 32, 600)
     q = torch.randn(B, 32, 1, D, device=device, dtype=f16)
@@ -750,13 +731,12 @@ def test_split_merge_is_the_same_every_time(device, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA streams (the CPU runs one program at a time)")
-def test_split_merge_on_two_streams(device, monkeypatch):
+def test_split_merge_on_two_streams(device, monkeypatch, planner):
     """Split launches running at once on two streams take their tickets from counters of their
     own (one set per stream): every result right. (The in-kernel merge forced, as above.)"""
-    from common import plan
     from common.plan import force_splits
 
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 1 << 30)
+    planner(kernel_merge_max=1 << 30)
 
     q = torch.randn(4, 32, 1, 128, device=device, dtype=f16)
     keys = [torch.randn(4, 8, 4096, 128, device=device, dtype=f16) for _ in range(2)]
@@ -777,88 +757,102 @@ def test_split_merge_on_two_streams(device, monkeypatch):
 
 
 def test_split_plan():
-    """The heuristic splits only short launches over long keys: as many splits as ranges of a
-    power of two of key blocks make, each of ceil(key blocks / splits) blocks (what NineToothed's
+    """The rule splits only short launches over long keys: as many splits as ranges of a power
+    of two of key blocks make, each of ceil(key blocks / splits) blocks (what NineToothed's
     arrangement derives from the keys' length and the split count); none empty."""
-    from common.plan import (
-        INTERPRETER_SMS,
-        MIN_SPLIT_KEYS,
-        PROGRAMS_PER_SM,
-        force_splits,
-        plan_splits,
-    )
+    from common.plan import INTERPRETER_SMS, Planner
 
+    planner = Planner()
     cpu = torch.device("cpu")  # under the interpreter: plan.INTERPRETER_SMS
-    full = PROGRAMS_PER_SM * INTERPRETER_SMS // 2
-    assert plan_splits(full, 1 << 16, 64, cpu) == (1, 1024)  # enough programs already
-    assert plan_splits(1, MIN_SPLIT_KEYS - 64, 64, cpu) == (1, MIN_SPLIT_KEYS // 64 - 1)  # too few keys
-    splits, per_split = plan_splits(1, 5000, 64, cpu)  # 79 key blocks, one program
+    full = planner.programs_per_sm * INTERPRETER_SMS // 2
+    assert planner.splits(full, 1 << 16, 64, cpu) == (1, 1024)  # enough programs already
+    too_few = planner.min_split_keys - 64
+    assert planner.splits(1, too_few, 64, cpu) == (1, too_few // 64)  # too few keys
+    splits, per_split = planner.splits(1, 5000, 64, cpu)  # 79 key blocks, one program
     assert splits > 1 and (splits - 1) * per_split < 79 <= splits * per_split
     for blocks in range(1, 200):
         for wanted in range(2, 41):
-            with force_splits(wanted):
-                splits, per_split = plan_splits(1, blocks * 16, 16, cpu)
+            splits, per_split = Planner(num_splits=wanted).splits(1, blocks * 16, 16, cpu)
             power = 1 << max(0, (-(-blocks // min(wanted, blocks)) - 1).bit_length())
             assert splits == -(-blocks // power), (blocks, wanted)
             assert per_split == -(-blocks // splits) and -(-blocks // per_split) == splits, (blocks, wanted)
-    with force_splits(1000):
-        assert plan_splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
-    with force_splits(1):
-        assert plan_splits(1, 1 << 16, 64, cpu) == (1, 1024)
+    assert Planner(num_splits=1000).splits(1, 300, 64, cpu) == (5, 1)  # at most one split per key block
+    assert Planner(num_splits=1).splits(1, 1 << 16, 64, cpu) == (1, 1024)
+    with pytest.raises(ValueError, match="num_splits"):
+        Planner(num_splits=0)
+
+
+def test_forced_splits_reach_the_plan(device):
+    """force_splits chooses the split count of the calls inside it, keeping the other settings
+    of the planner it is entered in; it leaves them as they were after it."""
+    from common.plan import current_planner, force_splits, use_planner
+
+    before = current_planner()
+    with use_planner(dataclasses.replace(before, kernel_merge_max=7)):
+        with force_splits(3):
+            assert (current_planner().num_splits, current_planner().kernel_merge_max) == (3, 7)
+        assert current_planner().num_splits is None
+    assert current_planner() is before
+    with pytest.raises(TypeError, match="planner"):
+        with use_planner({"num_splits": 2}):
+            pass
 
 
 def test_merge_split_step():
-    """Both merges walk the splits MERGE_SPLITS a step on a GPU whatever their number (one
+    """Both merges walk the splits merge_splits a step on a GPU whatever their number (one
     compiled merge for every split count of a growing cache); under the interpreter at most
     the count's own power of two; rows per program for that tile."""
-    from common.plan import MERGE_SPLITS, MERGE_TILE, combine_rows, merge_splits
+    from common.plan import Planner
 
-    assert [merge_splits(s, False) for s in (2, 5, 32, 33, 1000)] == [MERGE_SPLITS] * 5
-    assert [merge_splits(s, True) for s in (2, 5, 32, 33)] == [min(MERGE_SPLITS, n) for n in (2, 8, 32, 64)]
-    assert combine_rows(1000, False, merge_splits(5, False), 128) == MERGE_TILE // (MERGE_SPLITS * 128)
+    planner = Planner()
+    step = planner.merge_splits
+    assert [planner.merge(1000, s, False, 128).block_s for s in (2, 5, 32, 33, 1000)] == [step] * 5
+    assert [planner.merge(1000, s, True, 128).block_s for s in (2, 5, 32, 33)] == [
+        min(step, n) for n in (2, 8, 32, 64)]
+    assert planner.merge(1000, 5, False, 128).block_r == planner.merge_tile // (step * 128)
+    assert planner.merge(3, 5, True, 16).block_r == 4  # (the interpreter: no more rows than the next power of two)
 
 
-def test_split_plan_wide_rows(monkeypatch):
-    """On a GPU, programs of WIDE_ROWS rows or more aim at PROGRAMS_PER_SM_WIDE programs per SM,
-    narrower ones at PROGRAMS_PER_SM (the H200's split sweep); the interpreter's pretended SMs
-    take PROGRAMS_PER_SM for both, so the CPU suite splits wide rows too."""
-    from common import plan
+def test_split_plan_wide_rows():
+    """On a GPU, programs of wide_rows rows or more aim at programs_per_sm_wide programs per SM,
+    narrower ones at programs_per_sm (the H200's split sweep); the interpreter's pretended SMs
+    take programs_per_sm for both, so the CPU suite splits wide rows too."""
+    from common.plan import Planner
 
-    monkeypatch.setattr(plan, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(plan, "PROGRAMS_PER_SM", 2)
-    monkeypatch.setattr(plan, "PROGRAMS_PER_SM_WIDE", 1)
+    planner = Planner(sms=132, programs_per_sm=2, programs_per_sm_wide=1)
     gpu = torch.device("cuda")  # only its type is read: no CUDA call
     # 8 programs (B 1, 8 K/V heads, one row block) over 1024 key blocks: about 264 programs
     # wanted for thin rows (33 splits of 31 blocks, rounded to 32 splits of 32), 132 for wide
     # ones (16 splits of 64 blocks)
-    assert plan.plan_splits(8, 65536, 64, gpu, block_m=16) == (32, 32)
-    assert plan.plan_splits(8, 65536, 64, gpu, block_m=plan.WIDE_ROWS) == (16, 64)
+    assert planner.splits(8, 65536, 64, gpu, block_m=16) == (32, 32)
+    assert planner.splits(8, 65536, 64, gpu, block_m=planner.wide_rows) == (16, 64)
+    planner = Planner()
     cpu = torch.device("cpu")
-    assert plan.plan_splits(1, 5000, 64, cpu, block_m=plan.WIDE_ROWS) == plan.plan_splits(1, 5000, 64, cpu)
-    assert plan.plan_splits(1, 5000, 64, cpu)[0] > 1
+    assert planner.splits(1, 5000, 64, cpu, block_m=planner.wide_rows) == planner.splits(1, 5000, 64, cpu)
+    assert planner.splits(1, 5000, 64, cpu)[0] > 1
 
 
-def test_shallow_stages_for_many_short_programs(monkeypatch):
-    """An unsplit launch of short-row programs, more than SHALLOW_PROGRAMS_PER_SM of them per SM,
+def test_shallow_stages_for_many_short_programs():
+    """An unsplit launch of short-row programs, more than shallow_programs_per_sm of them per SM,
     pipelines 2 key blocks instead of 3 and caps registers at 128 (the H200's sweeps at B 64);
     split launches, wider rows, wider heads, fewer programs, a forced config, the CPU keep theirs."""
-    from common import plan
     from common.configs import Config, override
+    from common.plan import Planner
 
-    monkeypatch.setattr(plan, "_sm_count", lambda device: 132)
+    planner = Planner(sms=132)
     gpu = torch.device("cuda")  # only its type is read: no CUDA call
     deep = Config(16, 64, 4, 3)
-    many = plan.SHALLOW_PROGRAMS_PER_SM * 132 + 1
-    assert plan.shallow_stages(deep, many, 1, gpu, 128) == Config(16, 64, 4, 2, maxnreg=128)
-    assert plan.shallow_stages(deep, many, 1, gpu, 64) == Config(16, 64, 4, 2, maxnreg=128)
-    assert plan.shallow_stages(deep, many, 1, gpu, 256) is deep  # wider than measured
-    assert plan.shallow_stages(deep, many - 1, 1, gpu, 128) is deep  # not more than 2 per SM
-    assert plan.shallow_stages(deep, many, 2, gpu, 128) is deep  # split
+    many = planner.shallow_programs_per_sm * 132 + 1
+    assert planner.shallow_stages(deep, many, 1, gpu, 128) == Config(16, 64, 4, 2, maxnreg=128)
+    assert planner.shallow_stages(deep, many, 1, gpu, 64) == Config(16, 64, 4, 2, maxnreg=128)
+    assert planner.shallow_stages(deep, many, 1, gpu, 256) is deep  # wider than measured
+    assert planner.shallow_stages(deep, many - 1, 1, gpu, 128) is deep  # not more than 2 per SM
+    assert planner.shallow_stages(deep, many, 2, gpu, 128) is deep  # split
     wide = Config(64, 64, 4, 3)
-    assert plan.shallow_stages(wide, many, 1, gpu, 128) is wide
-    assert plan.shallow_stages(deep, many, 1, torch.device("cpu"), 128) is deep
+    assert planner.shallow_stages(wide, many, 1, gpu, 128) is wide
+    assert planner.shallow_stages(deep, many, 1, torch.device("cpu"), 128) is deep
     with override(deep):
-        assert plan.shallow_stages(deep, many, 1, gpu, 128) is deep
+        assert planner.shallow_stages(deep, many, 1, gpu, 128) is deep
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the SMs of a GPU decide it (the CPU's part: the test above)")
@@ -867,7 +861,7 @@ def test_decode_at_a_large_batch(backend):
     heads): the 2-stage pipeline, kernels compiled within the register cap, and SDPA's output
     (fp16, bf16 and fp32, GQA and MHA, D 64 and 128)."""
     from common.backends import get_backend
-    from common.plan import SHALLOW_MAX_REGISTERS, make_forward
+    from common.plan import DEFAULT_PLANNER, make_forward
     from common.validation import check_call
 
     batch = 3 * torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
@@ -878,10 +872,10 @@ def test_decode_at_a_large_batch(backend):
         call = check_call(get_backend(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
                           scale=None, enable_gqa=True, return_lse=False)
         config = make_forward(call, get_backend(backend), with_lse=False).config
-        assert (config.num_stages, config.maxnreg) == (2, SHALLOW_MAX_REGISTERS)
+        assert (config.num_stages, config.maxnreg) == (2, DEFAULT_PLANNER.shallow_max_registers)
         check_output(attention(q, k, v, enable_gqa=True, backend=backend), q, k, v, enable_gqa=True)
     capped = _capped_forward_kernels(backend)
-    assert capped and all(0 < registers <= SHALLOW_MAX_REGISTERS for registers in capped), capped
+    assert capped and all(0 < registers <= DEFAULT_PLANNER.shallow_max_registers for registers in capped), capped
 
 
 def _capped_forward_kernels(backend: str) -> list:
@@ -922,22 +916,22 @@ REUSE_CASES = [
 
 
 @pytest.mark.parametrize("case,splits", [pytest.param(c, s, id=c.id) for c, s in REUSE_CASES])
-def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
+def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch, plans):
     """A plain call whose layout (arguments, shapes, strides, dtypes, device) was seen before
-    plans nothing: it reuses that call's template, holds no tensor of it, and gives the right
-    answer (and lse) on fresh inputs, with fresh outputs. From the third call on, it launches
-    the launch bound to the layout (no re-bound plan, no argument list built; NineToothed's
-    two for split keys, attention and merge)."""
-    from common import dispatch, ops, plan
-    from common.plan import BoundLaunch, force_splits
+    plans nothing: it reuses the plan kept for that layout, which holds no tensor, and gives the
+    right answer (and lse) on fresh inputs, with fresh outputs. From the third call on, it
+    launches the launch bound to the layout (no plan rebuilt, no argument list built;
+    NineToothed's two for split keys, attention and merge)."""
+    from common import dispatch, plan
+    from common.plan import force_splits
+    from common.reuse import AttentionPlan, BoundLaunch
 
-    monkeypatch.setattr(dispatch, "_templates", {})
     kwargs = sdpa_kwargs(case, None)
     with force_splits(splits):
         q, k, v, _ = make_inputs(case, device)
         first, first_lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
-        (template,) = dispatch._templates.values()
-        assert not any(isinstance(f, torch.Tensor) for f in template.fields)
+        (kept,) = plans.values()
+        assert not any(isinstance(f, torch.Tensor) for f in kept._fields)
 
         def no_planning(*args, **kw):
             raise AssertionError("planned again")
@@ -946,14 +940,13 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
         monkeypatch.setattr(dispatch, "check_call", no_planning)
         q2, k2, v2, _ = make_inputs(case, device)
         out, lse = attention(q2, k2, v2, backend=backend, return_lse=True, **kwargs)
-        bound = template.bound[0]
-        assert isinstance(bound, BoundLaunch)
-        monkeypatch.setattr(ops, "forward_again", no_planning)
+        assert isinstance(kept._bound, BoundLaunch)
+        monkeypatch.setattr(AttentionPlan, "_rebind", no_planning)
         later = []
         for _ in range(2):
             q3, k3, v3, _ = make_inputs(case, device)
             later.append(((q3, k3, v3), attention(q3, k3, v3, backend=backend, return_lse=True, **kwargs)))
-    assert len(dispatch._templates) == 1
+    assert len(plans) == 1
     assert out.data_ptr() != first.data_ptr() and lse.data_ptr() != first_lse.data_ptr()
     assert later[0][1][0].data_ptr() != later[1][1][0].data_ptr()
     check_output(first, q, k, v, **kwargs)
@@ -966,41 +959,35 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch):
         check_lse(lse3, *inputs[:2], **kwargs)
 
 
-def test_bound_launch_follows_the_inputs_alignment(backend, device, monkeypatch):
+def test_bound_launch_follows_the_inputs_alignment(backend, device, monkeypatch, plans):
     """A layout's bound launch meets inputs of the same shapes and strides at addresses that are
     not 16-byte multiples (which Triton specialises its kernels on), then aligned ones again:
     the right answer every time."""
-    from common import dispatch
-
-    monkeypatch.setattr(dispatch, "_templates", {})
     shape = (2, 3, 20, 32)
     numel = 2 * 3 * 20 * 32
     for offset in (0, 0, 0, 1, 1, 0):  # in elements: 1 is 2 bytes off
         q, k, v = (torch.randn(numel + offset, dtype=f16, device=device)[offset:].view(shape) for _ in range(3))
         assert (q.data_ptr() % 16 == 0) == (offset == 0)
         check_output(attention(q, k, v, backend=backend), q, k, v)
-    assert len(dispatch._templates) == 1
+    assert len(plans) == 1
 
 
-def test_bound_launch_passes_addresses(backend, device, monkeypatch):
+def test_bound_launch_passes_addresses(backend, device, monkeypatch, plans, planner):
     """Once a bound launch knows its compiled kernel it calls it with addresses for its tensors:
     the same arguments, position by position, as it gives the launcher (a stand-in for the
     compiled kernel records them; the rest of the suite runs the real one on a GPU)."""
-    from common import dispatch, plan
+    from common import plan
     from common.launch import BoundKernel
     from common.plan import force_splits
 
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)  # (triton: the merge's launch too)
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 0)
+    planner(kernel_merge_max=0, kernel_merge_min_bytes=0)  # (triton: the merge's launch too)
     q = torch.randn(1, 4, 1, 32, device=device)
     k, v = (torch.randn(1, 1, 300, 32, device=device) for _ in range(2))
     with force_splits(3):
         for _ in range(2):  # planned, then bound
             attention(q, k, v, enable_gqa=True, backend=backend)
-    (template,) = dispatch._templates.values()
-    bound = template.bound[0]
+    (kept,) = plans.values()
+    bound = kept._bound
     kernels = [x for x in (bound.launch, *(getattr(bound.launch, name, None) for name in ("attention", "merge")))
                if isinstance(x, BoundKernel)]
     assert len(kernels) == 2  # the attention kernel's launch and the merge's
@@ -1042,31 +1029,24 @@ def test_bound_launch_passes_addresses(backend, device, monkeypatch):
         assert direct == launches["launcher"][id(kernel)]
 
 
-def test_bound_launch_tells_key_from_value(backend, device, monkeypatch):
+def test_bound_launch_tells_key_from_value(backend, device, monkeypatch, plans):
     """A layout first seen as self-attention, one tensor passed as query, key and value, binds
     its launch; later calls of that layout with three different tensors get their own answer."""
-    from common import dispatch
-
-    monkeypatch.setattr(dispatch, "_templates", {})
     x = torch.randn(1, 2, 24, 32, dtype=f16, device=device)
     for _ in range(2):
         check_output(attention(x, x, x, backend=backend), x, x, x)
     for _ in range(2):
         q, k, v = (torch.randn(1, 2, 24, 32, dtype=f16, device=device) for _ in range(3))
         check_output(attention(q, k, v, backend=backend), q, k, v)
-    assert len(dispatch._templates) == 1
+    assert len(plans) == 1
 
 
-def test_reused_calls_keep_no_tensor(backend, device, monkeypatch):
+def test_reused_calls_keep_no_tensor(backend, device, monkeypatch, plans):
     """Nothing the reuse keeps (templates, bound launches, recorded launches) holds a call's
     tensors once the call is done: a freed KV cache frees its memory."""
     import gc
     import weakref
 
-    from common import dispatch
-
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
     refs = []
     for Lk in (40, 40, 40, 41, 300, 301):  # planned, re-bound and bound; then growing keys
         q = torch.randn(1, 4, 1, 32, device=device)
@@ -1078,48 +1058,41 @@ def test_reused_calls_keep_no_tensor(backend, device, monkeypatch):
     assert [r() is None for r in refs] == [True] * len(refs)
 
 
-def test_plan_reuse_keeps_every_check(device, monkeypatch):
+def test_plan_reuse_keeps_every_check(device, monkeypatch, plans):
     """A layout seen before still gets its arguments checked where only their value's type
     differs (True for 1.0, 1 for True), a new plan where a switch changed, and the full path
     where an input needs a gradient."""
-    from common import dispatch
     from common.plan import force_splits
 
-    monkeypatch.setattr(dispatch, "_templates", {})
     q = torch.randn(2, 1, 300, 16, device=device)
     attention(q, q, q, scale=1.0, is_causal=True)
     attention(q, q, q, scale=1.0, is_causal=True)
-    assert len(dispatch._templates) == 1
+    assert len(plans) == 1
     with pytest.raises(TypeError, match="scale must be a real number"):
         attention(q, q, q, scale=True, is_causal=True)
     with pytest.raises(TypeError, match="is_causal"):
         attention(q, q, q, scale=1.0, is_causal=1)
     with force_splits(2):
         attention(q, q, q, scale=1.0, is_causal=True)
-    assert len(dispatch._templates) == 2
+    assert len(plans) == 2
     leaf = q.clone().requires_grad_()
     out = attention(leaf, q, q, scale=1.0, is_causal=True)
     assert out.grad_fn is not None
-    assert len(dispatch._templates) == 2
+    assert len(plans) == 2
 
 
-def test_growing_keys_within_their_blocks(backend, device, monkeypatch):
+def test_growing_keys_within_their_blocks(backend, device, monkeypatch, plans):
     """A decode loop that is not split, its keys growing within one count of key blocks (97-112
     keys: 7 blocks of 16, the last one whole only at 112) and moving into a longer buffer (other
     strides): each call after the first launches the last growing launch again with its keys'
     length and strides filled in (NineToothed's whole blocks' view too: its length is the keys'
     // BLOCK_N, its strides the keys' own), and gives SDPA's answer."""
-    from common import dispatch, plan
     from common.configs import Config, override
     from common.plan import force_splits
 
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
     q = torch.randn(2, 4, 1, 32, device=device)
     buffer = torch.randn(2, 2, 1, 130, 64, device=device)[..., :32]  # (every stride other than a fresh cache's)
-    replanned = []
-    rebind_forward = plan.rebind_forward
-    monkeypatch.setattr(plan, "rebind_forward", lambda *a: replanned.append(a[2].shape[2]) or rebind_forward(*a))
+    replanned = _record_replanned_keys(monkeypatch)
     with force_splits(1), override(Config(16, 16, 1, 1)):
         for Lk in (97, 98, 104, 111, 112):
             k, v = (torch.randn(2, 1, Lk, 32, device=device) for _ in range(2))
@@ -1127,10 +1100,26 @@ def test_growing_keys_within_their_blocks(backend, device, monkeypatch):
                 k, v = buffer[0, :, :, :Lk], buffer[1, :, :, :Lk]
             out = attention(q, k, v, enable_gqa=True, backend=backend)
             check_output(out, q, k, v, enable_gqa=True)
-    assert replanned == [98]  # (97 planned the template; 98 its growing launch; the rest launch that)
+    assert replanned == [98]  # (97 planned the plan; 98 its growing launch; the rest launch that)
 
 
-def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
+def _record_replanned_keys(monkeypatch) -> list:
+    """The keys' length of each call whose kept plan planned its keys again (growing keys), in order."""
+    from common.reuse import AttentionPlan
+
+    replanned = []
+    rebind = AttentionPlan._rebind
+
+    def recording(self, query, key, value, other_keys=False):
+        if other_keys:
+            replanned.append(key.shape[2])
+        return rebind(self, query, key, value, other_keys)
+
+    monkeypatch.setattr(AttentionPlan, "_rebind", recording)
+    return replanned
+
+
+def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch, plans):
     """A decode loop (keys one longer each step, a fresh cache tensor each time): calls that are
     not causal validate and plan only what depends on the keys' length, and only where it
     changes; the right answer at every step, across a change of split count and of the keys'
@@ -1139,8 +1128,6 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
     from common.backends import get_backend
     from common.validation import check_call
 
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
     q = torch.randn(1, 4, 1, 32, device=device)
     first = torch.randn(1, 1, 100, 32, device=device)
     attention(q, first, first, enable_gqa=True, backend=backend)
@@ -1151,9 +1138,7 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
 
     monkeypatch.setattr(plan, "make_forward", no_planning)
     monkeypatch.setattr(dispatch, "check_call", no_planning)
-    replanned = []
-    rebind_forward = plan.rebind_forward
-    monkeypatch.setattr(plan, "rebind_forward", lambda *a: replanned.append(a[2].shape[2]) or rebind_forward(*a))
+    replanned = _record_replanned_keys(monkeypatch)
     splits = set()
     for Lk in (101, 102, 700, 701, 702, 2500, 2501):
         k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
@@ -1167,8 +1152,8 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch):
     assert len(splits) > 1  # the loop crossed split counts
     # Each (config, split count, blocks per split) launches through a launch bound to it, its keys'
     # arguments filled in per call (NineToothed: its generated launchers' size and stride arguments).
-    (template,) = dispatch._templates.values()
-    bound = list(template.growing.values())
+    (kept,) = plans.values()
+    bound = list(kept._growing.values())
     assert len(bound) >= len(splits)
     assert all(bound)
     # The keys are planned again only where their length changes the plan (a new number of key

@@ -24,21 +24,20 @@ def calls(monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(module, "forward", spy)
-    # Plans made by earlier tests would send these calls down the reuse paths (the launch bound
-    # to a layout from its third call on, common.ops.forward_bound, or to a growing cache):
-    # start afresh, and see the bound launches too.
-    from common import dispatch, ops
+    # Plans kept by earlier tests would send these calls down the reuse paths (the launch bound
+    # to a layout from its second run on, or to a growing cache): start afresh, and see the
+    # bound launches too.
+    from common.reuse import PLANS, AttentionPlan
 
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
+    PLANS.clear()
+    launch = AttentionPlan.launch
 
-    bound = ops.forward_bound
+    def launch_spy(self, *args):
+        if self._bound:
+            seen.append(self.backend.name)
+        return launch(self, *args)
 
-    def bound_spy(backend, *args):
-        seen.append(backend.name)
-        return bound(backend, *args)
-
-    monkeypatch.setattr(ops, "forward_bound", bound_spy)
+    monkeypatch.setattr(AttentionPlan, "launch", launch_spy)
     monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
     return seen
 
@@ -51,8 +50,8 @@ def qkv(device):
 def test_available_backends():
     assert available_backends() == ("triton", "ninetoothed", "torch")
     assert common.__all__ == ["append_kv", "attention", "attention_backward", "available_backends",
-                              "paged_attention", "ring_attention", "shard_sequence", "unshard_sequence",
-                              "use_backend", "varlen_attention"]
+                              "paged_attention", "plan_attention", "ring_attention", "shard_sequence",
+                              "unshard_sequence", "use_backend", "varlen_attention"]
 
 
 def test_default_is_triton(calls, qkv):
@@ -183,3 +182,24 @@ def test_a_backend_imported_by_another_thread_is_loaded_whole(tmp_path, monkeypa
     load()
     first.join()
     assert results == ["forward", "forward"]
+
+
+def test_every_backend_module_keeps_the_contract():
+    """Each registered backend's module provides what the written protocol lists (common.backends:
+    KernelBackendModule for the kernel backends, BackendModule for the others), with the
+    protocol's parameters: nothing common calls is missing or called by another name."""
+    import inspect
+
+    from common.backends import BackendModule, KernelBackendModule
+
+    for name, spec in BACKENDS.items():
+        protocol = KernelBackendModule if spec.kernels else BackendModule
+        module = spec.load()
+        assert isinstance(module, protocol), (name, protocol.__name__)
+        for member in dir(protocol):
+            wanted = getattr(protocol, member)
+            if member.startswith("_") or not inspect.isfunction(wanted):
+                continue
+            expected = list(inspect.signature(wanted).parameters)[1:]  # (less self)
+            assert list(inspect.signature(getattr(module, member)).parameters) == expected, (name, member)
+        assert isinstance(module.INTERPRETED, bool), name

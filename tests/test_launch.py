@@ -397,14 +397,14 @@ def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monk
     88 without)."""
     import collections
 
-    from common import attention, dispatch
+    from common import attention
+    from common.reuse import PLANS
     from impl_ninetoothed import attention as nt
 
     def int_class(value):
         return value == 1, value % 16 == 0
 
-    monkeypatch.setattr(dispatch, "_templates", {})
-    monkeypatch.setattr(dispatch, "_growing", {})
+    PLANS.clear()
     classes, key_classes = collections.defaultdict(set), collections.defaultdict(set)
     lengths = [(1, 16), (5, 17), (16, 33), (17, 48), (32, 1), (33, 5), (48, 64), (64, 100), (100, 64), (3, 1)]
     for lq, lk in lengths:

@@ -90,13 +90,12 @@ def test_paged_split_merge_in_the_kernel():
     assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
 
 
-def test_paged_split_merge_as_its_own_launch(monkeypatch):
-    """Past common.plan.KERNEL_MERGE_MAX the Triton paged kernel leaves the merge to a launch of
-    its own, as the dense one does: the right answer (outputs poisoned), no ticket taken."""
-    from common import launch, plan
+def test_paged_split_merge_as_its_own_launch(monkeypatch, planner):
+    """Past the planner's kernel_merge_max the Triton paged kernel leaves the merge to a launch
+    of its own, as the dense one does: the right answer (outputs poisoned), no ticket taken."""
+    from common import launch
 
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MAX", 0)
-    monkeypatch.setattr(plan, "KERNEL_MERGE_MIN_BYTES", 0)
+    planner(kernel_merge_max=0, kernel_merge_min_bytes=0)
     monkeypatch.setattr(launch, "_counters", {})
     for case in (CASES[1], CASES[0]):
         lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = case
@@ -301,7 +300,7 @@ def test_paged_plan_reused(backend, splits, monkeypatch):
     fresh outputs; a layout that differs (another page count in the table) is checked again."""
     import common.paged as paged
 
-    monkeypatch.setattr(paged, "_templates", {})
+    paged._templates.clear()
     lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = CASES[1]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
     query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
@@ -335,28 +334,28 @@ def test_paged_shallow_stages_at_a_large_batch(backend, monkeypatch):
     launch: every (batch, K/V head, row block) program, its split count, its padded head dim;
     the 2-stage, register-capped config it returns is what launches, with the right answer."""
     import common.paged as paged
-    from common import plan as planning
     from common.configs import Config
+    from common.plan import Planner, use_planner
 
-    monkeypatch.setattr(paged, "_templates", {})
     asked = []
-    shallow = Config(16, 64, 4, 2, maxnreg=planning.SHALLOW_MAX_REGISTERS)
+    shallow = Config(16, 64, 4, 2, maxnreg=Planner.shallow_max_registers)
 
-    def record(config, programs, num_splits, device, block_d):
-        asked.append((config.block_m, programs, num_splits, block_d))
-        return dataclasses.replace(shallow, block_n=config.block_n)
-    monkeypatch.setattr(planning, "shallow_stages", record)
+    class Recording(Planner):
+        def shallow_stages(self, config, programs, num_splits, device, block_d):
+            asked.append((config.block_m, programs, num_splits, block_d))
+            return dataclasses.replace(shallow, block_n=config.block_n)
+
     lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = CASES[0]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
     query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
-    with force_splits(1):
+    with use_planner(Recording(num_splits=1)):
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=True,
                               backend=backend)
         plan = paged._make_plan(get_backend(backend), query, key_cache, value_cache, block_table, seqlens,
                                 is_causal, None)
     # (GQA packs each K/V head's 2 query heads into rows: one 16-row block a head)
     assert asked[0] == (16, len(lens) * H_kv, 1, 32)
-    assert (plan.config.num_stages, plan.config.maxnreg) == (2, planning.SHALLOW_MAX_REGISTERS)
+    assert (plan.config.num_stages, plan.config.maxnreg) == (2, Planner.shallow_max_registers)
     torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=2e-4, atol=2e-4)
 
 
@@ -365,7 +364,7 @@ def test_paged_decode_at_a_large_batch(backend):
     """Paged decode at a batch whose unsplit launch has more programs than 2 per SM: the 2-stage
     pipeline and the register cap (as the dense decode's), SDPA's answer on the gathered pages."""
     import common.paged as paged
-    from common.plan import SHALLOW_MAX_REGISTERS
+    from common.plan import Planner
 
     batch = 3 * torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
     for page, heads in ((16, 8), (64, 8), (64, 32)):
@@ -375,7 +374,7 @@ def test_paged_decode_at_a_large_batch(backend):
         query = torch.randn(batch, 32, 1, 128, device=DEVICE, dtype=torch.bfloat16)
         plan = paged._make_plan(get_backend(backend), query, key_cache, value_cache, block_table, seqlens,
                                 False, None)
-        assert (plan.num_splits, plan.config.num_stages, plan.config.maxnreg) == (1, 2, SHALLOW_MAX_REGISTERS)
+        assert (plan.num_splits, plan.config.num_stages, plan.config.maxnreg) == (1, 2, Planner.shallow_max_registers)
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, enable_gqa=True, backend=backend)
         torch.testing.assert_close(out.double(), _reference(query, keys, values, False), rtol=2e-2, atol=2e-2)
 

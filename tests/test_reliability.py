@@ -121,7 +121,7 @@ def test_ninetoothed_widens_only_a_launch_past_32_bits(monkeypatch):
     head strides only in a launch whose tensors span 2^31 elements: a decode loop's launches keep
     their code until its cache moves to a buffer past 2^31 elements, whose keys then take a wide
     kernel, not the launch bound for the last keys (``common.dispatch._keys_fit``,
-    ``common.plan.launch_growing``); every step against the reference."""
+    ``common.reuse.AttentionPlan``); every step against the reference."""
     import impl_ninetoothed.attention as nt
 
     monkeypatch.setattr(nt, "WIDE_STRIDES", False)

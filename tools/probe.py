@@ -381,15 +381,10 @@ def _graph_time_ms(fn, replays: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-@contextlib.contextmanager
 def _programs_per_sm(per_sm: int):
     """Inside the block, splits aim at per_sm programs per SM for every row width."""
-    saved = plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE
-    plan.PROGRAMS_PER_SM = plan.PROGRAMS_PER_SM_WIDE = per_sm
-    try:
-        yield
-    finally:
-        plan.PROGRAMS_PER_SM, plan.PROGRAMS_PER_SM_WIDE = saved
+    return plan.use_planner(dataclasses.replace(plan.current_planner(), programs_per_sm=per_sm,
+                                                programs_per_sm_wide=per_sm))
 
 
 def _decode_shapes(dtype):
@@ -537,7 +532,8 @@ def _host_us(fn, calls: int = 50, repeats: int = 7) -> float:
 def steps():
     """Where the host time of a reused call goes (plan templates): each step timed alone, in a
     loop; the launch's parts by host time alone (``_host_us``), the calls by wall time."""
-    from common import dispatch, ops
+    from common import dispatch
+    from common.reuse import PLANS
 
     backend = resolve("triton")
     module = backend.load()
@@ -546,13 +542,12 @@ def steps():
     for label, q_shape, kv_shape, dtype, gqa in cases:
         q = torch.randn(q_shape, dtype=dtype, device="cuda")
         k, v = (torch.randn(kv_shape, dtype=dtype, device="cuda") for _ in range(2))
-        # (templates of other calls, e.g. `loop`'s growing cache, would take these calls instead)
-        dispatch._templates.clear()
-        dispatch._growing.clear()
-        for _ in range(3):  # the first plans and keeps the template, the second binds its launch, the third
+        # (plans of other calls, e.g. `loop`'s growing cache, would take these calls instead)
+        PLANS.clear()
+        for _ in range(3):  # the first plans and keeps the plan, the second binds its launch, the third
             attention(q, k, v, enable_gqa=gqa)  # finds the compiled kernel
-        (template,) = [t for key, t in dispatch._templates.items() if key[0][7] == q.shape and key[0][0] == "triton"]
-        prepared = plan.rebind_forward(template, q, k, v)
+        (kept,) = [p for p in PLANS.values() if p.layout[0][7] == q.shape and p.backend.name == "triton"]
+        prepared = kept._rebind(q, k, v)
         captured = {}
         launch = ta._fwd_launcher.launch
         ta._fwd_launcher.launch = lambda grid, args, nw, ns, maxnreg=None: captured.update(grid=grid, args=args,
@@ -583,11 +578,10 @@ def steps():
             "attention(triton)": wall_time_us(lambda: attention(q, k, v, enable_gqa=gqa)),
             "attention(ninetoothed)": wall_time_us(lambda: attention(q, k, v, enable_gqa=gqa, backend="ninetoothed")),
             "_again": wall_time_us(lambda: dispatch._again(q, k, v, False, None, gqa, None, False)),
-            "ops.forward_bound": wall_time_us(lambda: ops.forward_bound(backend, template.bound[0], q, k, v)),
-            "ops.forward_again": wall_time_us(lambda: ops.forward_again(backend, template, q, k, v)),
-            "rebind_forward": wall_time_us(lambda: plan.rebind_forward(template, q, k, v), device="cpu"),
-            "rebind (keys replanned)": wall_time_us(lambda: plan.rebind_forward(template, q, k, v, backend),
-                                                    device="cpu"),
+            "plan.launch (bound)": wall_time_us(lambda: kept.launch(q, k, v)),
+            "bound launch": wall_time_us(lambda: kept._bound(q, k, v)),
+            "plan._rebind": wall_time_us(lambda: kept._rebind(q, k, v), device="cpu"),
+            "rebind (keys replanned)": wall_time_us(lambda: kept._rebind(q, k, v, other_keys=True), device="cpu"),
             "module.forward": _host_us(lambda: module.forward(prepared)),
             "module.forward, launch stubbed": wall_time_us(forward_stubbed, device="cpu"),
             "launcher.launch": _host_us(lambda: launch(grid, args, nw, ns)),
@@ -668,17 +662,16 @@ def split_sweep():
 
 
 def merge_steps():
-    """The merge launch (both backends' loop over splits, ``plan.MERGE_SPLITS`` a step): decode
+    """The merge launch (both backends' loop over splits, ``Planner.merge_splits`` a step): decode
     kernel time (graph replay, bf16, D 128) under steps of 2-32 splits, NineToothed as planned
     and the Triton kernel with its own merge turned off (its merge launch every call), each
     output checked against SDPA; the shipped plan first."""
-    from common import dispatch
+    from common.reuse import PLANS
 
     shapes = [(8, 32, 8, 16, 16384), (1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 1, 16384),
               (1, 32, 32, 1, 32768), (4, 32, 8, 1, 3000)]
     if os.environ.get("SWEEP_SHAPES"):  # as split_sweep's
         shapes = [tuple(map(int, shape.split(":"))) for shape in os.environ["SWEEP_SHAPES"].split()]
-    saved = plan.MERGE_SPLITS, plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES
     for B, H, H_kv, Lq, Lk in shapes:
         q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -689,17 +682,15 @@ def merge_steps():
         for backend in ("ninetoothed", "triton"):
             parts = []
             for step in (None, 2, 4, 8, 16, 32):  # (None: as shipped)
+                planner = plan.current_planner()
                 if step is not None:
-                    plan.MERGE_SPLITS, plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES = step, 0, 0
-                dispatch._templates.clear()  # (plans keep their merge: each variant plans afresh)
-                dispatch._growing.clear()
-                try:
+                    planner = dataclasses.replace(planner, merge_splits=step, kernel_merge_max=0,
+                                                  kernel_merge_min_bytes=0)
+                PLANS.clear()  # (plans keep their merge: each variant plans afresh)
+                with plan.use_planner(planner):
                     error = (attention(q, k, v, enable_gqa=True, backend=backend).float() - ref.float()).abs().max()
                     ms = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
-                finally:
-                    plan.MERGE_SPLITS, plan.KERNEL_MERGE_MAX, plan.KERNEL_MERGE_MIN_BYTES = saved
-                    dispatch._templates.clear()
-                    dispatch._growing.clear()
+                PLANS.clear()
                 wrong = "" if error < 2e-2 else f" (WRONG: {error:.3f} from SDPA)"
                 parts.append(f"{'shipped' if step is None else step} {gb / ms:.2f}{wrong}")
             line.append(f"{backend}, splits a step: {', '.join(parts)} TB/s;")
