@@ -1163,3 +1163,47 @@ def test_plan_reused_as_the_keys_grow(backend, device, monkeypatch, plans):
     monkeypatch.setattr(dispatch, "check_call", check_call)
     with pytest.raises(ValueError, match="same sequence length"):
         attention(q, k, v[:, :, :-1], enable_gqa=True, backend=backend)
+
+
+def test_plan_attention_held_by_the_caller(backend, device):
+    """common.plan_attention plans a layout once for a caller's loop: run on fresh tensors of that
+    layout it gives attention()'s answer (and lse) with fresh outputs; a plan that is not causal
+    takes keys of any length (a growing cache, from empty on); tensors of another layout, or a
+    causal plan's keys of another length, are refused before anything runs."""
+    from common import plan_attention
+
+    q = torch.randn(2, 4, 3, 32, device=device)
+    plan = plan_attention(q, q, q, is_causal=True, scale=0.3, backend=backend, return_lse=True)
+    for _ in range(3):  # launched, bound, through the bound launch
+        x = torch.randn(2, 4, 3, 32, device=device)
+        out, lse = plan.run(x, x, x)
+        check_output(out, x, x, x, is_causal=True, scale=0.3)
+        check_lse(lse, x, x, is_causal=True, scale=0.3)
+    with pytest.raises(ValueError, match="layout the plan was made for"):
+        plan.run(x, x[:, :, :2], x[:, :, :2])  # causal: the keys' length is part of the layout
+    with pytest.raises(ValueError, match="layout the plan was made for"):
+        plan.run(x.half(), x.half(), x.half())
+    # grouped-query decode over a cache that starts empty and grows, 3-D inputs
+    q = torch.randn(4, 1, 32, device=device)
+    cache = torch.randn(2, 2, 600, 32, device=device)
+    decode = plan_attention(q, cache[0, :, :0], cache[1, :, :0], enable_gqa=True, backend=backend)
+    assert torch.equal(decode(q, cache[0, :, :0], cache[1, :, :0]), torch.zeros_like(q))
+    for Lk in (1, 2, 37, 300, 600):
+        q = torch.randn(4, 1, 32, device=device)
+        k, v = cache[0, :, :Lk], cache[1, :, :Lk]
+        check_output(decode(q, k, v), q, k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match="same sequence length"):
+        decode(q, k, v[:, :-1])
+
+
+def test_plan_attention_checks_its_arguments(device):
+    """plan_attention validates as attention() does, before anything is planned."""
+    from common import plan_attention
+
+    q = torch.randn(1, 2, 4, 16, device=device)
+    with pytest.raises(TypeError, match="is_causal"):
+        plan_attention(q, q, q, is_causal=1)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        plan_attention(q, q, q, backend="nope")
+    out = plan_attention(q, q, q, backend="torch").run(q, q, q)  # SDPA's plan: the plain call each run
+    check_output(out, q, q, q)
