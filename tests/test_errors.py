@@ -207,3 +207,38 @@ def test_interpreted_while_another_thread_imports(backend, monkeypatch, interpre
     monkeypatch.setitem(sys.modules, BACKENDS[backend].module, types.ModuleType("half-imported"))
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     assert BACKENDS[backend].interpreted() is (interpret == "1")
+
+
+def test_paged_cpu_tensors_without_interpreter():
+    """paged_attention and append_kv on CPU tensors, Triton compiling for a GPU: the same one
+    clear error as attention() (was an AssertionError from torch.cuda deep in a launch), raised
+    before a backend module is even imported. In a process without the interpreter's switch."""
+    import os
+    import subprocess
+
+    code = (
+        "import sys, torch, common\n"
+        "q = torch.randn(1, 2, 1, 16)\n"
+        "cache = torch.zeros(2, 16, 2, 16)\n"
+        "table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)\n"
+        "calls = {'paged_attention': lambda b: common.paged_attention(q, cache, cache, table, lens, backend=b),\n"
+        "         'append_kv': lambda b: common.append_kv(cache, cache, table, lens, q, q, backend=b)}\n"
+        "for backend in ('triton', 'ninetoothed'):\n"
+        "    for name, call in calls.items():\n"
+        "        try:\n"
+        "            call(backend)\n"
+        "            print(name, backend, 'no error')\n"
+        "        except ValueError as error:\n"
+        "            print(name, backend, error)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('impl_')))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 5, result.stdout
+    for line, (backend, name) in zip(lines, [(b, n) for b in ("triton", "ninetoothed")
+                                             for n in ("paged_attention", "append_kv")]):
+        assert line.startswith(f"{name} {backend} the {backend!r} backend got CPU tensors"), line
+        assert "set the environment variable TRITON_INTERPRET=1" in line, line
+    assert lines[-1] == "[]"  # no backend was loaded, so nothing was launched
