@@ -217,9 +217,9 @@ def _require(backend: Backend, capability: str, lacking: str, argument: str, val
     """A clear error when ``backend`` lacks ``capability``: what it cannot do, the argument
     and value that asked for it, and the backends that can."""
     if not backend.supports(capability):
-        usable = [name for name, b in BACKENDS.items() if b.supports(capability)]
+        usable = " or ".join(f"backend={name!r}" for name, b in BACKENDS.items() if b.supports(capability))
         raise ValueError(f"the {backend.name!r} backend {lacking}, but the call passed {argument}"
-                         f"{_shown(value)}; use backend= one of {', '.join(map(repr, usable))}")
+                         f"{_shown(value)}; use {usable}")
 
 
 def _shown(value) -> str:

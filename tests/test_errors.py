@@ -179,14 +179,32 @@ def test_unknown_backend(qkv):
 
 
 def test_unknown_backend_from_environment(qkv, monkeypatch):
+    """A bad name from ATTENTION_BACKEND says where it came from: the call itself named none."""
     monkeypatch.setenv("ATTENTION_BACKEND", "nope")
-    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        attention(*qkv)
+    expected = (r"unknown attention backend 'nope' \(from the environment variable ATTENTION_BACKEND\); "
+                "expected one of 'triton', 'ninetoothed', 'torch'")
+    for call in (lambda: attention(*qkv), lambda: attention(*qkv, softcap=2.0)):  # the plain path and the full one
+        with pytest.raises(ValueError, match=expected):
+            call()
+    with pytest.raises(ValueError, match=r"unknown attention backend 'cudnn'; expected"):  # a keyword's own name
+        attention(*qkv, backend="cudnn")
 
 
-def test_torch_backend_has_no_lse(qkv):
-    with pytest.raises(ValueError, match="'torch' backend cannot return the log-sum-exp"):
-        attention(*qkv, backend="torch", return_lse=True)
+@pytest.mark.parametrize("kwargs, message", [
+    (lambda device: dict(return_lse=True),
+     "the 'torch' backend cannot return the log-sum-exp, but the call passed return_lse=True; "
+     "use backend='triton' or backend='ninetoothed'"),
+    (lambda device: dict(softcap=5.0),
+     "the 'torch' backend cannot soft-cap scores, but the call passed softcap=5.0; "
+     "use backend='triton' or backend='ninetoothed'"),
+    (lambda device: dict(sinks=torch.zeros(4, device=device)),
+     r"the 'torch' backend has no attention sinks, but the call passed sinks \(a float32 tensor of shape \(4,\)\); "
+     "use backend='triton' or backend='ninetoothed'"),
+], ids=["return_lse", "softcap", "sinks"])
+def test_missing_capability_names_argument_and_value(qkv, kwargs, message, device):
+    """A backend without a feature says which argument and value asked for it, and which backends have it."""
+    with pytest.raises(ValueError, match=message):
+        attention(*qkv, backend="torch", **kwargs(device))
 
 
 def test_cpu_tensors_without_interpreter(backend, monkeypatch):
