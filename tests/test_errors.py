@@ -229,8 +229,8 @@ def test_interpreted_while_another_thread_imports(backend, monkeypatch, interpre
 
 def test_paged_cpu_tensors_without_interpreter():
     """paged_attention and append_kv on CPU tensors, Triton compiling for a GPU: the same one
-    clear error as attention() (was an AssertionError from torch.cuda deep in a launch), raised
-    before a backend module is even imported. In a process without the interpreter's switch."""
+    clear error as attention(), raised before a backend module is even imported. Run in a
+    process without the interpreter's switch (this one has it on)."""
     import os
     import subprocess
 
