@@ -154,13 +154,17 @@ def kernel_backends() -> tuple[str, ...]:
     return tuple(name for name, b in BACKENDS.items() if b.kernels)
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, *, origin: str = "") -> Backend:
+    """The backend called ``name``; an unknown name is an error naming ``origin`` (where it came from)."""
     try:
         return BACKENDS[name]
     except (KeyError, TypeError):
         raise ValueError(
-            f"unknown attention backend {name!r}; expected one of {', '.join(map(repr, BACKENDS))}"
+            f"unknown attention backend {name!r}{origin}; expected one of {', '.join(map(repr, BACKENDS))}"
         ) from None
+
+
+_FROM_ENV = f" (from the environment variable {ENV_VAR})"
 
 
 # The innermost use_backend(...) of each thread. (A thread-local, not a
@@ -172,9 +176,12 @@ def resolve(name: str | None) -> Backend:
     """The backend a call with ``backend=name`` uses (see the module docstring)."""
     if name is None:
         name = getattr(_chosen, "name", None)
-    if name is None:
-        name = os.environ.get(ENV_VAR) or DEFAULT
-    return get_backend(name)
+    if name is not None:
+        return get_backend(name)
+    name = os.environ.get(ENV_VAR)
+    if name:
+        return get_backend(name, origin=_FROM_ENV)
+    return BACKENDS[DEFAULT]
 
 
 def _interpreted(module: str) -> bool:

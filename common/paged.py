@@ -29,6 +29,7 @@ from common.validation import (
     OFFSET_LIMIT,
     SUPPORTED_DTYPES,
     _check_flag,
+    _check_kernel_device,
     _check_real,
     _dtype_name,
     slice_span,
@@ -228,24 +229,10 @@ def append_kv(
             if B * key.shape[1] * L_new:
                 _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value)
             return cache_seqlens + L_new
-    for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must be 4-D (batch, kv_heads, new_tokens, head_dim), got shape {tuple(t.shape)}")
-    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, key, chosen, new_tokens=True)
-    B, _, L_new, D = key.shape
-    if key.shape[1] != H_kv or key.shape[3] != key_cache.shape[3]:
-        raise ValueError(f"key must be (B, {H_kv}, L_new, {key_cache.shape[3]}) to match key_cache, "
-                         f"got {tuple(key.shape)}")
-    if tuple(value.shape) != (B, H_kv, L_new, Dv):
-        raise ValueError(f"value must be {(B, H_kv, L_new, Dv)} to match key and value_cache, "
-                         f"got {tuple(value.shape)}")
-    _check_table(block_table, cache_seqlens, B, key)
-    if _check_flag("validate", validate):
-        _validate_contents(block_table, cache_seqlens + L_new, num_pages, page)
+    _check_append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, validate)
     if layout is not None:
         _appends.put(layout, True)
+    B, H_kv, L_new, _ = key.shape
     if B * H_kv * L_new == 0:
         return cache_seqlens + L_new
     if not chosen.kernels:
@@ -281,17 +268,9 @@ def _check_query(query):
 
 def _check_caches(key_cache, value_cache, like, backend, new_tokens=False):
     """(num_pages, page_size, H_kv, Dv) of two caches that fit ``like`` (the query, or the new keys)."""
+    like_name = "key" if new_tokens else "query"
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must be 4-D (num_pages, page_size, kv_heads, head_dim), "
-                             f"got shape {tuple(t.shape)}")
-        if t.dtype != like.dtype:
-            raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)} but {'key' if new_tokens else 'query'} has "
-                            f"{_dtype_name(like.dtype)}: they must share one dtype")
-        if t.device != like.device:
-            raise ValueError(f"{name} is on {t.device} but {'key' if new_tokens else 'query'} is on {like.device}")
+        _check_cache(name, t, like, like_name)
     if like.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {_dtype_name(like.dtype)} is not supported; supported: "
                         + ", ".join(map(_dtype_name, SUPPORTED_DTYPES)))
@@ -301,23 +280,68 @@ def _check_caches(key_cache, value_cache, like, backend, new_tokens=False):
                          f"{tuple(key_cache.shape[:3])} and {tuple(value_cache.shape[:3])}")
     if not new_tokens and D != like.shape[3]:
         raise ValueError(f"query and key_cache must have the same head dim, got {like.shape[3]} and {D}")
-    Dv = value_cache.shape[3]
     if backend.kernels:
-        if page < 16 or page & (page - 1):
-            raise ValueError(f"page_size (key_cache.shape[1]) must be a power of two >= 16 for the "
-                             f"{backend.name!r} backend, got {page}")
-        low, high = backend.head_dims
-        for name, d in (("query/key", D), ("value", Dv)):
-            if not low <= d <= high:
-                raise ValueError(f"{name} head dim {d} is outside the {backend.name!r} backend's range "
-                                 f"{low}..{high}")
-        if not backend.supports(OFFSETS64):
-            for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("query", like)):
-                if slice_span(t) >= OFFSET_LIMIT:
-                    raise ValueError(f"{name}'s part for one page and slot (one batch and head of the query) spans "
-                                     f"{slice_span(t)} elements; the {backend.name!r} backend indexes within it with "
-                                     f"32-bit offsets and takes fewer than {OFFSET_LIMIT}")
-    return num_pages, page, H_kv, Dv
+        _check_kernel_caches(backend, key_cache, value_cache, like)
+    return num_pages, page, H_kv, value_cache.shape[3]
+
+
+def _check_cache(name, cache, like, like_name):
+    """One cache: a 4-D tensor of ``like``'s dtype and device."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.ndim != 4:
+        raise ValueError(f"{name} must be 4-D (num_pages, page_size, kv_heads, head_dim), "
+                         f"got shape {tuple(cache.shape)}")
+    if cache.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {_dtype_name(cache.dtype)} but {like_name} has "
+                        f"{_dtype_name(like.dtype)}: they must share one dtype")
+    if cache.device != like.device:
+        raise ValueError(f"{name} is on {cache.device} but {like_name} is on {like.device}")
+
+
+def _check_kernel_caches(backend, key_cache, value_cache, like):
+    """What the kernels take: pages of a power of two from 16, their head dims, 32-bit
+    offsets where the backend has no others, and tensors they can reach."""
+    page = key_cache.shape[1]
+    if page < 16 or page & (page - 1):
+        raise ValueError(f"page_size (key_cache.shape[1]) must be a power of two >= 16 for the "
+                         f"{backend.name!r} backend, got {page}")
+    low, high = backend.head_dims
+    for name, d in (("query/key", key_cache.shape[3]), ("value", value_cache.shape[3])):
+        if not low <= d <= high:
+            raise ValueError(f"{name} head dim {d} is outside the {backend.name!r} backend's range "
+                             f"{low}..{high}")
+    if not backend.supports(OFFSETS64):
+        _check_cache_offsets(backend, key_cache=key_cache, value_cache=value_cache, query=like)
+    _check_kernel_device(backend, like.device)
+
+
+def _check_cache_offsets(backend, **tensors):
+    for name, t in tensors.items():
+        if slice_span(t) >= OFFSET_LIMIT:
+            raise ValueError(f"{name}'s part for one page and slot (one batch and head of the query) spans "
+                             f"{slice_span(t)} elements; the {backend.name!r} backend indexes within it with "
+                             f"32-bit offsets and takes fewer than {OFFSET_LIMIT}")
+
+
+def _check_append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, validate):
+    """Every argument of :func:`append_kv`; with validate=True the table's contents too."""
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, kv_heads, new_tokens, head_dim), got shape {tuple(t.shape)}")
+    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, key, chosen, new_tokens=True)
+    B, _, L_new, _ = key.shape
+    if key.shape[1] != H_kv or key.shape[3] != key_cache.shape[3]:
+        raise ValueError(f"key must be (B, {H_kv}, L_new, {key_cache.shape[3]}) to match key_cache, "
+                         f"got {tuple(key.shape)}")
+    if tuple(value.shape) != (B, H_kv, L_new, Dv):
+        raise ValueError(f"value must be {(B, H_kv, L_new, Dv)} to match key and value_cache, "
+                         f"got {tuple(value.shape)}")
+    _check_table(block_table, cache_seqlens, B, key)
+    if _check_flag("validate", validate):
+        _validate_contents(block_table, cache_seqlens + L_new, num_pages, page)
 
 
 def _check_table(block_table, cache_seqlens, B, like):

@@ -1,9 +1,10 @@
 """Every input check of :func:`common.attention`, each with a clear message.
 
-All checks run before anything is allocated or launched, so an error never
-leaves a half-written output behind. Type problems raise ``TypeError``, value
-and shape problems ``ValueError``; each message names the argument and says
-what was expected.
+:func:`check_call` and :func:`check_backward` compose small checks, one for each
+argument or concern. All run before anything is allocated or launched, so an error
+never leaves a half-written output behind. Type problems raise ``TypeError``, value
+and shape problems ``ValueError``; each message names the argument and says what was
+expected.
 """
 
 from __future__ import annotations
@@ -45,17 +46,62 @@ class Call:
     row_bands: torch.Tensor | None = None  # packed sequences: per-row bands (common.varlen), B = 1
 
 
+def check_call(
+    backend: Backend,
+    query, key, value, *,
+    attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
+    alignment="top_left", window=None, softcap=None, sinks=None,
+) -> Call:
+    """Check one call of :func:`common.attention`; return it in 4-D form."""
+    _check_types(query, key, value)
+    is_causal = _check_flag("is_causal", is_causal)
+    enable_gqa = _check_flag("enable_gqa", enable_gqa)
+    return_lse = _check_flag("return_lse", return_lse)
+    dropout_p = _check_dropout_p(dropout_p)
+    device = _check_like_query(query, key, value)
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    B, H, Lq, D = query.shape
+    Lk = key.shape[2]
+    _check_shapes(backend, query.shape, key.shape, value.shape, enable_gqa)
+    scale = _check_scale(scale, D)
+    if attn_mask is not None:
+        attn_mask, is_causal, alignment = _check_attn_mask(attn_mask, query, is_causal, alignment,
+                                                           (B, H, Lq, Lk), unbatched)
+    _check_capabilities(backend, query, key, value, attn_mask, return_lse)
+    if not backend.supports(OFFSETS64):
+        _check_offsets(backend, query=query, key=key, value=value, attn_mask=attn_mask,
+                       output=(Lq * value.shape[3], 1))
+    if dropout_seed is not None:
+        _check_seed(backend, dropout_seed, device)
+    if backend.kernels:
+        _check_kernel_device(backend, device)
+    bottom_right = _check_alignment(alignment)
+    window = _check_window(window)
+    if softcap is not None:
+        softcap = _check_softcap(backend, softcap)
+    if sinks is not None:
+        _check_sinks(backend, sinks, H, device)
+    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
+                window, bottom_right, softcap, sinks)
+
+
+# -- scalars ------------------------------------------------------------------------------
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def _check_flag(name: str, value) -> bool:
+    """A bool, and only a bool (1 or "yes" is a mistake, not True)."""
     if value is not True and value is not False:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
 def _check_real(name: str, value) -> float:
+    """A finite real number (int, float, NumPy scalar) as a float."""
     if type(value) is float and math.isfinite(value):  # the common case, checked cheaply
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -66,63 +112,83 @@ def _check_real(name: str, value) -> float:
     return value
 
 
-def check_call(
-    backend: Backend,
-    query, key, value, *,
-    attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
-    alignment="top_left", window=None, softcap=None, sinks=None,
-) -> Call:
-    """Check one call of :func:`common.attention`; return it in 4-D form."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    is_causal = _check_flag("is_causal", is_causal)
-    enable_gqa = _check_flag("enable_gqa", enable_gqa)
-    return_lse = _check_flag("return_lse", return_lse)
+def _check_dropout_p(dropout_p) -> float:
     dropout_p = _check_real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be a probability, 0 <= dropout_p <= 1, got {dropout_p}")
+    return dropout_p
 
-    if query.ndim not in (3, 4):
+
+def _check_scale(scale, D: int) -> float:
+    """None means SDPA's default, 1 / sqrt(D) (1 for an empty head dim)."""
+    if scale is None:
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    return _check_real("scale", scale)
+
+
+def _check_softcap(backend: Backend, softcap) -> float:
+    softcap = _check_real("softcap", softcap)
+    if not softcap > 0.0:
+        raise ValueError(f"softcap must be a positive number (or None), got {softcap}")
+    _require(backend, SOFTCAP, "cannot soft-cap scores", "softcap", softcap)
+    return softcap
+
+
+# -- query, key and value -----------------------------------------------------------------
+
+def _check_types(query, key, value) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_like_query(query, key, value) -> torch.device:
+    """query 4-D or 3-D in a supported dtype; key and value with its dims, dtype and
+    device. Returns the device."""
+    ndim = query.ndim
+    if ndim != 4 and ndim != 3:
         raise ValueError(
             f"query must be 4-D (batch, heads, seq_len, head_dim) or 3-D (heads, seq_len, head_dim), "
             f"got shape {tuple(query.shape)}"
         )
     for name, t in (("key", key), ("value", value)):
-        if t.ndim != query.ndim:
-            raise ValueError(
-                f"{name} must have as many dims as query ({query.ndim}), got shape {tuple(t.shape)}"
-            )
-
-    if query.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"query has dtype {_dtype_name(query.dtype)}; supported: "
-            + ", ".join(map(_dtype_name, SUPPORTED_DTYPES))
-        )
+        if t.ndim != ndim:
+            raise ValueError(f"{name} must have as many dims as query ({ndim}), got shape {tuple(t.shape)}")
+    dtype = query.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query has dtype {_dtype_name(dtype)}; supported: "
+                        + ", ".join(map(_dtype_name, SUPPORTED_DTYPES)))
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != query.dtype:
+        if t.dtype != dtype:
             raise TypeError(
-                f"{name} has dtype {_dtype_name(t.dtype)} but query has {_dtype_name(query.dtype)}: "
+                f"{name} has dtype {_dtype_name(t.dtype)} but query has {_dtype_name(dtype)}: "
                 "query, key and value must share one dtype"
             )
+    device = query.device
     for name, t in (("key", key), ("value", value)):
-        if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}: all must share one device")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but query is on {device}: all must share one device")
+    return device
 
-    unbatched = query.ndim == 3
-    if unbatched:
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    B, H, Lq, D = query.shape
-    _, H_kv, Lk, _ = key.shape
-    Dv = value.shape[3]
-    if key.shape[0] != B or value.shape[0] != B:
-        raise ValueError(
-            f"batch sizes differ: query {B}, key {key.shape[0]}, value {value.shape[0]}"
-        )
-    if value.shape[1] != H_kv:
-        raise ValueError(f"key and value must have the same number of heads, got {H_kv} and {value.shape[1]}")
-    if value.shape[2] != Lk:
-        raise ValueError(f"key and value must have the same sequence length, got {Lk} and {value.shape[2]}")
+
+def _check_shapes(backend: Backend, q_shape, k_shape, v_shape, enable_gqa: bool) -> None:
+    """The 4-D shapes of one call: batch, heads, lengths and head dims agree."""
+    B, H, _, D = q_shape
+    _, H_kv, Lk, _ = k_shape
+    if k_shape[0] != B or v_shape[0] != B:
+        raise ValueError(f"batch sizes differ: query {B}, key {k_shape[0]}, value {v_shape[0]}")
+    if v_shape[1] != H_kv:
+        raise ValueError(f"key and value must have the same number of heads, got {H_kv} and {v_shape[1]}")
+    if v_shape[2] != Lk:
+        raise ValueError(f"key and value must have the same sequence length, got {Lk} and {v_shape[2]}")
+    _check_heads(H, H_kv, enable_gqa)
+    if k_shape[3] != D:
+        raise ValueError(f"query and key must have the same head dim, got {D} and {k_shape[3]}")
+    if backend.head_dims is not None:
+        _check_head_dims(backend, D, v_shape[3])
+
+
+def _check_heads(H: int, H_kv: int, enable_gqa: bool) -> None:
     if enable_gqa:
         if H_kv == 0 or H % H_kv != 0:
             raise ValueError(
@@ -133,154 +199,84 @@ def check_call(
             f"query has {H} heads but key and value have {H_kv}; pass enable_gqa=True for "
             "grouped-query attention (query heads a multiple of key/value heads)"
         )
-    if key.shape[3] != D:
-        raise ValueError(f"query and key must have the same head dim, got {D} and {key.shape[3]}")
-    if backend.head_dims is not None:
-        low, high = backend.head_dims
-        for name, d in (("query/key", D), ("value", Dv)):
-            if not low <= d <= high:
-                raise ValueError(
-                    f"{name} head dim {d} is not supported by the {backend.name!r} backend: "
-                    f"expected {low} <= head_dim <= {high}"
-                )
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    else:
-        scale = _check_real("scale", scale)
 
-    if attn_mask is not None and _is_causal_bias(attn_mask):
-        is_causal, alignment = _from_causal_bias(attn_mask, is_causal, alignment, Lq, Lk)
-        attn_mask = None
-    if attn_mask is not None:
-        attn_mask = _check_mask(attn_mask, query, is_causal, (B, H, Lq, Lk), unbatched)
-
-    if return_lse:
-        _require(backend, LSE, "cannot return the log-sum-exp (return_lse=True)")
-    if torch.is_grad_enabled():
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if t.requires_grad and not backend.supports(BACKWARD):
-                raise ValueError(f"{name} requires grad, but the {backend.name!r} backend has no backward pass")
-        if attn_mask is not None and attn_mask.requires_grad and backend.kernels:
+def _check_head_dims(backend: Backend, D: int, Dv: int) -> None:
+    low, high = backend.head_dims
+    for name, d in (("query/key", D), ("value", Dv)):
+        if not low <= d <= high:
             raise ValueError(
-                "attn_mask requires grad, but an attention mask gets no gradient from the "
-                f"{backend.name!r} backend; pass attn_mask.detach() (or use backend='torch')"
+                f"{name} head dim {d} is not supported by the {backend.name!r} backend: "
+                f"expected {low} <= head_dim <= {high}"
             )
-    if not backend.supports(OFFSETS64):
-        _check_offsets(backend, query=query, key=key, value=value, attn_mask=attn_mask,
-                       output=(Lq * Dv, 1))
-    if dropout_seed is not None:
-        _check_seed(backend, dropout_seed, query.device)
-    if backend.kernels:
-        _check_kernel_device(backend, query.device)
-
-    bottom_right = _check_alignment(alignment)
-    window = _check_window(window)
-    if softcap is not None:
-        softcap = _check_real("softcap", softcap)
-        if not softcap > 0.0:
-            raise ValueError(f"softcap must be a positive number (or None), got {softcap}")
-        _require(backend, SOFTCAP, "cannot soft-cap scores (softcap=)")
-    if sinks is not None:
-        _check_sinks(backend, sinks, H, query.device)
-    return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
-                window, bottom_right, softcap, sinks)
 
 
-def _require(backend: Backend, capability: str, lacking: str) -> None:
-    """A clear error when ``backend`` lacks ``capability``, naming the backends that have it."""
+# -- what the backend can do --------------------------------------------------------------
+
+def _require(backend: Backend, capability: str, lacking: str, argument: str, value) -> None:
+    """A clear error when ``backend`` lacks ``capability``: what it cannot do, the argument
+    and value that asked for it, and the backends that can."""
     if not backend.supports(capability):
-        usable = [name for name, b in BACKENDS.items() if b.supports(capability)]
-        raise ValueError(f"the {backend.name!r} backend {lacking}; use one of {', '.join(map(repr, usable))}")
+        usable = " or ".join(f"backend={name!r}" for name, b in BACKENDS.items() if b.supports(capability))
+        raise ValueError(f"the {backend.name!r} backend {lacking}, but the call passed {argument}"
+                         f"{_shown(value)}; use {usable}")
 
 
-def _check_sinks(backend: Backend, sinks, H: int, device) -> None:
-    _require(backend, SINKS, "has no attention sinks (sinks=)")
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
-    if sinks.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"sinks must be a float tensor (float16, bfloat16 or float32), got {_dtype_name(sinks.dtype)}")
-    if tuple(sinks.shape) != (H,):
-        raise ValueError(f"sinks must have shape ({H},): one logit per query head, got {tuple(sinks.shape)}")
-    if sinks.device != device:
-        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
+def _shown(value) -> str:
+    """A value as a message shows it after its argument's name: ``=5.0``, or a tensor's kind."""
+    if isinstance(value, torch.Tensor):
+        return f" (a {_dtype_name(value.dtype)} tensor of shape {tuple(value.shape)})"
+    return f"={value!r}"
 
 
-ALIGNMENTS = ("top_left", "bottom_right")
+def _check_capabilities(backend: Backend, query, key, value, attn_mask, return_lse: bool) -> None:
+    """The log-sum-exp and gradients asked for are ones the backend gives."""
+    if return_lse:
+        _require(backend, LSE, "cannot return the log-sum-exp", "return_lse", True)
+    if torch.is_grad_enabled():
+        _check_grad(backend, query, key, value, attn_mask)
 
 
-def _check_alignment(alignment) -> bool:
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment must be one of {', '.join(map(repr, ALIGNMENTS))}, got {alignment!r}")
-    return alignment == "bottom_right"
+def _check_grad(backend: Backend, query, key, value, attn_mask) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.requires_grad and not backend.supports(BACKWARD):
+            raise ValueError(f"{name} requires grad, but the {backend.name!r} backend has no backward pass")
+    if attn_mask is not None and attn_mask.requires_grad and backend.kernels:
+        raise ValueError(
+            "attn_mask requires grad, but an attention mask gets no gradient from the "
+            f"{backend.name!r} backend; pass attn_mask.detach() (or use backend='torch')"
+        )
 
 
-def _check_window(window):
-    if window is None:
-        return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be None or a pair (left, right) of ints, got {window!r}")
-    for side, n in zip(("left", "right"), window):
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"window's {side} bound must be an int (-1: unbounded), got {type(n).__name__}")
-        if n < -1:
-            raise ValueError(f"window's {side} bound must be >= 0, or -1 for unbounded, got {n}")
-    return None if window[0] == window[1] == -1 else (int(window[0]), int(window[1]))
-
-
-def span(t, first: int = 0) -> int:
-    """How many elements a tensor's indexing reaches from its start, its dimensions from
-    ``first`` on: 1 + the largest element offset they make."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape[first:], t.stride()[first:]))
-
-
-def slice_span(t) -> int:
-    """How many elements a tensor's indexing reaches within one index of its first two
-    dimensions (one batch and head of every tensor a call passes). A tuple ``(n, 1)`` stands
-    for a contiguous tensor still to be made whose part for one batch and head holds ``n``
-    elements."""
-    return t[0] if isinstance(t, tuple) else span(t, 2)
-
-
-def within_offsets(backend: Backend, *tensors) -> bool:
-    """Whether ``backend`` indexes these tensors (None: absent): a backend with 64-bit offsets
-    throughout any, one without each tensor whose part for one batch and head spans fewer than
-    OFFSET_LIMIT elements (:func:`slice_span`)."""
-    return backend.supports(OFFSETS64) or all(t is None or slice_span(t) < OFFSET_LIMIT for t in tensors)
-
-
-def _check_offsets(backend: Backend, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and slice_span(t) >= OFFSET_LIMIT:
+def _check_kernel_device(backend: Backend, device: torch.device) -> None:
+    """A kernel backend runs on CUDA tensors, or on CPU tensors under Triton's interpreter."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu":
+        if not backend.interpreted():
             raise ValueError(
-                f"the {backend.name!r} backend indexes within one batch and head with 32-bit offsets "
-                f"(NineToothed's generated code; its batch and head offsets are 64-bit), so each tensor's part "
-                f"for one batch and head must span fewer than 2**31 = {OFFSET_LIMIT} elements, but {name}'s "
-                f"spans {slice_span(t)}; use backend='triton', or split the call (e.g. over the sequence)"
+                f"the {backend.name!r} backend got CPU tensors but Triton is compiling for a GPU. "
+                "Move the tensors to CUDA, or run on the CPU under Triton's interpreter: set the "
+                "environment variable TRITON_INTERPRET=1 before starting Python (slow; for tests)"
             )
+        return
+    raise ValueError(f"the {backend.name!r} backend runs on CUDA devices (or the CPU interpreter), got {device}")
 
 
-def _check_seed(backend: Backend, seed, device: torch.device) -> None:
-    if not backend.kernels:
-        raise ValueError(
-            f"dropout_seed is not supported by the {backend.name!r} backend (SDPA draws its own dropout mask)"
-        )
-    if not isinstance(seed, torch.Tensor):
-        raise TypeError(f"dropout_seed must be a torch.Tensor or None, got {type(seed).__name__}")
-    if seed.dtype != torch.int64 or seed.numel() != 1:
-        raise ValueError(
-            f"dropout_seed must be an int64 tensor of one element, got {_dtype_name(seed.dtype)} "
-            f"of shape {tuple(seed.shape)}"
-        )
-    if seed.device != device:
-        raise ValueError(f"dropout_seed is on {seed.device} but query is on {device}")
+# -- attn_mask ----------------------------------------------------------------------------
+
+def _check_attn_mask(attn_mask, query, is_causal: bool, alignment, full_shape, unbatched: bool):
+    """``(mask, is_causal, alignment)``: a mask tensor as a (B, H, Lq, Lk) view, or a
+    CausalBias as the causal flag and alignment it means (and no mask)."""
+    if _is_causal_bias(attn_mask):
+        is_causal, alignment = _from_causal_bias(attn_mask, is_causal, alignment, *full_shape[2:])
+        return None, is_causal, alignment
+    return _check_mask(attn_mask, query, is_causal, full_shape, unbatched), is_causal, alignment
 
 
 def _is_causal_bias(attn_mask) -> bool:
     # Only a tensor subclass can be one, and only once its module is imported
-    # (importing it here would pull in torch._dynamo: a second at start-up).
+    # (importing it here would pull torch._dynamo into every start-up).
     if type(attn_mask) is torch.Tensor or "torch.nn.attention.bias" not in sys.modules:
         return False
     return isinstance(attn_mask, sys.modules["torch.nn.attention.bias"].CausalBias)
@@ -331,57 +327,141 @@ def _check_mask(attn_mask, query, is_causal, full_shape, unbatched) -> torch.Ten
     return attn_mask.expand(full_shape)
 
 
-def _check_kernel_device(backend: Backend, device: torch.device) -> None:
-    if device.type == "cuda":
-        return
-    if device.type == "cpu":
-        if not backend.interpreted():
-            raise ValueError(
-                f"the {backend.name!r} backend got CPU tensors but Triton is compiling for a GPU. "
-                "Move the tensors to CUDA, or run on the CPU under Triton's interpreter: set the "
-                "environment variable TRITON_INTERPRET=1 before starting Python (slow; for tests)"
-            )
-        return
-    raise ValueError(f"the {backend.name!r} backend runs on CUDA devices (or the CPU interpreter), got {device}")
+# -- dropout's seed, alignment, window, sinks ---------------------------------------------
 
+def _check_seed(backend: Backend, seed, device: torch.device) -> None:
+    if not backend.kernels:
+        raise ValueError(
+            f"dropout_seed is not supported by the {backend.name!r} backend (SDPA draws its own dropout mask)"
+        )
+    if not isinstance(seed, torch.Tensor):
+        raise TypeError(f"dropout_seed must be a torch.Tensor or None, got {type(seed).__name__}")
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(
+            f"dropout_seed must be an int64 tensor of one element, got {_dtype_name(seed.dtype)} "
+            f"of shape {tuple(seed.shape)}"
+        )
+    if seed.device != device:
+        raise ValueError(f"dropout_seed is on {seed.device} but query is on {device}")
+
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _check_alignment(alignment) -> bool:
+    """Whether query rows sit bottom-right."""
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {', '.join(map(repr, ALIGNMENTS))}, got {alignment!r}")
+    return alignment == "bottom_right"
+
+
+def _check_window(window):
+    """None, or ``(left, right)`` as ints; a window unbounded on both sides is None."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints, got {window!r}")
+    for side, n in zip(("left", "right"), window):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"window's {side} bound must be an int (-1: unbounded), got {type(n).__name__}")
+        if n < -1:
+            raise ValueError(f"window's {side} bound must be >= 0, or -1 for unbounded, got {n}")
+    return None if window[0] == window[1] == -1 else (int(window[0]), int(window[1]))
+
+
+def _check_sinks(backend: Backend, sinks, H: int, device) -> None:
+    _require(backend, SINKS, "has no attention sinks", "sinks", sinks)
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"sinks must be a float tensor (float16, bfloat16 or float32), got {_dtype_name(sinks.dtype)}")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(f"sinks must have shape ({H},): one logit per query head, got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
+
+
+# -- 32-bit offsets -----------------------------------------------------------------------
+
+def span(t, first: int = 0) -> int:
+    """How many elements a tensor's indexing reaches from its start, its dimensions from
+    ``first`` on: 1 + the largest element offset they make."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape[first:], t.stride()[first:]))
+
+
+def slice_span(t) -> int:
+    """How many elements a tensor's indexing reaches within one index of its first two
+    dimensions (one batch and head of every tensor a call passes). A tuple ``(n, 1)`` stands
+    for a contiguous tensor still to be made whose part for one batch and head holds ``n``
+    elements."""
+    return t[0] if isinstance(t, tuple) else span(t, 2)
+
+
+def within_offsets(backend: Backend, *tensors) -> bool:
+    """Whether ``backend`` indexes these tensors (None: absent): a backend with 64-bit offsets
+    throughout any, one without each tensor whose part for one batch and head spans fewer than
+    OFFSET_LIMIT elements (:func:`slice_span`)."""
+    return backend.supports(OFFSETS64) or all(t is None or slice_span(t) < OFFSET_LIMIT for t in tensors)
+
+
+def _check_offsets(backend: Backend, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and slice_span(t) >= OFFSET_LIMIT:
+            raise ValueError(
+                f"the {backend.name!r} backend indexes within one batch and head with 32-bit offsets "
+                f"(NineToothed's generated code; its batch and head offsets are 64-bit), so each tensor's part "
+                f"for one batch and head must span fewer than 2**31 = {OFFSET_LIMIT} elements, but {name}'s "
+                f"spans {slice_span(t)}; use backend='triton', or split the call (e.g. over the sequence)"
+            )
+
+
+# -- attention_backward -------------------------------------------------------------------
 
 def check_backward(backend: Backend, call: Call, grad_out, out, lse, grad_lse):
     """Check what :func:`common.attention_backward` takes besides the forward's
     arguments; return ``(grad_out, out, lse, grad_lse)`` in 4-D form."""
+    _check_backward_kernels(backend)
+    B, H, Lq, _ = call.query.shape
+    Dv = call.value.shape[3]
+    dtype = call.query.dtype
+    grad_out = _check_backward_tensor(call, "grad_out", grad_out, (B, H, Lq, Dv), dtype)
+    out = _check_backward_tensor(call, "out", out, (B, H, Lq, Dv), dtype)
+    lse = _check_backward_tensor(call, "lse", lse, (B, H, Lq), torch.float32)
+    if grad_lse is not None:
+        grad_lse = _check_backward_tensor(call, "grad_lse", grad_lse, (B, H, Lq), torch.float32)
+    if not backend.supports(OFFSETS64):
+        _check_offsets(backend, grad_out=grad_out, out=out, lse=lse, grad_lse=grad_lse)
+    if call.dropout_p > 0.0 and call.dropout_seed is None:
+        raise ValueError(
+            "dropout_p > 0 needs the forward's dropout_seed: the backward regenerates the forward's mask from it"
+        )
+    return grad_out, out, lse, grad_lse
+
+
+def _check_backward_kernels(backend: Backend) -> None:
+    """The backward is called directly: only a kernel backend with backward kernels has one."""
     if not (backend.kernels and backend.supports(BACKWARD)):
         usable = [name for name, b in BACKENDS.items() if b.kernels and b.supports(BACKWARD)]
         raise ValueError(
             f"the {backend.name!r} backend has no backward kernels to call directly; "
             f"use one of {', '.join(map(repr, usable))}"
         )
-    B, H, Lq, _ = call.query.shape
-    Dv = call.value.shape[3]
-    checked = []
-    for name, t, shape, dtype in (
-        ("grad_out", grad_out, (B, H, Lq, Dv), call.query.dtype),
-        ("out", out, (B, H, Lq, Dv), call.query.dtype),
-        ("lse", lse, (B, H, Lq), torch.float32),
-        ("grad_lse", grad_lse, (B, H, Lq), torch.float32),
-    ):
-        if t is None and name == "grad_lse":
-            checked.append(None)
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if call.unbatched and t.ndim == len(shape) - 1:
-            t = t.unsqueeze(0)
-        if tuple(t.shape) != shape:
-            expected = shape[1:] if call.unbatched else shape
-            raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape[call.unbatched:])}")
-        if t.dtype != dtype:
-            raise TypeError(f"{name} must have dtype {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
-        if t.device != call.query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {call.query.device}")
-        checked.append(t)
-    if not backend.supports(OFFSETS64):
-        _check_offsets(backend, grad_out=checked[0], out=checked[1], lse=checked[2], grad_lse=checked[3])
-    if call.dropout_p > 0.0 and call.dropout_seed is None:
-        raise ValueError(
-            "dropout_p > 0 needs the forward's dropout_seed: the backward regenerates the forward's mask from it"
-        )
-    return tuple(checked)
+
+
+def _check_backward_tensor(call: Call, name: str, t, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """One of the backward's tensors, of ``shape`` (less its batch dim for an unbatched
+    call), ``dtype`` and the query's device; returned with a batch dim."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if call.unbatched and t.ndim == len(shape) - 1:
+        t = t.unsqueeze(0)
+    if tuple(t.shape) != shape:
+        expected = shape[1:] if call.unbatched else shape
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape[call.unbatched:])}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {_dtype_name(dtype)}, got {_dtype_name(t.dtype)}")
+    if t.device != call.query.device:
+        raise ValueError(f"{name} is on {t.device} but query is on {call.query.device}")
+    return t

@@ -79,22 +79,8 @@ def varlen_attention(
     Raises:
         TypeError, ValueError: for bad input, before any kernel launches.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
-    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query)
-    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, query)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
-                         f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-            raise TypeError(f"{name} must be an int >= 0, got {n!r}")
-    if cu_q.numel() == 1 and (query.shape[0] or key.shape[0]):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k describe no sequence, but query or key holds tokens")
-
+    _check_packed(query, key, value)
+    cu_q, cu_k = _check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, query, key)
     chosen = resolve(backend)
     call = check_call(
         chosen, *(t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)),
@@ -153,6 +139,31 @@ def _padded_reference(backend, call, cu_q, cu_k, bands, max_q: int, max_k: int) 
     seq = (torch.searchsorted(cu_q, packed, right=True) - 1).clamp_(0, B - 1)
     position = (packed - cu_q[seq]).clamp_(0, max_q - 1)
     return out[seq, :, position]  # (total_q, H, Dv)
+
+
+def _check_packed(query, key, value) -> None:
+    """Packed tensors, 3-D (the rest of their checks are :func:`common.attention`'s)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
+
+
+def _check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, query, key):
+    """The sequences' lengths: two cumulative-length tensors of as many sequences, and the
+    maxima as ints. Returns the cumulative lengths."""
+    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query)
+    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, query)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
+                         f"{cu_q.numel() - 1} and {cu_k.numel() - 1}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise TypeError(f"{name} must be an int >= 0, got {n!r}")
+    if cu_q.numel() == 1 and (query.shape[0] or key.shape[0]):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k describe no sequence, but query or key holds tokens")
+    return cu_q, cu_k
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

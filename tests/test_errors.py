@@ -179,14 +179,32 @@ def test_unknown_backend(qkv):
 
 
 def test_unknown_backend_from_environment(qkv, monkeypatch):
+    """A bad name from ATTENTION_BACKEND says where it came from: the call itself named none."""
     monkeypatch.setenv("ATTENTION_BACKEND", "nope")
-    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        attention(*qkv)
+    expected = (r"unknown attention backend 'nope' \(from the environment variable ATTENTION_BACKEND\); "
+                "expected one of 'triton', 'ninetoothed', 'torch'")
+    for call in (lambda: attention(*qkv), lambda: attention(*qkv, softcap=2.0)):  # the plain path and the full one
+        with pytest.raises(ValueError, match=expected):
+            call()
+    with pytest.raises(ValueError, match=r"unknown attention backend 'cudnn'; expected"):  # a keyword's own name
+        attention(*qkv, backend="cudnn")
 
 
-def test_torch_backend_has_no_lse(qkv):
-    with pytest.raises(ValueError, match="'torch' backend cannot return the log-sum-exp"):
-        attention(*qkv, backend="torch", return_lse=True)
+@pytest.mark.parametrize("kwargs, message", [
+    (lambda device: dict(return_lse=True),
+     "the 'torch' backend cannot return the log-sum-exp, but the call passed return_lse=True; "
+     "use backend='triton' or backend='ninetoothed'"),
+    (lambda device: dict(softcap=5.0),
+     "the 'torch' backend cannot soft-cap scores, but the call passed softcap=5.0; "
+     "use backend='triton' or backend='ninetoothed'"),
+    (lambda device: dict(sinks=torch.zeros(4, device=device)),
+     r"the 'torch' backend has no attention sinks, but the call passed sinks \(a float32 tensor of shape \(4,\)\); "
+     "use backend='triton' or backend='ninetoothed'"),
+], ids=["return_lse", "softcap", "sinks"])
+def test_missing_capability_names_argument_and_value(qkv, kwargs, message, device):
+    """A backend without a feature says which argument and value asked for it, and which backends have it."""
+    with pytest.raises(ValueError, match=message):
+        attention(*qkv, backend="torch", **kwargs(device))
 
 
 def test_cpu_tensors_without_interpreter(backend, monkeypatch):
@@ -207,3 +225,38 @@ def test_interpreted_while_another_thread_imports(backend, monkeypatch, interpre
     monkeypatch.setitem(sys.modules, BACKENDS[backend].module, types.ModuleType("half-imported"))
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     assert BACKENDS[backend].interpreted() is (interpret == "1")
+
+
+def test_paged_cpu_tensors_without_interpreter():
+    """paged_attention and append_kv on CPU tensors, Triton compiling for a GPU: the same one
+    clear error as attention(), raised before a backend module is even imported. Run in a
+    process without the interpreter's switch (this one has it on)."""
+    import os
+    import subprocess
+
+    code = (
+        "import sys, torch, common\n"
+        "q = torch.randn(1, 2, 1, 16)\n"
+        "cache = torch.zeros(2, 16, 2, 16)\n"
+        "table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)\n"
+        "calls = {'paged_attention': lambda b: common.paged_attention(q, cache, cache, table, lens, backend=b),\n"
+        "         'append_kv': lambda b: common.append_kv(cache, cache, table, lens, q, q, backend=b)}\n"
+        "for backend in ('triton', 'ninetoothed'):\n"
+        "    for name, call in calls.items():\n"
+        "        try:\n"
+        "            call(backend)\n"
+        "            print(name, backend, 'no error')\n"
+        "        except ValueError as error:\n"
+        "            print(name, backend, error)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('impl_')))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 5, result.stdout
+    for line, (backend, name) in zip(lines, [(b, n) for b in ("triton", "ninetoothed")
+                                             for n in ("paged_attention", "append_kv")]):
+        assert line.startswith(f"{name} {backend} the {backend!r} backend got CPU tensors"), line
+        assert "set the environment variable TRITON_INTERPRET=1" in line, line
+    assert lines[-1] == "[]"  # no backend was loaded, so nothing was launched
