@@ -9,6 +9,7 @@ Three fixes make the interpreter run our kernels, all for reasons outside our
 code, a fourth makes it faster, and a fifth types integers as a compiled kernel
 does. :func:`apply_interpreter_fixes` applies them; it is a no-op unless the
 interpreter is on, so a GPU run never sees them.
+Each reaches the interpreter through ``common.compat``.
 
 1. Triton's interpreter keeps bfloat16 values as their uint16 bit patterns and
    its ``tl.dot`` multiplies those patterns as integers (triton-lang/triton
@@ -46,6 +47,8 @@ from __future__ import annotations
 
 import functools
 import os
+
+from common import compat
 
 _ENV = "TRITON_INTERPRET"
 _OVERFLOW_CHECKS = "TWIN_ATTENTION_OVERFLOW_CHECKS"
@@ -95,16 +98,6 @@ class _StandInDriver:
         return 0
 
 
-def _has_real_driver() -> bool:
-    import triton
-
-    try:
-        triton.runtime.driver.active.get_current_device()
-    except Exception:  # noqa: BLE001 - Triton raises RuntimeError("0 active drivers ...") here
-        return False
-    return True
-
-
 def _normalize_ty_with_full_constexpr_spelling(original):
     @functools.wraps(original)
     def normalize(ty):
@@ -112,7 +105,6 @@ def _normalize_ty_with_full_constexpr_spelling(original):
             ty = ty.strip().removeprefix("triton.language.")
         return original(ty)
 
-    normalize.__wrapped_by_twin_attention__ = True
     return normalize
 
 
@@ -127,7 +119,6 @@ def _bf16_dot_widening(original):
             b = self.cast_impl(b, tl.float32)
         return original(self, a, b, d, *args, **kwargs)
 
-    create_dot.__wrapped_by_twin_attention__ = True
     return create_dot
 
 
@@ -139,19 +130,12 @@ def apply_interpreter_fixes() -> bool:
     """
     if not interpreter_requested():
         return False
-    import triton
-    import triton.runtime.interpreter as interpreter
-    import triton.runtime.jit as jit
-
-    builder = interpreter.InterpreterBuilder
-    if not getattr(builder.create_dot, "__wrapped_by_twin_attention__", False):
-        builder.create_dot = _bf16_dot_widening(builder.create_dot)
-    if not _has_real_driver():
-        triton.runtime.driver.set_active(_StandInDriver())
-    if not getattr(jit._normalize_ty, "__wrapped_by_twin_attention__", False):
-        jit._normalize_ty = _normalize_ty_with_full_constexpr_spelling(jit._normalize_ty)
-    _without_overflow_checks(interpreter)
-    _annotated_integers(interpreter)
+    compat.wrap_interpreter_dot(_bf16_dot_widening)
+    if not compat.has_active_driver():
+        compat.set_active_driver(_StandInDriver())
+    compat.wrap_annotation_normaliser(_normalize_ty_with_full_constexpr_spelling)
+    _without_overflow_checks(compat.interpreter_builder())
+    _annotated_integers()
     return True
 
 
@@ -159,44 +143,39 @@ class _Int64(int):
     """An integer argument the interpreter must pass as int64 (fix 5)."""
 
 
-def _annotated_integers(interpreter) -> None:
+def _annotated_integers() -> None:
     """Fix 5: an integer argument of a parameter annotated int64 reaches the interpreted
     kernel as an int64 scalar, as it reaches a compiled one."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.jit as jit
 
-    run = interpreter.InterpretedFunction.run
-    if getattr(run, "__wrapped_by_twin_attention__", False):
-        return
-    implicit_cvt = interpreter._implicit_cvt
+    def typed_conversion(implicit_cvt):
+        def cvt(arg):
+            return compat.int64_scalar(int(arg)) if type(arg) is _Int64 else implicit_cvt(arg)
 
-    def cvt(arg):
-        if type(arg) is _Int64:
-            return tl.tensor(interpreter.TensorHandle(np.array([int(arg)], dtype=np.int64), tl.int64), tl.int64)
-        return implicit_cvt(arg)
+        return cvt
 
-    @functools.wraps(run)
-    def typed_run(self, *args, **kwargs):
-        annotations = getattr(self.fn, "__annotations__", None) or {}
-        wide = {name for name, ty in annotations.items() if jit._normalize_ty(ty) == "i64"}
-        if wide:
-            args = tuple(_Int64(a) if type(a) is int and name in wide else a for name, a in zip(self.arg_names, args))
-            kwargs = {name: _Int64(a) if type(a) is int and name in wide else a for name, a in kwargs.items()}
-        return run(self, *args, **kwargs)
+    def typed_launch(run):
+        @functools.wraps(run)
+        def typed_run(self, *args, **kwargs):
+            annotations = getattr(self.fn, "__annotations__", None) or {}
+            wide = {name for name, ty in annotations.items() if compat.normalized_annotation(ty) == "i64"}
+            if wide:
+                args = tuple(_Int64(a) if type(a) is int and name in wide else a
+                             for name, a in zip(self.arg_names, args))
+                kwargs = {name: _Int64(a) if type(a) is int and name in wide else a for name, a in kwargs.items()}
+            return run(self, *args, **kwargs)
 
-    typed_run.__wrapped_by_twin_attention__ = True
-    interpreter._implicit_cvt = cvt
-    interpreter.InterpretedFunction.run = typed_run
+        return typed_run
+
+    compat.wrap_implicit_conversion(typed_conversion)
+    compat.wrap_interpreted_run(typed_launch)
 
 
-def _without_overflow_checks(interpreter) -> None:
-    """Fix 4: no int32 overflow assertion after every integer +, - and * (the
-    interpreter's default; compiled kernels have it only with ``debug=True``), unless
-    TWIN_ATTENTION_OVERFLOW_CHECKS=1 asks for it."""
+def _without_overflow_checks(builder) -> None:
+    """Fix 4: no int32 overflow assertion after every integer +, - and * in the kernels that
+    ``builder`` (the interpreter's) runs (the interpreter's default; compiled kernels have it only
+    with ``debug=True``), unless TWIN_ATTENTION_OVERFLOW_CHECKS=1 asks for it."""
     import dataclasses
 
-    builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
     if os.environ.get(_OVERFLOW_CHECKS, "0") == "1" or not getattr(options, "sanitize_overflow", False):
         return

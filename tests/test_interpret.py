@@ -30,20 +30,18 @@ def test_overflow_checks_off_unless_asked(monkeypatch):
     import dataclasses
     import types
 
-    import triton.runtime.interpreter as interpreter
-
-    from common import interpret
+    from common import compat, interpret
 
     apply_interpreter_fixes()
-    assert interpreter.interpreter_builder.options.sanitize_overflow is False
-    fake = types.SimpleNamespace(interpreter_builder=types.SimpleNamespace(
-        options=dataclasses.replace(interpreter.interpreter_builder.options, sanitize_overflow=True)))
+    builder = compat.interpreter_builder()
+    assert builder.options.sanitize_overflow is False
+    fake = types.SimpleNamespace(options=dataclasses.replace(builder.options, sanitize_overflow=True))
     monkeypatch.setenv("TWIN_ATTENTION_OVERFLOW_CHECKS", "1")
     interpret._without_overflow_checks(fake)
-    assert fake.interpreter_builder.options.sanitize_overflow is True
+    assert fake.options.sanitize_overflow is True
     monkeypatch.delenv("TWIN_ATTENTION_OVERFLOW_CHECKS")
     interpret._without_overflow_checks(fake)
-    assert fake.interpreter_builder.options.sanitize_overflow is False
+    assert fake.options.sanitize_overflow is False
 
 
 def test_ninetoothed_can_make_a_kernel():
@@ -77,3 +75,4 @@ def test_dot_of_half_precision_tiles(dtype):
     c = torch.full((16, 16), float("nan"))
     matmul16[(1,)](a, b, c)
     torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-5)
+
