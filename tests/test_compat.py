@@ -206,6 +206,29 @@ def test_triton_interpreter_builder():
 
 
 @interpreter_only
+def test_triton_interpreter_conversions_go_through_cast_impl():
+    """wrap_interpreter_cast (fix 6): .to(tl.bfloat16) and a store into a bfloat16 tensor reach
+    InterpreterBuilder.cast_impl, so both round once fixed."""
+    import triton
+
+    from common.interpret import apply_interpreter_fixes
+
+    apply_interpreter_fixes()
+
+    @triton.jit
+    def convert(X, Y, Z):
+        x = tl.load(X)
+        tl.store(Y, x.to(tl.bfloat16))
+        tl.store(Z, x)
+
+    x = torch.tensor([0.99999994])
+    y, z = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
+    convert[(1,)](x, y, z)
+    _holds(y.item() == 1.0, "triton", "x.to(tl.bfloat16) under the interpreter converts with cast_impl")
+    _holds(z.item() == 1.0, "triton", "a store into a bfloat16 tensor under the interpreter converts with cast_impl")
+
+
+@interpreter_only
 def test_triton_interpreter_annotations_and_arguments():
     """wrap_annotation_normaliser / normalized_annotation / wrap_interpreted_run /
     wrap_implicit_conversion / int64_scalar: the JIT's annotation normaliser is read at each use,
