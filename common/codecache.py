@@ -28,6 +28,8 @@ import pathlib
 import stat
 import tempfile
 
+from common import compat
+
 ENV_VAR = "TWIN_ATTENTION_CACHE_DIR"
 
 
@@ -93,9 +95,7 @@ def _cache_source(source: str) -> pathlib.Path:
     """NineToothed's ``cache_source``, with the file written under a temporary
     name and renamed into place (a rename within one directory is atomic), and
     named by :func:`source_key`."""
-    import ninetoothed.generation as generation
-
-    directory = pathlib.Path(generation.CACHE_DIR)
+    directory = pathlib.Path(compat.code_cache_dir())
     path = directory / f"{source_key(source)}.py"
     if not path.exists():
         fd, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".py")
@@ -118,20 +118,14 @@ def number_tensors_from_zero() -> None:
     had other names and another parameter order than the same kernel made first: another source,
     another file here, and a miss in Triton's cache of compiled kernels (keyed by the source), so
     a new process compiled again every kernel it did not make in the same order as the last one.
-    Counted from zero for each kernel, the source depends on the kernel alone. (The count is a
-    class attribute of NineToothed's ``Tensor``; a version without it is left as it is.)"""
-    from ninetoothed import Tensor
-
-    if isinstance(getattr(Tensor, "num_instances", None), int):
-        Tensor.num_instances = 0
+    Counted from zero for each kernel, the source depends on the kernel alone
+    (:func:`common.compat.restart_tensor_count`; a version without that count is left as it is)."""
+    compat.restart_tensor_count()
 
 
 def use_private_cache() -> pathlib.Path:
     """Point NineToothed's code generation at :func:`cache_dir`, checked private,
     with atomic writes. Call before each ``ninetoothed.make``; returns the directory."""
-    import ninetoothed.generation as generation
-
     directory = ensure_private(cache_dir())
-    generation.CACHE_DIR = directory
-    generation.cache_source = _cache_source
+    compat.use_code_cache(directory, _cache_source)
     return directory

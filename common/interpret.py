@@ -6,9 +6,10 @@ us: before ``impl_triton`` is imported, or before ``ninetoothed.make`` runs).
 :func:`use_interpreter_if_no_gpu` sets it on machines without a CUDA device.
 
 Three fixes make the interpreter run our kernels, all for reasons outside our
-code, a fourth makes it faster, and a fifth types integers as a compiled kernel
-does. :func:`apply_interpreter_fixes` applies them; it is a no-op unless the
-interpreter is on, so a GPU run never sees them.
+code, a fourth makes it faster, and a fifth and a sixth make it type integers and
+round bfloat16 as a compiled kernel does. :func:`apply_interpreter_fixes` applies
+them; it is a no-op unless the interpreter is on, so a GPU run never sees them.
+Each reaches the interpreter through ``common.compat``.
 
 1. Triton's interpreter keeps bfloat16 values as their uint16 bit patterns and
    its ``tl.dot`` multiplies those patterns as integers (triton-lang/triton
@@ -40,12 +41,21 @@ interpreter is on, so a GPU run never sees them.
    NineToothed's batch and head strides so for a launch past 2^31 elements
    (``common.launch._rejitted``); we make the interpreter pass such an argument as
    int64 too, so that the CPU suite runs what the GPU compiles.
+6. A GPU converts float32 to bfloat16 rounding to nearest, ties to even (``.to``,
+   and a store into a bfloat16 tensor); Triton's interpreter (3.9) truncates
+   (0.99999994 gives 0.99609375 where the GPU and torch give 1.0), which would
+   make the CPU suite's bfloat16 results differ from the GPU's. We round as the
+   GPU does, with inf and NaN kept, where the installed interpreter does not
+   already (checked by converting a few values once). Its float16 conversions
+   (NumPy's) round correctly already.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+
+from common import compat
 
 _ENV = "TRITON_INTERPRET"
 _OVERFLOW_CHECKS = "TWIN_ATTENTION_OVERFLOW_CHECKS"
@@ -95,16 +105,6 @@ class _StandInDriver:
         return 0
 
 
-def _has_real_driver() -> bool:
-    import triton
-
-    try:
-        triton.runtime.driver.active.get_current_device()
-    except Exception:  # noqa: BLE001 - Triton raises RuntimeError("0 active drivers ...") here
-        return False
-    return True
-
-
 def _normalize_ty_with_full_constexpr_spelling(original):
     @functools.wraps(original)
     def normalize(ty):
@@ -112,7 +112,6 @@ def _normalize_ty_with_full_constexpr_spelling(original):
             ty = ty.strip().removeprefix("triton.language.")
         return original(ty)
 
-    normalize.__wrapped_by_twin_attention__ = True
     return normalize
 
 
@@ -127,7 +126,6 @@ def _bf16_dot_widening(original):
             b = self.cast_impl(b, tl.float32)
         return original(self, a, b, d, *args, **kwargs)
 
-    create_dot.__wrapped_by_twin_attention__ = True
     return create_dot
 
 
@@ -139,19 +137,13 @@ def apply_interpreter_fixes() -> bool:
     """
     if not interpreter_requested():
         return False
-    import triton
-    import triton.runtime.interpreter as interpreter
-    import triton.runtime.jit as jit
-
-    builder = interpreter.InterpreterBuilder
-    if not getattr(builder.create_dot, "__wrapped_by_twin_attention__", False):
-        builder.create_dot = _bf16_dot_widening(builder.create_dot)
-    if not _has_real_driver():
-        triton.runtime.driver.set_active(_StandInDriver())
-    if not getattr(jit._normalize_ty, "__wrapped_by_twin_attention__", False):
-        jit._normalize_ty = _normalize_ty_with_full_constexpr_spelling(jit._normalize_ty)
-    _without_overflow_checks(interpreter)
-    _annotated_integers(interpreter)
+    compat.wrap_interpreter_dot(_bf16_dot_widening)
+    if not compat.has_active_driver():
+        compat.set_active_driver(_StandInDriver())
+    compat.wrap_annotation_normaliser(_normalize_ty_with_full_constexpr_spelling)
+    _without_overflow_checks(compat.interpreter_builder())
+    _annotated_integers()
+    _bf16_rounding()
     return True
 
 
@@ -159,45 +151,91 @@ class _Int64(int):
     """An integer argument the interpreter must pass as int64 (fix 5)."""
 
 
-def _annotated_integers(interpreter) -> None:
+def _annotated_integers() -> None:
     """Fix 5: an integer argument of a parameter annotated int64 reaches the interpreted
     kernel as an int64 scalar, as it reaches a compiled one."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.jit as jit
 
-    run = interpreter.InterpretedFunction.run
-    if getattr(run, "__wrapped_by_twin_attention__", False):
-        return
-    implicit_cvt = interpreter._implicit_cvt
+    def typed_conversion(implicit_cvt):
+        def cvt(arg):
+            return compat.int64_scalar(int(arg)) if type(arg) is _Int64 else implicit_cvt(arg)
 
-    def cvt(arg):
-        if type(arg) is _Int64:
-            return tl.tensor(interpreter.TensorHandle(np.array([int(arg)], dtype=np.int64), tl.int64), tl.int64)
-        return implicit_cvt(arg)
+        return cvt
 
-    @functools.wraps(run)
-    def typed_run(self, *args, **kwargs):
-        annotations = getattr(self.fn, "__annotations__", None) or {}
-        wide = {name for name, ty in annotations.items() if jit._normalize_ty(ty) == "i64"}
-        if wide:
-            args = tuple(_Int64(a) if type(a) is int and name in wide else a for name, a in zip(self.arg_names, args))
-            kwargs = {name: _Int64(a) if type(a) is int and name in wide else a for name, a in kwargs.items()}
-        return run(self, *args, **kwargs)
+    def typed_launch(run):
+        @functools.wraps(run)
+        def typed_run(self, *args, **kwargs):
+            annotations = getattr(self.fn, "__annotations__", None) or {}
+            wide = {name for name, ty in annotations.items() if compat.normalized_annotation(ty) == "i64"}
+            if wide:
+                args = tuple(_Int64(a) if type(a) is int and name in wide else a
+                             for name, a in zip(self.arg_names, args))
+                kwargs = {name: _Int64(a) if type(a) is int and name in wide else a for name, a in kwargs.items()}
+            return run(self, *args, **kwargs)
 
-    typed_run.__wrapped_by_twin_attention__ = True
-    interpreter._implicit_cvt = cvt
-    interpreter.InterpretedFunction.run = typed_run
+        return typed_run
+
+    compat.wrap_implicit_conversion(typed_conversion)
+    compat.wrap_interpreted_run(typed_launch)
 
 
-def _without_overflow_checks(interpreter) -> None:
-    """Fix 4: no int32 overflow assertion after every integer +, - and * (the
-    interpreter's default; compiled kernels have it only with ``debug=True``), unless
-    TWIN_ATTENTION_OVERFLOW_CHECKS=1 asks for it."""
+def _without_overflow_checks(builder) -> None:
+    """Fix 4: no int32 overflow assertion after every integer +, - and * in the kernels that
+    ``builder`` (the interpreter's) runs (the interpreter's default; compiled kernels have it only
+    with ``debug=True``), unless TWIN_ATTENTION_OVERFLOW_CHECKS=1 asks for it."""
     import dataclasses
 
-    builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
     if os.environ.get(_OVERFLOW_CHECKS, "0") == "1" or not getattr(options, "sanitize_overflow", False):
         return
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def bf16_bits(values):
+    """float32 ``values`` (a NumPy array) as bfloat16 bit patterns (uint16), rounded to nearest,
+    ties to even, as a GPU converts them; an overflow rounds to inf, and a NaN stays a NaN (the
+    canonical one, 0x7FFF)."""
+    import numpy as np
+
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FFF), rounded)
+
+
+_BF16_PROBE = (0.99999994, -0.99999994, 1.00390625, 1.01171875, -3.4e38)  # truncation and rounding differ
+
+
+def _interpreter_rounds_bf16(cast=None) -> bool:
+    """Whether ``cast`` (float32 NumPy array -> bfloat16 bit patterns; by default this Triton's
+    interpreter's conversion) already converts as :func:`bf16_bits` does (ties to even, NaN kept)."""
+    import numpy as np
+    import triton.language as tl
+
+    if cast is None:
+        def cast(values):
+            return compat.interpreter_cast(values, tl.float32, tl.bfloat16)
+
+    probe = np.array([*_BF16_PROBE, float("nan")], dtype=np.float32)
+    probe[-1:].view(np.uint32)[:] = 0x7F800001  # a NaN whose payload truncation loses
+    converted = np.asarray(cast(probe)).view(np.uint16)
+    nan = converted[-1]
+    return bool(np.array_equal(converted[:-1], bf16_bits(probe[:-1])) and (nan & 0x7F80) == 0x7F80 and nan & 0x7F)
+
+
+def _bf16_rounding() -> None:
+    """Fix 6: the interpreter's float32 -> bfloat16 conversions round to nearest even
+    (:func:`bf16_bits`), where a version that truncates them is installed."""
+    if _interpreter_rounds_bf16():
+        return
+    import triton.language as tl
+
+    def rounded(cast_impl):
+        @functools.wraps(cast_impl)
+        def cast(self, src, dst_type):
+            if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
+                return compat.interpreter_handle(bf16_bits(src.data).reshape(src.data.shape), tl.bfloat16)
+            return cast_impl(self, src, dst_type)
+
+        return cast
+
+    compat.wrap_interpreter_cast(rounded)

@@ -23,18 +23,14 @@ through it.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import inspect
 import operator
-import textwrap
 import threading
-import types
 
 import torch
 import triton
-from triton.runtime.interpreter import InterpretedFunction
 
+from common import compat
 from common.interpret import apply_interpreter_fixes
 from common.outputs import stream_key
 
@@ -89,12 +85,12 @@ class CachedLauncher:
         self._by_value: dict = {}
         self._by_class: dict = {}
         self._roles = None  # (tensor getter, scalar getter, each scalar's kind), set on the first call
-        names = [p.name for p in getattr(fn, "params", ()) if p.is_constexpr]
+        names = [name for name, _, constexpr, _ in compat.jit_parameters(fn) if constexpr]
         # the constexprs in signature order, from the keywords (the parameters after the runtime
         # ones; the interpreter's function has no params, so its names come from its arguments)
         self._constexprs = operator.itemgetter(*names) if len(names) > 1 else (
             (lambda kw, n=names[0]: (kw[n],)) if names else (lambda kw: ()))
-        self._arg_names = tuple(getattr(fn, "arg_names", ()))
+        self._arg_names = compat.jit_arg_names(fn)
 
     def __call__(self, grid, *args, num_warps: int, num_stages: int, maxnreg: int | None = None,
                  **constexprs) -> None:
@@ -141,9 +137,7 @@ class CachedLauncher:
         tensors, scalars = self._roles[0](args), self._roles[1](args)
         layout = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
         kernel = self._by_value.get((scalars, layout, num_warps, num_stages, maxnreg, torch.cuda.current_device()))
-        metadata = getattr(kernel, "metadata", None)
-        if kernel is None or getattr(metadata, "global_scratch_size", 0) or getattr(
-                metadata, "profile_scratch_size", 0):
+        if kernel is None or compat.needs_launch_scratch(kernel):
             return None
         return kernel
 
@@ -177,8 +171,9 @@ class CachedLauncher:
     def _split_roles(self, args):
         tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         scalar_at = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
-        constexpr_at = {p.num for p in self.fn.params if p.is_constexpr}
-        loose_at = {p.num for p in self.fn.params if getattr(p, "do_not_specialize", False)}
+        params = compat.jit_parameters(self.fn)
+        constexpr_at = {num for _, num, constexpr, _ in params if constexpr}
+        loose_at = {num for _, num, _, loose in params if loose}
         # itemgetter of one index returns the item, not a 1-tuple
         tensors = operator.itemgetter(*tensor_at) if len(tensor_at) > 1 else (
             lambda a, i=tensor_at[0]: (a[i],))
@@ -246,17 +241,10 @@ class BoundKernel:
         """Launch ``kernel`` (``kernels[key]``, a compiled kernel) with ``args``, every argument
         positional and each tensor as its address (an int): Triton's launcher takes an int as it
         is, where a tensor costs a ``data_ptr()`` call and a CUDA driver query (the pointer's
-        attributes) per launch; our tensors are checked CUDA tensors already. Where no launch
-        hook is registered (a profiler's) and this Triton's compiled-kernel launch has the form
-        :func:`direct_launches` knows, its launcher is called as ``kernel[grid](*args)`` would
-        call it, without the launch metadata and the empty hook chains (Python calls per
-        launch that do nothing then)."""
-        if _direct and not _hooked():
-            grid = self.grid
-            kernel.run(grid[0], grid[1], grid[2], _raw_stream(_current_device()), kernel.function,
-                       kernel.packed_metadata, None, None, None, *args)
-        else:
-            kernel[self.grid](*args)
+        attributes) per launch; our tensors are checked CUDA tensors already. Where this Triton's
+        compiled-kernel launch has the form :func:`common.compat.direct_launcher` knows, its
+        runner is called directly while no launch hook is registered."""
+        _launch_compiled(kernel, self.grid, args)
 
     def launch_new(self, args, key) -> None:
         """Launch through the launcher (compiling where needed; ``args`` every argument positional,
@@ -268,34 +256,13 @@ class BoundKernel:
             self.kernels[key] = kernel
 
 
-def direct_launches() -> bool:
-    """Whether Triton's compiled-kernel launch (``CompiledKernel.__getitem__``) is the one read
-    here: its runner calls ``self.run(grid[0], grid[1], grid[2], stream, self.function,
-    self.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` (triton 3.6-3.9), and
-    its hooks are chains whose ``calls`` say whether any is registered. Read once, from the
-    source; False for any other form (the launch then goes through ``kernel[grid]``)."""
-    try:
-        from triton import knobs
-        from triton.compiler.compiler import CompiledKernel
-
-        source = " ".join(inspect.getsource(CompiledKernel.__getitem__).split())
-    except (ImportError, AttributeError, OSError, TypeError):
-        return False
-    expected = ("self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, launch_metadata, "
-                "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)")
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return expected in source and all(isinstance(getattr(h, "calls", None), list) for h in hooks)
+def _through_getitem(kernel, grid, args) -> None:
+    kernel[grid](*args)
 
 
-def _hooked() -> bool:
-    """A launch hook is registered (e.g. by a profiler): launches go through Triton's own path."""
-    runtime = triton.knobs.runtime
-    return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
-
-
-_current_device = torch.cuda.current_device
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_direct = _raw_stream is not None and direct_launches()
+# A compiled kernel's launch: its runner called directly where this Triton's launch has the
+# form compat knows (and CUDA exists), else Triton's own ``kernel[grid](*args)``.
+_launch_compiled = compat.direct_launcher() or _through_getitem
 
 
 def inputs_aligned(tensors) -> bool:
@@ -367,7 +334,7 @@ class _RoutedKernel:
 
 def routed_kernel(handle) -> _RoutedKernel | None:
     """The :class:`_RoutedKernel` that ``handle``'s generated launcher launches, or None."""
-    routed = [value for value in getattr(getattr(handle, "_launch", None), "__globals__", {}).values()
+    routed = [value for value in (compat.generated_namespace(handle) or {}).values()
               if isinstance(value, _RoutedKernel)]
     return routed[0] if len(routed) == 1 else None
 
@@ -377,47 +344,22 @@ _described: dict = {}  # generated launcher -> launcher_arguments(launcher)
 
 def launcher_arguments(launch) -> tuple | None:
     """What each argument of the one kernel launch inside a NineToothed-generated launcher
-    (``kernel[grid](...)``) is, read from its source: ``("input", i)`` (the launcher's i-th
-    parameter, a tensor or a scalar), ``("size", i, d)`` / ``("stride", i, d)`` (of that
-    parameter) or ``("fixed",)`` (anything else: the constexprs). None where the source does
-    not have that form (another NineToothed version). Read once per launcher."""
+    (``kernel[grid](...)``) is (:func:`common.compat.read_generated_launch`): ``("input", i)``,
+    ``("size", i, d)``, ``("stride", i, d)`` or ``("fixed",)`` (the constexprs). None where the
+    source does not have that form. Read once per launcher."""
     described = _described.get(launch)
     if described is None:
-        described = _described[launch] = _read_launcher(launch) or False
+        described = _described[launch] = compat.read_generated_launch(launch) or False
     return described or None
-
-
-def _read_launcher(launch) -> tuple | None:
-    try:
-        (function,) = ast.parse(textwrap.dedent(inspect.getsource(launch))).body
-    except (OSError, TypeError, SyntaxError, ValueError):
-        return None
-    if not isinstance(function, ast.FunctionDef):
-        return None
-    params = {arg.arg: i for i, arg in enumerate(function.args.args)}
-    calls = [node for node in ast.walk(function) if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)]
-    if len(calls) != 1 or any(isinstance(arg, ast.Starred) for arg in calls[0].args):
-        return None
-    described = []
-    for arg in calls[0].args:
-        if isinstance(arg, ast.Name) and arg.id in params:
-            described.append(("input", params[arg.id]))
-        elif (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr in ("size", "stride")
-              and isinstance(arg.func.value, ast.Name) and arg.func.value.id in params and len(arg.args) == 1
-              and not arg.keywords and isinstance(arg.args[0], ast.Constant) and type(arg.args[0].value) is int):
-            described.append((arg.func.attr, params[arg.func.value.id], arg.args[0].value))
-        else:
-            described.append(("fixed",))
-    return tuple(described)
 
 
 def route_generated_launch(handle, loose=(), maxnreg: int | None = None, wide_strides: bool = False):
     """Route the kernel launch of a ``ninetoothed.make`` handle through a :class:`CachedLauncher`.
 
     NineToothed generates a Python launcher that reads every size and stride
-    and calls ``kernel[grid](...)``, Triton's full dispatch, on each call. The
-    handle keeps the generated launcher (``_launch``) and kernel (``_kernel``);
-    replacing the kernel's name in the launcher's globals leaves the generated
+    and calls ``kernel[grid](...)``, Triton's full dispatch, on each call.
+    Replacing the kernel's name in the launcher's globals
+    (:func:`common.compat.replace_launched_kernel`) leaves the generated
     code as it is and only changes how its one launch is done (under the
     interpreter, where the launcher's cache is off, only the recording of the
     last launch: :meth:`_RoutedKernel.last`). ``loose`` names the arguments the kernel is not
@@ -427,14 +369,15 @@ def route_generated_launch(handle, loose=(), maxnreg: int | None = None, wide_st
     only our launch path can pass, is then not applied: it changes the kernel's speed, never
     its result).
     """
-    launch, kernel = getattr(handle, "_launch", None), getattr(handle, "_kernel", None)
-    if not isinstance(kernel, (triton.runtime.JITFunction, InterpretedFunction)) or not hasattr(launch, "__globals__"):
+    generated = compat.generated_launch(handle)
+    if generated is None:
         return handle
-    names = [name for name, value in launch.__globals__.items() if value is kernel]
-    if len(names) == 1:
-        if loose or wide_strides:
-            kernel = _rejitted(kernel, launch, frozenset(loose), wide_strides)
-        launch.__globals__[names[0]] = _RoutedKernel(kernel, maxnreg)
+    launch, kernel = generated
+    if loose or wide_strides:
+        rejitted = _rejitted(kernel, launch, frozenset(loose), wide_strides)
+    else:
+        rejitted = kernel
+    compat.replace_launched_kernel(launch, kernel, _RoutedKernel(rejitted, maxnreg))
     return handle
 
 
@@ -463,25 +406,25 @@ def _rejitted(kernel, launch, loose, wide_strides):
     vector width (16-bit loads in place of 16-byte copies). Every stride but the last also
     made ptxas serialise the backward's warpgroup products."""
     described = launcher_arguments(launch)
-    arg_names = getattr(kernel, "arg_names", None)
-    if described is None or arg_names is None or len(described) != len(arg_names):
+    arg_names = compat.jit_arg_names(kernel)
+    if described is None or not arg_names or len(described) != len(arg_names):
         return kernel
     names = [name for name, role in zip(arg_names, described) if role in loose]
+    wide = _wide_strides(arg_names, described) if wide_strides else []
+    if not names and not wide:
+        return kernel
+    if wide:
+        apply_interpreter_fixes()  # (the interpreter reads the annotations with its fix 5 only)
+    return compat.rejit(kernel, do_not_specialize=names, int64=wide)
+
+
+def _wide_strides(arg_names, described) -> list:
+    """The names of the stride arguments of each tensor's first two dimensions, never its last."""
     last = {}  # each tensor parameter's last dimension
     for role in described:
         if role[0] == "stride":
             last[role[1]] = max(last.get(role[1], 0), role[2])
-    wide = [name for name, role in zip(arg_names, described)
-            if wide_strides and role[0] == "stride" and role[2] < min(2, last[role[1]])]
-    if not names and not wide:
-        return kernel
-    fn = kernel.fn
-    if wide:  # a copy of the function, with the annotations Triton's JIT reads
-        apply_interpreter_fixes()  # (the interpreter reads them with our fix 5 only)
-        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        fn.__annotations__ = {**kernel.fn.__annotations__, **dict.fromkeys(wide, "int64")}
-        fn.__qualname__, fn.__module__, fn.__doc__ = kernel.fn.__qualname__, kernel.fn.__module__, kernel.fn.__doc__
-    return triton.jit(fn, do_not_specialize=names)
+    return [name for name, role in zip(arg_names, described) if role[0] == "stride" and role[2] < min(2, last[role[1]])]
 
 
 def define_constants(handle, constants: dict) -> None:
@@ -496,5 +439,8 @@ def define_constants(handle, constants: dict) -> None:
     """
     import triton.language as tl
 
-    namespace = handle._launch.__globals__
+    namespace = compat.generated_namespace(handle)
+    if namespace is None:
+        raise TypeError(f"{handle!r} has no generated module to define constants in: a ninetoothed.make handle of a "
+                        f"form common.compat does not know")
     namespace.update({name: tl.constexpr(value) for name, value in constants.items()})

@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from common.compat import cuda_raw_stream
+
 
 def _empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
@@ -55,7 +57,7 @@ def stream_key(device: torch.device) -> tuple:
     """(device, current stream of that device): what may run at once with a launch made now."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return index, torch._C._cuda_getCurrentRawStream(index)
+        return index, cuda_raw_stream(index)
     return device.type, 0
 
 

@@ -30,20 +30,18 @@ def test_overflow_checks_off_unless_asked(monkeypatch):
     import dataclasses
     import types
 
-    import triton.runtime.interpreter as interpreter
-
-    from common import interpret
+    from common import compat, interpret
 
     apply_interpreter_fixes()
-    assert interpreter.interpreter_builder.options.sanitize_overflow is False
-    fake = types.SimpleNamespace(interpreter_builder=types.SimpleNamespace(
-        options=dataclasses.replace(interpreter.interpreter_builder.options, sanitize_overflow=True)))
+    builder = compat.interpreter_builder()
+    assert builder.options.sanitize_overflow is False
+    fake = types.SimpleNamespace(options=dataclasses.replace(builder.options, sanitize_overflow=True))
     monkeypatch.setenv("TWIN_ATTENTION_OVERFLOW_CHECKS", "1")
     interpret._without_overflow_checks(fake)
-    assert fake.interpreter_builder.options.sanitize_overflow is True
+    assert fake.options.sanitize_overflow is True
     monkeypatch.delenv("TWIN_ATTENTION_OVERFLOW_CHECKS")
     interpret._without_overflow_checks(fake)
-    assert fake.interpreter_builder.options.sanitize_overflow is False
+    assert fake.options.sanitize_overflow is False
 
 
 def test_ninetoothed_can_make_a_kernel():
@@ -77,3 +75,74 @@ def test_dot_of_half_precision_tiles(dtype):
     c = torch.full((16, 16), float("nan"))
     matmul16[(1,)](a, b, c)
     torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-5)
+
+
+def _bf16_cases() -> torch.Tensor:
+    """float32 values whose truncation to bfloat16 and rounding to nearest even differ, or that
+    a conversion may mishandle: ties either way, near the largest bfloat16, subnormals, inf, NaN."""
+    one_ulp = 2.0**-7  # bfloat16's spacing in [1, 2)
+    named = [
+        0.99999994, -0.99999994,  # just below 1: rounds to 1.0, truncates to 0.99609375
+        1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -(1 + one_ulp / 2), -(1 + 3 * one_ulp / 2),  # ties: to even
+        1 + one_ulp / 2 + 2.0**-20, 1 + one_ulp / 2 - 2.0**-20,  # just above, just below halfway
+        3.3895313892515355e38, 3.3961e38, 3.3967e38, -3.3967e38, 3.4028235e38,  # max, below / above halfway to inf
+        1e-40, -1e-40, 2.0**-133 * 3, 1.1754942e-38,  # subnormals
+        0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"),
+    ]
+    bits = torch.tensor([0x7F800001, 0x7FC00001, 0x7FFFFFFF, 0x3F807FFF, 0x3F808000, 0x3F818000, 0x3F81FFFF],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)  # NaNs of low payload; exact bit cases
+    spread = torch.randn(200) * torch.logspace(-30, 30, 200)
+    return torch.cat([torch.tensor(named, dtype=torch.float32), bits, spread])
+
+
+def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan), "NaN not kept (or made)"
+    kind = torch.int16
+    mismatched = (actual.view(kind) != expected.view(kind)) & ~nan
+    assert not mismatched.any(), list(zip(actual[mismatched].tolist(), expected[mismatched].tolist()))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # NumPy's float16, to inf
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_converts_to_half_precision_as_torch_does(dtype):
+    """Fix 6: float32 -> bfloat16 under the interpreter rounds to nearest even, as a GPU (and torch)
+    does, with inf and NaN kept, by ``.to`` and by a store into a bfloat16 tensor, bit for bit
+    with ``x.to(torch.bfloat16)`` but for NaN payloads; float16 conversions did so already."""
+    import triton
+    import triton.language as tl
+
+    apply_interpreter_fixes()
+
+    @triton.jit
+    def convert(X, Y, Z, n, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        x = tl.load(X + r, mask=r < n)
+        tl.store(Y + r, x.to(Y.dtype.element_ty), mask=r < n)  # explicit
+        tl.store(Z + r, x, mask=r < n)  # implicit, on store
+
+    x = _bf16_cases()
+    explicit, implicit = (torch.full_like(x, float("nan"), dtype=dtype) for _ in range(2))
+    convert[(1,)](x, explicit, implicit, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    expected = x.to(dtype)
+    _same_bits(explicit, expected)
+    _same_bits(implicit, expected)
+    if dtype == torch.bfloat16:
+        assert explicit[0].item() == 1.0  # 0.99999994, which truncation makes 0.99609375
+
+
+def test_bf16_rounding_applies_only_where_the_interpreter_truncates():
+    """The fix's check tells a truncating conversion from a rounding one, so a Triton whose
+    interpreter rounds already is left as it is; the installed interpreter rounds once fixed."""
+    import numpy as np
+
+    from common import interpret
+
+    apply_interpreter_fixes()
+
+    def truncating(values):
+        return (np.ascontiguousarray(values, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    assert interpret._interpreter_rounds_bf16(truncating) is False
+    assert interpret._interpreter_rounds_bf16(interpret.bf16_bits) is True
+    assert interpret._interpreter_rounds_bf16() is True

@@ -351,14 +351,16 @@ def test_a_plans_register_cap_reaches_each_backends_launch(device):
     assert (routed_kernel(capped).maxnreg, routed_kernel(plain).maxnreg) == (96, None)
 
 
-def test_a_bound_launch_calls_tritons_launcher_directly(monkeypatch):
+def test_a_bound_launch_calls_tritons_launcher_directly():
     """A bound launch of a known compiled kernel calls its launcher as ``kernel[grid](*args)``
     would (grid, the current stream, the kernel's function and metadata, then the arguments),
     with no launch metadata and no hooks, while none is registered; with one registered (a
-    profiler's), through ``kernel[grid]``, which calls it. This Triton's launch has the form read."""
+    profiler's), through ``kernel[grid]``, which calls it. Bound launches take that path wherever
+    CUDA exists (this Triton's launch has the form read: tests/test_compat.py)."""
     from triton import knobs
 
-    assert launch.direct_launches()  # (the Triton installed here; the GPU's 3.6 was read too)
+    from common import compat
+
     calls = []
 
     class Compiled:
@@ -370,11 +372,8 @@ def test_a_bound_launch_calls_tritons_launcher_directly(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args: calls.append(("getitem", grid, args))
 
-    monkeypatch.setattr(launch, "_direct", True)
-    monkeypatch.setattr(launch, "_current_device", lambda: 3)
-    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1000 + device)
-    bound = launch.BoundKernel(None, (5, 2, 1), 4, 3)
-    bound.run_compiled(Compiled(), (11, 12))
+    direct = compat.direct_launcher(current_device=lambda: 3, raw_stream=lambda device: 1000 + device)
+    direct(Compiled(), (5, 2, 1), (11, 12))
     assert calls == [("run", (5, 2, 1, 1003, "function", ("metadata",), None, None, None, 11, 12))]
 
     def hook(metadata):
@@ -382,10 +381,17 @@ def test_a_bound_launch_calls_tritons_launcher_directly(monkeypatch):
 
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        bound.run_compiled(Compiled(), (11, 12))
+        direct(Compiled(), (5, 2, 1), (11, 12))
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert calls[1] == ("getitem", (5, 2, 1), (11, 12))
+    assert compat.direct_launcher(raw_stream=None) is None  # no CUDA: Triton's own launch
+    bound = launch.BoundKernel(None, (5, 2, 1), 4, 3)
+    bound.run_compiled(Compiled(), (13,))
+    if compat.cuda_raw_stream is None:
+        assert calls[2] == ("getitem", (5, 2, 1), (13,))
+    else:
+        assert calls[2][0] == "run" and calls[2][1][:3] == (5, 2, 1) and calls[2][1][-1] == 13
 
 
 def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monkeypatch):
