@@ -5,7 +5,9 @@ the backend (``common.backends``), then either the backend's registered
 operator (``common.ops``; when an input needs a gradient or ``torch.compile``
 is tracing) or, where nobody is watching, the same operator body called
 directly. The body plans the call (``common.plan``) and the backend launches
-its kernels for that plan.
+its kernels for that plan. A plain call (no mask, dropout, window, soft-capping
+or sinks) runs the plan kept for its layout (``common.reuse.PLANS``), made by
+the first call of that layout: later ones neither validate nor plan again.
 """
 
 from __future__ import annotations
@@ -205,10 +207,8 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
     the full path must run."""
     if torch.compiler.is_compiling():  # first: torch.compile traces none of the rest
         return None
-    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
-            or type(is_causal) is not bool or type(enable_gqa) is not bool or type(return_lse) is not bool
-            or not (scale is None or type(scale) is float)):
-        return None  # subclasses, and arguments whose validation may fail on a type equal in value
+    if not _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse):
+        return None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None
     chosen = resolve(backend)
@@ -225,6 +225,14 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
                                                         return_lse=return_lse, backend=chosen.name))
         PLANS.put(layout, plan)
     return plan.results(query, key, value)
+
+
+def _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse) -> bool:
+    """Plain tensors and arguments of exact types: not subclasses, nor values whose validation
+    may fail on a type that compares equal (True for 1.0, 1 for True)."""
+    return (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
+            and type(is_causal) is bool and type(enable_gqa) is bool and type(return_lse) is bool
+            and (scale is None or type(scale) is float))
 
 
 def _needs_grad(call) -> bool:

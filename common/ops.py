@@ -9,9 +9,10 @@ backward one. ``torch.compile`` sees each operator as one opaque node (it never
 traces into our Triton code), autograd sees one differentiable function.
 
 :func:`forward` and :func:`backward` are the operators' bodies: plan, launch,
-return. :mod:`common.dispatch` calls them directly where neither autograd nor
-a compiler is watching (no input needs a gradient, not compiling), which
-spares the operator dispatch on every call of a user's inference loop.
+return. :mod:`common.dispatch` calls :func:`forward` directly where neither
+autograd nor a compiler is watching (no input needs a gradient, not compiling),
+and a plain call's layout seen before runs its kept plan (``common.reuse``):
+either spares the operator dispatch on every call of a user's inference loop.
 """
 
 import contextlib

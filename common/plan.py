@@ -14,15 +14,18 @@ made once, here, and a backend keeps only what its programming model needs
 - every output buffer, allocated once (NaN-poisoned under the tests' switch).
 
 :func:`make_forward` plans a forward call, :func:`make_backward` a backward
-one; both take a :class:`common.validation.Call`.
+one; both take a :class:`common.validation.Call`. The rules they follow are the
+methods of a :class:`Planner`, whose fields are the rules' settings: a value a
+test or a benchmark builds and plans with (:func:`use_planner`). A plan kept for
+later calls of its layout is ``common.reuse``'s.
 
 Short queries: with few query rows (decoding: Lq = 1 or a few speculative
 tokens), one program per block of rows of one head starves the GPU twice
 over: every query head of a grouped-query group re-reads the same K/V head,
 and there are only B·H programs, each walking all of Lk on one SM.
-:func:`pack_gqa` cures the first without touching a kernel (the GROUP query
+``Planner.pack_gqa`` cures the first without touching a kernel (the GROUP query
 heads that share a K/V head become GROUP·Lq rows of one head, a view);
-:func:`plan_splits` cures the second (the keys cut into ``num_splits`` ranges
+``Planner.splits`` cures the second (the keys cut into ``num_splits`` ranges
 of ``blocks_per_split`` key blocks, one program each, each writing a partial
 output and its log-sum-exp, then merged: ``o = sum_s exp(lse_s - lse) o_s`` with
 ``lse = log(sum_s exp(lse_s))``; by the last program of each row block to finish

@@ -28,10 +28,11 @@ import dataclasses
 
 import torch
 
+from common import ops
 from common import plan as planning
 from common.backends import OFFSETS64, resolve
 from common.configs import length_key
-from common.ops import _on_device, _quiet
+from common.ops import _on_device
 from common.outputs import allocator, partials
 from common.validation import OFFSET_LIMIT, check_call, span
 
@@ -197,7 +198,7 @@ class AttentionPlan:
         return results
 
     def _launch_plan(self, plan):
-        with _quiet(self.backend):
+        with ops._quiet(self.backend):
             return plan.results(*self.backend.load().forward(plan))
 
     def _bind(self, plan, keys: bool = False):
@@ -236,7 +237,7 @@ class AttentionPlan:
                 return bound(query, key, value, blocks_per_split)
         with _on_device(query.device):
             plan = self._rebind(query, key, value, other_keys=True)
-            with _quiet(self.backend):
+            with ops._quiet(self.backend):
                 launched = self._launch_growing(plan)
             return plan.results(plan.out, plan.lse) if launched else self._launch_plan(plan)
 

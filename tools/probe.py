@@ -939,6 +939,7 @@ def gqa_bwd():
 def host_python():
     import common.launch as launch
     import common.ops as ops
+    import common.reuse as reuse
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -960,12 +961,13 @@ def host_python():
             k, v = grow(k, v)
             caches.append((k, v))
         launches = [0]
-        saved = launch.BoundKernel.launch_new, launch.BoundKernel.run_compiled, ops._quiet
+        saved = launch.BoundKernel.launch_new, launch.BoundKernel.run_compiled, ops._quiet, reuse._quiet_interpreter
 
         def stub(self, args, key_or_kernel):  # (a bound launch calls one of the two, with its arguments built)
             launches[0] += 1
         launch.BoundKernel.launch_new = launch.BoundKernel.run_compiled = stub
         ops._quiet = lambda backend: contextlib.nullcontext()  # a GPU runs no NumPy: nothing to quiet
+        reuse._quiet_interpreter = contextlib.nullcontext
         try:
             loops = []
             for _ in range(6):
@@ -974,7 +976,7 @@ def host_python():
                     attention(q, k_, v_, enable_gqa=True, backend=backend)
                 loops.append((time.perf_counter() - start) / len(caches) * 1e6)
         finally:
-            launch.BoundKernel.launch_new, launch.BoundKernel.run_compiled, ops._quiet = saved
+            launch.BoundKernel.launch_new, launch.BoundKernel.run_compiled, ops._quiet, reuse._quiet_interpreter = saved
         loops = sorted(loops[1:])  # (the first loop warms up)
         print(f"{backend}: our Python per decode step {loops[2]:.1f} us (loops {', '.join(f'{t:.1f}' for t in loops)});"
               f" stubbed launches per step {launches[0] / 6 / len(caches):.2f}", flush=True)
