@@ -39,7 +39,7 @@ import functools
 
 import torch
 
-from common.backends import OFFSETS64, TMA
+from common.backends import OFFSETS64
 from common.configs import BackwardConfig, Config, length_key, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
 from common.outputs import allocator, partials
@@ -184,7 +184,6 @@ class ForwardPlan:
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
     kernel_merge: bool = False  # split: the Triton kernel merges its own splits (KERNEL_MERGE_MAX, _MIN_BYTES)
-    tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
     resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
 
     @property
@@ -389,7 +388,6 @@ def _plan_launch(plan: ForwardPlan, backend, resume=None) -> None:
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     if plan.num_splits > 1 and not partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv):
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
-    plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
     plan.merge = plan_merge(rows, plan.num_splits, interpreted, plan.block_dv) if plan.num_splits > 1 else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
@@ -552,10 +550,7 @@ def launch_bound(bound: BoundLaunch, query, key, value, blocks_per_split: int | 
 def reuse_key():
     """What, besides a call's arguments and layout, :func:`make_forward` decides by: the
     switches of this module and of the config tables (tests, ``tune`` and the probes set
-    them). None while a plan must not be reused at all (forced descriptors: their use
-    depends on the tensors' addresses)."""
-    if _forced_tma.get():
-        return None
+    them)."""
     return (_forced_splits.get(), configs_override(), PROGRAMS_PER_SM, PROGRAMS_PER_SM_WIDE, MIN_SPLIT_KEYS,
             PACK_MAX_LQ, KERNEL_MERGE_MAX, KERNEL_MERGE_MIN_BYTES, MERGE_SPLITS,
             ONE_STAGE_SPLIT_ROWS)
@@ -582,7 +577,7 @@ def template_of(plan: ForwardPlan, call) -> ForwardTemplate:
     """The template of a plan made by :func:`make_forward` for ``call`` (no mask, dropout, sinks,
     packed sequences or running result: those hold tensors of their own)."""
     assert plan.attn_mask is None and plan.seed is None and plan.sinks is None and plan.row_bands is None
-    assert not plan.resume and not plan.tma  # descriptors depend on the tensors' addresses
+    assert not plan.resume
     query_view = tuple(plan.query.shape) if plan.query.shape != call.query.shape else None
     key_length = plan.key.shape[2] if plan.key.shape[2] != call.key.shape[2] else None
     return ForwardTemplate(tuple(tensorless_fields(plan)), query_view, key_length)
@@ -634,55 +629,6 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.grad_key = alloc(k.shape, k.dtype, k.device)
     plan.grad_value = alloc(v.shape, v.dtype, v.device)
     return plan
-
-
-# -- Hopper: tensor descriptors -----------------------------------------------------
-
-_forced_tma: contextvars.ContextVar[bool | None] = contextvars.ContextVar("forced_tma", default=None)
-
-
-@contextlib.contextmanager
-def force_tma(tma: bool):
-    """Inside the block, the Triton forward loads Q, K and V through tensor
-    descriptors (``tma``) or not, wherever the tensors allow it (:func:`tma_fits`);
-    under the interpreter too. Off by default: see :func:`use_tma`. For tests and benchmarks."""
-    token = _forced_tma.set(bool(tma))
-    try:
-        yield
-    finally:
-        _forced_tma.reset(token)
-
-
-def use_tma(backend, query, key, value) -> bool:
-    """Whether a forward launch loads through tensor descriptors: no, unless forced.
-
-    Measured on the H200 (``tools/probe.py tma``, triton 3.6, bf16, D 64 and 128,
-    L 1k-16k, causal or not, and decode; BENCHMARKS.md): descriptors made on the
-    device (three per program) ran at 0.86-1.00x of our pointer loads with the same
-    tile and at best 0.94-1.00x with the best of six tiles, worst at L = 1024, where
-    each program walks few key blocks. Warp specialisation (``tl.range(...,
-    warp_specialize=True)`` over the unmasked loop, with the descriptors) changed
-    nothing at 8 warps and failed to compile at 4. Descriptors made on the host, one
-    per tensor (``benchmarks/experiments/tma_host.patch``), ran at 0.93-1.01x of the
-    pointer loads with the table's tile (2026-12-01): not adopted either."""
-    forced = _forced_tma.get()
-    return bool(forced) and backend.supports(TMA) and tma_fits(query, key, value)
-
-
-def tma_fits(*tensors: torch.Tensor) -> bool:
-    """Whether a kernel may read each (B, H, L, D) tensor through a descriptor of one
-    head's (L, D) matrix: the head dim contiguous, a 16-byte aligned start, and every
-    other stride that a program's start or a row step uses a non-zero multiple of 16
-    bytes (the tensor memory accelerator's rules)."""
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(3) != 1 or t.data_ptr() % 16:
-            return False
-        if t.stride(2) <= 0 or t.stride(2) * size % 16:
-            return False
-        if any(n > 1 and stride * size % 16 for n, stride in zip(t.shape[:2], t.stride()[:2])):
-            return False
-    return True
 
 
 # -- short queries: grouped-query packing and split keys ------------------------------

@@ -194,7 +194,7 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr, BANDE
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
-    k_tiles, v_tiles, mask_ptrs,
+    k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
     offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, off_hz,
     dropout_p,
@@ -202,16 +202,13 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
     MASKED: the blocks may hold keys past Lk or, when BANDED, outside a row's
     band (row i sees keys i + band_lo .. i + band_hi); mask them. Unmasked blocks skip every comparison. DROPOUT: the
-    row sums take every probability, the output only the kept ones. TMA: k_tiles
-    and v_tiles are tensor descriptors of this head's keys and values (tiles past
-    Lk or HEAD_DIM read as 0, like the masked loads), else pointers to the first
-    tile.
+    row sums take every probability, the output only the kept ones.
     """
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
@@ -219,10 +216,7 @@ def _attn_fwd_inner(
         start_n = tl.multiple_of(j * BLOCK_N, BLOCK_N)
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
-        if TMA:
-            k = k_tiles.load([start_n, 0])
-        else:
-            k = _load_tile(k_tiles + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+        k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
@@ -268,11 +262,7 @@ def _attn_fwd_inner(
         if DROPOUT:
             keep = _dropout_keep(seed, off_hz, offs_m, offs_kn, dropout_p)
             p = tl.where(keep, p, 0.0)
-        if TMA:
-            v = v_tiles.load([start_n, 0])
-        else:
-            v = _load_tile(v_tiles + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED,
-                           BLOCK_DV != HEAD_DIM_V)
+        v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -307,7 +297,7 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, TMA: tl.constexpr, RESUME: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, RESUME: tl.constexpr,
     MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
@@ -348,25 +338,13 @@ def _attn_fwd(
 
     mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m.to(tl.int64)[:, None] * stride_mm
                  + offs_n.to(tl.int64)[None, :] * stride_mn)
-    if TMA:
-        # Hopper's tensor memory accelerator: one descriptor per head (innermost
-        # stride 1, the others 16-byte multiples: common.plan.tma_fits); it fills
-        # rows and columns past the head's end with 0, as the masked loads do.
-        q_tiles = tl.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[Lq, HEAD_DIM],
-                                            strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
-        q = q_tiles.load([start_m * BLOCK_M, 0])
-        k_tiles = tl.make_tensor_descriptor(K + off_z * stride_kz + off_h_kv * stride_kh, shape=[Lk, HEAD_DIM],
-                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_tiles = tl.make_tensor_descriptor(V + off_z * stride_vz + off_h_kv * stride_vh, shape=[Lk, HEAD_DIM_V],
-                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
-    else:
-        q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
-                  + offs_d[None, :] * stride_qd)
-        q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        k_tiles = (K + off_z * stride_kz + off_h_kv * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn
-                   + offs_d[None, :] * stride_kd)
-        v_tiles = (V + off_z * stride_vz + off_h_kv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
-                   + offs_dv[None, :] * stride_vd)
+    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_ptrs = (K + off_z * stride_kz + off_h_kv * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kn
+              + offs_d[None, :] * stride_kd)
+    v_ptrs = (V + off_z * stride_vz + off_h_kv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
+              + offs_dv[None, :] * stride_vd)
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     seed = 0
@@ -401,22 +379,22 @@ def _attn_fwd(
                                                BANDED)
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_tiles, v_tiles, mask_ptrs, stride_kn, stride_vn, stride_mn,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
             offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
-            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
         )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_tiles, v_tiles, mask_ptrs, stride_kn, stride_vn, stride_mn,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False,
-        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_tiles, v_tiles, mask_ptrs, stride_kn, stride_vn, stride_mn,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
-        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, TMA,
+        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
     )
 
     if WITH_LSE:
@@ -1011,7 +989,7 @@ if INTERPRETED:
     apply_interpreter_fixes()
 
 # compiled kernels, launched without Triton's per-call dispatch
-_fwd_launcher = CachedLauncher(_attn_fwd, scratch=True)  # TMA: descriptors made on the device
+_fwd_launcher = CachedLauncher(_attn_fwd)
 _dq_launcher = CachedLauncher(_attn_bwd_dq)
 _dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
 _merge_launcher = CachedLauncher(_merge_kernel)
@@ -1097,7 +1075,7 @@ def _forward_launch(plan) -> tuple:
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
-        TMA=plan.tma, RESUME=plan.resume, MERGE_LSE=plan.with_lse,
+        RESUME=plan.resume, MERGE_LSE=plan.with_lse,
     ))
     grid = (plan.m_blocks * B * H, plan.num_splits, 1)
     return grid, args, config.num_warps, config.num_stages, config.maxnreg, counts

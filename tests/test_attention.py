@@ -448,45 +448,6 @@ def test_split_partials_per_thread(device, monkeypatch):
     assert len(outputs._scratch) == 2
 
 
-# -- Hopper's tensor descriptors (the Triton kernel's optional TMA loads) --------------
-TMA_CASES = [
-    Case(1, 2, 70, 130, 80, Dv=48, causal=True),  # ragged rows and keys, head dims padded by the descriptor
-    Case(2, 8, 1, 700, 64, H_kv=2),  # packed decode, split below
-    Case(1, 4, 30, 45, 64, H_kv=2, layout="transposed", mask="additive-empty-rows", mask_shape="B1LqLk",
-         dtype=bf16, scale=-0.5),
-]
-
-
-@pytest.mark.parametrize("case", params(TMA_CASES))
-def test_tensor_descriptors(case, device):
-    """The Triton forward's descriptor loads (off by default, forced here) give SDPA's output."""
-    from common.backends import get_backend
-    from common.plan import force_splits, force_tma, make_forward
-    from common.validation import check_call
-
-    q, k, v, mask = make_inputs(case, device)
-    kwargs = sdpa_kwargs(case, mask)
-    with force_tma(True), force_splits(3 if case.Lq == 1 else 1):
-        call = check_call(get_backend("triton"), q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=case.causal,
-                          scale=case.scale, enable_gqa=case.enable_gqa, return_lse=False)
-        planned = make_forward(call, get_backend("triton"), with_lse=False)
-        assert planned.tma
-        out = attention(q, k, v, backend="triton", **kwargs)
-    check_output(out, q, k, v, **kwargs)
-
-
-def test_tensor_descriptor_rules():
-    """Descriptors only where the strides allow them: the head dim contiguous, other steps 16-byte multiples."""
-    from common.plan import tma_fits
-
-    t = torch.randn(2, 3, 40, 64, dtype=f16)
-    assert tma_fits(t, t.transpose(1, 2).contiguous().transpose(1, 2))
-    assert not tma_fits(torch.randn(2, 3, 40, 128, dtype=f16)[..., ::2])  # head dim strided
-    assert not tma_fits(torch.randn(2, 3, 40, 60, dtype=f16))  # rows of 120 bytes
-    assert tma_fits(torch.randn(1, 1, 40, 64, dtype=f16)[:, :, :, :])
-    assert not tma_fits(torch.randn(40 * 64 + 1, dtype=f16)[1:].view(1, 1, 40, 64))  # not 16-byte aligned
-
-
 def test_split_merge_in_the_kernel(device, monkeypatch):
     """The Triton kernel merges its own splits (the last program of each row block to finish, one
     launch): the right answer, and its counters back at 0 for the next launch; a larger launch gets

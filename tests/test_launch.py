@@ -171,30 +171,6 @@ def test_a_register_cap_compiles_a_kernel_of_its_own(monkeypatch):
     assert routed.fn.options == [{"num_warps": 4, "num_stages": 3, "maxnreg": 96}]
 
 
-def test_scratch_allocator_for_the_launch_only(monkeypatch):
-    """A kernel that may need global scratch memory (tensor descriptors made on the device) gets
-    Triton's allocator set to torch's for its launches, and the caller's setting back afterwards."""
-    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
-    seen = []
-
-    class RecordingJIT(FakeJIT):
-        def __getitem__(self, grid):
-            run = super().__getitem__(grid)
-
-            def recording(*args, **options):
-                seen.append(launch._ALLOCATOR.get())
-                return run(*args, **options)
-            return recording
-
-    fn = RecordingJIT(constexpr_positions={3})
-    launcher = launch.CachedLauncher(fn, scratch=True)
-    launcher.enabled = True
-    before = launch._ALLOCATOR.get()
-    launcher((4, 1, 1), torch.zeros(64), 64, 0.5, num_warps=4, num_stages=3, arg3=128)
-    assert seen == [launch._torch_scratch]
-    assert launch._ALLOCATOR.get() is before
-
-
 def test_one_dimensional_and_callable_grids(fake):
     """NineToothed's generated launchers pass grid=lambda meta: (n,)."""
     fn, launcher = fake
