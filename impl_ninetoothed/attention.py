@@ -1185,22 +1185,15 @@ _made: dict = {}
 _make_lock = threading.Lock()
 
 
-# Whether every kernel takes its batch and head strides as 64-bit integers (True), or only a
-# launch whose tensors span 2^31 elements or more (False: :func:`_wide`). Either way a tensor
-# past 2^31 elements runs, each batch and head under it (common.validation.slice_span); what
-# differs is the code of every other launch (common.launch._rejitted). Every kernel wide lost
-# on the H200: the backward by 3-20%, the D 128 L 16k forward by 12% (benchmarks/NOTES.md,
-# "nt-offsets64 on the H200 and merged").
-WIDE_STRIDES = False
-
-
 def _wide(*tensors) -> bool:
-    """Whether a launch of these tensors (None: absent) takes 64-bit batch and head strides:
-    always with WIDE_STRIDES, else where one of them lies in a storage of 2^31 elements or more
+    """Whether a launch of these tensors (None: absent) takes 64-bit batch and head strides
+    (``common.launch._rejitted``): where one of them lies in a storage of 2^31 elements or more
     (what its indexing can reach is within its storage: a bound at 0.15 µs a tensor, where
-    ``common.validation.span`` takes 1.5, on a path a decode step takes)."""
-    return WIDE_STRIDES or any(
-        t is not None and t.untyped_storage().nbytes() >= OFFSET_LIMIT * t.element_size() for t in tensors)
+    ``common.validation.span`` takes 1.5, on a path a decode step takes). Every other launch
+    keeps 32-bit strides: made wide, every kernel ran slower (benchmarks/NOTES.md, "nt-offsets64
+    on the H200 and merged"); each batch and head stays under 2^31 elements either way
+    (``common.validation.slice_span``)."""
+    return any(t is not None and t.untyped_storage().nbytes() >= OFFSET_LIMIT * t.element_size() for t in tensors)
 
 
 def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | None = None, wide: bool = False):
