@@ -52,6 +52,7 @@ from ninetoothed import Tensor
 from common.codecache import number_tensors_from_zero, use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
+from common.jit_helpers import JIT_HELPERS, _cap_factors, _dropout_keep, _in_band, _key_stages, _tanh
 from common.launch import (
     BoundKernel,
     define_constants,
@@ -194,86 +195,6 @@ def _group_rows(x, group, n_blocks, block_m, block_d=None):
 
 
 # -- forward ---------------------------------------------------------------------------------
-
-@triton.jit
-def _dropout_keep(seed, head, rows, keys, dropout_p):
-    """Which scores dropout keeps: (M, N) for rows (M,) and consecutive keys (N,),
-    as ``_dropout_keep`` of the Triton kernel: one Philox-4x32-10 draw per four
-    keys of a row, counted by (key // 4, row, batch·heads + head, 0), its i-th
-    output for key 4·(key // 4) + i, kept when its top 24 bits as a uniform in
-    [0, 1) are >= dropout_p.
-
-    A ``@triton.jit`` helper, not a plain one: NineToothed copies it into each
-    generated module as it is (``_make`` defines ``tl`` there), whereas its
-    inliner gives a value-returning plain helper, called inside an inlined
-    loop, the same temporary name as the loop helper's own result (a "loop
-    carried variable changed type" compile error on the GPU).
-    """
-    M: tl.constexpr = rows.shape[0]
-    N: tl.constexpr = keys.shape[0]
-    quads = tl.min(tl.reshape(keys, (N // 4, 4)), 1) // 4  # each run of four keys starts at a multiple of 4
-    zero = rows[:, None] * 0 + quads[None, :] * 0  # int32, (M, N / 4)
-    r0, r1, r2, r3 = tl.philox(seed, quads[None, :] + zero, rows[:, None] + zero, (head + zero).to(tl.int32), zero)
-    # join stacks on a new last axis: [q, a, b] is join(join(r0, r2), join(r1, r3))[q, a, b] = r_(2a + b)
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (M, N))  # output i for key 4q + i
-    return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
-
-
-@triton.jit
-def _tanh(x, APPROX: triton.language.constexpr):
-    """tanh(x). APPROX: the GPU's tanh.approx.f32 (one special-function op); otherwise
-    1 - 2 / (e^(2x) + 1) from exp2, which saturates to +-1 and runs on every target
-    and the interpreter."""
-    if APPROX:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
-    return t
-
-
-@triton.jit
-def _cap_factors(scale, softcap, SOFTCAP: triton.language.constexpr):
-    """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
-    cap_in = 0.0
-    cap_out = 0.0
-    if SOFTCAP:
-        cap_in = scale / softcap
-        cap_out = softcap * LOG2E
-    return cap_in, cap_out
-
-
-@triton.jit
-def _in_band(rows, keys, band_lo, band_hi):
-    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi (band_lo and
-    band_hi: scalars, or (M,) vectors of per-row offsets)."""
-    return (keys[None, :] >= (rows + band_lo)[:, None]) & (keys[None, :] <= (rows + band_hi)[:, None])
-
-
-@triton.jit
-def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
-                BLOCK_N: triton.language.constexpr, BANDED: triton.language.constexpr):
-    """Key-block bounds for these rows within blocks [lo, hi): (first, full_lo,
-    full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
-    edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
-    key outside [first, end). (Read with rows and keys swapped, it gives the
-    backward's query-block stages for a block of keys. A @triton.jit helper, as
-    in the Triton kernel: NineToothed copies it into the generated code.)"""
-    end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
-    full_hi = Lk // BLOCK_N
-    first = lo
-    full_lo = lo
-    if BANDED:
-        first_keys = rows + band_lo
-        last_keys = rows + band_hi
-        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, tl.max(last_keys, 0) + 1), 0), BLOCK_N))
-        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, tl.min(last_keys, 0) + 1), 0) // BLOCK_N)
-        first = tl.maximum(lo, tl.maximum(tl.min(first_keys, 0), 0) // BLOCK_N)
-        full_lo = tl.cdiv(tl.maximum(tl.max(first_keys, 0), 0), BLOCK_N)
-    end = tl.maximum(end, first)
-    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
-    return first, full_lo, full_hi, end
-
 
 def arrangement(
     query, key, value, key_blocks, value_blocks, attn_mask, scale, dropout_seed, dropout_p, dropout_scale,
@@ -1269,11 +1190,6 @@ def _loose_arguments(handle, application_, split_counts=()) -> set:
     lengths = {role for role in described if role[0] == "size" and role[2] == 2 and role[1] not in keys_and_values}
     return lengths | set(split_counts)
 
-
-# The @triton.jit helpers the applications call. The generated module that they are
-# copied into imports ``triton`` and ``triton.language`` only, and defining a function
-# evaluates its parameters' annotations: those say ``triton.language.constexpr``.
-JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _in_band, _key_stages)
 
 INTERPRETED = interpreter_requested()
 

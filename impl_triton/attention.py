@@ -75,6 +75,7 @@ import triton.language as tl
 
 from common import plan as _plan
 from common.interpret import apply_interpreter_fixes
+from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _tanh
 from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
 
 LOG2E = tl.constexpr(_plan.LOG2E)
@@ -82,36 +83,12 @@ LN2 = tl.constexpr(_plan.LN2)
 NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
 BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
-UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 ROW_BANDS = tl.constexpr(_plan.ROW_BANDS)
 UNBOUNDED = tl.constexpr(_plan.UNBOUNDED)
 
 
 # -- forward ----------------------------------------------------------------------------
-
-@triton.jit
-def _dropout_keep(seed, head, rows, keys, dropout_p):
-    """Which scores dropout keeps: (M, N), True where kept, for query rows
-    ``rows`` (M,) and keys ``keys`` (N,: consecutive, from a multiple of 4).
-
-    One Philox-4x32-10 draw per four consecutive keys of a row, keyed by the
-    64-bit ``seed`` and counted by absolute position (key // 4, row,
-    batch·heads + head, 0); its i-th output decides key 4·(key // 4) + i. The
-    forward and both backward passes regenerate the same mask from any tiling
-    (the dK/dV pass transposes it), and no mask is ever stored. The top 24 bits
-    of an output are a uniform in [0, 1); a score is kept when it is >=
-    dropout_p. ``common.reference.dropout_keep`` is the same function in plain torch.
-    """
-    M: tl.constexpr = rows.shape[0]
-    N: tl.constexpr = keys.shape[0]
-    quads = tl.min(tl.reshape(keys, (N // 4, 4)), 1) // 4  # each run of four keys starts at a multiple of 4
-    zero = rows[:, None] * 0 + quads[None, :] * 0  # int32, (M, N / 4)
-    r0, r1, r2, r3 = tl.philox(seed, quads[None, :] + zero, rows[:, None] + zero, (head + zero).to(tl.int32), zero)
-    # join stacks on a new last axis: [q, a, b] is join(join(r0, r2), join(r1, r3))[q, a, b] = r_(2a + b)
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (M, N))  # output i for key 4q + i
-    return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
-
 
 @triton.jit
 def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
@@ -127,36 +104,6 @@ def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.cons
 
 
 @triton.jit
-def _tanh(x, APPROX: tl.constexpr):
-    """tanh(x). APPROX: the GPU's tanh.approx.f32 (one special-function op); otherwise
-    1 - 2 / (e^(2x) + 1) from exp2, which saturates to +-1 and runs on every target
-    and the interpreter."""
-    if APPROX:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
-    return t
-
-
-@triton.jit
-def _cap_factors(scale, softcap, SOFTCAP: tl.constexpr):
-    """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
-    cap_in = 0.0
-    cap_out = 0.0
-    if SOFTCAP:
-        cap_in = scale / softcap
-        cap_out = softcap * LOG2E
-    return cap_in, cap_out
-
-
-@triton.jit
-def _in_band(rows, keys, band_lo, band_hi):
-    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi (band_lo and
-    band_hi: scalars, or (M,) vectors of per-row offsets)."""
-    return (keys[None, :] >= (rows + band_lo)[:, None]) & (keys[None, :] <= (rows + band_hi)[:, None])
-
-
-@triton.jit
 def _row_band(lo_ptr, hi_ptr, rows, rows_ok, band_lo, band_hi, BANDED: tl.constexpr):
     """(band_lo, band_hi) for these rows: the scalars as given or, when BANDED ==
     ROW_BANDS, each row's own offsets (int32 vectors at lo_ptr and hi_ptr, indexed
@@ -165,30 +112,6 @@ def _row_band(lo_ptr, hi_ptr, rows, rows_ok, band_lo, band_hi, BANDED: tl.conste
         band_lo = tl.load(lo_ptr + rows, mask=rows_ok, other=UNBOUNDED)
         band_hi = tl.load(hi_ptr + rows, mask=rows_ok, other=-UNBOUNDED)
     return band_lo, band_hi
-
-
-@triton.jit
-def _key_stages(rows, lo, hi, Lk, band_lo, band_hi, BLOCK_N: tl.constexpr, BANDED: tl.constexpr):
-    """Key-block bounds for these rows within blocks [lo, hi): (first, full_lo,
-    full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
-    edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
-    key outside [first, end). (Read with rows and keys swapped, it gives the
-    backward's query-block stages for a block of keys.)"""
-    end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
-    full_hi = Lk // BLOCK_N
-    first = lo
-    full_lo = lo
-    if BANDED:
-        first_keys = rows + band_lo
-        last_keys = rows + band_hi
-        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, tl.max(last_keys, 0) + 1), 0), BLOCK_N))
-        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, tl.min(last_keys, 0) + 1), 0) // BLOCK_N)
-        first = tl.maximum(lo, tl.maximum(tl.min(first_keys, 0), 0) // BLOCK_N)
-        full_lo = tl.cdiv(tl.maximum(tl.max(first_keys, 0), 0), BLOCK_N)
-    end = tl.maximum(end, first)
-    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
-    return first, full_lo, full_hi, end
 
 
 @triton.jit
