@@ -287,7 +287,7 @@ def test_ninetoothed_row_blocks_last_to_first():
     levels below (a tile of rows, a row slice, a row of mask tiles)."""
     import ninetoothed
 
-    from impl_ninetoothed.attention import _last_first, _mask_row, _row_slices, _rows
+    from impl_ninetoothed.tiles import _last_first, _mask_row, _row_slices, _rows
 
     B, H, M = 2, 3, 5
     for arranged in (_rows(ninetoothed.Tensor(shape=(B, H, M * 16, 32)), 16, 32),
@@ -310,7 +310,8 @@ def test_split_keys_in_one_masked_stage(case, device, monkeypatch):
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
-    from impl_ninetoothed import attention as kernels
+    from impl_ninetoothed import attention as host
+    from impl_ninetoothed import kernels
 
     monkeypatch.setattr(plan, "ONE_STAGE_SPLIT_ROWS", 1)
     monkeypatch.setattr(dispatch, "_templates", {})
@@ -326,7 +327,7 @@ def test_split_keys_in_one_masked_stage(case, device, monkeypatch):
         call = check_call(nt, q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0, is_causal=case.causal,
                           scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"], return_lse=True)
         planned = plan.make_forward(call, nt, with_lse=True)
-    assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE
+    assert planned.num_splits > 1 and host._split_kind(planned) == kernels.ONE_STAGE
 
 
 def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
@@ -338,7 +339,8 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
-    from impl_ninetoothed import attention as kernels
+    from impl_ninetoothed import attention as host
+    from impl_ninetoothed import kernels
 
     if device == "cpu":
         monkeypatch.setattr(plan, "ONE_STAGE_SPLIT_ROWS", 1)
@@ -352,7 +354,7 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
     nt = get_backend("ninetoothed")
 
     def split_makes():
-        return {key for key in kernels._made if key[0] is kernels.premake and key[1][4]}
+        return {key for key in host._made if key[0] is kernels.premake and key[1][4]}
 
     sizes = set()
     with force_splits(4):
@@ -364,7 +366,7 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch):
             call = check_call(nt, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=True, return_lse=False)
             planned = plan.make_forward(call, nt, with_lse=False)
-            assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE, planned.config
+            assert planned.num_splits > 1 and host._split_kind(planned) == kernels.ONE_STAGE, planned.config
             sizes.add(planned.blocks_per_split)
             if i == 0:
                 first = split_makes()
@@ -614,7 +616,8 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
     is compiled once (the switch is an argument) and the merge kernel once (plan.MERGE_SPLITS
     splits a step whatever their number); every step right."""
     from common import dispatch, plan
-    from impl_triton import attention as kernels
+    from impl_triton import attention as host
+    from impl_triton import kernels
 
     monkeypatch.setattr(dispatch, "_templates", {})
     monkeypatch.setattr(dispatch, "_growing", {})
@@ -624,8 +627,8 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch):
     # the merge kernel as if never compiled in this process (another test's may be the same)
     merge = kernels._merge_kernel
     monkeypatch.setattr(merge, "device_caches", collections.defaultdict(merge.create_binder))
-    monkeypatch.setattr(kernels._merge_launcher, "_by_value", {})
-    monkeypatch.setattr(kernels._merge_launcher, "_by_class", {})
+    monkeypatch.setattr(host._merge_launcher, "_by_value", {})
+    monkeypatch.setattr(host._merge_launcher, "_by_class", {})
 
     def compiled(fn):  # (Triton's cache of compiled kernels per device: 3.x keeps it first)
         return len(fn.device_caches[device][0])
