@@ -44,8 +44,7 @@ CPU = "cpu"  # runs on CPU tensors without Triton's interpreter
 OFFSETS64 = "offsets64"  # indexes with 64-bit offsets: tensors may span 2^31 elements or more
 SOFTCAP = "softcap"  # soft-caps the scores (softcap=)
 SINKS = "sinks"  # attention sinks: a logit per head in every row's softmax (sinks=)
-TMA = "tma"  # its forward can load through tensor descriptors (Hopper's tensor memory accelerator)
-CAPABILITIES = (LSE, BACKWARD, CPU, OFFSETS64, SOFTCAP, SINKS, TMA)
+CAPABILITIES = (LSE, BACKWARD, CPU, OFFSETS64, SOFTCAP, SINKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +133,7 @@ BACKENDS = {
     b.name: b
     for b in (
         Backend("triton", "impl_triton.attention", "hand-written Triton kernels",
-                kernels=True, capabilities=frozenset({LSE, BACKWARD, OFFSETS64, SOFTCAP, SINKS, TMA}),
+                kernels=True, capabilities=frozenset({LSE, BACKWARD, OFFSETS64, SOFTCAP, SINKS}),
                 head_dims=_KERNEL_HEAD_DIMS),
         Backend("ninetoothed", "impl_ninetoothed.attention", "NineToothed arrangements + applications",
                 kernels=True, capabilities=frozenset({LSE, BACKWARD, SOFTCAP, SINKS}), head_dims=_KERNEL_HEAD_DIMS),

@@ -215,8 +215,6 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
     if not chosen.kernels:
         return None
     layout = layout_of(chosen, is_causal, scale, enable_gqa, return_lse, query, key, value)
-    if layout is None:
-        return None
     plan = PLANS.get(layout)
     if plan is None:
         call = check_call(chosen, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=is_causal,

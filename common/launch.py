@@ -37,13 +37,6 @@ from common.outputs import stream_key
 _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
 _BY_CLASS, _BY_VALUE, _LOOSE = range(3)  # how the by-class cache keys a scalar argument
 _compile_lock = threading.RLock()
-_ALLOCATOR = triton.runtime._allocation._allocator  # what triton.set_allocator sets
-
-
-def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch memory for a launch, from torch's caching allocator (on the
-    current device, which the launch runs on; freed when the stream is done with it)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 _counters: dict = {}
@@ -78,9 +71,8 @@ class CachedLauncher:
     (the caches are dicts written whole; the roles are set in one assignment;
     a miss, which compiles, holds a lock)."""
 
-    def __init__(self, fn, *, scratch: bool = False):
+    def __init__(self, fn):
         self.fn = fn
-        self.scratch = scratch  # the kernel may need a global scratch buffer (tensor descriptors made on the device)
         self.enabled = isinstance(fn, triton.runtime.JITFunction)  # not under the interpreter
         self._by_value: dict = {}
         self._by_class: dict = {}
@@ -114,24 +106,12 @@ class CachedLauncher:
         """Launch with every argument positional (:meth:`positional`), through the caches;
         ``maxnreg``, where not None, caps each thread's registers (Triton's launch option; the
         interpreter has no registers to cap)."""
-        if not self.enabled:
-            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
-            return
-        if self.scratch:
-            # Triton asks its allocator (a context variable, unset by default) for a
-            # kernel's global scratch memory at launch: ours, for this launch only.
-            token = _ALLOCATOR.set(_torch_scratch)
-            try:
-                self.launch(grid, args, num_warps, num_stages, maxnreg)
-            finally:
-                _ALLOCATOR.reset(token)
-            return
         self.launch(grid, args, num_warps, num_stages, maxnreg)
 
     def compiled(self, args, num_warps: int, num_stages: int, maxnreg: int | None = None):
         """The compiled kernel a launch of ``args`` (as :meth:`run` takes them) went to, once the
         by-value cache holds it; None before that, under the interpreter, and for a kernel that
-        needs scratch memory at launch: global (which :meth:`run` provides) or a profiler's."""
+        needs scratch memory at launch (global or a profiler's, which a direct launch would not allocate)."""
         if not self.enabled or self._roles is None:
             return None
         tensors, scalars = self._roles[0](args), self._roles[1](args)

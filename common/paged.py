@@ -160,10 +160,7 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
             or type(enable_gqa) is not bool or validate is not False or not (scale is None or type(scale) is float)
             or not chosen.kernels):
         return None
-    settings = planning.reuse_key()
-    if settings is None:
-        return None
-    return (chosen.name, chosen.interpreted(), settings, paged_config, is_causal, scale, enable_gqa,
+    return (chosen.name, chosen.interpreted(), planning.reuse_key(), paged_config, is_causal, scale, enable_gqa,
             query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
 
 

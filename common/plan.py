@@ -42,7 +42,7 @@ import functools
 
 import torch
 
-from common.backends import OFFSETS64, TMA
+from common.backends import OFFSETS64
 from common.configs import BackwardConfig, Config, next_power_of_2, padded_head_dim
 from common.configs import forced as configs_override
 from common.outputs import allocator, partials
@@ -289,7 +289,6 @@ class ForwardPlan:
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
     kernel_merge: bool = False  # split: the Triton kernel merges its own splits (Planner.kernel_merges)
-    tma: bool = False  # the kernel loads Q, K and V through tensor descriptors (Hopper)
     resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
     planner: Planner = None  # the settings it was planned with (DEFAULT_PLANNER unless a caller chose)
 
@@ -498,7 +497,6 @@ def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) 
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     if plan.num_splits > 1 and not partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv):
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
-    plan.tma = use_tma(backend, plan.query, plan.key, plan.value)
     rows = B * Hp * Lqp
     plan.merge = planner.merge(rows, plan.num_splits, interpreted, plan.block_dv) if plan.num_splits > 1 else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
@@ -532,11 +530,7 @@ def partials_fit(backend, rows_shape: tuple, num_splits: int, dv: int) -> bool:
 
 def reuse_key():
     """What, besides a call's arguments and layout, :func:`make_forward` decides by: the planner
-    and the forced config of this thread (tests, ``tune`` and the probes choose them). None
-    while a plan must not be reused at all (forced descriptors: their use depends on the
-    tensors' addresses)."""
-    if _forced_tma.get():
-        return None
+    and the forced config of this thread (tests, ``tune`` and the probes choose them)."""
     return current_planner(), configs_override()
 
 
@@ -571,52 +565,3 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.grad_key = alloc(k.shape, k.dtype, k.device)
     plan.grad_value = alloc(v.shape, v.dtype, v.device)
     return plan
-
-
-# -- Hopper: tensor descriptors -----------------------------------------------------
-
-_forced_tma: contextvars.ContextVar[bool | None] = contextvars.ContextVar("forced_tma", default=None)
-
-
-@contextlib.contextmanager
-def force_tma(tma: bool):
-    """Inside the block, the Triton forward loads Q, K and V through tensor
-    descriptors (``tma``) or not, wherever the tensors allow it (:func:`tma_fits`);
-    under the interpreter too. Off by default: see :func:`use_tma`. For tests and benchmarks."""
-    token = _forced_tma.set(bool(tma))
-    try:
-        yield
-    finally:
-        _forced_tma.reset(token)
-
-
-def use_tma(backend, query, key, value) -> bool:
-    """Whether a forward launch loads through tensor descriptors: no, unless forced.
-
-    Measured on the H200 (``tools/probe.py tma``, triton 3.6, bf16, D 64 and 128,
-    L 1k-16k, causal or not, and decode; BENCHMARKS.md): descriptors made on the
-    device (three per program) ran at 0.86-1.00x of our pointer loads with the same
-    tile and at best 0.94-1.00x with the best of six tiles, worst at L = 1024, where
-    each program walks few key blocks. Warp specialisation (``tl.range(...,
-    warp_specialize=True)`` over the unmasked loop, with the descriptors) changed
-    nothing at 8 warps and failed to compile at 4. Descriptors made on the host, one
-    per tensor (``benchmarks/experiments/tma_host.patch``), ran at 0.93-1.01x of the
-    pointer loads with the table's tile (2026-12-01): not adopted either."""
-    forced = _forced_tma.get()
-    return bool(forced) and backend.supports(TMA) and tma_fits(query, key, value)
-
-
-def tma_fits(*tensors: torch.Tensor) -> bool:
-    """Whether a kernel may read each (B, H, L, D) tensor through a descriptor of one
-    head's (L, D) matrix: the head dim contiguous, a 16-byte aligned start, and every
-    other stride that a program's start or a row step uses a non-zero multiple of 16
-    bytes (the tensor memory accelerator's rules)."""
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(3) != 1 or t.data_ptr() % 16:
-            return False
-        if t.stride(2) <= 0 or t.stride(2) * size % 16:
-            return False
-        if any(n > 1 and stride * size % 16 for n, stride in zip(t.shape[:2], t.stride()[:2])):
-            return False
-    return True

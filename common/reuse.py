@@ -288,11 +288,8 @@ def _keys_fit(backend, key, value) -> bool:
 def layout_of(backend, is_causal, scale, enable_gqa, return_lse, query, key, value):
     """The layout a plan is kept by: the call's arguments, the planner's settings, and its tensors'
     shapes, strides, dtypes and devices (a plan that grows its keys: less the keys' length and
-    strides). None where no plan may be kept (:func:`common.plan.reuse_key`)."""
-    settings = planning.reuse_key()
-    if settings is None:
-        return None
-    head = (backend.name, backend.interpreted(), settings, is_causal, scale, enable_gqa, return_lse,
+    strides)."""
+    head = (backend.name, backend.interpreted(), planning.reuse_key(), is_causal, scale, enable_gqa, return_lse,
             query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device)
     if is_causal:
         return head, key.shape, key.stride(), value.shape, value.stride()

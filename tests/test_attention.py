@@ -288,7 +288,7 @@ def test_ninetoothed_row_blocks_last_to_first():
     levels below (a tile of rows, a row slice, a row of mask tiles)."""
     import ninetoothed
 
-    from impl_ninetoothed.attention import _last_first, _mask_row, _row_slices, _rows
+    from impl_ninetoothed.tiles import _last_first, _mask_row, _row_slices, _rows
 
     B, H, M = 2, 3, 5
     for arranged in (_rows(ninetoothed.Tensor(shape=(B, H, M * 16, 32)), 16, 32),
@@ -311,7 +311,8 @@ def test_split_keys_in_one_masked_stage(case, device, monkeypatch, plans, planne
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
-    from impl_ninetoothed import attention as kernels
+    from impl_ninetoothed import attention as host
+    from impl_ninetoothed import kernels
 
     planner(one_stage_split_rows=1)
     q, k, v, mask = make_inputs(case, device)
@@ -325,7 +326,7 @@ def test_split_keys_in_one_masked_stage(case, device, monkeypatch, plans, planne
         call = check_call(nt, q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0, is_causal=case.causal,
                           scale=kwargs.get("scale"), enable_gqa=kwargs["enable_gqa"], return_lse=True)
         planned = plan.make_forward(call, nt, with_lse=True)
-    assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE
+    assert planned.num_splits > 1 and host._split_kind(planned) == kernels.ONE_STAGE
 
 
 def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch, plans, planner):
@@ -337,7 +338,8 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch, plans
     from common.backends import get_backend
     from common.plan import force_splits
     from common.validation import check_call
-    from impl_ninetoothed import attention as kernels
+    from impl_ninetoothed import attention as host
+    from impl_ninetoothed import kernels
 
     if device == "cpu":
         planner(one_stage_split_rows=1)
@@ -349,7 +351,7 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch, plans
     nt = get_backend("ninetoothed")
 
     def split_makes():
-        return {key for key in kernels._made if key[0] is kernels.premake and key[1][4]}
+        return {key for key in host._made if key[0] is kernels.premake and key[1][4]}
 
     sizes = set()
     with force_splits(4):
@@ -361,7 +363,7 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch, plans
             call = check_call(nt, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=True, return_lse=False)
             planned = plan.make_forward(call, nt, with_lse=False)
-            assert planned.num_splits > 1 and kernels._split_kind(planned) == kernels.ONE_STAGE, planned.config
+            assert planned.num_splits > 1 and host._split_kind(planned) == kernels.ONE_STAGE, planned.config
             sizes.add(planned.blocks_per_split)
             if i == 0:
                 first = split_makes()
@@ -443,45 +445,6 @@ def test_split_partials_per_thread(device, monkeypatch):
     (a1, a2), (b1, b2) = seen
     assert a1 == a2 and b1 == b2 and a1 != b1
     assert len(outputs._scratch) == 2
-
-
-# -- Hopper's tensor descriptors (the Triton kernel's optional TMA loads) --------------
-TMA_CASES = [
-    Case(1, 2, 70, 130, 80, Dv=48, causal=True),  # ragged rows and keys, head dims padded by the descriptor
-    Case(2, 8, 1, 700, 64, H_kv=2),  # packed decode, split below
-    Case(1, 4, 30, 45, 64, H_kv=2, layout="transposed", mask="additive-empty-rows", mask_shape="B1LqLk",
-         dtype=bf16, scale=-0.5),
-]
-
-
-@pytest.mark.parametrize("case", params(TMA_CASES))
-def test_tensor_descriptors(case, device):
-    """The Triton forward's descriptor loads (off by default, forced here) give SDPA's output."""
-    from common.backends import get_backend
-    from common.plan import force_splits, force_tma, make_forward
-    from common.validation import check_call
-
-    q, k, v, mask = make_inputs(case, device)
-    kwargs = sdpa_kwargs(case, mask)
-    with force_tma(True), force_splits(3 if case.Lq == 1 else 1):
-        call = check_call(get_backend("triton"), q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=case.causal,
-                          scale=case.scale, enable_gqa=case.enable_gqa, return_lse=False)
-        planned = make_forward(call, get_backend("triton"), with_lse=False)
-        assert planned.tma
-        out = attention(q, k, v, backend="triton", **kwargs)
-    check_output(out, q, k, v, **kwargs)
-
-
-def test_tensor_descriptor_rules():
-    """Descriptors only where the strides allow them: the head dim contiguous, other steps 16-byte multiples."""
-    from common.plan import tma_fits
-
-    t = torch.randn(2, 3, 40, 64, dtype=f16)
-    assert tma_fits(t, t.transpose(1, 2).contiguous().transpose(1, 2))
-    assert not tma_fits(torch.randn(2, 3, 40, 128, dtype=f16)[..., ::2])  # head dim strided
-    assert not tma_fits(torch.randn(2, 3, 40, 60, dtype=f16))  # rows of 120 bytes
-    assert tma_fits(torch.randn(1, 1, 40, 64, dtype=f16)[:, :, :, :])
-    assert not tma_fits(torch.randn(40 * 64 + 1, dtype=f16)[1:].view(1, 1, 40, 64))  # not 16-byte aligned
 
 
 def test_split_merge_in_the_kernel(device, monkeypatch, planner):
@@ -637,16 +600,18 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch, p
 def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch, plans, planner):
     """A decode loop whose cache grows across KERNEL_MERGE_MIN_BYTES (the Triton kernel's own
     merge below it, a merge launch above) and through split counts 20-28: the attention kernel
-    is compiled once (the switch is an argument) and the merge kernel once (plan.MERGE_SPLITS
-    splits a step whatever their number); every step right."""
-    from impl_triton import attention as kernels
+    is compiled once (the switch is an argument) and the merge kernel once (the planner's
+    merge_splits a step whatever their number); every step right."""
+    from impl_triton import attention as host
+    from impl_triton import kernels
+
     planner(kernel_merge_max=0, kernel_merge_min_bytes=4096 * 6000)  # K and V of 6000 keys (fp16, 8 x 128)
     device = torch.cuda.current_device()
     # the merge kernel as if never compiled in this process (another test's may be the same)
     merge = kernels._merge_kernel
     monkeypatch.setattr(merge, "device_caches", collections.defaultdict(merge.create_binder))
-    monkeypatch.setattr(kernels._merge_launcher, "_by_value", {})
-    monkeypatch.setattr(kernels._merge_launcher, "_by_class", {})
+    monkeypatch.setattr(host._merge_launcher, "_by_value", {})
+    monkeypatch.setattr(host._merge_launcher, "_by_class", {})
 
     def compiled(fn):  # (Triton's cache of compiled kernels per device: 3.x keeps it first)
         return len(fn.device_caches[device][0])

@@ -171,30 +171,6 @@ def test_a_register_cap_compiles_a_kernel_of_its_own(monkeypatch):
     assert routed.fn.options == [{"num_warps": 4, "num_stages": 3, "maxnreg": 96}]
 
 
-def test_scratch_allocator_for_the_launch_only(monkeypatch):
-    """A kernel that may need global scratch memory (tensor descriptors made on the device) gets
-    Triton's allocator set to torch's for its launches, and the caller's setting back afterwards."""
-    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
-    seen = []
-
-    class RecordingJIT(FakeJIT):
-        def __getitem__(self, grid):
-            run = super().__getitem__(grid)
-
-            def recording(*args, **options):
-                seen.append(launch._ALLOCATOR.get())
-                return run(*args, **options)
-            return recording
-
-    fn = RecordingJIT(constexpr_positions={3})
-    launcher = launch.CachedLauncher(fn, scratch=True)
-    launcher.enabled = True
-    before = launch._ALLOCATOR.get()
-    launcher((4, 1, 1), torch.zeros(64), 64, 0.5, num_warps=4, num_stages=3, arg3=128)
-    assert seen == [launch._torch_scratch]
-    assert launch._ALLOCATOR.get() is before
-
-
 def test_one_dimensional_and_callable_grids(fake):
     """NineToothed's generated launchers pass grid=lambda meta: (n,)."""
     fn, launcher = fake
@@ -313,9 +289,9 @@ def test_ninetoothed_helpers_define_in_a_generated_module():
 
     import triton
 
-    import impl_ninetoothed.attention as nt
+    from common.jit_helpers import JIT_HELPERS
 
-    for helper in nt.JIT_HELPERS:
+    for helper in JIT_HELPERS:
         source = textwrap.dedent(inspect.getsource(getattr(helper, "fn", helper)))
         assert source.startswith("@triton.jit\n")
         namespace = {"triton": triton}
@@ -331,6 +307,7 @@ def test_a_plans_register_cap_reaches_each_backends_launch(device):
     import dataclasses
 
     import impl_ninetoothed.attention as nt
+    import impl_ninetoothed.kernels as ntk
     import impl_triton.attention as ta
     from common.backends import get_backend
     from common.launch import routed_kernel
@@ -345,8 +322,8 @@ def test_a_plans_register_cap_reaches_each_backends_launch(device):
     plan.config = dataclasses.replace(plan.config, maxnreg=96)
     assert ta._forward_launch(plan)[4] == 96
     assert ta.bind_forward(plan).maxnreg == 96
-    capped = nt._make(nt.premake, 16, 16, 16, 16, None, num_warps=1, num_stages=1, maxnreg=96)
-    plain = nt._make(nt.premake, 16, 16, 16, 16, None, num_warps=1, num_stages=1)
+    capped = nt._make(ntk.premake, 16, 16, 16, 16, None, num_warps=1, num_stages=1, maxnreg=96)
+    plain = nt._make(ntk.premake, 16, 16, 16, 16, None, num_warps=1, num_stages=1)
     assert capped is not plain
     assert (routed_kernel(capped).maxnreg, routed_kernel(plain).maxnreg) == (96, None)
 
@@ -406,6 +383,7 @@ def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monk
     from common import attention
     from common.reuse import PLANS
     from impl_ninetoothed import attention as nt
+    from impl_ninetoothed import kernels as ntk
 
     def int_class(value):
         return value == 1, value % 16 == 0
@@ -419,10 +397,10 @@ def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monk
         with launch.recorded_launches():
             attention(q, k, k, is_causal=lq <= lk, backend="ninetoothed")
             launched = [(key, handle, launch.routed_kernel(handle).last()) for key, handle in nt._made.items()
-                        if key[0] is nt.premake and launch.routed_kernel(handle).last() is not None]
+                        if key[0] is ntk.premake and launch.routed_kernel(handle).last() is not None]
         assert len(launched) == 1, launched
         key, handle, (_, args, *_) = launched[0]
-        loose = nt._loose_arguments(handle, nt.application)
+        loose = nt._loose_arguments(handle, ntk.application)
         specialised = tuple(int_class(arg) for arg, role in zip(args, launch.launcher_arguments(handle._launch))
                             if role[0] in ("size", "stride") and role not in loose and type(arg) is int)
         classes[key].add(specialised)
@@ -442,17 +420,19 @@ def test_ninetoothed_kernels_take_each_size_once():
     import inspect
 
     from impl_ninetoothed import attention as nt
+    from impl_ninetoothed import kernels as ntk
+    from impl_ninetoothed import paged_kernels
 
     query, key, cache = ({(name, d) for d in range(3)} for name in ("query", "key", "key_cache"))
     expected = {
-        (nt.premake, (32, 32, 16, 16, False)): query | key | {("key_blocks", 2)},
-        (nt.premake, (32, 32, 16, 16, True)): query | key | {("key_blocks", 2), ("output", 3)},
-        (nt.premake_combine, (32, 16, 16)): {("o_part", 0), ("o_part", 1)},
-        (nt.premake_dq, (32, 32, 16, 16)): query | key | {("key_blocks", 2)},
-        (nt.premake_dkdv, (32, 32, 16, 16)): query | key | {("query_blocks", 2)},
-        (nt.premake_paged, (32, 32, 16, 16, None)): query | cache | {("block_table", 1)},
-        (nt.premake_paged, (32, 32, 16, 16, 2)): query | cache | {("block_table", 1), ("output", 3)},
-        (nt.premake_append, (32, 32)): key | cache | {("block_table", 1)},
+        (ntk.premake, (32, 32, 16, 16, False)): query | key | {("key_blocks", 2)},
+        (ntk.premake, (32, 32, 16, 16, True)): query | key | {("key_blocks", 2), ("output", 3)},
+        (ntk.premake_combine, (32, 16, 16)): {("o_part", 0), ("o_part", 1)},
+        (ntk.premake_dq, (32, 32, 16, 16)): query | key | {("key_blocks", 2)},
+        (ntk.premake_dkdv, (32, 32, 16, 16)): query | key | {("query_blocks", 2)},
+        (paged_kernels.premake_paged, (32, 32, 16, 16, None)): query | cache | {("block_table", 1)},
+        (paged_kernels.premake_paged, (32, 32, 16, 16, 2)): query | cache | {("block_table", 1), ("output", 3)},
+        (paged_kernels.premake_append, (32, 32)): key | cache | {("block_table", 1)},
     }
     for (premake, args), sizes in expected.items():
         handle = nt._make(premake, *args, num_warps=4, num_stages=1)
@@ -472,6 +452,7 @@ def test_ninetoothed_dq_is_not_specialised_on_its_batch():
     import inspect
 
     from impl_ninetoothed import attention as nt
+    from impl_ninetoothed import kernels as ntk
 
     def loose_sizes(premake, application):
         handle = nt._make(premake, 32, 32, 16, 16, num_warps=4, num_stages=1)
@@ -485,5 +466,5 @@ def test_ninetoothed_dq_is_not_specialised_on_its_batch():
         return {(names[role[1]], role[2]) for name, role in zip(kernel.arg_names, described)
                 if role[0] == "size" and name in loose}
 
-    assert loose_sizes(nt.premake_dq, nt.dq_application) == {("query", 0), ("key", 0)}
-    assert loose_sizes(nt.premake_dkdv, nt.dkdv_application) == set()
+    assert loose_sizes(ntk.premake_dq, ntk.dq_application) == {("query", 0), ("key", 0)}
+    assert loose_sizes(ntk.premake_dkdv, ntk.dkdv_application) == set()

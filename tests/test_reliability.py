@@ -117,14 +117,12 @@ def test_batches_past_2_31_elements(backend):
 
 
 def test_ninetoothed_widens_only_a_launch_past_32_bits(monkeypatch):
-    """Unless every kernel is made wide (``WIDE_STRIDES``), NineToothed takes 64-bit batch and
-    head strides only in a launch whose tensors span 2^31 elements: a decode loop's launches keep
-    their code until its cache moves to a buffer past 2^31 elements, whose keys then take a wide
-    kernel, not the launch bound for the last keys (``common.dispatch._keys_fit``,
-    ``common.reuse.AttentionPlan``); every step against the reference."""
+    """NineToothed takes 64-bit batch and head strides only in a launch whose tensors span 2^31
+    elements: a decode loop's launches keep their code until its cache moves to a buffer past
+    2^31 elements, whose keys then take a wide kernel, not the launch bound for the last keys
+    (``common.reuse._keys_fit``, ``common.reuse.AttentionPlan``); every step against the reference."""
     import impl_ninetoothed.attention as nt
 
-    monkeypatch.setattr(nt, "WIDE_STRIDES", False)
     made, widths = nt._make, []
 
     def recording(*args, wide=False, **kwargs):

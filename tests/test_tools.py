@@ -302,16 +302,17 @@ def test_a_kernel_made_after_others_is_the_same_file(tmp_path, monkeypatch):
 
     from common import codecache
     from impl_ninetoothed import attention as nt
+    from impl_ninetoothed.paged_kernels import premake_append
 
     monkeypatch.setenv(codecache.ENV_VAR, str(tmp_path))
     monkeypatch.setattr(generation, "CACHE_DIR", generation.CACHE_DIR)
     monkeypatch.setattr(generation, "cache_source", generation.cache_source)
     monkeypatch.setattr(nt, "_made", {})
-    first = nt._make(nt.premake_append, 16, 16, num_warps=4, num_stages=1)
+    first = nt._make(premake_append, 16, 16, num_warps=4, num_stages=1)
     nt._made.clear()
-    nt._make(nt.premake_append, 32, 32, num_warps=4, num_stages=1)  # another kernel before it
+    nt._make(premake_append, 32, 32, num_warps=4, num_stages=1)  # another kernel before it
     monkeypatch.setattr(ninetoothed.Tensor, "num_instances", 987)  # and a process that made many
-    again = nt._make(nt.premake_append, 16, 16, num_warps=4, num_stages=1)
+    again = nt._make(premake_append, 16, 16, num_warps=4, num_stages=1)
     assert again is not first and again._source == first._source
     assert len(list(tmp_path.iterdir())) == 2
 

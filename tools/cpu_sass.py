@@ -8,7 +8,7 @@ this finds what differs between two kernels, or what a change did to one, before
 instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--backward] [--tile N ...] [--wide-strides] [--capability 90] [--out DIR]
+        [--causal] [--backward] [--tile N ...] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
@@ -55,9 +55,6 @@ def main(argv=None) -> int:
                         help="the tile instead of the table's: BLOCK_M BLOCK_N WARPS STAGES [MAXNREG] (forward), "
                              "BLOCK_M1 BLOCK_N1 BLOCK_M2 BLOCK_N2 WARPS STAGES (--backward)")
     parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
-    parser.add_argument("--wide-strides", action="store_true",
-                        help="NineToothed: every kernel with 64-bit batch and head strides "
-                             "(impl_ninetoothed.attention.WIDE_STRIDES)")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
@@ -96,10 +93,6 @@ def main(argv=None) -> int:
     q = torch.randn(B, H, Lq, D, dtype=dtype)
     k, v = (torch.randn(B, H_kv, Lk, D, dtype=dtype) for _ in range(2))
     backend = resolve(args.backend)
-    if args.wide_strides:
-        import impl_ninetoothed.attention as nt
-
-        nt.WIDE_STRIDES = True
     call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
                                  scale=None, enable_gqa=H_kv != H, return_lse=False)
     from common.configs import BackwardConfig, Config, override

@@ -27,7 +27,6 @@ is written to the project.
 - maxnreg: `stages`' D 128 shapes, 3 and 2 stages, and the D 64 forward, every kernel capped at
   $PROBE_MAXNREG registers (run once per cap, and once without).
 - fwd_tiles: NineToothed's D 64 forward under its table's tile and the tune's others, fp16 and bf16.
-- tma: the forward with tensor-descriptor loads against pointer loads, under several tiles.
 - split_sweep: the split decode shapes short of the bound in `bandwidth`, under other tiles and
   programs-per-SM targets (SWEEP_SHAPES="B:H:H_kv:Lq:Lk ..." for others).
 - bandwidth: decode kernel time (graph replay) and K/V bandwidth over batch 1-64, Lq 1 and 16,
@@ -811,48 +810,6 @@ def fwd_tiles():
                     name = "table" if config is None else "/".join(str(x) for x in dataclasses.astuple(config) if x)
                     line.append(f"{name} {flops / t / 1e9:.0f}{bad}")
                 print("  ".join(line), flush=True)
-
-
-def tma():
-    """The forward with pointer loads and with tensor descriptors (TMA), under
-    several tile configurations, against SDPA (bf16, B·L = 16384, H·D = 2048); and decode shapes."""
-    shipped = resolve("triton").configs
-    for D in (64, 128):
-        for causal in (False, True):
-            for L in (1024, 4096, 16384):
-                B, H = 16384 // L, 2048 // D
-                q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-                flops = 4 * B * H * L * L * D / (2 if causal else 1)
-                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
-                sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                table = shipped.lookup(D, torch.bfloat16, causal, L, L, False)
-                line = [f"D={D} causal={causal} L={L} sdpa {flops / sdpa / 1e9:.0f}"]
-                configs = [None, Config(128, 128, 8, 3), Config(128, 64, 8, 3), Config(128, 64, 4, 3),
-                           Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 64, 8, 4)]
-                for config in configs:
-                    for tma_on in (False, True):
-                        if config is not None and not tma_on:
-                            continue
-                        name = f"{'table' if config is None else dataclasses.astuple(config)}" \
-                               f"{'/tma' if tma_on else '/ptr'}"
-                        try:
-                            with plan.force_tma(tma_on), (override(config) if config else
-                                                              contextlib.nullcontext()):
-                                out = attention(q, k, v, is_causal=causal)
-                                err = (out.float() - ref).abs().max().item()
-                                t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal))
-                            line.append(f"{name} {flops / t / 1e9:.0f}{' ERR %.3g' % err if err > 0.05 else ''}")
-                        except Exception as error:  # noqa: BLE001 - a configuration that does not compile
-                            line.append(f"{name} failed ({type(error).__name__}: {str(error)[:80]})")
-                print(f"[table {dataclasses.astuple(table)}] " + "  ".join(line), flush=True)
-    for Lq, Lk, q, k, v in _decode_shapes(torch.bfloat16):
-        sdpa = _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-        line = [f"decode Lq={Lq} Lk={Lk}: sdpa {sdpa * 1e3:.0f}us"]
-        for tma_on in (False, True):
-            with plan.force_tma(tma_on):
-                t = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
-            line.append(f"{'tma' if tma_on else 'ptr'} {t * 1e3:.0f}us")
-        print("  ".join(line), flush=True)
 
 
 def bwd_tune():

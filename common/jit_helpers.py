@@ -1,0 +1,110 @@
+"""The ``@triton.jit`` helpers both backends' kernels call: dropout's mask, tanh, the
+soft-cap's factors, a band's test and a band's key-block stages.
+
+The Triton kernels call them as any jit function. NineToothed copies the source of every
+``@triton.jit`` function in an application's module into the code it generates, so
+``impl_ninetoothed``'s kernels import them by name; under the
+interpreter, where they are not JITFunctions, ``impl_ninetoothed.attention._make`` puts
+them in each generated module instead. That module imports ``triton`` and
+``triton.language`` only, and defining a function evaluates its parameters'
+annotations: they say ``triton.language.constexpr``. Their bodies say ``tl`` and name
+the constants of ``common.plan`` (``LOG2E``, ``UNIFORM_24``): ``tl.constexpr`` here (a
+jit function reads only constexpr globals), defined in each generated module by ``_make``.
+
+Helpers, not plain functions inlined by NineToothed: its inliner gives a value-returning
+plain helper, called inside an inlined loop, the same temporary name as the loop
+helper's own result (a "loop carried variable changed type" compile error on the GPU).
+
+Importing this module imports ``triton``: only the backends do, after the interpreter's
+switch (``common.interpret``), never ``common``'s package.
+"""
+
+import triton
+import triton.language as tl
+
+from common import plan as _plan
+
+LOG2E = tl.constexpr(_plan.LOG2E)
+UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
+
+
+@triton.jit
+def _dropout_keep(seed, head, rows, keys, dropout_p):
+    """Which scores dropout keeps: (M, N), True where kept, for query rows
+    ``rows`` (M,) and keys ``keys`` (N,: consecutive, from a multiple of 4).
+
+    One Philox-4x32-10 draw per four consecutive keys of a row, keyed by the
+    64-bit ``seed`` and counted by absolute position (key // 4, row,
+    batch·heads + head, 0); its i-th output decides key 4·(key // 4) + i. The
+    forward and both backward passes regenerate the same mask from any tiling
+    (the dK/dV pass transposes it), and no mask is ever stored. The top 24 bits
+    of an output are a uniform in [0, 1); a score is kept when it is >=
+    dropout_p. ``common.reference.dropout_keep`` is the same function in plain torch.
+    """
+    M: tl.constexpr = rows.shape[0]
+    N: tl.constexpr = keys.shape[0]
+    quads = tl.min(tl.reshape(keys, (N // 4, 4)), 1) // 4  # each run of four keys starts at a multiple of 4
+    zero = rows[:, None] * 0 + quads[None, :] * 0  # int32, (M, N / 4)
+    r0, r1, r2, r3 = tl.philox(seed, quads[None, :] + zero, rows[:, None] + zero, (head + zero).to(tl.int32), zero)
+    # join stacks on a new last axis: [q, a, b] is join(join(r0, r2), join(r1, r3))[q, a, b] = r_(2a + b)
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (M, N))  # output i for key 4q + i
+    return (r >> 8).to(tl.float32) * UNIFORM_24 >= dropout_p
+
+
+@triton.jit
+def _tanh(x, APPROX: triton.language.constexpr):
+    """tanh(x). APPROX: the GPU's tanh.approx.f32 (one special-function op); otherwise
+    1 - 2 / (e^(2x) + 1) from exp2, which saturates to +-1 and runs on every target
+    and the interpreter."""
+    if APPROX:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
+
+
+@triton.jit
+def _cap_factors(scale, softcap, SOFTCAP: triton.language.constexpr):
+    """(cap_in, cap_out): soft-capped base-2 scores are tanh(qk * cap_in) * cap_out."""
+    cap_in = 0.0
+    cap_out = 0.0
+    if SOFTCAP:
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
+    return cap_in, cap_out
+
+
+@triton.jit
+def _in_band(rows, keys, band_lo, band_hi):
+    """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi (band_lo and
+    band_hi: scalars, or (M,) vectors of per-row offsets)."""
+    return (keys[None, :] >= (rows + band_lo)[:, None]) & (keys[None, :] <= (rows + band_hi)[:, None])
+
+
+@triton.jit
+def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
+                BLOCK_N: triton.language.constexpr, BANDED: triton.language.constexpr):
+    """Key-block bounds for these rows within blocks [lo, hi): (first, full_lo,
+    full_hi, end): blocks [first, full_lo) and [full_hi, end) need a mask (a band
+    edge, or the ragged end of the keys), [full_lo, full_hi) none; no row sees a
+    key outside [first, end). (Read with rows and keys swapped, it gives the
+    backward's query-block stages for a block of keys.)"""
+    end = tl.minimum(hi, tl.cdiv(Lk, BLOCK_N))
+    full_hi = Lk // BLOCK_N
+    first = lo
+    full_lo = lo
+    if BANDED:
+        first_keys = rows + band_lo
+        last_keys = rows + band_hi
+        end = tl.minimum(end, tl.cdiv(tl.maximum(tl.minimum(Lk, tl.max(last_keys, 0) + 1), 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(tl.minimum(Lk, tl.min(last_keys, 0) + 1), 0) // BLOCK_N)
+        first = tl.maximum(lo, tl.maximum(tl.min(first_keys, 0), 0) // BLOCK_N)
+        full_lo = tl.cdiv(tl.maximum(tl.max(first_keys, 0), 0), BLOCK_N)
+    end = tl.maximum(end, first)
+    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return first, full_lo, full_hi, end
+
+
+# What impl_ninetoothed puts in each generated module under the interpreter.
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _in_band, _key_stages)

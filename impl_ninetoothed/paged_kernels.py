@@ -1,0 +1,212 @@
+"""Attention over a paged KV cache, and appending to it, as NineToothed kernels: the
+arrangements, applications and premakes of ``_paged_fwd`` and ``_append_kv`` of
+``impl_triton.paged_kernels``, in the vocabulary of ``impl_ninetoothed.kernels``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ninetoothed.language as ntl
+import triton
+from ninetoothed import Tensor
+
+from common.configs import padded_head_dim
+from common.plan import LN2, LOG2E
+from impl_ninetoothed.kernels import _flags, _like, _rows_like
+from impl_ninetoothed.tiles import _per_split, _row_slices, _rows
+
+# -- a paged KV cache ----------------------------------------------------------------------
+
+def _pages(cache, batch, heads, m_blocks, page, block_d, num_splits=None):
+    """(num_pages, PAGE, H_kv, D) -> per program of (batch, heads, m_blocks[, S]), every page
+    of the K/V head its query head reads, as a (num_pages,) array of (PAGE, D) tiles: the
+    program picks pages by index (a gather: which page is data, read from the block table).
+    The batch, the group's heads and the row blocks are broadcast (expand)."""
+    group = heads // cache.shape[2]
+    arranged = cache.tile((1, page, 1, block_d)).squeeze((1, 3))  # (num_pages, H_kv)
+    arranged.dtype = arranged.dtype.squeeze((0, 2))
+    arranged = arranged.permute((1, 0)).tile((1, -1)).squeeze(1)  # (H_kv,), each a row of num_pages tiles
+    arranged.dtype = arranged.dtype.squeeze(0)
+    arranged = arranged.unsqueeze(0).unsqueeze(2).unsqueeze(3)  # (1, H_kv, 1, 1)
+    if num_splits is None:
+        arranged = arranged.expand((batch, -1, group, m_blocks))
+    else:
+        arranged = arranged.unsqueeze(4).expand((batch, -1, group, m_blocks, num_splits))
+    return arranged.flatten(1, 2)
+
+
+def paged_arrangement(
+    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, output, lse,
+    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
+    block_m, page, block_d, block_dv, blocks_per_split=None,
+):
+    """One program per (batch, head, block of BLOCK_M query rows), and per split of the
+    pages when ``blocks_per_split`` is given: the block table's row for the batch entry
+    (its split's part), (1,) tiles each; the sequence's length; all pages of the caches."""
+    query_arranged = _rows(query, block_m, block_d)
+    batch, heads, m_blocks = query_arranged.shape
+    split = blocks_per_split is not None
+    num_splits = output.shape[3] if split else None
+    # (B, max_pages) -> per program its (part of the) row of (1,) tiles
+    table = block_table.tile((1, 1))
+    table.dtype = table.dtype.squeeze(0)
+    table = table.tile((1, blocks_per_split if split else -1))
+    table.dtype = table.dtype.squeeze(0)
+    table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks, -1))  # (B, H, M, S)
+    seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
+    if split:
+        query_arranged = _per_split(query_arranged, num_splits)
+        seqlens = _per_split(seqlens, num_splits)
+        output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
+        output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
+        lse_arranged = lse.tile((1, 1, block_m, 1))
+        lse_arranged.dtype = lse_arranged.dtype.squeeze((0, 1, 3))
+    else:
+        table = table.squeeze(3)
+        output_arranged = _rows(output, block_m, block_dv)
+        lse_arranged = _row_slices(lse, block_m)
+    return (
+        query_arranged, _pages(key_cache, batch, heads, m_blocks, page, block_d, num_splits),
+        _pages(value_cache, batch, heads, m_blocks, page, block_dv, num_splits), table, seqlens, scale, lq_seq,
+        num_pages, output_arranged, lse_arranged, IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
+    )
+
+
+def paged_application(
+    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, output, lse,
+    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
+):
+    """BLOCK_M query rows against their sequence's pages (its split's), PAGES_PER_STEP pages
+    an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton kernel
+    makes one tile of them), as ``_paged_fwd``: packed row r is query row r % lq_seq of its
+    head, at position Lk - lq_seq + r % lq_seq (bottom-right); a page entry outside the
+    cache is clamped into it, a length past the table to the table."""
+    q = query
+    offs_m = query.offsets(-2)
+    PAGE = key_cache.dtype.shape[0]
+    # the (1,) tile of this sequence's length; a bad one reads no entry past the table (as _paged_fwd)
+    Lk = ntl.minimum(ntl.sum(cache_seqlens, 0), block_table.source.shape[-1] * PAGE)
+    last_key = Lk - lq_seq + offs_m % lq_seq  # the key at each row's position
+    qk_scale = scale * LOG2E
+    acc = ntl.zeros(output.shape, dtype=ntl.float32)
+    l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
+    m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
+    lo = ntl.min(block_table[0].offsets(-1), 0)  # the split's first page
+    hi = ntl.minimum(lo + block_table.shape[0], ntl.cdiv(Lk, PAGE))
+    for j in range(lo, hi, PAGES_PER_STEP):
+        # PAGES_PER_STEP pages an iteration, unrolled: their table entries and tiles are
+        # independent loads, in flight together (one page of 16 keys an iteration left
+        # the loop bound by each load's latency)
+        for g in triton.language.static_range(PAGES_PER_STEP):
+            entry = ntl.minimum(j + g, hi - 1) - lo  # past the last page: a masked repeat of it
+            page = ntl.minimum(ntl.maximum(ntl.sum(block_table[entry], 0), 0), num_pages - 1)
+            offs_kn = (j + g) * PAGE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
+            key_ok = offs_kn < Lk
+            k = key_cache[page]
+            qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            valid = key_ok[None, :]
+            if IS_CAUSAL:
+                valid = valid & (offs_kn[None, :] <= last_key[:, None])
+            qk = ntl.where(valid, qk, float("-inf"))
+            m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
+            m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
+            p = ntl.exp2(qk - m_sub[:, None])
+            alpha = ntl.exp2(m_i - m_sub)
+            l_i = l_i * alpha + ntl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = ntl.where(key_ok[:, None], value_cache[page], 0.0)  # slots past the length: any bits
+            acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_ij
+
+    if WITH_LSE:
+        lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
+    l_i = ntl.where(l_i == 0.0, 1.0, l_i)  # no key (an empty sequence, or a split past its end): 0
+    output = acc / l_i[:, None]  # noqa: F841 (a store)
+
+
+def append_arrangement(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages, block_d,
+                       block_dv):
+    """One program per (batch, K/V head, new token): its key and value rows, every slot of
+    its head in the caches as a (num_pages, PAGE) array of (D,) tiles (the program stores
+    into one by index: where a token goes is data), its sequence's block table row and
+    length. (NineToothed indexes a tile array with scalars only, so a program cannot
+    scatter a block of tokens to their different slots as the Triton kernel's does.)"""
+    batch, heads, new_tokens = key.shape[0], key.shape[1], key.shape[2]
+
+    def rows(x, block):
+        arranged = x.tile((1, 1, 1, block)).squeeze(3)
+        arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
+        return arranged
+
+    def slots(cache, block):
+        arranged = cache.tile((1, 1, 1, block)).squeeze(3).permute((2, 0, 1))  # (H_kv, num_pages, PAGE)
+        arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
+        arranged = arranged.tile((1, -1, -1)).squeeze((1, 2))
+        arranged.dtype = arranged.dtype.squeeze(0)
+        return arranged.unsqueeze(0).unsqueeze(2).expand((batch, -1, new_tokens))
+
+    table = block_table.tile((1, 1))
+    table.dtype = table.dtype.squeeze(0)
+    table = table.tile((1, -1)).squeeze(1)
+    table.dtype = table.dtype.squeeze(0)
+    table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, new_tokens))
+    seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, new_tokens))
+    return (rows(key, block_d), rows(value, block_dv), slots(key_cache, block_d), slots(value_cache, block_dv), table,
+            seqlens, num_pages)
+
+
+def append_application(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages):
+    """Token i of sequence z to position cache_seqlens[z] + i of its pages, as ``_append_kv``
+    of the Triton kernel: not written when that position is past the table or its page
+    entry lies outside the cache."""
+    PAGE = key_cache.shape[1]
+    max_pages = block_table.shape[0]
+    pos = ntl.sum(cache_seqlens, 0) + key.offsets(2)  # this program's token: its offset along L_new
+    fits = (pos >= 0) & (pos < max_pages * PAGE)
+    entry = ntl.minimum(ntl.maximum(pos // PAGE, 0), max_pages - 1)
+    page = ntl.sum(block_table[entry], 0)
+    if fits & (page >= 0) & (page < num_pages):
+        key_cache[page, pos % PAGE] = key
+        value_cache[page, pos % PAGE] = value
+
+
+def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
+    """Paged attention; with ``blocks_per_split``, its split variant (see ``paged_arrangement``)."""
+    arrangement_ = functools.partial(
+        paged_arrangement, block_m=block_m, page=page, block_d=padded_head_dim(head_dim),
+        block_dv=padded_head_dim(head_dim_v), blocks_per_split=blocks_per_split,
+    )
+    split = blocks_per_split is not None
+    query = Tensor(shape=(None, None, None, head_dim), other=0)
+    key_cache = Tensor(shape=(None, None, None, head_dim), other=0)  # (num_pages, PAGE, H_kv, D)
+    output = _rows_like(query, *((None,) if split else ()), head_dim_v)
+    tensors = (
+        query, key_cache,
+        _like(key_cache.shape[:3], head_dim_v, other=0),  # value_cache
+        _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
+        _like(query.shape[:1]),  # cache_seqlens (B,) int32
+        Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
+        output,
+        _like(output.shape[:-1]),  # lse (split partials only)
+        *_flags("IS_CAUSAL", "WITH_LSE", "DOT_PRECISION", "SPLIT", "PAGES_PER_STEP"),
+    )
+    return arrangement_, paged_application, tensors
+
+
+def premake_append(head_dim, head_dim_v):
+    """append_kv: the new tokens' keys and values into their slots."""
+    arrangement_ = functools.partial(append_arrangement, block_d=padded_head_dim(head_dim),
+                                     block_dv=padded_head_dim(head_dim_v))
+    key = Tensor(shape=(None, None, None, head_dim))  # (B, H_kv, L_new, D)
+    key_cache = Tensor(shape=(None, None, None, head_dim))  # (num_pages, PAGE, H_kv, D)
+    tensors = (
+        key,
+        _like(key.shape[:3], head_dim_v),  # value
+        key_cache,
+        _like(key_cache.shape[:3], head_dim_v),  # value_cache
+        _like(key.shape[:1], None, other=-1),  # block_table (B, max_pages) int32
+        _like(key.shape[:1]),  # cache_seqlens (B,) int32
+        Tensor(0),  # num_pages
+    )
+    return arrangement_, append_application, tensors

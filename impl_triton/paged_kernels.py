@@ -1,0 +1,149 @@
+"""Attention over a paged KV cache, and appending to it, as hand-written Triton kernels.
+
+``_paged_fwd``: the forward of ``impl_triton.kernels`` over keys and values gathered
+page by page through a block table (one sequence per batch entry, its length read on the
+device), with split keys merged as there. ``_append_kv``: new tokens' keys and values
+into their slots.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from impl_triton.kernels import LN2, LOG2E, _last_split_merges
+
+# -- a paged KV cache ----------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["kernel_merge"])
+def _paged_fwd(
+    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, O, LSE, OUT, COUNTS,
+    stride_qz, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tz, stride_tb,
+    stride_oz, stride_oh, stride_om, stride_os, stride_od,
+    H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, kernel_merge,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, head) against the keys of one
+    split of that sequence, BLOCK_N keys per step (BLOCK_N / PAGE pages, gathered key
+    by key: small pages would otherwise make tiny steps).
+
+    Page j of sequence z is block TABLE[z, j] of the caches (clamped into the cache:
+    a bad entry reads a wrong page, never outside); the sequence has SEQLENS[z] keys
+    (clamped to the table's MAX_PAGES * PAGE).
+    Rows may be grouped-query heads packed into rows (GROUP = 1 then): row r is
+    query row r % LQ_SEQ of its head, at position SEQLENS[z] - LQ_SEQ + r % LQ_SEQ
+    (bottom-right), which IS_CAUSAL keeps to the keys at or before it. SPLIT: O and
+    LSE are the float32 partials (B, H, Lq, NUM_SPLITS[, Dv]) that the last program of
+    each row block merges into OUT (as in _attn_fwd).
+    """
+    start_m = tl.program_id(0) % M_BLOCKS
+    off_hz = tl.program_id(0) // M_BLOCKS
+    split = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    off_h_kv = off_h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Lq
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
+
+    q = tl.load(Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    Lk = tl.minimum(tl.load(SEQLENS + off_z), MAX_PAGES * PAGE)  # a bad length reads no entry past the table
+    last_key = Lk - LQ_SEQ + offs_m % LQ_SEQ  # the key at each row's position
+    qk_scale = scale * LOG2E
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    lo = split * BLOCKS_PER_SPLIT
+    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, tl.cdiv(Lk, BLOCK_N))
+    table = TABLE + off_z * stride_tz
+    k_base = K_CACHE + off_h_kv * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V_CACHE + off_h_kv * stride_vh + offs_dv[None, :] * stride_vd
+    for j in range(lo, hi):
+        offs_kn = j * BLOCK_N + offs_n
+        key_ok = offs_kn < Lk
+        # each key's page (PAGE neighbours share one table entry), clamped into the cache
+        page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=key_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+        slot = (offs_kn % PAGE).to(tl.int64)
+        k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None], mask=key_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        valid = key_ok[None, :]
+        if IS_CAUSAL:
+            valid = valid & (offs_kn[None, :] <= last_key[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None], mask=key_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_ij
+
+    if WITH_LSE:
+        lse = (m_i + tl.math.log2(l_i)) * LN2
+        tl.store(LSE + (off_hz.to(tl.int64) * Lq + offs_m) * NUM_SPLITS + split, lse, mask=m_ok)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # no key (an empty sequence, or a split past its end): 0
+    o = acc / l_i[:, None]
+    o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
+              + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
+    if SPLIT:
+        if kernel_merge != 0:  # (otherwise _merge_kernel's launch merges them, as in _attn_fwd)
+            _last_split_merges(COUNTS, O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
+                               HEAD_DIM_V, BLOCK_M, BLOCK_DV, False)
+
+
+@triton.jit
+def _append_kv(
+    K_NEW, V_NEW, K_CACHE, V_CACHE, TABLE, SEQLENS,
+    stride_nz, stride_nh, stride_nm, stride_nd,
+    stride_wz, stride_wh, stride_wm, stride_wd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tz, stride_tb,
+    H_KV, L_NEW, NUM_PAGES, MAX_PAGES,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program: BLOCK_M new tokens of one (batch, K/V head), keys and values, into
+    their slots: token i of sequence z goes to position SEQLENS[z] + i, that is slot
+    (SEQLENS[z] + i) % PAGE of page TABLE[z, (SEQLENS[z] + i) // PAGE]. Tokens whose
+    position falls past the table, or whose page entry is outside the cache, are not
+    written."""
+    off_zh = tl.program_id(0)
+    off_z = (off_zh // H_KV).to(tl.int64)
+    off_h = (off_zh % H_KV).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pos = tl.load(SEQLENS + off_z) + offs_m
+    slot_ok = (offs_m < L_NEW) & (pos >= 0) & (pos < MAX_PAGES * PAGE)
+    page = tl.load(TABLE + off_z * stride_tz + (pos // PAGE) * stride_tb, mask=slot_ok, other=-1)
+    slot_ok = slot_ok & (page >= 0) & (page < NUM_PAGES)
+    page = page.to(tl.int64)
+    slot = (pos % PAGE).to(tl.int64)
+    rows_k = page * stride_kb + slot * stride_ks + off_h * stride_kh
+    rows_v = page * stride_vb + slot * stride_vs + off_h * stride_vh
+    k = tl.load(K_NEW + off_z * stride_nz + off_h * stride_nh + offs_m.to(tl.int64)[:, None] * stride_nm
+                + offs_d[None, :] * stride_nd, mask=slot_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(K_CACHE + rows_k[:, None] + offs_d[None, :] * stride_kd, k,
+             mask=slot_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    v = tl.load(V_NEW + off_z * stride_wz + off_h * stride_wh + offs_m.to(tl.int64)[:, None] * stride_wm
+                + offs_dv[None, :] * stride_wd, mask=slot_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+    tl.store(V_CACHE + rows_v[:, None] + offs_dv[None, :] * stride_vd, v,
+             mask=slot_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
