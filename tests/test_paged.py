@@ -384,7 +384,7 @@ def test_append_checks_a_layout_once(backend, monkeypatch):
     still write where they should); a call of another layout is checked."""
     import common.paged as paged
 
-    monkeypatch.setattr(paged, "_appends", {})
+    paged._appends.clear()
     lens, page = [20, 3], 16
     key_cache, value_cache, block_table, seqlens, _, _ = _cache(lens, 2, 16, 16, page, f32)
     new = [torch.randn(2, 2, 1, 16, device=DEVICE) for _ in range(4)]
