@@ -39,6 +39,50 @@ def test_help_is_plain_text_and_every_option_has_help():
         assert text.count("(default:") == len(options), f"{name}: every option shows its default"
 
 
+def test_help_imports_no_command_and_no_torch():
+    """``twin-attention --help`` lists the commands from the CLI's table alone: it imports no command's
+    module and neither torch, triton nor ninetoothed (it took 2-3 s when it imported them all)."""
+    import subprocess
+    import sys
+
+    heavy = ["torch", "triton", "ninetoothed", "common.dispatch", "common.tools.demo", "common.tools.bench",
+             "common.tools.tune", "common.tools.compare"]
+    code = (
+        "import contextlib, io, sys\n"
+        "from common.tools.cli import main\n"
+        "text = io.StringIO()\n"
+        "with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        f"print(text.getvalue())\nprint([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    *help_text, loaded = result.stdout.strip().splitlines()
+    assert loaded == "[]"
+    help_text = "\n".join(help_text)
+    for command in ("demo", "bench", "tune", "compare"):
+        assert f"    {command} " in help_text, command
+    assert "tests/test_seed.py" in help_text  # "the homework" is said what it is
+
+
+def test_a_command_loads_only_its_own_module():
+    """The command that runs (here ``demo --help``) gets its options and description; the others stay unloaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, sys\n"
+        "from common.tools.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):\n"
+        "    main(['demo', '--help'])\n"
+        "tools = sorted(m for m in sys.modules if m.startswith('common.tools.'))\n"
+        "print('original assignment' in text.getvalue(), tools)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "True ['common.tools.cli', 'common.tools.demo']"
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "no such file"),
     ("{", "not a readable results.json"),

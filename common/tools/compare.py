@@ -212,7 +212,7 @@ _COLD_START = r"""
 import json, sys, time
 start = time.perf_counter()
 import torch
-import common
+import common.dispatch  # the library (a bare `import common` defers it to the first use)
 backend = sys.argv[1]
 q, k, v = (torch.randn(1, 8, 1024, 64, dtype=torch.float16, device="cuda") for _ in range(3))
 torch.cuda.synchronize()
