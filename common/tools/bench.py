@@ -115,28 +115,41 @@ def measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=Fals
     return row
 
 
+def _throughput_jobs(args, dtypes) -> list[tuple]:
+    """The throughput sweep: B·L = 16k tokens, H·D = 2048, every dtype, head dim, masking, length and mode."""
+    jobs = []
+    for dtype in dtypes:
+        for D in args.head_dims:
+            for is_causal in [mode == "causal" for mode in args.masking]:
+                for L in args.lengths:
+                    B, H = max(1, TOKENS // L), WIDTH // D
+                    jobs += [("throughput", B, H, H, L, L, D, dtype, is_causal, False, mode) for mode in args.modes]
+    return jobs
+
+
+def _homework_jobs() -> list[tuple]:
+    """The homework's four shapes, fp16, causal and not, with wall times."""
+    return [("homework", B, H, H, L, L, D, torch.float16, is_causal, True, "fwd")
+            for B, H, L, D in HOMEWORK_SHAPES for is_causal in (False, True)]
+
+
+def _decode_jobs(dtypes) -> list[tuple]:
+    """Short queries against long grouped-query keys, with wall times, in the given dtypes."""
+    return [("decode", DECODE["B"], DECODE["H"], DECODE["H_kv"], Lq, Lk, DECODE["D"], dtype, False, True, "fwd")
+            for dtype in dtypes for Lq in DECODE["q_lens"] for Lk in DECODE["k_lens"]]
+
+
 def plan(args):
-    """Every (section, shape) to measure, in order."""
+    """Every (section, shape) to measure, in order: tuples (section, B, H, H_kv, Lq, Lk, D, dtype,
+    is_causal, wall, mode)."""
     dtypes = [getattr(torch, name) for name in args.dtypes]
     jobs = []
     if "throughput" in args.sections:
-        for dtype in dtypes:
-            for D in args.head_dims:
-                for is_causal in [mode == "causal" for mode in args.masking]:
-                    for L in args.lengths:
-                        B, H = max(1, TOKENS // L), WIDTH // D
-                        for mode in args.modes:
-                            jobs.append(("throughput", B, H, H, L, L, D, dtype, is_causal, False, mode))
+        jobs += _throughput_jobs(args, dtypes)
     if "homework" in args.sections:
-        for B, H, L, D in HOMEWORK_SHAPES:
-            for is_causal in (False, True):
-                jobs.append(("homework", B, H, H, L, L, D, torch.float16, is_causal, True, "fwd"))
+        jobs += _homework_jobs()
     if "decode" in args.sections:
-        for dtype in dtypes[:1]:
-            for Lq in DECODE["q_lens"]:
-                for Lk in DECODE["k_lens"]:
-                    jobs.append(("decode", DECODE["B"], DECODE["H"], DECODE["H_kv"], Lq, Lk, DECODE["D"], dtype,
-                                 False, True, "fwd"))
+        jobs += _decode_jobs(dtypes[:1])
     return jobs
 
 
@@ -209,6 +222,37 @@ def write_outputs(rows, env, out_dir: pathlib.Path):
     return plot(rows, env, out_dir)
 
 
+def _plot_panel(ax, subset, D, causal) -> None:
+    """One panel: TFLOP/s against L of every backend, at one head dim and causal mode."""
+    for backend in ALL_BACKENDS:
+        points = sorted((r["Lq"], r["tflops"]) for r in subset
+                        if r["D"] == D and r["causal"] == causal and r["backend"] == backend)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=backend)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"D={D}, {'causal' if causal else 'not causal'}")
+    ax.set_xlabel("sequence length L (B·L = 16k)")
+    ax.set_ylabel("TFLOP/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_figure(plt, subset, dtype, mode, env, out_dir: pathlib.Path) -> pathlib.Path:
+    """One PNG: a panel per (head dim, causal mode) of one dtype and mode."""
+    head_dims = sorted({r["D"] for r in subset})
+    fig, axes = plt.subplots(2, len(head_dims), figsize=(4.5 * len(head_dims), 7), squeeze=False)
+    for col, D in enumerate(head_dims):
+        for row_index, causal in enumerate((False, True)):
+            _plot_panel(axes[row_index][col], subset, D, causal)
+    title = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward"}[mode]
+    fig.suptitle(f"attention {title}, {dtype}, {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
+    fig.tight_layout()
+    path = out_dir / (f"throughput_{dtype}.png" if mode == "fwd" else f"throughput_{dtype}_{mode.replace('+', '_')}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(rows, env, out_dir: pathlib.Path) -> list[pathlib.Path]:
     """TFLOP/s against L, one panel per (head dim, causal mode), one PNG per dtype."""
     import matplotlib
@@ -216,33 +260,11 @@ def plot(rows, env, out_dir: pathlib.Path) -> list[pathlib.Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
     throughput = [r for r in rows if r["section"] == "throughput" and "tflops" in r]
+    paths = []
     for dtype, mode in sorted({(r["dtype"], r.get("mode", "fwd")) for r in throughput}):
         subset = [r for r in throughput if r["dtype"] == dtype and r.get("mode", "fwd") == mode]
-        head_dims = sorted({r["D"] for r in subset})
-        fig, axes = plt.subplots(2, len(head_dims), figsize=(4.5 * len(head_dims), 7), squeeze=False)
-        for col, D in enumerate(head_dims):
-            for row_index, causal in enumerate((False, True)):
-                ax = axes[row_index][col]
-                for backend in ALL_BACKENDS:
-                    points = sorted((r["Lq"], r["tflops"]) for r in subset
-                                    if r["D"] == D and r["causal"] == causal and r["backend"] == backend)
-                    if points:
-                        ax.plot(*zip(*points), marker="o", label=backend)
-                ax.set_xscale("log", base=2)
-                ax.set_title(f"D={D}, {'causal' if causal else 'not causal'}")
-                ax.set_xlabel("sequence length L (B·L = 16k)")
-                ax.set_ylabel("TFLOP/s")
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize=8)
-        title = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward"}[mode]
-        fig.suptitle(f"attention {title}, {dtype}, {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
-        fig.tight_layout()
-        path = out_dir / (f"throughput_{dtype}.png" if mode == "fwd" else f"throughput_{dtype}_{mode.replace('+', '_')}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_plot_figure(plt, subset, dtype, mode, env, out_dir))
     return paths
 
 
@@ -266,8 +288,8 @@ def _num(value, fmt):
     return "-" if value is None else format(value, fmt)
 
 
-def markdown(rows, env, plots, notes: str) -> str:
-    backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
+def _header(env, notes: str) -> list[str]:
+    """The report's title, environment, timing method and the hand-written notes."""
     out = [
         "# Benchmarks",
         "",
@@ -286,6 +308,49 @@ def markdown(rows, env, plots, notes: str) -> str:
     ]
     if notes:
         out += [notes.strip(), ""]
+    return out
+
+
+def _tflops_cell(s, b) -> str:
+    """A backend's TFLOP/s on a shape, or the start of its status where it did not run cleanly."""
+    if s["by"].get(b, {}).get("status", "ok") != "ok":
+        return s["by"][b]["status"][:30]
+    return _num(s["by"].get(b, {}).get("tflops"), ".0f")
+
+
+def _throughput_columns(section, backends) -> list[tuple]:
+    """The columns of a throughput or decode table: the shape, TFLOP/s and ratios per backend
+    (and, for decode, the wall time a decoding loop pays)."""
+    columns = [("pass", lambda s: s.get("mode", "fwd")), ("dtype", lambda s: s["dtype"]), ("B,H,Lq,Lk,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['Lk']},{s['D']}"),
+               ("causal", lambda s: "yes" if s["causal"] else "no")]
+    columns += [(f"{b} TFLOP/s", lambda s, b=b: _tflops_cell(s, b)) for b in backends]
+    columns += [(f"{b} / SDPA", lambda s, b=b: _num(s["by"].get(b, {}).get("vs_sdpa"), ".2f"))
+                for b in ("triton", "ninetoothed") if b in backends]
+    if "ninetoothed" in backends:
+        columns.append(("NT / triton", lambda s: _num(s["by"].get("ninetoothed", {}).get("vs_triton"), ".2f")))
+    if section == "decode":  # a decoding loop pays the host work of every call too
+        columns += [(f"{b} wall µs", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".0f")) for b in backends]
+    return columns
+
+
+def _homework_table(rows, backends) -> list[str]:
+    """The homework's shapes: GPU and wall µs per call of every backend."""
+    shapes = _pivot(rows, "homework")
+    if not shapes:
+        return []
+    out = ["## The homework's shapes (fp16), µs per call", "",
+           "GPU: do_bench median. Wall: a plain Python loop of calls, host work included (what a user's loop pays).", ""]
+    columns = [("B,H,L,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['D']}"), ("causal", lambda s: "yes" if s["causal"] else "no")]
+    for b in backends:
+        columns.append((f"{b} GPU", lambda s, b=b: _num(_us(s["by"].get(b)), ".1f")))
+        columns.append((f"{b} wall", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".1f")))
+    table_rows = [dict(next(iter(by.values())), by=by) for by in shapes.values()]
+    return out + [_table(table_rows, columns), ""]
+
+
+def markdown(rows, env, plots, notes: str) -> str:
+    backends = [b for b in ALL_BACKENDS if any(r["backend"] == b for r in rows)]
+    out = _header(env, notes)
     sections = [
         ("throughput", "Throughput (B·L = 16384, H·D = 2048)"),
         ("decode", "Decode-like shapes (B = 8, 32 query heads over 8 K/V heads, D = 128)"),
@@ -294,35 +359,9 @@ def markdown(rows, env, plots, notes: str) -> str:
         shapes = _pivot(rows, section)
         if not shapes:
             continue
-        out += [f"## {title}", ""]
-        columns = [("pass", lambda s: s.get("mode", "fwd")), ("dtype", lambda s: s["dtype"]), ("B,H,Lq,Lk,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['Lk']},{s['D']}"),
-                   ("causal", lambda s: "yes" if s["causal"] else "no")]
-        for b in backends:
-            columns.append((f"{b} TFLOP/s", lambda s, b=b: _num(s["by"].get(b, {}).get("tflops"), ".0f")
-                            if s["by"].get(b, {}).get("status", "ok") == "ok" else s["by"][b]["status"][:30]))
-        for b in ("triton", "ninetoothed"):
-            if b in backends:
-                columns.append((f"{b} / SDPA", lambda s, b=b: _num(s["by"].get(b, {}).get("vs_sdpa"), ".2f")))
-        if "ninetoothed" in backends:
-            columns.append(("NT / triton", lambda s: _num(s["by"].get("ninetoothed", {}).get("vs_triton"), ".2f")))
-        if section == "decode":  # a decoding loop pays the host work of every call too
-            for b in backends:
-                columns.append((f"{b} wall µs", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".0f")))
-        table_rows = []
-        for by in shapes.values():
-            first = next(iter(by.values()))
-            table_rows.append(dict(first, by=by))
-        out += [_table(table_rows, columns), ""]
-    shapes = _pivot(rows, "homework")
-    if shapes:
-        out += ["## The homework's shapes (fp16), µs per call", "",
-                "GPU: do_bench median. Wall: a plain Python loop of calls, host work included (what a user's loop pays).", ""]
-        columns = [("B,H,L,D", lambda s: f"{s['B']},{s['H']},{s['Lq']},{s['D']}"), ("causal", lambda s: "yes" if s["causal"] else "no")]
-        for b in backends:
-            columns.append((f"{b} GPU", lambda s, b=b: _num(_us(s["by"].get(b)), ".1f")))
-            columns.append((f"{b} wall", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".1f")))
         table_rows = [dict(next(iter(by.values())), by=by) for by in shapes.values()]
-        out += [_table(table_rows, columns), ""]
+        out += [f"## {title}", "", _table(table_rows, _throughput_columns(section, backends)), ""]
+    out += _homework_table(rows, backends)
     if plots:
         out += ["## Plots", ""] + [f"![{p.stem}](benchmarks/{p.name})" for p in plots] + [""]
     return "\n".join(out)
