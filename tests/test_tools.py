@@ -132,25 +132,87 @@ def test_bench_plans_the_masking_asked_for():
         assert len(jobs) == 2 * 2 * len(wanted)  # head dims x lengths x masking
 
 
-def test_compare_speed_keeps_forward_and_backward_apart(tmp_path, monkeypatch):
-    """A shape timed forward and backward is two rows of COMPARISON.md's speed table, each with its own numbers."""
+def _speed_results(path):
+    """A results.json of one throughput shape, timed forward (three backends) and backward (two)."""
     import json
 
-    from common.tools import compare
-
-    monkeypatch.setattr(compare, "_plot", lambda ratios, env: None)
     rows = [dict(section="throughput", mode=mode, dtype="bfloat16", B=1, H=16, H_kv=16, Lq=4096, Lk=4096, D=128,
                  causal=False, backend=backend, tflops=tflops)
             for mode, backend, tflops in [("fwd", "triton", 400.0), ("fwd", "ninetoothed", 360.0),
                                           ("fwd", "torch", 500.0), ("bwd", "triton", 300.0),
                                           ("bwd", "ninetoothed", 150.0)]]
-    path = tmp_path / "results.json"
     path.write_text(json.dumps(dict(environment=dict(gpu="X", date="today"), rows=rows)))
-    text, _ = compare.speed_section(path)
+    return path
+
+
+def test_compare_speed_keeps_forward_and_backward_apart(tmp_path):
+    """A shape timed forward and backward is two rows of COMPARISON.md's speed table, each with its own numbers."""
+    from common.tools import compare
+
+    text, plot = compare.speed_section(_speed_results(tmp_path / "results.json"))
+    assert plot is None and "drawn only when the report goes to a file" in text  # stdout: no plot, and it says so
     assert "| fwd | bfloat16 | 128 | 4096 | no | 400 | 360 | 0.90 | 0.80 |" in text
     assert "| bwd | bfloat16 | 128 | 4096 | no | 300 | 150 | 0.50 | - |" in text
     assert text.index("| fwd |") < text.index("| bwd |")
     assert "fwd: median 0.90" in text and "bwd: median 0.50" in text
+
+
+def test_compare_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    """Without matplotlib the speed plot is left out with a warning on stderr and a note where it would be."""
+    import sys
+
+    from common.tools import compare
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    text, plot = compare.speed_section(_speed_results(tmp_path / "results.json"), tmp_path / "comparison")
+    assert plot is None and not (tmp_path / "comparison").exists()
+    assert "(No plot of speed by shape: matplotlib is not installed (pip install -e '.[bench]').)" in text
+    assert "warning: no plot of speed by shape: matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_compare_draws_its_plot_beside_a_written_report(tmp_path):
+    from common.tools import compare
+
+    pytest.importorskip("matplotlib")
+    text, plot = compare.speed_section(_speed_results(tmp_path / "results.json"), tmp_path / "comparison")
+    assert plot == tmp_path / "comparison" / "speed_by_shape.png" and plot.stat().st_size > 0
+    assert "![speed by shape](comparison/speed_by_shape.png)" in text
+
+
+def _tracked_outputs():
+    """The committed reports and their folders' files, by path: their modification times and bytes."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    paths = [root / "COMPARISON.md", root / "BENCHMARKS.md", *sorted((root / "comparison").iterdir()),
+             *sorted((root / "benchmarks").glob("*.*"))]
+    return {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in paths if path.is_file()}
+
+
+def test_compare_rewrites_no_tracked_file_unless_asked(tmp_path):
+    """`compare` prints its report on stdout and writes nothing; --output PATH writes PATH and a comparison/
+    folder beside it (generated code, plot); neither touches COMPARISON.md or comparison/. Run without a GPU
+    (CUDA_VISIBLE_DEVICES=''), so that it measures nothing and reads comparison/gpu.json on any machine."""
+    import os
+    import subprocess
+    import sys
+
+    before = _tracked_outputs()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    printed = subprocess.run([sys.executable, "-m", "common", "compare"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, timeout=600)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert printed.stdout.startswith("# Triton and NineToothed, side by side")
+    assert "## Speed" in printed.stdout and "kernel lines:" in printed.stderr
+    assert list(tmp_path.iterdir()) == []
+    report = tmp_path / "out" / "C.md"
+    report.parent.mkdir()
+    written = subprocess.run([sys.executable, "-m", "common", "compare", "--output", str(report)],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert written.returncode == 0, written.stderr[-2000:]
+    assert report.read_text().startswith("# Triton and NineToothed, side by side")
+    assert (tmp_path / "out" / "comparison" / "ninetoothed_generated.py").is_file()
+    assert _tracked_outputs() == before
 
 
 def test_a_missing_extra_is_named(monkeypatch):
