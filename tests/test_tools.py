@@ -98,6 +98,50 @@ def test_bench_from_json_errors_in_one_line(tmp_path, content, message):
     assert "Traceback" not in result.stderr
 
 
+def test_bench_writes_the_committed_report_only_with_write():
+    """Results and plots go to --out (bench-results/ in the current directory), the report to stdout; --write
+    alone names the repository's benchmarks/ and BENCHMARKS.md, and refuses --out or --markdown beside it."""
+    import argparse
+    import pathlib
+
+    from common.tools import bench, cli
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.destinations(parser.parse_args([])) == (pathlib.Path("bench-results"), "-")
+    assert bench.destinations(parser.parse_args(["--markdown", ""])) == (pathlib.Path("bench-results"), None)
+    assert bench.destinations(parser.parse_args(["--out", "o", "--markdown", "r.md"])) == (
+        pathlib.Path("o"), pathlib.Path("r.md"))
+    committed = (bench.ROOT / "benchmarks", bench.ROOT / "BENCHMARKS.md")
+    assert bench.destinations(parser.parse_args(["--write"])) == committed
+    with pytest.raises(cli.CommandError, match="--write names the committed"):
+        bench.destinations(parser.parse_args(["--write", "--out", "elsewhere"]))
+
+
+def test_bench_from_json_rewrites_no_tracked_file_unless_asked(tmp_path):
+    """`bench --from-json` prints the report and writes its results and plots under the current directory;
+    --markdown PATH writes the report there, its plots linked relative to it; the committed files stay."""
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("matplotlib")  # the report's plots
+    before = _tracked_outputs()
+    results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results.json"
+    printed = subprocess.run([sys.executable, "-m", "common", "bench", "--from-json", str(results)],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert printed.stdout.startswith("# Benchmarks") and "](bench-results/throughput_" in printed.stdout
+    assert (tmp_path / "bench-results" / "results.json").is_file()
+    (tmp_path / "docs").mkdir()
+    written = subprocess.run([sys.executable, "-m", "common", "bench", "--from-json", str(results), "--markdown",
+                              "docs/B.md", "--out", "docs/runs"], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=300)
+    assert written.returncode == 0, written.stderr[-2000:]
+    assert written.stdout == "" and "](runs/throughput_" in (tmp_path / "docs" / "B.md").read_text()
+    assert _tracked_outputs() == before
+
+
 def test_bench_merges_runs():
     """Results of several runs (one per GPU, forward and backward apart) make one report."""
     from common.tools.bench import merge_results
