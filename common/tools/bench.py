@@ -483,8 +483,8 @@ def main(args) -> int:
 
 DESCRIPTION = """\
 The two kernels side by side with SDPA, on a GPU: throughput (forward, backward or both;
-B*L = 16k tokens, H*D = 2048), the homework's shapes (GPU and wall time per call) and
-decode-like shapes. Every result is checked against SDPA before it is timed. Writes
+B*L = 16k tokens, H*D = 2048), the homework's four small fp16 shapes (those of the original
+assignment's test, tests/test_seed.py; GPU and wall time per call) and decode-like shapes. Every result is checked against SDPA before it is timed. Writes
 results.json, results.csv and plots into --out and prints the Markdown report (or writes it
 to --markdown PATH); it rewrites the committed benchmarks/ and BENCHMARKS.md only with
 --write. With --from-json it measures nothing and rebuilds the report from an earlier
