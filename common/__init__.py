@@ -7,15 +7,39 @@ computes, forward and backward, on the backend of your choice;
 ``ring_attention`` spreads one sequence over the ranks of a process group;
 ``varlen_attention`` attends within each sequence of a packed batch;
 ``paged_attention`` and ``append_kv`` read and write a paged KV cache.
+
+The names are imported on first use (``from common import attention`` or ``common.attention``),
+so that ``import common`` alone, as the command line does for its help, loads no torch.
 """
 
-from common.backends import available_backends, use_backend
-from common.dispatch import attention, attention_backward
-from common.paged import append_kv, paged_attention
-from common.reuse import plan_attention
-from common.ring import ring_attention, shard_sequence, unshard_sequence
-from common.varlen import varlen_attention
+import importlib
 
-__all__ = ["append_kv", "attention", "attention_backward", "available_backends", "paged_attention",
-           "plan_attention", "ring_attention", "shard_sequence", "unshard_sequence", "use_backend",
-           "varlen_attention"]
+# public name: the module that defines it
+_PUBLIC = {
+    "available_backends": "common.backends",
+    "use_backend": "common.backends",
+    "attention": "common.dispatch",
+    "attention_backward": "common.dispatch",
+    "append_kv": "common.paged",
+    "paged_attention": "common.paged",
+    "plan_attention": "common.reuse",
+    "ring_attention": "common.ring",
+    "shard_sequence": "common.ring",
+    "unshard_sequence": "common.ring",
+    "varlen_attention": "common.varlen",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    """Import a public name's module on first use and keep the name here (later uses are plain lookups)."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'common' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,4 +1,5 @@
-"""The README's Python snippets run as written (on a GPU, or on the CPU under Triton's interpreter)."""
+"""The README's Python snippets run as written (on a GPU, or on the CPU under Triton's interpreter) and
+print what they computed."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def test_snippet_runs(index, tmp_path):
     result = subprocess.run([sys.executable, "-c", SNIPPETS[index]], capture_output=True, text=True, env=env,
                             cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip(), "a snippet prints what it computed, so that its reader sees it worked"
 
 
 def _has_gpu() -> bool:

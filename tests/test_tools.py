@@ -39,6 +39,50 @@ def test_help_is_plain_text_and_every_option_has_help():
         assert text.count("(default:") == len(options), f"{name}: every option shows its default"
 
 
+def test_help_imports_no_command_and_no_torch():
+    """``twin-attention --help`` lists the commands from the CLI's table alone: it imports no command's
+    module and neither torch, triton nor ninetoothed (it took 2-3 s when it imported them all)."""
+    import subprocess
+    import sys
+
+    heavy = ["torch", "triton", "ninetoothed", "common.dispatch", "common.tools.demo", "common.tools.bench",
+             "common.tools.tune", "common.tools.compare"]
+    code = (
+        "import contextlib, io, sys\n"
+        "from common.tools.cli import main\n"
+        "text = io.StringIO()\n"
+        "with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        f"print(text.getvalue())\nprint([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    *help_text, loaded = result.stdout.strip().splitlines()
+    assert loaded == "[]"
+    help_text = "\n".join(help_text)
+    for command in ("demo", "bench", "tune", "compare"):
+        assert f"    {command} " in help_text, command
+    assert "tests/test_seed.py" in help_text  # "the homework" is said what it is
+
+
+def test_a_command_loads_only_its_own_module():
+    """The command that runs (here ``demo --help``) gets its options and description; the others stay unloaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, sys\n"
+        "from common.tools.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):\n"
+        "    main(['demo', '--help'])\n"
+        "tools = sorted(m for m in sys.modules if m.startswith('common.tools.'))\n"
+        "print('original assignment' in text.getvalue(), tools)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "True ['common.tools.cli', 'common.tools.demo']"
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "no such file"),
     ("{", "not a readable results.json"),
@@ -52,6 +96,50 @@ def test_bench_from_json_errors_in_one_line(tmp_path, content, message):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bench_writes_the_committed_report_only_with_write():
+    """Results and plots go to --out (bench-results/ in the current directory), the report to stdout; --write
+    alone names the repository's benchmarks/ and BENCHMARKS.md, and refuses --out or --markdown beside it."""
+    import argparse
+    import pathlib
+
+    from common.tools import bench, cli
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.destinations(parser.parse_args([])) == (pathlib.Path("bench-results"), "-")
+    assert bench.destinations(parser.parse_args(["--markdown", ""])) == (pathlib.Path("bench-results"), None)
+    assert bench.destinations(parser.parse_args(["--out", "o", "--markdown", "r.md"])) == (
+        pathlib.Path("o"), pathlib.Path("r.md"))
+    committed = (bench.ROOT / "benchmarks", bench.ROOT / "BENCHMARKS.md")
+    assert bench.destinations(parser.parse_args(["--write"])) == committed
+    with pytest.raises(cli.CommandError, match="--write names the committed"):
+        bench.destinations(parser.parse_args(["--write", "--out", "elsewhere"]))
+
+
+def test_bench_from_json_rewrites_no_tracked_file_unless_asked(tmp_path):
+    """`bench --from-json` prints the report and writes its results and plots under the current directory;
+    --markdown PATH writes the report there, its plots linked relative to it; the committed files stay."""
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("matplotlib")  # the report's plots
+    before = _tracked_outputs()
+    results = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results.json"
+    printed = subprocess.run([sys.executable, "-m", "common", "bench", "--from-json", str(results)],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert printed.stdout.startswith("# Benchmarks") and "](bench-results/throughput_" in printed.stdout
+    assert (tmp_path / "bench-results" / "results.json").is_file()
+    (tmp_path / "docs").mkdir()
+    written = subprocess.run([sys.executable, "-m", "common", "bench", "--from-json", str(results), "--markdown",
+                              "docs/B.md", "--out", "docs/runs"], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=300)
+    assert written.returncode == 0, written.stderr[-2000:]
+    assert written.stdout == "" and "](runs/throughput_" in (tmp_path / "docs" / "B.md").read_text()
+    assert _tracked_outputs() == before
 
 
 def test_bench_merges_runs():
@@ -88,25 +176,87 @@ def test_bench_plans_the_masking_asked_for():
         assert len(jobs) == 2 * 2 * len(wanted)  # head dims x lengths x masking
 
 
-def test_compare_speed_keeps_forward_and_backward_apart(tmp_path, monkeypatch):
-    """A shape timed forward and backward is two rows of COMPARISON.md's speed table, each with its own numbers."""
+def _speed_results(path):
+    """A results.json of one throughput shape, timed forward (three backends) and backward (two)."""
     import json
 
-    from common.tools import compare
-
-    monkeypatch.setattr(compare, "_plot", lambda ratios, env: None)
     rows = [dict(section="throughput", mode=mode, dtype="bfloat16", B=1, H=16, H_kv=16, Lq=4096, Lk=4096, D=128,
                  causal=False, backend=backend, tflops=tflops)
             for mode, backend, tflops in [("fwd", "triton", 400.0), ("fwd", "ninetoothed", 360.0),
                                           ("fwd", "torch", 500.0), ("bwd", "triton", 300.0),
                                           ("bwd", "ninetoothed", 150.0)]]
-    path = tmp_path / "results.json"
     path.write_text(json.dumps(dict(environment=dict(gpu="X", date="today"), rows=rows)))
-    text, _ = compare.speed_section(path)
+    return path
+
+
+def test_compare_speed_keeps_forward_and_backward_apart(tmp_path):
+    """A shape timed forward and backward is two rows of COMPARISON.md's speed table, each with its own numbers."""
+    from common.tools import compare
+
+    text, plot = compare.speed_section(_speed_results(tmp_path / "results.json"))
+    assert plot is None and "drawn only when the report goes to a file" in text  # stdout: no plot, and it says so
     assert "| fwd | bfloat16 | 128 | 4096 | no | 400 | 360 | 0.90 | 0.80 |" in text
     assert "| bwd | bfloat16 | 128 | 4096 | no | 300 | 150 | 0.50 | - |" in text
     assert text.index("| fwd |") < text.index("| bwd |")
     assert "fwd: median 0.90" in text and "bwd: median 0.50" in text
+
+
+def test_compare_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    """Without matplotlib the speed plot is left out with a warning on stderr and a note where it would be."""
+    import sys
+
+    from common.tools import compare
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    text, plot = compare.speed_section(_speed_results(tmp_path / "results.json"), tmp_path / "comparison")
+    assert plot is None and not (tmp_path / "comparison").exists()
+    assert "(No plot of speed by shape: matplotlib is not installed (pip install -e '.[bench]').)" in text
+    assert "warning: no plot of speed by shape: matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_compare_draws_its_plot_beside_a_written_report(tmp_path):
+    from common.tools import compare
+
+    pytest.importorskip("matplotlib")
+    text, plot = compare.speed_section(_speed_results(tmp_path / "results.json"), tmp_path / "comparison")
+    assert plot == tmp_path / "comparison" / "speed_by_shape.png" and plot.stat().st_size > 0
+    assert "![speed by shape](comparison/speed_by_shape.png)" in text
+
+
+def _tracked_outputs():
+    """The committed reports and their folders' files, by path: their modification times and bytes."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    paths = [root / "COMPARISON.md", root / "BENCHMARKS.md", *sorted((root / "comparison").iterdir()),
+             *sorted((root / "benchmarks").glob("*.*"))]
+    return {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in paths if path.is_file()}
+
+
+def test_compare_rewrites_no_tracked_file_unless_asked(tmp_path):
+    """`compare` prints its report on stdout and writes nothing; --output PATH writes PATH and a comparison/
+    folder beside it (generated code, plot); neither touches COMPARISON.md or comparison/. Run without a GPU
+    (CUDA_VISIBLE_DEVICES=''), so that it measures nothing and reads comparison/gpu.json on any machine."""
+    import os
+    import subprocess
+    import sys
+
+    before = _tracked_outputs()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    printed = subprocess.run([sys.executable, "-m", "common", "compare"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, timeout=600)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert printed.stdout.startswith("# Triton and NineToothed, side by side")
+    assert "## Speed" in printed.stdout and "kernel lines:" in printed.stderr
+    assert list(tmp_path.iterdir()) == []
+    report = tmp_path / "out" / "C.md"
+    report.parent.mkdir()
+    written = subprocess.run([sys.executable, "-m", "common", "compare", "--output", str(report)],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert written.returncode == 0, written.stderr[-2000:]
+    assert report.read_text().startswith("# Triton and NineToothed, side by side")
+    assert (tmp_path / "out" / "comparison" / "ninetoothed_generated.py").is_file()
+    assert _tracked_outputs() == before
 
 
 def test_a_missing_extra_is_named(monkeypatch):

@@ -69,7 +69,7 @@ for stage in "$@"; do
     tune-fwd-nt-dims) timeout 400 python3 -m common tune --backends ninetoothed --passes fwd --head-dims ${TUNE_DIMS:-64} 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json"
                       timeout 180 python3 -m common bench --sections throughput --modes fwd --dtypes float16 --head-dims ${TUNE_DIMS:-64} --lengths 1024 4096 16384 --backends triton ninetoothed --out /tmp/parity --markdown "" > "$OUT/parity.log" 2>&1; cp /tmp/parity/results.json "$OUT/results_parity.json"; tail -20 "$OUT/parity.log" ;;
     tune-bwd) timeout 500 python3 -m common tune --passes bwd 2>&1 | tee "$OUT/tune_bwd.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
-    bench-full) timeout 540 python3 -m common bench --out benchmarks --markdown BENCHMARKS.md 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
+    bench-full) timeout 540 python3 -m common bench --write 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
@@ -97,7 +97,7 @@ for stage in "$@"; do
                 backends="triton ninetoothed"; [ "$tree" = . ] && backends=${AB_HERE:-$backends}
                 (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --masking ${AB_MASKING:-full causal} --dtypes float16 --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
                 cp "/tmp/ab-$name/results.json" "$OUT/results_$name.json"; done 2>&1 | tee "$OUT/ab_bench.log" ;;
-    compare) timeout 300 python3 -m common compare 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
+    compare) timeout 300 python3 -m common compare --write 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;
   esac
   echo "=== end $stage $(date +%T)"

@@ -1,14 +1,15 @@
-"""``compare``: the two programming models side by side, written to COMPARISON.md.
+"""``compare``: the two programming models side by side, as Markdown (the committed COMPARISON.md with ``--write``).
 
 Code metrics are counted from the current source every time (common/metrics.py
-says how). The Triton code NineToothed generates for our kernel is saved in
-comparison/, to diff against impl_triton/kernels.py, and counted the same way. On a GPU the
-command also measures build cost (code generation and compilation of a cold
-first call, in a fresh process with an empty Triton cache) and per-call host
-overhead, and keeps them in comparison/gpu.json; on a CPU it reuses that file
-and says when and where it was measured. Speed comes from the last benchmark
-(benchmarks/results.json, written by ``bench``). The narrative is
-comparison/NARRATIVE.md.
+says how). The Triton code NineToothed generates for our kernel is counted the same way and,
+when the report goes to a file, saved in a comparison/ folder beside it, to diff against
+impl_triton/kernels.py. On a GPU the command also measures build cost (code generation and
+compilation of a cold first call, in a fresh process with an empty Triton cache) and per-call
+host overhead, kept in that folder's gpu.json; on a CPU it reuses the repository's
+comparison/gpu.json and says when and where it was measured. Speed comes from the last
+benchmark (benchmarks/results.json, written by ``bench --write``). The narrative is
+comparison/NARRATIVE.md. The report goes to stdout unless ``--output`` or ``--write`` names a
+file: a plain run rewrites nothing in the repository.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def _module_source(backend: str) -> str:
     return "\n".join(inspect.getsource(importlib.import_module(name)) for name in names)
 
 
-def code_section() -> tuple[str, dict]:
+def _code_data() -> dict:
+    """Per backend: metrics of its kernel and host functions, lines per pass and per feature."""
     data = {}
     for backend in _modules():
         source = _module_source(backend)
@@ -121,31 +123,42 @@ def code_section() -> tuple[str, dict]:
             paged_lines=sum(f.code_lines for f in function_metrics(source, functions["paged"])),
             features=feature_lines(source, functions["forward"] + functions["backward"], FEATURES),
         )
+    return data
+
+
+def _code_totals(d: dict) -> dict:
+    """One backend's totals for the summary table."""
+    return dict(
+        kernel_lines=sum(f.code_lines for f in d["kernel"]),
+        host_lines=sum(f.code_lines for f in d["host"]),
+        index=sum((f.index for f in d["kernel"]), IndexCounts()).total,
+        max_complexity=max(f.complexity for f in d["kernel"]),
+        forward_lines=d["forward_lines"], backward_lines=d["backward_lines"], paged_lines=d["paged_lines"],
+    )
+
+
+def _function_rows(data: dict) -> list[str]:
+    """The per-function table."""
+    lines = ["| backend | function | role | lines | complexity | aranges | address arithmetic | bounds comparisons | load/store masks | `//` and `%` |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for backend, d in data.items():
+        for role in ("kernel", "host"):
+            for f in d[role]:
+                i = f.index
+                lines.append(f"| {backend} | `{f.name}` | {role} | {f.code_lines} | {f.complexity} | {i.aranges} | "
+                             f"{i.address_arithmetic} | {i.bounds_comparisons} | {i.load_store_masks} | {i.div_mod} |")
+    return lines
+
+
+def code_section() -> tuple[str, dict]:
+    data = _code_data()
     lines = ["## Code, counted from the source", "",
              "Lines of code exclude blanks, comments and docstrings; complexity is McCabe's; index expressions "
              "are the hand-written `arange`s, address arithmetic on strides/pointers, bounds comparisons and "
              "load/store `mask=`/`other=` arguments (rules in `common/metrics.py`).", ""]
-    lines += ["| backend | function | role | lines | complexity | aranges | address arithmetic | bounds comparisons | load/store masks | `//` and `%` |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for backend, d in data.items():
-        for role, functions in (("kernel", d["kernel"]), ("host", d["host"])):
-            for f in functions:
-                i = f.index
-                lines.append(f"| {backend} | `{f.name}` | {role} | {f.code_lines} | {f.complexity} | {i.aranges} | "
-                             f"{i.address_arithmetic} | {i.bounds_comparisons} | {i.load_store_masks} | {i.div_mod} |")
+    lines += _function_rows(data)
     lines += ["", "| | triton | ninetoothed |", "|---|---|---|"]
-    totals = {}
-    for backend, d in data.items():
-        index = sum((f.index for f in d["kernel"]), IndexCounts())
-        totals[backend] = dict(
-            kernel_lines=sum(f.code_lines for f in d["kernel"]),
-            host_lines=sum(f.code_lines for f in d["host"]),
-            index=index.total,
-            max_complexity=max(f.complexity for f in d["kernel"]),
-        )
-    for backend, d in data.items():
-        totals[backend].update(forward_lines=d["forward_lines"], backward_lines=d["backward_lines"],
-                               paged_lines=d["paged_lines"])
+    totals = {backend: _code_totals(d) for backend, d in data.items()}
     for label, key in (("kernel lines (device code + arrangement)", "kernel_lines"),
                        ("of which the forward (with the split merge)", "forward_lines"),
                        ("of which the backward", "backward_lines"),
@@ -163,43 +176,60 @@ def code_section() -> tuple[str, dict]:
     return "\n".join(lines), totals
 
 
-def generated_section() -> str:
-    """Save NineToothed's generated Triton code beside ours and count both."""
+def _selected_functions(source: str, names):
+    """The top-level functions of ``source`` named in ``names``, or (``names`` None) its ``@triton.jit`` ones."""
     import ast
 
+    def wanted(node):
+        if names is not None:
+            return node.name in names
+        return any(ast.unparse(d) == "triton.jit" for d in node.decorator_list)
+
+    return [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and wanted(n)]
+
+
+def _generated_row(label: str, source: str, names) -> tuple:
+    """(label, code lines, characters, loads + stores, index counts) of the selected functions of ``source``."""
+    import ast
+
+    from common.tools.metrics import code_lines, index_expressions
+
+    functions = _selected_functions(source, names)
+    counts = sum((index_expressions(f) for f in functions), IndexCounts())
+    lines = code_lines(source)
+    n_lines = sum(1 for f in functions for line in range(f.lineno, f.end_lineno + 1) if line in lines)
+    chars = sum(len(ast.unparse(f)) for f in functions)
+    loads = sum(1 for f in functions for n in ast.walk(f) if isinstance(n, ast.Call) and
+                getattr(n.func, "attr", "") in ("load", "store"))
+    return label, n_lines, chars, loads, counts
+
+
+def generated_section(files: pathlib.Path | None = None) -> str:
+    """Count NineToothed's generated Triton code beside ours; save it in ``files`` (None: save nothing)."""
     import impl_ninetoothed.attention as nt
     import impl_triton.kernels as ta
     from common.interpret import apply_interpreter_fixes
-    from common.tools.metrics import code_lines, index_expressions
 
     apply_interpreter_fixes()
     head_dim, block_m, block_n = 64, 128, 64
     handle = nt._make(nt.premake, head_dim, head_dim, block_m, block_n, None, num_warps=4, num_stages=3)
-    OUT_DIR.mkdir(exist_ok=True)
-    generated_path = OUT_DIR / "ninetoothed_generated.py"
     generated = pathlib.Path(handle._source).read_text()
-    generated_path.write_text(
-        f"# Generated by ninetoothed.make for impl_ninetoothed/kernels.py (D = Dv = {head_dim}, "
-        f"BLOCK_M = {block_m}, BLOCK_N = {block_n}).\n# Saved by `python -m common compare`; do not edit.\n"
-        + generated
-    )
+    if files is not None:
+        files.mkdir(parents=True, exist_ok=True)
+        (files / "ninetoothed_generated.py").write_text(
+            f"# Generated by ninetoothed.make for impl_ninetoothed/kernels.py (D = Dv = {head_dim}, "
+            f"BLOCK_M = {block_m}, BLOCK_N = {block_n}).\n# Saved by `python -m common compare`; do not edit.\n"
+            + generated
+        )
+        where = "`comparison/ninetoothed_generated.py` is"
+    else:
+        where = ("The code (saved as `comparison/ninetoothed_generated.py` when the report goes to a file: "
+                 "`--output PATH` or `--write`) is")
     ours = inspect.getsource(ta)
-    rows = []
-    for label, source, names in (("hand-written Triton (ours)", ours, ["_load_tile", "_attn_fwd_inner", "_attn_fwd"]),
-                                 ("NineToothed's generated Triton", generated, None)):
-        tree = ast.parse(source)
-        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)
-                     and (names is None and any(ast.unparse(d) == "triton.jit" for d in n.decorator_list)
-                          or names is not None and n.name in names)]
-        counts = sum((index_expressions(f) for f in functions), IndexCounts())
-        lines = code_lines(source)
-        n_lines = sum(1 for f in functions for line in range(f.lineno, f.end_lineno + 1) if line in lines)
-        chars = sum(len(ast.unparse(f)) for f in functions)
-        loads = sum(1 for f in functions for n in ast.walk(f) if isinstance(n, ast.Call) and
-                    getattr(n.func, "attr", "") in ("load", "store"))
-        rows.append((label, n_lines, chars, loads, counts))
+    rows = [_generated_row("hand-written Triton (ours)", ours, ["_load_tile", "_attn_fwd_inner", "_attn_fwd"]),
+            _generated_row("NineToothed's generated Triton", generated, None)]
     out = ["## The Triton code NineToothed generates", "",
-           "`comparison/ninetoothed_generated.py` is what `ninetoothed.make` writes for our arrangement and "
+           f"{where} what `ninetoothed.make` writes for our arrangement and "
            "application (one configuration); diff it against our kernel, `impl_triton/kernels.py`. "
            "Counted the same way:", "",
            "| | lines | characters | loads + stores | aranges | address arithmetic | bounds comparisons | load/store masks | `//` and `%` |",
@@ -221,7 +251,7 @@ _COLD_START = r"""
 import json, sys, time
 start = time.perf_counter()
 import torch
-import common
+import common.dispatch  # the library (a bare `import common` defers it to the first use)
 backend = sys.argv[1]
 q, k, v = (torch.randn(1, 8, 1024, 64, dtype=torch.float16, device="cuda") for _ in range(3))
 torch.cuda.synchronize()
@@ -287,9 +317,10 @@ def gpu_section(gpu: dict | None) -> str:
     return "\n".join(out)
 
 
-def speed_section(results_path: pathlib.Path) -> tuple[str, pathlib.Path | None]:
+def speed_section(results_path: pathlib.Path, files: pathlib.Path | None = None) -> tuple[str, pathlib.Path | None]:
+    """The speed table from a results.json; its plot drawn into ``files`` (None: no plot, and a note says so)."""
     if not results_path.exists():
-        return "## Speed\n\nNo benchmark results (benchmarks/results.json): run `python -m common bench` on a GPU.", None
+        return "## Speed\n\nNo benchmark results (benchmarks/results.json): run `python -m common bench --write` on a GPU.", None
     data = json.loads(results_path.read_text())
     env = data["environment"]
     rows = [r for r in data["rows"] if r["section"] == "throughput" and "tflops" in r]
@@ -316,18 +347,34 @@ def speed_section(results_path: pathlib.Path) -> tuple[str, pathlib.Path | None]
         values = sorted(r for _, r, _, _ in of_mode)
         out += ["", f"NineToothed / Triton, {mode}: median {values[len(values) // 2]:.2f}, "
                 f"range {values[0]:.2f}-{values[-1]:.2f} over {len(values)} shapes."]
-    plot = _plot(ratios["fwd"], env) if ratios.get("fwd") else None
-    if plot:
-        out += ["", f"![speed by shape](comparison/{plot.name})"]
+    plot = None
+    if ratios.get("fwd"):
+        plot, line = _plot_line(ratios["fwd"], env, files)
+        out += ["", line]
     return "\n".join(out), plot
 
 
-def _plot(ratios, env):
+NO_MATPLOTLIB = "matplotlib is not installed (pip install -e '.[bench]')"
+
+
+def _plot_line(ratios, env, files: pathlib.Path | None) -> tuple[pathlib.Path | None, str]:
+    """The plot of speed by shape and its Markdown line; where none is drawn, the line says why
+    (and a missing matplotlib is warned about on stderr too, never dropped silently)."""
+    if files is None:
+        return None, ("(The plot of speed by shape is drawn only when the report goes to a file: "
+                      "`--output PATH` or `--write`.)")
     try:
         import matplotlib
     except ImportError:
-        return None
+        print(f"twin-attention compare: warning: no plot of speed by shape: {NO_MATPLOTLIB}", file=sys.stderr)
+        return None, f"(No plot of speed by shape: {NO_MATPLOTLIB}.)"
     matplotlib.use("Agg")
+    path = _plot(ratios, env, files)
+    return path, f"![speed by shape](comparison/{path.name})"
+
+
+def _plot(ratios, env, files: pathlib.Path) -> pathlib.Path:
+    """Forward TFLOP/s of both backends by shape, as a bar chart in ``files``."""
     import matplotlib.pyplot as plt
 
     labels = [f"{d[:4]} D{D} L{L}{' c' if c else ''}" for (d, D, L, c), *_ in ratios]
@@ -344,7 +391,8 @@ def _plot(ratios, env):
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    path = OUT_DIR / "speed_by_shape.png"
+    files.mkdir(parents=True, exist_ok=True)
+    path = files / "speed_by_shape.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -356,41 +404,63 @@ def feature_section() -> str:
     return "\n".join(out)
 
 
+def _gpu_record(interpreted: bool, files: pathlib.Path | None) -> dict | None:
+    """Build cost and host overhead: measured on a GPU (kept as ``files``/gpu.json when there is a
+    folder), else the repository's comparison/gpu.json, if any."""
+    if not interpreted:
+        gpu = measure_gpu()
+        if files is not None:
+            files.mkdir(parents=True, exist_ok=True)
+            (files / "gpu.json").write_text(json.dumps(gpu, indent=1) + "\n")
+        return gpu
+    gpu_path = OUT_DIR / "gpu.json"
+    gpu = json.loads(gpu_path.read_text()) if gpu_path.exists() else None
+    print("No GPU: code metrics are fresh; build cost and host overhead come from "
+          + ("comparison/gpu.json, recorded on " + gpu["environment"]["date"] if gpu else "nowhere (never measured)"),
+          file=sys.stderr)
+    return gpu
+
+
+def _destination(args) -> pathlib.Path | None:
+    """The report's file: the committed COMPARISON.md with --write, the --output path, or None for stdout."""
+    if args.write:
+        return ROOT / "COMPARISON.md"
+    return None if args.output == "-" else pathlib.Path(args.output)
+
+
 def main(args) -> int:
     from common.interpret import use_interpreter_if_no_gpu
     from common.tools.cli import require
 
     require("radon", "bench", "compare")
     interpreted = use_interpreter_if_no_gpu()
-    OUT_DIR.mkdir(exist_ok=True)
-    gpu_path = OUT_DIR / "gpu.json"
-    if not interpreted:
-        gpu = measure_gpu()
-        gpu_path.write_text(json.dumps(gpu, indent=1) + "\n")
-    else:
-        gpu = json.loads(gpu_path.read_text()) if gpu_path.exists() else None
-        print("No GPU: code metrics are fresh; build cost and host overhead come from "
-              + ("comparison/gpu.json, recorded on " + gpu["environment"]["date"] if gpu else "nowhere (never measured)"))
+    output = _destination(args)
+    files = None if output is None else output.parent / "comparison"  # the report's links are relative to it
+    gpu = _gpu_record(interpreted, files)
     code, totals = code_section()
-    speed, _ = speed_section(ROOT / "benchmarks" / "results.json")
+    speed, _ = speed_section(ROOT / "benchmarks" / "results.json", files)
     narrative_path = OUT_DIR / "NARRATIVE.md"
     narrative = narrative_path.read_text().strip() if narrative_path.exists() else ""
     document = "\n\n".join([
         "# Triton and NineToothed, side by side",
-        "Regenerated by `python -m common compare` from the current code (do not edit by hand; the narrative "
-        "is `comparison/NARRATIVE.md`). Both kernels implement the same FlashAttention-2 forward with the same "
-        "names: `impl_triton/kernels.py` and `impl_ninetoothed/kernels.py`.",
+        "Regenerated by `python -m common compare --write` from the current code (do not edit by hand; the "
+        "narrative is `comparison/NARRATIVE.md`). Both kernels implement the same FlashAttention-2 forward with "
+        "the same names: `impl_triton/kernels.py` and `impl_ninetoothed/kernels.py`.",
         narrative,
         code,
-        generated_section(),
+        generated_section(files),
         gpu_section(gpu),
         speed,
         feature_section(),
     ]) + "\n"
-    pathlib.Path(args.output).write_text(document)
-    print(f"wrote {args.output}")
+    if output is None:
+        sys.stdout.write(document)
+    else:
+        output.write_text(document)
+        print(f"wrote {output} and {files}/")
     print(f"kernel lines: triton {totals['triton']['kernel_lines']}, ninetoothed {totals['ninetoothed']['kernel_lines']}; "
-          f"index expressions: triton {totals['triton']['index']}, ninetoothed {totals['ninetoothed']['index']}")
+          f"index expressions: triton {totals['triton']['index']}, ninetoothed {totals['ninetoothed']['index']}",
+          file=sys.stderr if output is None else sys.stdout)
     return 0
 
 
@@ -398,10 +468,18 @@ DESCRIPTION = """\
 The two programming models side by side: code metrics counted from the current source
 (lines, complexity, hand-written index expressions, lines per feature), the Triton code
 NineToothed generates, build cost and per-call host time (measured on a GPU, else read
-from comparison/gpu.json) and speed (from benchmarks/results.json). Writes --output and
-comparison/. Needs radon: pip install -e '.[bench]'.
+from comparison/gpu.json) and speed (from benchmarks/results.json). Prints the Markdown
+report on stdout and writes nothing; --output PATH writes it to PATH, with its plot and
+NineToothed's generated code in a comparison/ folder beside PATH; --write regenerates the
+committed COMPARISON.md and comparison/. Needs radon: pip install -e '.[bench]' (which
+brings matplotlib for the plot too).
 """
 
 
 def add_arguments(parser):
-    parser.add_argument("--output", default=str(ROOT / "COMPARISON.md"), help="the Markdown file to write")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--output", default="-", metavar="PATH",
+                       help="where the Markdown report goes ('-': stdout, nothing written); a file gets its plot "
+                            "and generated code in a comparison/ folder beside it")
+    where.add_argument("--write", action="store_true",
+                       help="regenerate the committed report: COMPARISON.md and comparison/ in the repository")

@@ -1,4 +1,9 @@
-"""``demo``: both kernels and SDPA on the homework's shapes, in one table."""
+"""``demo``: both kernels and SDPA on the homework's shapes, in one table.
+
+The homework is the original assignment: ``attention(query, key, value, is_causal=False, scale=None)``
+in Triton, matching SDPA in float16 within rtol = atol = 1e-2 on the four shapes below; its test is
+tests/test_seed.py.
+"""
 
 from __future__ import annotations
 
@@ -58,10 +63,16 @@ def _format_row(row) -> str:
 
 
 DESCRIPTION = """\
-Both kernels and SDPA on the homework's shapes (fp16; causal or not; scale 1.0 or the
-default): the error against SDPA in float32, pass/fail by the homework's criterion
-(allclose, rtol = atol = 1e-2), the first call's time (compilation included) and, on a
-GPU, the time per call. Without a GPU it runs on the CPU under Triton's interpreter.
+The homework (the original assignment): implement attention(query, key, value,
+is_causal=False, scale=None) in Triton so that it matches torch's SDPA in float16 within
+rtol = atol = 1e-2 on four shapes (B, H, L, D): (2, 4, 16, 32), (4, 8, 64, 64),
+(1, 16, 128, 128), (2, 4, 1024, 64). Its test is tests/test_seed.py.
+
+The demo runs both kernels (Triton, NineToothed) and SDPA itself on those shapes (fp16;
+causal or not; scale 1.0 or the default) and prints, per call: the error against SDPA
+computed in float32, PASS/FAIL by that criterion (allclose, rtol = atol = 1e-2), the first
+call's time (compilation included) and, on a GPU, the time per call. Without a GPU it runs
+on the CPU under Triton's interpreter.
 """
 
 
@@ -80,6 +91,11 @@ def main(args) -> int:
             "Times are the interpreter's, not a GPU's; to stay near a minute the demo runs\n"
             "scale=None only here (the test suite covers scale=1.0 on the CPU too).\n"
         )
+    print(
+        "The homework: attention(query, key, value, is_causal=False, scale=None) matching torch's SDPA\n"
+        "in float16 within rtol = atol = 1e-2 on four shapes (its test: tests/test_seed.py). Each row is\n"
+        "one call of one backend on one of those shapes; 'torch' is SDPA itself.\n"
+    )
     header = HEADER + (f" {'GPU µs':>9} {'wall µs':>9}" if device == "cuda" else "")
     print(header)
     print("-" * len(header))

@@ -92,26 +92,42 @@ class IndexCounts:
         return IndexCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
+def _count_call(node: ast.Call, counts: IndexCounts) -> None:
+    """An ``arange`` call; the ``mask=``/``other=`` arguments of a load or store."""
+    name = _call_name(node)
+    if name == "arange":
+        counts.aranges += 1
+    if name in ("load", "store"):
+        counts.load_store_masks += sum(1 for kw in node.keywords if kw.arg in ("mask", "other"))
+
+
+def _count_arithmetic(node: ast.BinOp, counts: IndexCounts, inside_counted: set[int]) -> None:
+    """A ``//`` or ``%``; an outermost expression on strides or pointers (its sub-expressions are
+    recorded in ``inside_counted`` so that they are not counted again)."""
+    if isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+        counts.div_mod += 1
+    if id(node) not in inside_counted and any(_STRIDE_OR_POINTER.search(n) for n in _names(node)):
+        counts.address_arithmetic += 1
+        inside_counted.update(id(sub) for sub in ast.walk(node))
+
+
+def _count_comparison(node: ast.Compare, counts: IndexCounts) -> None:
+    """An ordering comparison that mentions a bound (an offset, a length, a size, an ``arange``)."""
+    if any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in node.ops):
+        if any(_BOUND.search(n) for n in _names(node)):
+            counts.bounds_comparisons += 1
+
+
 def index_expressions(tree: ast.AST) -> IndexCounts:
     counts = IndexCounts()
     inside_counted_arithmetic = set()
     for node in ast.walk(tree):  # breadth-first: outer expressions before the ones inside them
         if isinstance(node, ast.Call):
-            name = _call_name(node)
-            if name == "arange":
-                counts.aranges += 1
-            if name in ("load", "store"):
-                counts.load_store_masks += sum(1 for kw in node.keywords if kw.arg in ("mask", "other"))
+            _count_call(node, counts)
         elif isinstance(node, ast.BinOp):
-            if isinstance(node.op, (ast.FloorDiv, ast.Mod)):
-                counts.div_mod += 1
-            if id(node) not in inside_counted_arithmetic and any(_STRIDE_OR_POINTER.search(n) for n in _names(node)):
-                counts.address_arithmetic += 1
-                inside_counted_arithmetic.update(id(sub) for sub in ast.walk(node))
+            _count_arithmetic(node, counts, inside_counted_arithmetic)
         elif isinstance(node, ast.Compare):
-            if any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in node.ops):
-                if any(_BOUND.search(n) for n in _names(node)):
-                    counts.bounds_comparisons += 1
+            _count_comparison(node, counts)
     return counts
 
 
