@@ -145,6 +145,12 @@ def generated_launch(handle) -> tuple | None:
     return launch, kernel
 
 
+def generated_launcher(handle):
+    """The Python launcher ``ninetoothed.make`` generated for ``handle`` (``handle._launch``), or
+    None for a handle of another form. Checked: ninetoothed 0.26."""
+    return getattr(handle, "_launch", None)
+
+
 def generated_namespace(handle) -> dict | None:
     """The namespace of the module ``ninetoothed.make`` generated for ``handle`` (its launcher's
     globals, which its kernel's also are): where names the kernel reads are defined; None for a

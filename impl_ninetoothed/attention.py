@@ -16,6 +16,7 @@ import ninetoothed
 import torch
 import triton.language as tl
 
+from common import compat
 from common.codecache import number_tensors_from_zero, use_private_cache
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.jit_helpers import JIT_HELPERS
@@ -91,9 +92,10 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
             # NineToothed copies the module's @triton.jit helpers into the generated
             # code as written (their bodies say ``tl``), but not under the
             # interpreter (they are not JITFunctions there).
-            handle._launch.__globals__.setdefault("tl", tl)
+            namespace = compat.generated_namespace(handle)
+            namespace.setdefault("tl", tl)
             for helper in JIT_HELPERS:
-                handle._launch.__globals__.setdefault(helper.__name__, helper)
+                namespace.setdefault(helper.__name__, helper)
             split_counts = (_SPLIT_COUNT_ARGS if premake_fn is premake and args[4]
                             else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
             loose = _loose_arguments(handle, application_, split_counts)
@@ -127,7 +129,7 @@ def _loose_arguments(handle, application_, split_counts=()) -> set:
         return {("size", names.index(name), 0) for name in ("query", "key")}
     if application_ is not application:
         return set(split_counts)
-    described = launcher_arguments(handle._launch) or ()
+    described = launcher_arguments(compat.generated_launcher(handle)) or ()
     names = list(inspect.signature(application_).parameters)
     keys_and_values = {names.index("key"), names.index("value")}
     lengths = {role for role in described if role[0] == "size" and role[2] == 2 and role[1] not in keys_and_values}
@@ -312,34 +314,38 @@ def _bind(kernel, inputs, roles: dict, key_inputs=None):
     key_inputs = key_inputs or {}
     routed = routed_kernel(kernel)
     record = routed.last() if routed is not None else None
-    described = launcher_arguments(kernel._launch) if record is not None else None
+    described = launcher_arguments(compat.generated_launcher(kernel)) if record is not None else None
     if described is None or len(described) != len(record[1]):
         return None
     grid, args, num_warps, num_stages = record
     slots, holes = [], []
     for position, (what, *where) in enumerate(described):
-        if what == "fixed":
-            continue
-        index = where[0]
-        given = inputs[index]
-        if what != "input":
-            # A growing cache's keys keep their batch, heads and head dim (the template's layout
+        index = where[0] if where else None
+        if what in ("size", "stride"):
+            # A growing cache's keys keep their batch, heads and head dim (the plan's layout
             # says so): their length and strides are what a later call fills in.
-            if index in key_inputs:
-                hole = _key_hole(what == "size", where[1], key_inputs[index])
-                if hole is not None:
-                    holes.append((position, roles[index], what == "size", *hole))
-            continue
-        if not isinstance(given, torch.Tensor):
-            continue  # a scalar of the layout
-        arg = args[position]
-        if not (isinstance(arg, torch.Tensor) and arg.data_ptr() == given.data_ptr() and arg.shape == given.shape):
-            return None  # another call's launch
-        if index in roles:
-            slots.append((position, roles[index]))
-        elif not _is_stand_in(given):
-            return None  # a tensor of this call alone (those calls are not templated)
+            hole = _key_hole(what == "size", where[1], key_inputs[index]) if index in key_inputs else None
+            if hole is not None:
+                holes.append((position, roles[index], what == "size", *hole))
+        elif what == "input" and isinstance(inputs[index], torch.Tensor):
+            role = _tensor_role(args[position], inputs[index], roles.get(index))
+            if role is False:
+                return None
+            if role is not None:
+                slots.append((position, role))
     return BoundGeneratedLaunch(routed.launcher, args, slots, holes, grid, num_warps, num_stages, routed.maxnreg)
+
+
+def _tensor_role(arg, given, role):
+    """Where a recorded launch's tensor argument ``arg`` comes from, for ``given``, the input the
+    launcher read it from: ``role`` (a later call's tensor of that role), None (a stand-in, the
+    same every call), or False where it is another call's tensor or one of this call alone
+    (a mask, a seed: those calls are not kept)."""
+    if not (isinstance(arg, torch.Tensor) and arg.data_ptr() == given.data_ptr() and arg.shape == given.shape):
+        return False  # another call's launch
+    if role is not None:
+        return role
+    return None if _is_stand_in(given) else False
 
 
 _KEY_LENGTH_DIM = 2  # of the keys and values, (B, H_kv, Lk, D)

@@ -127,22 +127,10 @@ def bind_forward(plan, keys: bool = False):
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`)."""
     grid, args, num_warps, num_stages, maxnreg, counts = _forward_launch(plan)
-    if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
+    prefix = _tensor_roles(plan, args, counts)
+    if prefix is None:
         return None
-    # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x));
-    # the other tensors by identity: the plan's fresh outputs, or the counters.
-    roles = {id(t): role for role, t in zip(BoundForward.ROLES[3:], (
-        plan.out, plan.lse, plan.o_part, plan.lse_part, counts)) if t is not None}
-    prefix = ["query", "key", "value"]  # the role of each leading tensor argument
-    for arg in args[3:]:
-        if not isinstance(arg, torch.Tensor):
-            break
-        if id(arg) not in roles:
-            return None
-        prefix.append(roles[id(arg)])
     tail = args[len(prefix):]
-    if any(isinstance(arg, torch.Tensor) for arg in tail):
-        return None
     counters = plan.m_blocks * plan.query.shape[0] * plan.query.shape[1] if counts is not None else 0
     merge = None
     if plan.split and not plan.kernel_merge:  # its tensors: the partials and outputs, by position
@@ -150,6 +138,27 @@ def bind_forward(plan, keys: bool = False):
         merge = BoundMerge(merge_args[4:], merge_grid, merge_warps, merge_stages, plan.lse is not None)
     return BoundForward(tuple(BoundForward.ROLES.index(r) for r in prefix), tail, grid, num_warps, num_stages,
                         maxnreg, counters, _KEY_ARGS if keys else (), merge)
+
+
+def _tensor_roles(plan, args, counts):
+    """The role (``BoundForward.ROLES``) of each of a forward launch's leading tensor arguments,
+    or None where one of its tensors is not the plan's own (a mask, a seed, sinks, bands)."""
+    if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
+        return None
+    # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x));
+    # the other tensors by identity: the plan's fresh outputs, or the counters.
+    roles = {id(t): role for role, t in zip(BoundForward.ROLES[3:], (
+        plan.out, plan.lse, plan.o_part, plan.lse_part, counts)) if t is not None}
+    prefix = ["query", "key", "value"]
+    for arg in args[3:]:
+        if not isinstance(arg, torch.Tensor):
+            break
+        if id(arg) not in roles:
+            return None
+        prefix.append(roles[id(arg)])
+    if any(isinstance(arg, torch.Tensor) for arg in args[len(prefix):]):
+        return None
+    return prefix
 
 
 # the forward's arguments that depend on the keys' length and strides (BoundForward's holes)

@@ -144,7 +144,7 @@ def _made(tmp_path, monkeypatch):
 
 
 def test_ninetoothed_generated_launch(tmp_path, monkeypatch):
-    """generated_launch / generated_namespace / replace_launched_kernel / read_generated_launch /
+    """generated_launch / generated_launcher / generated_namespace / replace_launched_kernel / read_generated_launch /
     use_code_cache: a handle keeps its generated launcher and kernel, the launcher names the kernel
     in its module's globals and launches it once as kernel[grid](...) with each tensor, its sizes
     and strides, and the module was written through our cache_source into our directory."""
@@ -156,6 +156,7 @@ def test_ninetoothed_generated_launch(tmp_path, monkeypatch):
            "a ninetoothed.make handle keeps its launcher as _launch (a function) and its @triton.jit kernel as _kernel")
     launch, kernel = generated
     _holds(compat.generated_namespace(handle) is launch.__globals__, "ninetoothed", "handle._launch.__globals__")
+    _holds(compat.generated_launcher(handle) is launch, "ninetoothed", "handle._launch")
     described = compat.read_generated_launch(launch)
     _holds(described is not None and len(described) == len(compat.jit_arg_names(kernel)), "ninetoothed",
            f"the generated launcher calls kernel[grid](...) once, an argument per kernel parameter (read: {described})")
