@@ -129,10 +129,6 @@ class AttentionPlan:
         self._query_view = tuple(plan.query.shape) if plan.query.shape != q.shape else None
         self._key_length = plan.key.shape[2] if plan.key.shape[2] != k.shape[2] else None
 
-    @property
-    def return_lse(self) -> bool:
-        return self._arguments["return_lse"]
-
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """Attention of these tensors, as planned. Raises ValueError where they are not of the
         plan's layout (a plan is never applied to a layout it did not decide)."""
