@@ -73,7 +73,7 @@ DEFAULTS = {
     128: Config(128, 64, 8, 3),
     256: Config(64, 32, 4, 2),
 }
-# (D = 128: the tuned best at L = 4096 and 16384 for triton and at 4096 for ninetoothed, H200.)
+# (D = 128: the tuned best at long lengths, benchmarks/NOTES.md "Backward".)
 BACKWARD_DEFAULTS = {
     16: BackwardConfig(32, 128, 128, 32, 4, 3),
     32: BackwardConfig(32, 128, 128, 32, 4, 3),
@@ -81,9 +81,9 @@ BACKWARD_DEFAULTS = {
     128: BackwardConfig(64, 128, 128, 64, 8, 3),
     256: BackwardConfig(16, 64, 64, 16, 8, 2),
 }
-# float32 tiles take twice the shared memory: the D = 128 defaults above run out of it
-# (the forward's, with an additive mask's tiles in flight too, needed 246 KB of the H200's
-# 227 KB; common.launch also drops pipeline stages where a configuration does not fit).
+# float32 tiles take twice the shared memory: the D = 128 defaults above run out of it with
+# an additive mask's tiles in flight too (common.launch also drops pipeline stages where a
+# configuration does not fit).
 FLOAT32_DEFAULTS = {**DEFAULTS, 128: Config(64, 32, 4, 3)}
 FLOAT32_BACKWARD_DEFAULTS = {
     **BACKWARD_DEFAULTS,

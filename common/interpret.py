@@ -31,9 +31,9 @@ Each reaches the interpreter through ``common.compat``.
 4. The interpreter checks every 32-bit integer +, - and * for overflow (each
    one becomes a widening, the operation, two comparisons and an assertion);
    a compiled kernel does so only when built with ``debug=True``. NineToothed's
-   generated code is mostly such index arithmetic: one (1, 1, 1024, 64) call
-   took 5.6 s with the checks and 2.3 s without (triton's kernel: 0.4 s). We
-   turn them off; ``TWIN_ATTENTION_OVERFLOW_CHECKS=1`` keeps them.
+   generated code is mostly such index arithmetic, so the checks more than double
+   its interpreted time. We turn them off; ``TWIN_ATTENTION_OVERFLOW_CHECKS=1``
+   keeps them.
 5. A compiled kernel types an integer parameter annotated ``int64`` as int64
    whatever its value (Triton's JIT reads the annotation); the interpreter types
    every integer by its value, so a stride under 2^31 stays int32 there and an

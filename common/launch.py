@@ -380,8 +380,7 @@ def _rejitted(kernel, launch, loose, wide_strides):
     ahead-of-time path types every stride so for tensors past 32 bits. Only the first two
     dimensions' (every tensor our kernels take starts (batch, head), or (page, slot) for a
     paged cache): their products are made once a program, where the compiler then folds the
-    constant part of each element's offset into its load (sm_90, D 64 causal backward: the
-    dK/dV unmasked step 463 -> 421 instructions). Never a tensor's last dimension's: that
+    constant part of each element's offset into its load. Never a tensor's last dimension's: that
     stride is 1, which Triton specialises as a constant, and annotated the loads lost their
     vector width (16-bit loads in place of 16-byte copies). Every stride but the last also
     made ptxas serialise the backward's warpgroup products."""

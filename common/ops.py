@@ -144,9 +144,8 @@ def _register(name: str):
 
     The operators are defined with the Library API and carry no autograd kernel of
     their own: ``custom_op`` + ``register_autograd`` put a Python autograd kernel
-    in front of every call (measured on the CPU: 105 µs for a call that records
-    autograd and 37 µs for one that does not, against 28 and 12 µs this way).
-    Autograd goes through :class:`torch.autograd.Function` instead, which
+    in front of every call, several times this way's host time (benchmarks/NOTES.md,
+    "Dropout and the operators' host cost"). Autograd goes through :class:`torch.autograd.Function` instead, which
     ``torch.compile`` traces (forward and backward) like the operators.
     """
     backend = get_backend(name)

@@ -379,9 +379,8 @@ def _validate_contents(block_table, lengths, num_pages, page):
 # -- planning and the reference ------------------------------------------------------------
 
 # Shared memory for the pipelined K/V tiles of the paged kernels: decode streams the cache,
-# and more stages in flight is what brought them to the contiguous path's bandwidth on
-# the H200 (bf16, D = 128, tools/probe.py paged: Triton 0.82x with 3 stages, 0.98x with 5;
-# NineToothed with pages of 64 0.85x -> 0.98x with 6).
+# and more stages in flight bring them to the contiguous path's bandwidth (benchmarks/NOTES.md,
+# "A paged KV cache").
 PAGED_STAGE_BYTES = 160 * 1024
 PAGED_MAX_STAGES = {"triton": 5, "ninetoothed": 6}
 

@@ -484,7 +484,7 @@ def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) 
     interpreted = backend.interpreted()
     config = plan.config = backend.configs.lookup(
         max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted)
-    plan.m_blocks = -(-Lqp // config.block_m)  # (triton.cdiv costs ~2 µs a call on the host)
+    plan.m_blocks = -(-Lqp // config.block_m)  # (not triton.cdiv: a call into triton costs host time)
     plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device,
                                                             config.block_m)
     plan.config = config = planner.shallow_stages(config, plan.m_blocks * B * Hp, plan.num_splits, q.device,

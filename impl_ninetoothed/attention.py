@@ -53,10 +53,10 @@ _make_lock = threading.Lock()
 def _wide(*tensors) -> bool:
     """Whether a launch of these tensors (None: absent) takes 64-bit batch and head strides
     (``common.launch._rejitted``): where one of them lies in a storage of 2^31 elements or more
-    (what its indexing can reach is within its storage: a bound at 0.15 µs a tensor, where
-    ``common.validation.span`` takes 1.5, on a path a decode step takes). Every other launch
-    keeps 32-bit strides: made wide, every kernel ran slower (benchmarks/NOTES.md, "nt-offsets64
-    on the H200 and merged"); each batch and head stays under 2^31 elements either way
+    (what its indexing can reach is within its storage: a bound far cheaper than
+    ``common.validation.span``, on a path a decode step takes). Every other launch keeps 32-bit
+    strides: made wide, every kernel ran slower (benchmarks/NOTES.md, "nt-offsets64 on the H200
+    and merged"); each batch and head stays under 2^31 elements either way
     (``common.validation.slice_span``)."""
     return any(t is not None and t.untyped_storage().nbytes() >= OFFSET_LIMIT * t.element_size() for t in tensors)
 
@@ -111,19 +111,17 @@ def _loose_arguments(handle, application_, split_counts=()) -> set:
 
     NineToothed passes each tensor's sizes, so the queries' length reaches the forward eight times
     (query, bands, sinks, output, lse, the mask's rows) and the key blocks' count twice (the
-    views of whole blocks), and Triton compiles a kernel for each class of each (a size of 1, a
-    multiple of 16, another): 10,000 calls of lengths 1-299 asked for 174 forwards, 88 with these
-    loosened. They bound masks and loops whose code does not depend on their class (sm_90: the
+    views of whole blocks), and Triton would compile a kernel for each class of each (a size of
+    1, a multiple of 16, another). They bound masks and loops whose code does not depend on their class (sm_90: the
     same instructions a step). The keys' length stays, as Lk in the Triton kernel: a multiple of
     16 lets the masked steps compare keys 16 at a time and load the mask's tiles vectorised
     along it. The batch and head counts stay too: a batch of 1 is a constant the compiler
-    folds (loosened, the D 128 causal forward at B 1, 16k, spilled 8 more bytes, loaded from the
-    stack 5 times a step instead of once, and ran 4% slower on the H200). The backward passes stay
-    specialised on their lengths: without it their masked steps grew by 8% (dQ) and 29% (dK/dV,
-    whose loop runs over the queries). The dQ pass is not specialised on its batch: with its tensors'
-    sizes shared (:func:`_like`), a batch of 1 folded into its code had ptxas serialise its warpgroup
-    products (C7515, D 64 and 128, causal L 16k: 9% slower on the H200); loose, no benchmark shape
-    serialises (sm_90, ``tools/cpu_sass.py``)."""
+    folds (loosened, the forward spilled and ran slower). The backward passes stay specialised
+    on their lengths: without it their masked steps grew. The dQ pass is not specialised on its
+    batch: with its tensors' sizes shared (:func:`_like`), a batch of 1 folded into its code had
+    ptxas serialise its warpgroup products (C7515); loose, no benchmark shape serialises (sm_90,
+    ``tools/cpu_sass.py``). The measurements: benchmarks/NOTES.md, "Forwards not specialised on
+    the queries' length" and "NineToothed's shared sizes on the H200"."""
     if application_ is dq_application:
         names = list(inspect.signature(application_).parameters)
         return {("size", names.index(name), 0) for name in ("query", "key")}
@@ -187,8 +185,8 @@ def blocked_keys(plan) -> bool:
     """Whether the forward's unmasked stage reads the keys and values through views of their
     whole blocks (:func:`_row_blocks`): every load of NineToothed's is masked against the
     bounds of its source, and a source whose block size is a constant makes the per-key
-    check of those loads a constant too (on sm_90, D 64, 128 x 64 tiles: 577 -> 538
-    instructions a step of that loop, against the Triton kernel's 509). Unsplit launches
+    check of those loads a constant too (fewer instructions a step of that loop on sm_90:
+    benchmarks/NOTES.md, "NineToothed's unmasked loads"). Unsplit launches
     without dropout (whose unmasked stage reads the keys' positions from the keys' tiles)."""
     return not plan.split and not plan.dropout
 

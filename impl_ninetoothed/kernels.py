@@ -574,7 +574,7 @@ def dkdv_application(
     if GROUP_OF_ONE:
         # A trip count of 1 the compiler knows, as the Triton kernel's GROUP (specialised on
         # == 1): the loop folds, and so do the values it kept live across its three inner loops
-        # (sm_90, D 128 causal: 448 -> 32 bytes of stack). A size here is never a constant.
+        # (which otherwise spill). A size here is never a constant.
         groups = 1
     for g in range(groups):
         # query head g of this K/V head, in (B·H): the dropout mask's (NineToothed's inliner
@@ -618,8 +618,7 @@ def _flags(*names):
 # on sm_90: MUFU.RCP and its fix-ups), which LLVM merges only where the arguments are the same.
 # So tensors whose sizes are equal in every launch take the same symbols (the output, the
 # log-sum-exps, the gradients, the bands and sinks take the query's (B, H, Lq); the values the
-# keys'; ...): on sm_90 that left 6-7 divisions before the first key step where there were
-# 14-26, and prologues 25-49% shorter (benchmarks/NOTES.md, "nt-shared-sizes"). Every plan
+# keys'; ...): each program then divides by each size once (benchmarks/NOTES.md, "nt-shared-sizes"). Every plan
 # passes tensors of those sizes (stand-ins included); a size given here is never checked.
 
 def _like(sizes, *trailing, other=None):

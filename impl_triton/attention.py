@@ -67,9 +67,8 @@ def _merge_launch(plan, head_dim_v: int, lse) -> tuple:
     log-sum-exp to write, or None."""
     merge = plan.merge
     # (the plan's steps of Planner.merge_splits splits whatever their number, and rows per
-    # program for that tile, at most Planner.merge_tile elements: no split count of a growing cache
-    # compiles a kernel of its own. At B 1, Lk 64k, a 16 x 32 x 128 tile spilled here and the
-    # merge took ~50 us; within merge_tile, a few.)
+    # program for that tile, at most Planner.merge_tile elements, so that no split count of a
+    # growing cache compiles a kernel of its own and no tile spills)
     args = _merge_launcher.positional((
         plan.o_part, plan.lse_part, plan.out, lse if lse is not None else plan.out, merge.rows, plan.num_splits,
     ), dict(HEAD_DIM_V=head_dim_v, BLOCK_R=merge.block_r, BLOCK_S=merge.block_s, BLOCK_DV=plan.block_dv,

@@ -194,11 +194,10 @@ def _attn_fwd_inner(
 # log-sum-exps' strides (rows x NUM_SPLITS). (The partial outputs' strides are multiples of Dv:
 # one class while Dv is a multiple of 16.) Nor the queries' length and the row-block count: they
 # bound masks and a grid whose code does not depend on their class (sm_90: the same instructions
-# a step), and calls of changing lengths compiled a kernel for each combination of classes (132
-# for 10,000 calls of lengths 1-299, 65 without). Lk stays: a multiple of 16 lets the masked
-# steps compare keys 16 at a time and load the attention mask's tiles vectorised along it. (The
-# backward kernels stay specialised: without it, Lq, the dK/dV loop's length, took its masked
-# steps from 444 to 571 instructions.)
+# a step), and calls of changing lengths would compile a kernel for each combination of classes.
+# Lk stays: a multiple of 16 lets the masked steps compare keys 16 at a time and load the
+# attention mask's tiles vectorised along it. (The backward kernels stay specialised: without
+# it, Lq, the dK/dV loop's length, made their masked steps longer.)
 @triton.jit(do_not_specialize=["kernel_merge", "NUM_SPLITS", "BLOCKS_PER_SPLIT", "stride_lz", "stride_lh",
                                "stride_lm", "Lq", "M_BLOCKS"])
 def _attn_fwd(
