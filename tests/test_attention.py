@@ -1172,3 +1172,32 @@ def test_plan_attention_checks_its_arguments(device):
         plan_attention(q, q, q, backend="nope")
     out = plan_attention(q, q, q, backend="torch").run(q, q, q)  # SDPA's plan: the plain call each run
     check_output(out, q, q, q)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU (the CPU suite runs the plan itself above)")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_plan_attention_in_a_cuda_graph(backend, splits):
+    """A held plan's run captured once in a CUDA graph (after its launch is bound) and replayed
+    on new contents of the same tensors: SDPA's answer at every replay, split keys or not."""
+    from common import plan_attention
+    from common.plan import force_splits
+
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=f16)
+    k, v = (torch.randn(2, 2, 4000, 128, device="cuda", dtype=f16) for _ in range(2))
+    with force_splits(splits):
+        plan = plan_attention(q, k, v, enable_gqa=True, backend=backend)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # launched, bound, through the bound launch (compiled by now)
+                plan.run(q, k, v)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = plan.run(q, k, v)
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_output(out, q, k, v, enable_gqa=True)
