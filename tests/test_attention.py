@@ -302,7 +302,7 @@ def test_ninetoothed_row_blocks_last_to_first():
 
 @pytest.mark.parametrize("case", params([SPLIT_CASES[0], SPLIT_CASES[2], SPLIT_CASES[5]]))
 def test_split_keys_in_one_masked_stage(case, device, monkeypatch, plans, planner):
-    """NineToothed's split launches in tiles of plan.ONE_STAGE_SPLIT_ROWS rows and more walk their
+    """NineToothed's split launches in tiles of the planner's one_stage_split_rows rows and more walk their
     key blocks in one masked loop (with a split size in symbols, two loops had ptxas serialise a
     warpgroup tile's MMAs); here every tile does (the switch at 1), in five splits, called twice
     (planned, then bound where the call binds): SDPA's output and lse each time, with the keys'
@@ -478,10 +478,10 @@ def test_split_merge_in_the_kernel(device, monkeypatch, planner):
 @pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 8), (64, 2)])
 def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile, merge_splits, plans, planner):
     """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
-    plan.KERNEL_MERGE_MAX), the Triton kernel leaves the merge to a launch of its own
+    the planner's kernel_merge_max), the Triton kernel leaves the merge to a launch of its own
     (_merge_kernel; NineToothed's combine always is): SDPA's output and lse on every call,
     planned, bound and as the keys grow, with no ticket counter taken. (The outputs are
-    poisoned: a merge that did not run shows.) Small MERGE_TILE and MERGE_SPLITS: one row a
+    poisoned: a merge that did not run shows.) Small merge_tile and merge_splits: one row a
     program, the splits two at a time (a loop of several steps, as at many splits)."""
     from common import launch
     from common.plan import force_splits
@@ -540,7 +540,7 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch, p
     NineToothed's size 2 of a tensor: a multiple of 16 or not, both met in the first 3
     steps). NineToothed's split forward is one kernel for every split size (its arrangement
     derives it from the keys' length and the split count), and so is its combine (the splits
-    MERGE_SPLITS a step, here 4: under the interpreter fewer where there are fewer splits).
+    merge_splits a step, here 4: under the interpreter fewer where there are fewer splits).
     Right at a few steps."""
     from triton.runtime import interpreter
 
@@ -598,7 +598,7 @@ def test_growing_cache_specialises_on_nothing_that_grows(backend, monkeypatch, p
 
 @pytest.mark.skipif(not ON_GPU, reason="counts Triton's compiled kernels")
 def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch, plans, planner):
-    """A decode loop whose cache grows across KERNEL_MERGE_MIN_BYTES (the Triton kernel's own
+    """A decode loop whose cache grows across kernel_merge_min_bytes (the Triton kernel's own
     merge below it, a merge launch above) and through split counts 20-28: the attention kernel
     is compiled once (the switch is an argument) and the merge kernel once (the planner's
     merge_splits a step whatever their number); every step right."""
@@ -654,7 +654,7 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch, plans
 
 def test_kernel_merge_choice(device, monkeypatch, planner):
     """The plan has the Triton kernel merge its own splits while num_splits x BLOCK_M is at most
-    KERNEL_MERGE_MAX, or while the keys and values are under KERNEL_MERGE_MIN_BYTES (a launch too
+    the planner's kernel_merge_max, or while the keys and values are under kernel_merge_min_bytes (a launch too
     short to hide a second one's host time)."""
     from common import plan
     from common.backends import get_backend
@@ -680,7 +680,7 @@ def test_split_merge_is_the_same_every_time(device, monkeypatch, planner):
     """The in-kernel merge sums the splits in one order whichever program merges: the same bits
     on every call. On a GPU, many calls of a launch of many splits: a program that merged
     before every partial was visible (a missing barrier or fence) would show as a change.
-    (The in-kernel merge forced: on a GPU, 64 splits of 16 rows are past KERNEL_MERGE_MAX.)"""
+    (The in-kernel merge forced: on a GPU, 64 splits of 16 rows are past kernel_merge_max.)"""
     from common.plan import force_splits
 
     planner(kernel_merge_max=1 << 30)
@@ -861,13 +861,13 @@ def _capped_forward_kernels(backend: str) -> list:
 def test_decode_without_forcing(backend, device):
     """A decode-like call big enough that the heuristic itself splits (and packs) it."""
     from common.backends import get_backend
-    from common.plan import MIN_SPLIT_KEYS, plan_splits
+    from common.plan import DEFAULT_PLANNER
 
-    case = Case(1, 2, 1, MIN_SPLIT_KEYS + 100, 64, H_kv=1)
+    case = Case(1, 2, 1, DEFAULT_PLANNER.min_split_keys + 100, 64, H_kv=1)
     # What the plan will be: the 2 query heads packed into 2 rows of the one K/V head.
     spec = get_backend(backend)
     config = spec.configs.lookup(64, case.dtype, False, 2, case.Lk, spec.interpreted())
-    num_splits, _ = plan_splits(-(-2 // config.block_m), case.Lk, config.block_n, torch.device(device))
+    num_splits, _ = DEFAULT_PLANNER.splits(-(-2 // config.block_m), case.Lk, config.block_n, torch.device(device))
     assert num_splits > 1
     run_case(case, backend, device)
 
