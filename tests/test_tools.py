@@ -241,6 +241,7 @@ def test_compare_rewrites_no_tracked_file_unless_asked(tmp_path):
     import subprocess
     import sys
 
+    pytest.importorskip("radon")  # compare's code metrics (the [bench] extra; the GPU machine lacks it)
     before = _tracked_outputs()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     printed = subprocess.run([sys.executable, "-m", "common", "compare"], capture_output=True, text=True,
