@@ -56,6 +56,7 @@ def main(small: bool = False) -> int:
             out.backward(grad_out)
             check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
             runs += 1
+            print(f"{backend} {case.id}: matched", flush=True)  # (a run cut short says how far it got)
         with force_splits(3):
             case = Case(1, 2, 7, 200, 32)
             q, k, v, _ = make_inputs(case, DEVICE)
@@ -63,6 +64,7 @@ def main(small: bool = False) -> int:
         q, k, v = (torch.randn(1, 2, 45, 32, device=DEVICE, requires_grad=True) for _ in range(3))
         attention(q, k, v, is_causal=True, dropout_p=0.3, backend=backend).sum().backward()
         runs += 2 + model_features(backend) + varlen(backend) + paged(backend)
+        print(f"{backend}: split merge, dropout, features, varlen, paged: matched", flush=True)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print(f"sanitize: {runs} calls (forward and backward), all matched SDPA")
