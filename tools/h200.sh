@@ -73,12 +73,14 @@ for stage in "$@"; do
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
-    # memcheck over every kernel's calls, racecheck over one small call of each, side by side; the kernels
-    # compiled first, without the sanitizer (under it, compiling alone outlasted 300 s)
-    sanitize) timeout 200 python3 tools/sanitize.py > "$OUT/sanitize_plain.log" 2>&1
-              (timeout 560 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize.py > "$OUT/memcheck.log" 2>&1; echo "memcheck rc $?" >> "$OUT/memcheck.log") &
-              (timeout 560 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize.py --small > "$OUT/racecheck.log" 2>&1; echo "racecheck rc $?" >> "$OUT/racecheck.log"); wait
-              tail -8 "$OUT/memcheck.log" "$OUT/racecheck.log" ;;
+    # memcheck over every kernel's calls, racecheck over one small call of each, a backend a process, all four
+    # side by side; the kernels compiled first, without the sanitizer (under it, compiling alone outlasted 300 s)
+    sanitize) timeout 170 python3 tools/sanitize.py > "$OUT/sanitize_plain.log" 2>&1; tail -1 "$OUT/sanitize_plain.log"
+              for tool in memcheck racecheck; do for b in triton ninetoothed; do
+                small=; [ $tool = racecheck ] && small=--small
+                (timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize.py $small --backend $b > "$OUT/$tool-$b.log" 2>&1; echo "$tool $b rc $?" >> "$OUT/$tool-$b.log") &
+              done; done; wait
+              tail -n 4 "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log ;;
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py -q -n 12 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;
     ring-test) timeout 540 torchrun --nproc-per-node 2 -m tests.ring_worker triton ninetoothed torch 2>&1 | grep -v '^W1' | tail -40 | tee "$OUT/ring_test.log" ;;
