@@ -939,6 +939,28 @@ def host_python():
               f" stubbed launches per step {launches[0] / 6 / len(caches):.2f}", flush=True)
 
 
+def repeat_bwd():
+    """Whether the backward is bitwise the same over repeated calls: racecheck reports write-write hazards
+    in NineToothed's dQ kernel where replicated lanes of delta's row sum meet in shared memory (see
+    benchmarks/NOTES.md, "compute-sanitizer"); 100 backward calls of each shape, every dq, dk, dv compared
+    bit for bit with the first. RACE_ONLY=1: one call of sanitize's small case only (for racecheck)."""
+    cases = [(2, 3, 17, 33, 40, True), (2, 8, 1000, 1000, 64, True), (1, 4, 300, 700, 128, False)]
+    for B, H, Lq, Lk, D, causal in cases[:1] if os.environ.get("RACE_ONLY") else cases:
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.float16, requires_grad=True)
+                   for L in (Lq, Lk, Lk))
+        grad = torch.randn(B, H, Lq, D, device="cuda", dtype=torch.float16)
+        for backend in ("triton", "ninetoothed"):
+            def grads():
+                out = attention(q, k, v, is_causal=causal, backend=backend)
+                return torch.autograd.grad(out, (q, k, v), grad)
+            first = grads()
+            differ = 0
+            for _ in range(0 if os.environ.get("RACE_ONLY") else 100):
+                differ += any(not torch.equal(a, b) for a, b in zip(first, grads()))
+            print(f"{backend} ({B},{H},{Lq}x{Lk},{D}){' causal' if causal else ''}: 100 backward calls, "
+                  f"{differ} differ bitwise from the first", flush=True)
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["regs", "host", "ops", "decode"]:
         globals()[name]()
