@@ -371,24 +371,23 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch, plans
     assert split_makes() == first  # and no split forward was made after the first step's
 
 
-def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
+def test_split_partials_share_a_scratch_buffer(backend, device):
     """Outside poisoning, a split launch's partials are views of its stream's scratch buffer:
     calls one after the other reuse it (no allocation per decode step) and each is right; a
     larger call grows it. (Poisoned, as in every other test, they are fresh NaN buffers.)"""
     from common import outputs
     from common.plan import force_splits
 
-    monkeypatch.setattr(outputs, "_scratch", {})
     token = outputs._allocator.set(outputs._empty)
     try:
-        with force_splits(3):
+        with force_splits(3), outputs.fresh_scratch() as scratch:
             pointers = []
             for case in (SPLIT_CASES[0], SPLIT_CASES[0], Case(4, 8, 1, 700, 64, H_kv=2)):
                 q, k, v, mask = make_inputs(case, device)
                 kwargs = sdpa_kwargs(case, mask)
                 out = attention(q, k, v, backend=backend, **kwargs)
                 check_output(out, q, k, v, **kwargs)
-                ((buffer, views),) = outputs._scratch.values()
+                ((buffer, views),) = scratch.values()
                 pointers.append((buffer.data_ptr(), buffer.numel()))
                 assert all(view.data_ptr() >= buffer.data_ptr() for pair in views.values() for view in pair)
     finally:
@@ -397,29 +396,29 @@ def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
     assert pointers[2][1] > pointers[1][1]
 
 
-def test_split_partials_views_follow_their_buffer(monkeypatch):
+def test_split_partials_views_follow_their_buffer():
     """A layout's partials are made once per scratch buffer: asked again, the same views; once
     the buffer grows, views of the new one."""
     from common import outputs
 
-    monkeypatch.setattr(outputs, "_scratch", {})
     token = outputs._allocator.set(outputs._empty)
     try:
-        first = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
-        assert outputs.partials((2, 3), 4, 16, torch.device("cpu")) == first
-        other = outputs.partials((1, 3), 4, 16, torch.device("cpu"))  # fits: the same buffer
-        assert other[0].shape == (1, 3, 4, 16) and other[1].shape == (1, 3, 4)
-        grown = outputs.partials((8, 3), 4, 16, torch.device("cpu"))
-        assert grown[0].shape == (8, 3, 4, 16) and grown[1].shape == (8, 3, 4)
-        again = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
-        ((buffer, _),) = outputs._scratch.values()
+        with outputs.fresh_scratch() as scratch:
+            first = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
+            assert outputs.partials((2, 3), 4, 16, torch.device("cpu")) == first
+            other = outputs.partials((1, 3), 4, 16, torch.device("cpu"))  # fits: the same buffer
+            assert other[0].shape == (1, 3, 4, 16) and other[1].shape == (1, 3, 4)
+            grown = outputs.partials((8, 3), 4, 16, torch.device("cpu"))
+            assert grown[0].shape == (8, 3, 4, 16) and grown[1].shape == (8, 3, 4)
+            again = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
+            ((buffer, _),) = scratch.values()
         assert again[0].data_ptr() == buffer.data_ptr() != first[0].data_ptr()
         assert again[1].data_ptr() == buffer.data_ptr() + 2 * 3 * 4 * 16 * 4
     finally:
         outputs._allocator.reset(token)
 
 
-def test_split_partials_per_thread(device, monkeypatch):
+def test_split_partials_per_thread(device):
     """Each thread gets scratch partials of its own (NineToothed's split is two launches: another
     thread's launch on the same stream must not fall between them), and its calls share them.
     (Kernels from two threads at once: test_reliability, on the GPU; the interpreter is not
@@ -428,8 +427,6 @@ def test_split_partials_per_thread(device, monkeypatch):
 
     from common import outputs
 
-    monkeypatch.setattr(outputs, "_scratch", {})
-
     done = threading.Barrier(2)  # both threads alive together (a finished thread's id may be reused)
 
     def grab(into):  # a new thread starts with the default allocator: the scratch buffers
@@ -437,14 +434,15 @@ def test_split_partials_per_thread(device, monkeypatch):
         done.wait()
 
     seen = []
-    threads = [threading.Thread(target=grab, args=(seen,)) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with outputs.fresh_scratch() as scratch:
+        threads = [threading.Thread(target=grab, args=(seen,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(scratch) == 2
     (a1, a2), (b1, b2) = seen
     assert a1 == a2 and b1 == b2 and a1 != b1
-    assert len(outputs._scratch) == 2
 
 
 def test_split_merge_in_the_kernel(device, monkeypatch, planner):
