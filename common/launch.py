@@ -39,8 +39,22 @@ _BY_CLASS, _BY_VALUE, _LOOSE = range(3)  # how the by-class cache keys a scalar 
 _compile_lock = threading.RLock()
 
 
-_counters: dict = {}
 MIN_COUNTERS = 1024  # counters made at once: most launches never need more
+
+
+class _TicketCounters:
+    """The counters :func:`ticket_counters` keeps, per (device, stream), and the fewest it makes at
+    once. One module-level instance whose fields :func:`fresh_counters` swaps, so that a test
+    starts from none kept (and a small minimum, to see them grow) without patching this module."""
+
+    __slots__ = ("by_stream", "minimum")
+
+    def __init__(self):
+        self.by_stream: dict = {}  # (device, stream) -> counters
+        self.minimum = MIN_COUNTERS
+
+
+_tickets = _TicketCounters()
 
 
 def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -54,13 +68,29 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
     a capture are written only when the graph replays: they belong to the graph).
     """
     key = stream_key(device)
-    counters = _counters.get(key)
+    kept = _tickets.by_stream
+    counters = kept.get(key)
     if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
+        counters = torch.zeros(max(count, _tickets.minimum), dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return counters
-        _counters[key] = counters
+        kept[key] = counters
     return counters
+
+
+@contextlib.contextmanager
+def fresh_counters(minimum: int = MIN_COUNTERS):
+    """For tests: inside the block :func:`ticket_counters` keeps counters from none, making at
+    least ``minimum`` at once, and the block gets the dict that holds them, (device, stream) ->
+    counters, to look at; the counters kept before it, and the minimum, are back after it."""
+    if type(minimum) is not int or minimum < 1:
+        raise ValueError(f"minimum must be a positive int, got {minimum!r}")
+    saved = _tickets.by_stream, _tickets.minimum
+    _tickets.by_stream, _tickets.minimum = {}, minimum
+    try:
+        yield _tickets.by_stream
+    finally:
+        _tickets.by_stream, _tickets.minimum = saved
 
 
 class CachedLauncher:
@@ -147,6 +177,12 @@ class CachedLauncher:
         if len(grid) < 3:  # a compiled kernel takes exactly (x, y, z)
             grid = (*grid, 1, 1)[:3]
         kernel[grid](*args)
+
+    def clear(self) -> None:
+        """Drop every compiled kernel this launcher keeps: its next launch of each specialisation
+        goes through Triton's dispatch again (for a test that counts what Triton compiles). Safe
+        beside launches from other threads, as the by-value cache's starting over is."""
+        self._by_value, self._by_class = {}, {}
 
     def _split_roles(self, args):
         tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]

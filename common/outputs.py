@@ -13,7 +13,7 @@ of one buffer per (device, stream, thread), reused by every later call of that
 thread on that stream (launches on one stream run one after the other, and one
 thread's calls one after the other, so no call's launches can fall between
 another's: NineToothed's split is two launches), which saves a decode step two
-allocations.
+allocations. A test sees those buffers from none inside ``with fresh_scratch():``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def stream_key(device: torch.device) -> tuple:
     return device.type, 0
 
 
+# (device, stream, thread) -> (buffer, {layout: views}). Emptied and refilled in place, never
+# replaced: partials reads this one dict, and a test gets a fresh one through fresh_scratch.
 _scratch: dict = {}
 SCRATCH_LIMIT = 64 << 20  # bytes of partials kept per buffer; larger ones are allocated per call
 _MAX_SCRATCH = 64  # buffers kept (threads come and go) before the cache starts over
@@ -101,3 +103,17 @@ def partials(rows_shape: tuple, splits: int, dv: int, device) -> tuple[torch.Ten
         made = views[shape] = (buffer[:split_at].view(*rows_shape, splits, dv),
                                buffer[split_at:numel].view(*rows_shape, splits))
     return made
+
+
+@contextlib.contextmanager
+def fresh_scratch():
+    """For tests: inside the block :func:`partials` keeps its buffers from none, and the block
+    gets the dict that holds them, (device, stream, thread) -> (buffer, {layout: views}), to look
+    at; the buffers kept before it are back after it (those made inside are dropped)."""
+    saved = dict(_scratch)
+    _scratch.clear()
+    try:
+        yield _scratch
+    finally:
+        _scratch.clear()
+        _scratch.update(saved)

@@ -118,10 +118,12 @@ class Planner:
     shallow_rows: int = 16
     shallow_max_head_dim: int = 128
     shallow_max_registers: int = 128
-    # Fixed choices, for tests and benchmarks: the split count of every call (1: none), and
-    # the SM count to plan for (None: the device's).
+    # Fixed choices, for tests and benchmarks: the split count of every call (1: none), the SM
+    # count to plan for (None: the device's), and whether the GPU has tanh.approx.f32 (None: ask
+    # the device; see softcap_kind).
     num_splits: int | None = None
     sms: int | None = None
+    tanh_approx: bool | None = None
 
     def __post_init__(self):
         if self.num_splits is not None and (type(self.num_splits) is not int or self.num_splits < 1):
@@ -129,6 +131,20 @@ class Planner:
 
     def sm_count(self, device: torch.device) -> int:
         return self.sms if self.sms is not None else _sm_count(device)
+
+    def softcap_kind(self, softcap: float, dtype: torch.dtype, device: torch.device, interpreted: bool) -> Softcap:
+        """Soft-capping's tanh for these inputs. tanh.approx.f32's relative error (about
+        2^-11) is below what 16-bit inputs and probabilities carry, and it halves the
+        special-function work per score (that unit bounds the soft-capped kernel); float32
+        inputs keep the exact form, as does every target without the instruction."""
+        if not softcap:
+            return Softcap.OFF
+        if interpreted or dtype == torch.float32 or device.type != "cuda":
+            return Softcap.EXP2
+        approx = self.tanh_approx
+        if approx is None:
+            approx = _has_tanh_approx(device)
+        return Softcap.APPROX if approx else Softcap.EXP2
 
     def splits(self, programs: int, Lk: int, block_n: int, device: torch.device, block_m: int = 16) -> tuple[int, int]:
         """``(num_splits, blocks_per_split)`` for a launch of ``programs`` programs per split of
@@ -376,18 +392,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def softcap_kind(softcap: float, dtype: torch.dtype, device: torch.device, interpreted: bool) -> Softcap:
-    """Soft-capping's tanh for these inputs. tanh.approx.f32's relative error (about
-    2^-11) is below what 16-bit inputs and probabilities carry, and it halves the
-    special-function work per score (that unit bounds the soft-capped kernel); float32
-    inputs keep the exact form, as does every target without the instruction."""
-    if not softcap:
-        return Softcap.OFF
-    if interpreted or dtype == torch.float32 or device.type != "cuda" or not _has_tanh_approx(device):
-        return Softcap.EXP2
-    return Softcap.APPROX
-
-
 @functools.lru_cache(maxsize=16)
 def _has_tanh_approx(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (7, 5)
@@ -448,7 +452,7 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
     plan.planner = planner = current_planner()
     if not backend.kernels:
         return plan
-    plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
+    plan.softcap_kind = planner.softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
     if call.sinks is not None:
         plan.sinks = call.sinks.float().view(1, H, 1).expand(B, H, Lq)
     if plan.row_bands is None and plan.band is not None and Lq + plan.band[1] < Lk:
@@ -554,7 +558,8 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.row_bands = call.row_bands
     if not backend.kernels:
         return plan
-    plan.softcap_kind = softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
+    if plan.softcap:  # (without soft-capping: OFF, the field's default; the planner is read only where it decides)
+        plan.softcap_kind = current_planner().softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.config = backend.configs.lookup_backward(
         max(plan.block_d, plan.block_dv), q.dtype, call.is_causal, Lq, Lk, backend.interpreted())

@@ -27,7 +27,7 @@ The Lq x Lk score matrix never exists outside registers.
   row its own band (ROW_LO, ROW_HI), each key its rows (KEY_LO, KEY_HI, for the
   dK/dV pass), the stages taken over the block's rows.
 - SOFTCAP: scores become softcap * tanh(s / softcap) (``tanh.approx.f32`` for
-  16-bit inputs on NVIDIA GPUs, else tanh from exp2: ``common.plan.softcap_kind``); the
+  16-bit inputs on NVIDIA GPUs, else tanh from exp2: ``common.plan.Planner.softcap_kind``); the
   backward multiplies ds by 1 - tanh^2. SINKS: a per-head logit starts each
   row's online softmax (m_i = sink, l_i = 1), so it joins the denominator with
   no value; the log-sum-exp includes it, and the backward needs nothing more.

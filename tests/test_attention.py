@@ -371,24 +371,23 @@ def test_growing_split_of_wide_tiles_makes_one_kernel(device, monkeypatch, plans
     assert split_makes() == first  # and no split forward was made after the first step's
 
 
-def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
+def test_split_partials_share_a_scratch_buffer(backend, device):
     """Outside poisoning, a split launch's partials are views of its stream's scratch buffer:
     calls one after the other reuse it (no allocation per decode step) and each is right; a
     larger call grows it. (Poisoned, as in every other test, they are fresh NaN buffers.)"""
     from common import outputs
     from common.plan import force_splits
 
-    monkeypatch.setattr(outputs, "_scratch", {})
     token = outputs._allocator.set(outputs._empty)
     try:
-        with force_splits(3):
+        with force_splits(3), outputs.fresh_scratch() as scratch:
             pointers = []
             for case in (SPLIT_CASES[0], SPLIT_CASES[0], Case(4, 8, 1, 700, 64, H_kv=2)):
                 q, k, v, mask = make_inputs(case, device)
                 kwargs = sdpa_kwargs(case, mask)
                 out = attention(q, k, v, backend=backend, **kwargs)
                 check_output(out, q, k, v, **kwargs)
-                ((buffer, views),) = outputs._scratch.values()
+                ((buffer, views),) = scratch.values()
                 pointers.append((buffer.data_ptr(), buffer.numel()))
                 assert all(view.data_ptr() >= buffer.data_ptr() for pair in views.values() for view in pair)
     finally:
@@ -397,29 +396,29 @@ def test_split_partials_share_a_scratch_buffer(backend, device, monkeypatch):
     assert pointers[2][1] > pointers[1][1]
 
 
-def test_split_partials_views_follow_their_buffer(monkeypatch):
+def test_split_partials_views_follow_their_buffer():
     """A layout's partials are made once per scratch buffer: asked again, the same views; once
     the buffer grows, views of the new one."""
     from common import outputs
 
-    monkeypatch.setattr(outputs, "_scratch", {})
     token = outputs._allocator.set(outputs._empty)
     try:
-        first = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
-        assert outputs.partials((2, 3), 4, 16, torch.device("cpu")) == first
-        other = outputs.partials((1, 3), 4, 16, torch.device("cpu"))  # fits: the same buffer
-        assert other[0].shape == (1, 3, 4, 16) and other[1].shape == (1, 3, 4)
-        grown = outputs.partials((8, 3), 4, 16, torch.device("cpu"))
-        assert grown[0].shape == (8, 3, 4, 16) and grown[1].shape == (8, 3, 4)
-        again = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
-        ((buffer, _),) = outputs._scratch.values()
+        with outputs.fresh_scratch() as scratch:
+            first = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
+            assert outputs.partials((2, 3), 4, 16, torch.device("cpu")) == first
+            other = outputs.partials((1, 3), 4, 16, torch.device("cpu"))  # fits: the same buffer
+            assert other[0].shape == (1, 3, 4, 16) and other[1].shape == (1, 3, 4)
+            grown = outputs.partials((8, 3), 4, 16, torch.device("cpu"))
+            assert grown[0].shape == (8, 3, 4, 16) and grown[1].shape == (8, 3, 4)
+            again = outputs.partials((2, 3), 4, 16, torch.device("cpu"))
+            ((buffer, _),) = scratch.values()
         assert again[0].data_ptr() == buffer.data_ptr() != first[0].data_ptr()
         assert again[1].data_ptr() == buffer.data_ptr() + 2 * 3 * 4 * 16 * 4
     finally:
         outputs._allocator.reset(token)
 
 
-def test_split_partials_per_thread(device, monkeypatch):
+def test_split_partials_per_thread(device):
     """Each thread gets scratch partials of its own (NineToothed's split is two launches: another
     thread's launch on the same stream must not fall between them), and its calls share them.
     (Kernels from two threads at once: test_reliability, on the GPU; the interpreter is not
@@ -428,8 +427,6 @@ def test_split_partials_per_thread(device, monkeypatch):
 
     from common import outputs
 
-    monkeypatch.setattr(outputs, "_scratch", {})
-
     done = threading.Barrier(2)  # both threads alive together (a finished thread's id may be reused)
 
     def grab(into):  # a new thread starts with the default allocator: the scratch buffers
@@ -437,17 +434,18 @@ def test_split_partials_per_thread(device, monkeypatch):
         done.wait()
 
     seen = []
-    threads = [threading.Thread(target=grab, args=(seen,)) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with outputs.fresh_scratch() as scratch:
+        threads = [threading.Thread(target=grab, args=(seen,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(scratch) == 2
     (a1, a2), (b1, b2) = seen
     assert a1 == a2 and b1 == b2 and a1 != b1
-    assert len(outputs._scratch) == 2
 
 
-def test_split_merge_in_the_kernel(device, monkeypatch, planner):
+def test_split_merge_in_the_kernel(device, planner):
     """The Triton kernel merges its own splits (the last program of each row block to finish, one
     launch): the right answer, and its counters back at 0 for the next launch; a larger launch gets
     larger counters."""
@@ -455,28 +453,27 @@ def test_split_merge_in_the_kernel(device, monkeypatch, planner):
     from common.plan import force_splits
 
     planner(kernel_merge_max=1 << 30)  # (whatever the splits' rows: the in-kernel merge)
-    monkeypatch.setattr(launch, "MIN_COUNTERS", 4)
-    monkeypatch.setattr(launch, "_counters", {})
-    for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
-        q, k, v, mask = make_inputs(case, device)
-        kwargs = sdpa_kwargs(case, mask)
-        with force_splits(splits):
-            out, lse = attention(q, k, v, backend="triton", return_lse=True, **kwargs)
-        check_output(out, q, k, v, **kwargs)
-        kwargs.pop("enable_gqa")
-        check_lse(lse, q, k, **kwargs)
-        assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
-    assert max(c.numel() for c in launch._counters.values()) == 12  # B·H row blocks at most so far
-    with force_splits(2):  # more row blocks (one per head here) than the counters so far
-        q, k = torch.randn(1, 20, 1, 16, device=device), torch.randn(1, 20, 256, 16, device=device)
-        out = attention(q, k, k, backend="triton")
-    check_output(out, q, k, k)
-    assert max(c.numel() for c in launch._counters.values()) == 20
-    assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
+    with launch.fresh_counters(minimum=4) as kept:  # (a small minimum: the counters grow with the launches)
+        for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
+            q, k, v, mask = make_inputs(case, device)
+            kwargs = sdpa_kwargs(case, mask)
+            with force_splits(splits):
+                out, lse = attention(q, k, v, backend="triton", return_lse=True, **kwargs)
+            check_output(out, q, k, v, **kwargs)
+            kwargs.pop("enable_gqa")
+            check_lse(lse, q, k, **kwargs)
+            assert all(int(counters.abs().sum()) == 0 for counters in kept.values())
+        assert max(c.numel() for c in kept.values()) == 12  # B·H row blocks at most so far
+        with force_splits(2):  # more row blocks (one per head here) than the counters so far
+            q, k = torch.randn(1, 20, 1, 16, device=device), torch.randn(1, 20, 256, 16, device=device)
+            out = attention(q, k, k, backend="triton")
+        check_output(out, q, k, k)
+        assert max(c.numel() for c in kept.values()) == 20
+        assert all(int(counters.abs().sum()) == 0 for counters in kept.values())
 
 
 @pytest.mark.parametrize("merge_tile, merge_splits", [(8192, 8), (64, 2)])
-def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile, merge_splits, plans, planner):
+def test_split_merge_as_its_own_launch(backend, device, merge_tile, merge_splits, plans, planner):
     """Where one program's fold of the splits would take long (num_splits x BLOCK_M above
     the planner's kernel_merge_max), the Triton kernel leaves the merge to a launch of its own
     (_merge_kernel; NineToothed's combine always is): SDPA's output and lse on every call,
@@ -487,22 +484,22 @@ def test_split_merge_as_its_own_launch(backend, device, monkeypatch, merge_tile,
     from common.plan import force_splits
 
     planner(merge_tile=merge_tile, merge_splits=merge_splits, kernel_merge_max=0, kernel_merge_min_bytes=0)
-    monkeypatch.setattr(launch, "_counters", {})
-    for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
-        q, k, v, mask = make_inputs(case, device)
-        kwargs = sdpa_kwargs(case, mask)
-        for _ in range(3):  # planned; planned and bound; through the bound launches
-            with force_splits(splits):
-                out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
-            check_output(out, q, k, v, **kwargs)
-            check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
-    q = torch.randn(1, 4, 1, 32, device=device)
-    for Lk in (300, 301, 302, 303):  # a growing cache: its bound launch, its keys filled in
-        k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
-        with force_splits(3):
-            out = attention(q, k, v, enable_gqa=True, backend=backend)
-        check_output(out, q, k, v, enable_gqa=True)
-    assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())  # no ticket
+    with launch.fresh_counters() as kept:
+        for case, splits in ((SPLIT_CASES[0], 3), (Case(3, 4, 2, 300, 32), 4), (SPLIT_CASES[1], 5)):
+            q, k, v, mask = make_inputs(case, device)
+            kwargs = sdpa_kwargs(case, mask)
+            for _ in range(3):  # planned; planned and bound; through the bound launches
+                with force_splits(splits):
+                    out, lse = attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+                check_output(out, q, k, v, **kwargs)
+                check_lse(lse, q, k, **{name: value for name, value in kwargs.items() if name != "enable_gqa"})
+        q = torch.randn(1, 4, 1, 32, device=device)
+        for Lk in (300, 301, 302, 303):  # a growing cache: its bound launch, its keys filled in
+            k, v = torch.randn(1, 1, Lk, 32, device=device), torch.randn(1, 1, Lk, 32, device=device)
+            with force_splits(3):
+                out = attention(q, k, v, enable_gqa=True, backend=backend)
+            check_output(out, q, k, v, enable_gqa=True)
+        assert all(int(counters.abs().sum()) == 0 for counters in kept.values())  # no ticket
 
 
 def _specialisation(fn, args) -> tuple:
@@ -610,8 +607,7 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch, plans
     # the merge kernel as if never compiled in this process (another test's may be the same)
     merge = kernels._merge_kernel
     monkeypatch.setattr(merge, "device_caches", collections.defaultdict(merge.create_binder))
-    monkeypatch.setattr(host._merge_launcher, "_by_value", {})
-    monkeypatch.setattr(host._merge_launcher, "_by_class", {})
+    host._merge_launcher.clear()
 
     def compiled(fn):  # (Triton's cache of compiled kernels per device: 3.x keeps it first)
         return len(fn.device_caches[device][0])

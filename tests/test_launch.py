@@ -63,6 +63,34 @@ def test_reuses_the_compiled_kernel(fake):
     assert fn.log[-1][:2] == ("direct", 1)
 
 
+def test_clear_goes_back_to_triton(fake):
+    """After clear() the launcher keeps no compiled kernel: the next launch is Triton's dispatch."""
+    fn, launcher = fake
+    args = (torch.zeros(64), 64, 0.5, 128)
+    for _ in range(2):
+        launcher.launch((4, 1, 1), args, 4, 3)
+    launcher.clear()
+    launcher.launch((4, 1, 1), args, 4, 3)
+    assert [entry[0] for entry in fn.log] == ["dispatch", "direct", "dispatch"]
+
+
+def test_fresh_counters():
+    """Inside fresh_counters the ticket counters start from none, at least ``minimum`` at once and
+    grown as launches need more; the ones kept before are back after."""
+    cpu = torch.device("cpu")
+    before = launch.ticket_counters(cpu, 8)
+    with launch.fresh_counters(minimum=4) as kept:
+        assert launch.ticket_counters(cpu, 2).numel() == 4 and len(kept) == 1
+        assert launch.ticket_counters(cpu, 3) is launch.ticket_counters(cpu, 4)
+        grown = launch.ticket_counters(cpu, 6)
+        assert grown.numel() == 6 and list(kept.values()) == [grown]
+    assert launch.ticket_counters(cpu, 8) is before
+    assert before.numel() >= launch.MIN_COUNTERS
+    with pytest.raises(ValueError, match="minimum must be a positive int"):
+        with launch.fresh_counters(minimum=0):
+            pass
+
+
 @pytest.mark.parametrize("change", ["constexpr", "int class", "alignment", "dtype", "warps"])
 def test_what_a_kernel_is_specialised_on_goes_back_to_triton(fake, change):
     fn, launcher = fake

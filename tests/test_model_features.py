@@ -182,19 +182,19 @@ def test_softcap_forward_and_backward(backend, case):
         torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_softcap_kind(monkeypatch):
+def test_softcap_kind():
     """16-bit inputs on a GPU with tanh.approx get it; float32 inputs, other targets and
-    the interpreter compute tanh from exp2."""
+    the interpreter compute tanh from exp2. (The planner's tanh_approx stands in for the
+    device's answer.)"""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(plan, "_has_tanh_approx", lambda device: True)
-    assert plan.softcap_kind(0.0, bf16, cuda, False) == plan.Softcap.OFF
-    assert plan.softcap_kind(50.0, bf16, cuda, False) == plan.Softcap.APPROX
-    assert plan.softcap_kind(50.0, f16, cuda, False) == plan.Softcap.APPROX
-    assert plan.softcap_kind(50.0, f32, cuda, False) == plan.Softcap.EXP2
-    assert plan.softcap_kind(50.0, bf16, cuda, True) == plan.Softcap.EXP2
-    assert plan.softcap_kind(50.0, bf16, torch.device("cpu"), False) == plan.Softcap.EXP2
-    monkeypatch.setattr(plan, "_has_tanh_approx", lambda device: False)
-    assert plan.softcap_kind(50.0, bf16, cuda, False) == plan.Softcap.EXP2
+    with_approx = plan.Planner(tanh_approx=True)
+    assert with_approx.softcap_kind(0.0, bf16, cuda, False) == plan.Softcap.OFF
+    assert with_approx.softcap_kind(50.0, bf16, cuda, False) == plan.Softcap.APPROX
+    assert with_approx.softcap_kind(50.0, f16, cuda, False) == plan.Softcap.APPROX
+    assert with_approx.softcap_kind(50.0, f32, cuda, False) == plan.Softcap.EXP2
+    assert with_approx.softcap_kind(50.0, bf16, cuda, True) == plan.Softcap.EXP2
+    assert with_approx.softcap_kind(50.0, bf16, torch.device("cpu"), False) == plan.Softcap.EXP2
+    assert plan.Planner(tanh_approx=False).softcap_kind(50.0, bf16, cuda, False) == plan.Softcap.EXP2
 
 
 def test_softcap_errors():

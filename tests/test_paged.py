@@ -83,30 +83,30 @@ def test_paged_split_merge_in_the_kernel():
     lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = CASES[1]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
     query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
-    with force_splits(3):
+    with force_splits(3), launch.fresh_counters() as kept:
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=True,
                               backend="triton")
     torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=2e-4, atol=2e-4)
-    assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
+    assert all(int(counters.abs().sum()) == 0 for counters in kept.values())
 
 
-def test_paged_split_merge_as_its_own_launch(monkeypatch, planner):
+def test_paged_split_merge_as_its_own_launch(planner):
     """Past the planner's kernel_merge_max the Triton paged kernel leaves the merge to a launch
     of its own, as the dense one does: the right answer (outputs poisoned), no ticket taken."""
     from common import launch
 
     planner(kernel_merge_max=0, kernel_merge_min_bytes=0)
-    monkeypatch.setattr(launch, "_counters", {})
-    for case in (CASES[1], CASES[0]):
-        lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = case
-        key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
-        query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
-        with force_splits(3):
-            out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal,
-                                  enable_gqa=H_kv < H, backend="triton")
-        tol = {f32: 2e-4, f16: 1e-2}[dtype]
-        torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=tol, atol=tol)
-    assert all(int(counters.abs().sum()) == 0 for counters in launch._counters.values())
+    with launch.fresh_counters() as kept:
+        for case in (CASES[1], CASES[0]):
+            lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = case
+            key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
+            query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
+            with force_splits(3):
+                out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal,
+                                      enable_gqa=H_kv < H, backend="triton")
+            tol = {f32: 2e-4, f16: 1e-2}[dtype]
+            torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=tol, atol=tol)
+        assert all(int(counters.abs().sum()) == 0 for counters in kept.values())
 
 
 def test_paged_reference_backend():
