@@ -80,24 +80,32 @@ def test_paged_split_merge_in_the_kernel():
     its counters back at 0."""
     from common import launch
 
-    lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = CASES[1]
+    lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = CASES[3]  # (keys of several blocks, on a CPU too)
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
     query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
     with force_splits(3), launch.fresh_counters() as kept:
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=True,
                               backend="triton")
     torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=2e-4, atol=2e-4)
+    assert kept, "the call did not split (only a split launch asks for counters)"
     assert all(int(counters.abs().sum()) == 0 for counters in kept.values())
 
 
-def test_paged_split_merge_as_its_own_launch(planner):
+def test_paged_split_merge_as_its_own_launch(planner, monkeypatch):
     """Past the planner's kernel_merge_max the Triton paged kernel leaves the merge to a launch
     of its own, as the dense one does: the right answer (outputs poisoned), no ticket taken."""
     from common import launch
+    from common import paged as paged_module
 
     planner(kernel_merge_max=0, kernel_merge_min_bytes=0)
+    splits, partials = [], paged_module.partials
+
+    def recording(rows_shape, num_splits, dv, device):  # (a split launch's partials: the calls that split)
+        splits.append(num_splits)
+        return partials(rows_shape, num_splits, dv, device)
+    monkeypatch.setattr(paged_module, "partials", recording)
     with launch.fresh_counters() as kept:
-        for case in (CASES[1], CASES[0]):
+        for case in (CASES[3], CASES[2]):  # (keys of several blocks, on a CPU too)
             lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = case
             key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
             query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
@@ -106,6 +114,7 @@ def test_paged_split_merge_as_its_own_launch(planner):
                                       enable_gqa=H_kv < H, backend="triton")
             tol = {f32: 2e-4, f16: 1e-2}[dtype]
             torch.testing.assert_close(out.double(), _reference(query, keys, values, is_causal), rtol=tol, atol=tol)
+        assert len(splits) == 2 and min(splits) > 1, f"both calls should split, got partials for {splits}"
         assert all(int(counters.abs().sum()) == 0 for counters in kept.values())
 
 
