@@ -13,7 +13,8 @@ module that implements :class:`BackendModule` (every backend) or
 :class:`KernelBackendModule` (backends that launch our kernels): the functions
 ``common`` calls, and nothing else is called. A backend never validates user
 input, picks defaults or copies inputs: that is ``common``'s work, done once for
-all backends (``validation``, ``plan``).
+all backends (``validation``, ``plan``). What a kernel backend plans is only what
+it alone reads: its refinement of a plan (``refine_forward``, ``refine_paged``).
 """
 
 from __future__ import annotations
@@ -118,6 +119,16 @@ class KernelBackendModule(BackendModule, Protocol):
     def append_kv(self, key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int,
                   block_d: int, block_dv: int) -> None:
         """Write ``key`` and ``value`` (B, H_kv, L_new, D | Dv) into their slots of the paged caches."""
+
+    def refine_forward(self, plan: ForwardPlan, kv_bytes: int) -> None:
+        """Set ``plan.refinement`` to this backend's own decisions for the launch planned so far
+        (its config and splits, by ``plan.planner``'s settings; ``kv_bytes``: the keys' and values'
+        bytes it reads): a hashable value of the backend's, which its launches read and
+        ``common.reuse`` keys its bound launches on. Called when a plan is made, never for a
+        reused plan's launch."""
+
+    def refine_paged(self, plan: PagedPlan, kv_bytes: int) -> None:
+        """As :meth:`refine_forward`, for a paged plan (``kv_bytes``: what its block table can address)."""
 
     def bind_forward(self, plan: ForwardPlan, keys: bool = False):
         """``plan``'s launch (just made) bound to its layout: a callable taking the call's tensors

@@ -62,7 +62,8 @@ class PagedPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: planning.Merge | None = None
-    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (common.plan.kernel_merges)
+    refinement: object = None  # the backend's own decisions (its refine_paged; as ForwardPlan.refinement)
+    planner: planning.Planner = None  # the settings it was planned with
 
     @property
     def split(self) -> bool:
@@ -416,7 +417,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
-    planner = planning.current_planner()
+    plan.planner = planner = planning.current_planner()
     # (the thin programs' target whatever the row tile: the wide one was measured for the
     # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, max_pages * page,
@@ -430,9 +431,9 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.dot_precision = planning.dot_precision(query.dtype)
     if plan.split:  # (the outputs are allocated at launch: _launch)
         plan.merge = planner.merge(B * Hp * Lqp, plan.num_splits, backend.interpreted(), plan.block_dv)
-        # (the bytes the table can address: the lengths themselves are on the device)
-        capacity = B * max_pages * page * H_kv * (D + Dv) * key_cache.element_size()
-        plan.kernel_merge = planner.kernel_merges(plan.num_splits, plan.config.block_m, capacity)
+    # (the bytes the table can address: the lengths themselves are on the device)
+    capacity = B * max_pages * page * H_kv * (D + Dv) * key_cache.element_size()
+    backend.load().refine_paged(plan, capacity)
     return plan
 
 

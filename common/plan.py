@@ -13,6 +13,11 @@ made once, here, and a backend keeps only what its programming model needs
   buffers and the merge's sizing;
 - every output buffer, allocated once (NaN-poisoned under the tests' switch).
 
+A decision that one backend alone reads is that backend's: once the launch is
+planned, its ``refine_forward`` (``common.backends.KernelBackendModule``) puts
+it in ``plan.refinement``, a value of its own (Triton: whether its kernel merges
+its own splits; NineToothed: whether a split walks its keys in one loop).
+
 :func:`make_forward` plans a forward call, :func:`make_backward` a backward
 one; both take a :class:`common.validation.Call`. The rules they follow are the
 methods of a :class:`Planner`, whose fields are the rules' settings: a value a
@@ -103,13 +108,14 @@ class Planner:
     merge_splits: int = 8
     merge_tile: int = 8192
     combine_rows: int = 16
-    # Triton's kernel merges its own splits (its last program per row block folds them in)
-    # while splits x BLOCK_M is at most kernel_merge_max, or while the keys and values read
-    # are under kernel_merge_min_bytes (a launch too short to hide a second launch's host time).
+    # Settings of one backend's refinement alone (its ``refine_forward``, ``refine_paged``):
+    # Triton's kernel merges its own splits while splits x BLOCK_M is at most kernel_merge_max,
+    # or while the keys and values read are under kernel_merge_min_bytes
+    # (``impl_triton.attention.kernel_merges``)...
     kernel_merge_max: int = 256
     kernel_merge_min_bytes: int = 192 << 20
-    # NineToothed walks a split of tiles this tall (a warpgroup MMA's rows) in one masked loop:
-    # with two loops ptxas serialises the tile's MMAs.
+    # ...NineToothed walks a split of tiles this tall in one masked loop
+    # (``impl_ninetoothed.attention.one_stage_split``).
     one_stage_split_rows: int = 64
     # An unsplit launch of more than shallow_programs_per_sm short-row programs (at most
     # shallow_rows rows, head dims up to shallow_max_head_dim) per SM pipelines 2 key blocks
@@ -169,10 +175,6 @@ class Planner:
         num_splits = -(-k_blocks // power)
         return num_splits, -(-k_blocks // num_splits)
 
-    def one_stage_split(self, block_m: int) -> bool:
-        """Whether NineToothed walks a split launch of ``block_m``-row tiles in one masked loop."""
-        return block_m >= self.one_stage_split_rows
-
     def shallow_stages(self, config: Config, programs: int, num_splits: int, device: torch.device,
                        block_d: int) -> Config:
         """``config`` with 2 stages and a register cap where an unsplit launch of ``programs``
@@ -203,12 +205,6 @@ class Planner:
         except RuntimeError:  # strides that no view can merge
             return None
         return packed_query, packed_mask
-
-    def kernel_merges(self, num_splits: int, block_m: int, kv_bytes: int) -> bool:
-        """Whether the Triton kernel merges its own ``num_splits`` splits of ``block_m``-row
-        blocks reading ``kv_bytes`` of keys and values, or a merge launch does."""
-        return num_splits > 1 and (num_splits * block_m <= self.kernel_merge_max
-                                   or kv_bytes < self.kernel_merge_min_bytes)
 
     def merge(self, rows: int, num_splits: int, interpreted: bool, block_dv: int) -> Merge:
         """The merge of ``rows`` rows of ``num_splits`` splits (dense and paged plans alike).
@@ -304,7 +300,9 @@ class ForwardPlan:
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: Merge | None = None  # split: the merge's sizing
-    kernel_merge: bool = False  # split: the Triton kernel merges its own splits (Planner.kernel_merges)
+    # The backend's own decisions for this launch (a hashable value of its own, set by its
+    # refine_forward: common.backends.KernelBackendModule); part of the reuse key. None for "torch".
+    refinement: object = None
     resume: bool = False  # out (float32) and lse hold a running result that these keys fold into
     planner: Planner = None  # the settings it was planned with (DEFAULT_PLANNER unless a caller chose)
 
@@ -480,8 +478,8 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
 
 def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) -> None:
     """The rest of :func:`make_forward`, from the kernels' views on: the config, the row
-    blocks, the key splits and (``allocate``) the buffers, by ``plan.planner``. (What a kept
-    plan does again for keys of another length: ``common.reuse``.)"""
+    blocks, the key splits, the backend's refinement and (``allocate``) the buffers, by
+    ``plan.planner``. (What a kept plan does again for keys of another length: ``common.reuse``.)"""
     q, planner = plan.query, plan.planner
     B, Hp, Lqp, _ = q.shape
     Lk, Dv = plan.key.shape[2], plan.value.shape[3]
@@ -504,7 +502,7 @@ def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) 
     rows = B * Hp * Lqp
     plan.merge = planner.merge(rows, plan.num_splits, interpreted, plan.block_dv) if plan.num_splits > 1 else None
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
-    plan.kernel_merge = planner.kernel_merges(plan.num_splits, config.block_m, kv_bytes)
+    backend.load().refine_forward(plan, kv_bytes)
     if allocate:
         allocate_outputs(plan, q.dtype, q.device)
 

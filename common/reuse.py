@@ -112,7 +112,7 @@ class AttentionPlan:
         self._arguments = arguments  # attention()'s keywords: the full path of a call the plan cannot run
         self._launched = False  # run once: the next run binds its launch (a layout met once binds nothing)
         self._bound = None  # the launch bound to the planned keys (BoundLaunch), or False: none can be
-        self._growing = {}  # (config, splits, own merge) -> the backend's launch bound for other keys, or False
+        self._growing = {}  # (config, splits, refinement) -> the backend's launch bound for other keys, or False
         self._grown = None  # the last growing launch: (length key, block_n, key blocks, blocks per split, BoundLaunch)
         self._fields = None  # the planned decisions; None: nothing planned (SDPA, or nothing to launch yet)
         if backend.kernels and _launches(call.query, call.key):
@@ -239,10 +239,11 @@ class AttentionPlan:
 
     def _launch_growing(self, plan) -> bool:
         """Launch ``plan`` (keys of another length) through the launch bound to its config, split
-        count and own-merge choice; where none is yet, launch it through the backend and bind that
+        count and backend's refinement (``plan.refinement``: Triton's own-merge choice, which the
+        keys' bytes decide); where none is yet, launch it through the backend and bind that
         launch. False where the backend binds none for it (the caller launches the plan). The
         bound launch becomes the last growing launch."""
-        key = (plan.config, plan.num_splits, plan.kernel_merge)
+        key = (plan.config, plan.num_splits, plan.refinement)
         bound = self._growing.get(key)
         if bound is False:
             return False

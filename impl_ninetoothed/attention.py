@@ -3,12 +3,13 @@
 for a plan (``common.plan``, ``common.paged``), and the forward's launches bound to a layout
 for reuse.
 
-The backend module ``common.backends`` registers: ``forward``, ``backward``, ``bind_forward``,
-``paged_forward``, ``append_kv``.
+The backend module ``common.backends`` registers: ``forward``, ``backward``, ``refine_forward``,
+``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 
@@ -137,6 +138,37 @@ def _loose_arguments(handle, application_, split_counts=()) -> set:
 INTERPRETED = interpreter_requested()
 
 
+# -- the backend's own decisions: its refinement of a plan --------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refinement:
+    """What this backend decides for a forward plan besides the shared plan (``plan.refinement``)."""
+
+    one_stage: bool  # split: each split walks its key blocks in one masked loop (the kernel's SPLIT = ONE_STAGE)
+
+
+_REFINEMENTS = {one_stage: Refinement(one_stage) for one_stage in (False, True)}  # (the two values, made once)
+
+
+def one_stage_split(planner, block_m: int) -> bool:
+    """Whether a split launch of ``block_m``-row tiles walks its key blocks in one masked loop:
+    tiles of ``planner.one_stage_split_rows`` rows and more (a warpgroup MMA's), where with the
+    split size in symbols two loops had ptxas serialise the tile's MMAs; one loop costs a compare
+    and a select per score in a launch bound by memory (benchmarks/NOTES.md, "Last-to-first rows
+    and one-loop splits timed and merged")."""
+    return block_m >= planner.one_stage_split_rows
+
+
+def refine_forward(plan, kv_bytes: int) -> None:
+    """``plan.refinement`` of a ``common.plan.ForwardPlan`` (``common.backends.KernelBackendModule``)."""
+    plan.refinement = _REFINEMENTS[plan.split and one_stage_split(plan.planner, plan.config.block_m)]
+
+
+def refine_paged(plan, kv_bytes: int) -> None:
+    """``plan.refinement`` of a ``common.paged.PagedPlan``: None (the paged kernel's split has one form)."""
+    plan.refinement = None
+
+
 # -- launching a plan ------------------------------------------------------------------------
 
 _scalars: dict = {}  # (device, dtype) -> one element, allocated once
@@ -229,11 +261,11 @@ def _attention_launch(plan) -> tuple:
 
 
 def _split_kind(plan) -> int:
-    """The kernel's SPLIT: 0 unsplit, 1 split, ONE_STAGE split at the derived size in tiles of
-    common.plan.Planner.one_stage_split_rows rows and more (the plan's planner)."""
+    """The kernel's SPLIT: 0 unsplit, 1 split, ONE_STAGE split at the derived size walked in one
+    masked loop (the plan's Refinement: :func:`one_stage_split`)."""
     if not plan.split:
         return 0
-    return ONE_STAGE if plan.planner.one_stage_split(plan.config.block_m) else 1
+    return ONE_STAGE if plan.refinement.one_stage else 1
 
 
 def _merge_kernel(plan):

@@ -63,7 +63,7 @@ from impl_ninetoothed.tiles import (
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
-ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (common.plan.Planner.one_stage_split)
+ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
                         ROW_BANDS=ROW_BANDS, ONE_STAGE=ONE_STAGE)
@@ -230,7 +230,7 @@ def application(
     first, full_lo, full_hi, end = _key_stages(offs_m, lo, lo + key.shape[0], Lk, row_lo, row_hi, BLOCK_N, BANDED)
     if SPLIT == ONE_STAGE:
         # All of [first, end) in the last, masked loop: with a split size in symbols, two loops
-        # had ptxas serialise a warpgroup tile's MMAs (common.plan.Planner.one_stage_split_rows); one costs
+        # had ptxas serialise a warpgroup tile's MMAs (impl_ninetoothed.attention.one_stage_split); one costs
         # a compare and a select per score, in a launch bound by memory.
         full_lo = first
         full_hi = first

@@ -1,12 +1,14 @@
 """The Triton backend: launching ``impl_triton.kernels`` and ``impl_triton.paged_kernels`` for a
 plan (``common.plan``, ``common.paged``), and the forward's launch bound to a layout for reuse.
 
-The backend module ``common.backends`` registers: ``forward``, ``backward``, ``bind_forward``,
-``paged_forward``, ``append_kv``. Kernels are launched through ``common.launch.CachedLauncher``
-(compiled kernels without Triton's per-call dispatch).
+The backend module ``common.backends`` registers: ``forward``, ``backward``, ``refine_forward``,
+``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``. Kernels are launched through
+``common.launch.CachedLauncher`` (compiled kernels without Triton's per-call dispatch).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -15,6 +17,39 @@ from common.interpret import apply_interpreter_fixes
 from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd
+
+# -- the backend's own decisions: its refinement of a plan --------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refinement:
+    """What this backend decides for a plan besides the shared plan (``plan.refinement``)."""
+
+    kernel_merge: bool  # split: the kernel merges its own splits (else a _merge_kernel launch does)
+
+
+_REFINEMENTS = {merges: Refinement(merges) for merges in (False, True)}  # (the two values, made once)
+
+
+def kernel_merges(planner, num_splits: int, block_m: int, kv_bytes: int) -> bool:
+    """Whether the kernel merges its own ``num_splits`` splits of ``block_m``-row blocks reading
+    ``kv_bytes`` of keys and values (the last program of each row block to finish folds them in,
+    one launch a call), or a merge launch does. The kernel does while splits x BLOCK_M is at most
+    ``planner.kernel_merge_max`` (past it that one program's fold outlasts the rest of the launch),
+    or while the bytes are under ``planner.kernel_merge_min_bytes`` (a launch too short to hide a
+    second launch's host time): benchmarks/NOTES.md, "Decode at B = 1, Lk = 64k"."""
+    return num_splits > 1 and (num_splits * block_m <= planner.kernel_merge_max
+                               or kv_bytes < planner.kernel_merge_min_bytes)
+
+
+def refine_forward(plan, kv_bytes: int) -> None:
+    """``plan.refinement`` of a ``common.plan.ForwardPlan`` (``common.backends.KernelBackendModule``)."""
+    plan.refinement = _REFINEMENTS[kernel_merges(plan.planner, plan.num_splits, plan.config.block_m, kv_bytes)]
+
+
+def refine_paged(plan, kv_bytes: int) -> None:
+    """``plan.refinement`` of a ``common.paged.PagedPlan``: the same rule, on the bytes its table can address."""
+    plan.refinement = _REFINEMENTS[kernel_merges(plan.planner, plan.num_splits, plan.config.block_m, kv_bytes)]
+
 
 # -- launching a plan ---------------------------------------------------------------------
 
@@ -56,7 +91,7 @@ def forward(plan):
     Returns ``(plan.out, plan.lse)``, filled in.
     """
     _fwd_launcher.run(*_forward_launch(plan)[:5])
-    if plan.split and not plan.kernel_merge:
+    if plan.split and not plan.refinement.kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, plan.value.shape[3], plan.lse))
     return plan.out, plan.lse
 
@@ -98,15 +133,16 @@ def _forward_launch(plan) -> tuple:
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
     # Split keys: the kernel merges them itself (the last program of each row block to finish),
-    # or a launch of its own does (_merge_launch; common.plan.Planner.kernel_merges). Either way the
-    # kernel is compiled with the ticket's code (kernel_merge is an argument): int32 counters.
-    counts = ticket_counters(q.device, plan.m_blocks * B * H if plan.kernel_merge else 1) if plan.split else None
+    # or a launch of its own does (_merge_launch; the plan's Refinement, kernel_merges). Either way
+    # the kernel is compiled with the ticket's code (kernel_merge is an argument): int32 counters.
+    kernel_merge = plan.refinement.kernel_merge
+    counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
     args = _fwd_launcher.positional((
         q, k, v, o, lse, mask, seed, sinks, row_lo, row_hi, out, merged_lse, counts if counts is not None else out,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *lse_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
-        plan.dropout_scale, *_band_args(plan), int(plan.kernel_merge),
+        plan.dropout_scale, *_band_args(plan), int(kernel_merge),
     ), dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
@@ -132,7 +168,7 @@ def bind_forward(plan, keys: bool = False):
     tail = args[len(prefix):]
     counters = plan.m_blocks * plan.query.shape[0] * plan.query.shape[1] if counts is not None else 0
     merge = None
-    if plan.split and not plan.kernel_merge:  # its tensors: the partials and outputs, by position
+    if plan.split and not plan.refinement.kernel_merge:  # its tensors: the partials and outputs, by position
         merge_grid, merge_args, merge_warps, merge_stages = _merge_launch(plan, plan.value.shape[3], plan.lse)
         merge = BoundMerge(merge_args[4:], merge_grid, merge_warps, merge_stages, plan.lse is not None)
     return BoundForward(tuple(BoundForward.ROLES.index(r) for r in prefix), tail, grid, num_warps, num_stages,
@@ -289,19 +325,20 @@ def paged_forward(plan):
     else:
         o, lse, o_strides = out, out, (*out.stride()[:3], 0, out.stride(3))
     # (as in forward(): int32 counters whenever split, taken only where the kernel merges)
-    counts = ticket_counters(q.device, plan.m_blocks * B * H if plan.kernel_merge else 1) if plan.split else out
+    kernel_merge = plan.refinement.kernel_merge
+    counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else out
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
         q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse, out, counts,
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
-        plan.num_splits, plan.blocks_per_split, int(plan.kernel_merge),
+        plan.num_splits, plan.blocks_per_split, int(kernel_merge),
         num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
         DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
     )
-    if plan.split and not plan.kernel_merge:
+    if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, None))
     return out
 

@@ -408,7 +408,7 @@ def _merge_kernel(
     WITH_LSE: tl.constexpr,
 ):
     """The split merge as a launch of its own, where one program's fold would take long
-    (``common.plan.Planner.kernel_merges``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
+    (``impl_triton.attention.kernel_merges``): O_PART (R, NUM_SPLITS, Dv) float32 and LSE_PART
     (R, NUM_SPLITS) into O (R, Dv) and, WITH_LSE, LSE (R,); all contiguous. One program per
     BLOCK_R rows, BLOCK_S splits a step (the plan's fixed step, as NineToothed's combine: no
     split count compiles a kernel of its own), folded as an online softmax: o = sum_s w_s o_s

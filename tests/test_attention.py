@@ -649,9 +649,9 @@ def test_growing_cache_across_the_merge_line_compiles_nothing(monkeypatch, plans
 
 
 def test_kernel_merge_choice(device, monkeypatch, planner):
-    """The plan has the Triton kernel merge its own splits while num_splits x BLOCK_M is at most
-    the planner's kernel_merge_max, or while the keys and values are under kernel_merge_min_bytes (a launch too
-    short to hide a second one's host time)."""
+    """The Triton backend's refinement of the plan has its kernel merge its own splits while num_splits x
+    BLOCK_M is at most the planner's kernel_merge_max, or while the keys and values are under
+    kernel_merge_min_bytes (a launch too short to hide a second one's host time)."""
     from common import plan
     from common.backends import get_backend
     from common.validation import check_call
@@ -667,9 +667,41 @@ def test_kernel_merge_choice(device, monkeypatch, planner):
             with plan.force_splits(splits):
                 planned = plan.make_forward(call, get_backend("triton"), with_lse=False)
             assert planned.num_splits == splits
-            chosen[min_bytes - kv_bytes, splits] = planned.kernel_merge
+            chosen[min_bytes - kv_bytes, splits] = planned.refinement.kernel_merge
     # 4 splits of 16-64 rows: at most 256; 64 splits: more (then only with enough bytes to read)
     assert chosen == {(0, 1): False, (0, 4): True, (0, 64): False, (1, 1): False, (1, 4): True, (1, 64): True}
+
+
+def test_each_backend_refines_its_own_plans(device):
+    """Planning ends with the backend's refine_forward: each kernel backend's plan holds that backend's own
+    decisions (its module's Refinement: a frozen value, hashable, as common.reuse keys its bound launches
+    on it); NineToothed's one-loop split is one of them (impl_ninetoothed.attention.one_stage_split), read
+    at launch from the plan. The torch backend's plan has none."""
+    from common import plan
+    from common.backends import get_backend
+    from common.validation import check_call
+    from impl_ninetoothed import attention as nt_host
+    from impl_ninetoothed import kernels
+
+    q, k = torch.randn(1, 4, 1, 32, device=device), torch.randn(1, 1, 8192, 32, device=device)
+    for name in ("triton", "ninetoothed", "torch"):
+        backend = get_backend(name)
+        call = check_call(backend, q, k, k, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=True, return_lse=False)
+        for splits in (1, 4):
+            with plan.force_splits(splits):
+                planned = plan.make_forward(call, backend, with_lse=False)
+            if not backend.kernels:
+                assert planned.refinement is None
+                continue
+            refinement = planned.refinement
+            assert type(refinement) is backend.load().Refinement and hash(refinement) is not None, name
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                refinement.__setattr__(dataclasses.fields(refinement)[0].name, True)
+            if name == "ninetoothed":
+                one_stage = splits > 1 and nt_host.one_stage_split(planned.planner, planned.config.block_m)
+                assert refinement.one_stage == one_stage
+                assert nt_host._split_kind(planned) == (0 if splits == 1 else kernels.ONE_STAGE if one_stage else 1)
 
 
 def test_split_merge_is_the_same_every_time(device, monkeypatch, planner):
@@ -884,6 +916,7 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch, pl
     launches the launch bound to the layout (no plan rebuilt, no argument list built;
     NineToothed's two for split keys, attention and merge)."""
     from common import dispatch, plan
+    from common.backends import get_backend
     from common.plan import force_splits
     from common.reuse import AttentionPlan, BoundLaunch
 
@@ -899,6 +932,7 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch, pl
 
         monkeypatch.setattr(plan, "make_forward", no_planning)
         monkeypatch.setattr(dispatch, "check_call", no_planning)
+        monkeypatch.setattr(get_backend(backend).load(), "refine_forward", no_planning)  # (planning's last step)
         q2, k2, v2, _ = make_inputs(case, device)
         out, lse = attention(q2, k2, v2, backend=backend, return_lse=True, **kwargs)
         assert isinstance(kept._bound, BoundLaunch)

@@ -322,6 +322,7 @@ def test_paged_plan_reused(backend, splits, monkeypatch):
 
         for name in ("_make_plan", "_check_caches", "_check_table"):
             monkeypatch.setattr(paged, name, no_planning)
+        monkeypatch.setattr(get_backend(backend).load(), "refine_paged", no_planning)
         shorter = [n - 3 for n in lens]
         key_cache2, value_cache2, block_table2, seqlens2, keys2, values2 = _cache(shorter, H_kv, D, Dv, page, dtype)
         block_table.copy_(block_table2[:, :block_table.shape[1]])
