@@ -961,6 +961,27 @@ def repeat_bwd():
                   f"{differ} differ bitwise from the first", flush=True)
 
 
+def repeat_varlen_bwd():
+    """repeat_bwd for tools/sanitize.py's packed sequences (float32, D 24, causal, GQA), where
+    racecheck found the write-write hazards: 100 backward calls compared bit for bit with the first."""
+    from common import varlen_attention
+    from tests.test_varlen import _cu
+
+    lens_q, lens_k = [5, 0, 33, 70, 1], [9, 3, 33, 64, 1]
+    q = torch.randn(sum(lens_q), 4, 24, device="cuda", requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 24, device="cuda", requires_grad=True) for _ in range(2))
+    grad = torch.randn_like(q)
+    for backend in ("ninetoothed",) if os.environ.get("RACE_ONLY") else ("triton", "ninetoothed"):
+        def grads():
+            out = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), 70, 64, True, enable_gqa=True,
+                                   backend=backend, alignment="bottom_right")
+            return torch.autograd.grad(out, (q, k, v), grad)
+        first = grads()
+        differ = sum(any(not torch.equal(a, b) for a, b in zip(first, grads()))
+                     for _ in range(0 if os.environ.get("RACE_ONLY") else 100))
+        print(f"{backend} varlen float32 D 24: 100 backward calls, {differ} differ bitwise from the first", flush=True)
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["regs", "host", "ops", "decode"]:
         globals()[name]()
