@@ -6,7 +6,8 @@ computes, forward and backward, on the backend of your choice;
 ``plan_attention`` plans a call's layout once for a loop to run many times;
 ``ring_attention`` spreads one sequence over the ranks of a process group;
 ``varlen_attention`` attends within each sequence of a packed batch;
-``paged_attention`` and ``append_kv`` read and write a paged KV cache.
+``paged_attention`` and ``append_kv`` read and write a paged KV cache;
+``common.flash_attn_interface`` offers FlashAttention 2's functions, signatures and layout.
 
 The names are imported on first use (``from common import attention`` or ``common.attention``),
 so that ``import common`` alone, as the command line does for its help, loads no torch.

@@ -1,0 +1,217 @@
+"""common.flash_attn_interface against FlashAttention 2's documented behaviour.
+
+The reference below is written from FlashAttention's docstrings alone, in float64: its
+(batch, seqlen, heads, head_dim) layout; causal and windows aligned bottom-right (query i
+at key position i + Lk - Lq, seeing keys [pos - left, pos + right], causal a right bound
+of 0); soft-capping of the scaled scores; key/value heads shared by consecutive query
+heads; a row that sees no key gives 0 and a log-sum-exp of +inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common import flash_attn_interface as fa
+from tests.conftest import DEVICE
+
+f32 = torch.float32
+
+
+def _reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    """FlashAttention's forward in float64 on (B, Lq, H, D), (B, Lk, H_kv, D), (B, Lk, H_kv, Dv):
+    (out (B, Lq, H, Dv), lse (B, H, Lq))."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, Lq, H, D = q.shape
+    Lk, H_kv = k.shape[1], k.shape[2]
+    k, v = (t.repeat_interleave(H // H_kv, dim=2) for t in (k, v))
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
+    j = torch.arange(Lk, device=q.device)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    seen = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        seen &= j >= pos - left
+    if right >= 0:
+        seen &= j <= pos + right
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # (a row with no key: 0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _inputs(B, Lq, Lk, H, H_kv, D, Dv=None, dtype=f32, grad=False):
+    q = torch.randn(B, Lq, H, D, device=DEVICE, dtype=dtype)
+    k = torch.randn(B, Lk, H_kv, D, device=DEVICE, dtype=dtype)
+    v = torch.randn(B, Lk, H_kv, Dv or D, device=DEVICE, dtype=dtype)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def _close(got, expected, tol=2e-4):
+    torch.testing.assert_close(got.double(), expected.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("Lq,Lk,causal,window,softcap", [
+    (5, 9, True, (-1, -1), 0.0),  # decode-like rows at the bottom of the keys
+    (9, 5, True, (-1, -1), 0.0),  # more rows than keys: the top rows see none
+    (7, 7, False, (2, 1), 0.0),  # a window both ways
+    (6, 11, True, (3, -1), 2.5),  # a causal sliding window, soft-capped
+    (8, 6, False, (-1, -1), 0.0),
+])
+def test_func_matches_flash_attention(backend, Lq, Lk, causal, window, softcap):
+    q, k, v = _inputs(2, Lq, Lk, 4, 2, 16)
+    out, lse, probs = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                         return_attn_probs=True, backend=backend)
+    expected, expected_lse = _reference(q, k, v, causal, window, softcap)
+    assert out.shape == (2, Lq, 4, 16) and out.is_contiguous() and out.dtype == q.dtype
+    assert lse.shape == (2, 4, Lq) and lse.dtype == torch.float32
+    assert probs.numel() == 0 and probs.dtype == q.dtype  # FlashAttention's S_dmask without dropout
+    _close(out, expected)
+    _close(lse, expected_lse)  # (+inf where a row sees no key)
+    plain = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, backend=backend)
+    torch.testing.assert_close(plain, out, rtol=0, atol=0)
+
+
+def test_func_gradients(backend):
+    """Causal, grouped heads, a scale and Dv != D: dq, dk, dv as the float64 reference's."""
+    q, k, v = _inputs(1, 6, 10, 4, 1, 16, Dv=32, grad=True)
+    out = fa.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, backend=backend)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected, _ = _reference(*leaves, causal=True, scale=0.3)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad.double())
+    for got, leaf in zip((q, k, v), leaves):
+        _close(got.grad, leaf.grad, 1e-3)
+
+
+def test_func_half_precision_and_one_query_row(backend):
+    """A decode step, fp16: bottom-right causal with one row sees every key."""
+    q, k, v = _inputs(3, 1, 40, 8, 2, 64, dtype=torch.float16)
+    out = fa.flash_attn_func(q, k, v, causal=True, backend=backend)
+    _close(out, _reference(q, k, v, causal=True)[0], 2e-3)
+
+
+def test_dropout_is_seeded_and_applied(backend):
+    q, k, v = _inputs(1, 8, 8, 2, 2, 16)
+    torch.manual_seed(3)
+    first = fa.flash_attn_func(q, k, v, dropout_p=0.4, backend=backend)
+    torch.manual_seed(3)
+    again = fa.flash_attn_func(q, k, v, dropout_p=0.4, backend=backend)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.allclose(first, fa.flash_attn_func(q, k, v, backend=backend))
+
+
+def test_packed_functions_match_unpacked(backend):
+    qkv = torch.randn(2, 7, 3, 4, 16, device=DEVICE, requires_grad=True)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True, backend=backend)
+    _close(out, _reference(*qkv.detach().unbind(2), causal=True)[0])
+    out.sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+    q = torch.randn(2, 3, 4, 16, device=DEVICE)
+    kv = torch.randn(2, 9, 2, 2, 16, device=DEVICE)
+    out, lse, _ = fa.flash_attn_kvpacked_func(q, kv, window_size=(4, 0), return_attn_probs=True, backend=backend)
+    expected, expected_lse = _reference(q, *kv.unbind(2), window=(4, 0))
+    _close(out, expected)
+    _close(lse, expected_lse)
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+
+def _varlen_reference(q, k, v, lens_q, lens_k, **kwargs):
+    """Each sequence alone through _reference: (out (total_q, H, Dv), lse (H, total_q))."""
+    outs, lses = [], []
+    cu_q, cu_k = _cu(lens_q).tolist(), _cu(lens_k).tolist()
+    for b in range(len(lens_q)):
+        out, lse = _reference(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
+                              v[None, cu_k[b]:cu_k[b + 1]], **kwargs)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (False, (2, 1), 3.0)])
+def test_varlen_matches_flash_attention(backend, causal, window, softcap):
+    lens_q, lens_k = [3, 0, 7, 4], [5, 2, 4, 4]  # an empty sequence; one with more rows than keys
+    q = torch.randn(sum(lens_q), 4, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    out, lse, probs = fa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k),
+                                                causal=causal, window_size=window, softcap=softcap,
+                                                return_attn_probs=True, backend=backend)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected, expected_lse = _varlen_reference(*leaves, lens_q, lens_k, causal=causal, window=window,
+                                               softcap=softcap)
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (4, sum(lens_q)) and probs.numel() == 0
+    _close(out, expected)
+    torch.testing.assert_close(lse.double(), expected_lse.detach(), rtol=2e-4, atol=2e-4)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad.double())
+    for got, leaf in zip((q, k, v), leaves):
+        _close(got.grad, leaf.grad, 1e-3)
+
+
+def test_varlen_packed_functions(backend):
+    lens = [4, 1, 6]
+    qkv = torch.randn(sum(lens), 3, 2, 16, device=DEVICE)
+    out = fa.flash_attn_varlen_qkvpacked_func(qkv, _cu(lens), max(lens), causal=True, backend=backend)
+    _close(out, _varlen_reference(*qkv.unbind(1), lens, lens, causal=True)[0])
+    q = torch.randn(sum(lens), 4, 16, device=DEVICE)
+    kv = torch.randn(12, 2, 2, 16, device=DEVICE)
+    lens_k = [2, 7, 3]
+    out = fa.flash_attn_varlen_kvpacked_func(q, kv, _cu(lens), _cu(lens_k), max(lens), max(lens_k), causal=True,
+                                             backend=backend)
+    _close(out, _varlen_reference(q, *kv.unbind(1), lens, lens_k, causal=True)[0])
+
+
+def test_arguments_it_does_not_take_yet_are_refused():
+    q, k, v = _inputs(1, 4, 4, 2, 2, 16)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        fa.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device=DEVICE))
+    packed = q[0], k[0], v[0]
+    cu = _cu([4])
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="S_dmask"):
+        fa.flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda q, k, v: fa.flash_attn_func(q[0], k, v), ValueError, "q must have 4 dimensions"),
+    (lambda q, k, v: fa.flash_attn_func(q, k, v, window_size=(2,)), TypeError, "window_size"),
+    (lambda q, k, v: fa.flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
+    (lambda q, k, v: fa.flash_attn_func(q, k, v, softcap="none"), TypeError, "softcap"),
+    (lambda q, k, v: fa.flash_attn_func(q, k, v, causal=1), TypeError, "causal"),
+    (lambda q, k, v: fa.flash_attn_func(q, k, v, deterministic=None), TypeError, "deterministic"),
+    (lambda q, k, v: fa.flash_attn_qkvpacked_func(torch.stack([q, k], 2)), ValueError, "qkv must stack 3"),
+    (lambda q, k, v: fa.flash_attn_func(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)),
+     ValueError, "multiple"),
+])
+def test_bad_arguments_name_themselves(call, error, words):
+    q, k, v = _inputs(1, 4, 4, 2, 2, 16)
+    with pytest.raises(error, match=words):
+        call(q, k, v)
+
+
+def test_backend_is_chosen_as_everywhere(monkeypatch):
+    """The environment variable and use_backend reach these functions too; "torch" is SDPA."""
+    from common import use_backend
+
+    q, k, v = _inputs(1, 5, 7, 2, 1, 16)
+    expected = _reference(q, k, v, causal=True)[0]
+    with use_backend("torch"):
+        _close(fa.flash_attn_func(q, k, v, causal=True), expected)
+    monkeypatch.setenv("ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="ATTENTION_BACKEND"):
+        fa.flash_attn_func(q, k, v)
