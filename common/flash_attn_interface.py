@@ -27,8 +27,8 @@ and ``backend=`` (keyword only, after FlashAttention's arguments; None chooses a
 everywhere else: ``use_backend``, then ATTENTION_BACKEND, then "triton").
 
 Not here yet (each raises NotImplementedError naming the argument):
-``alibi_slopes``, dropout and ``block_table`` in the variable-length functions,
-and ``flash_attn_with_kvcache``.
+``alibi_slopes``, ``block_table`` in the variable-length functions, and
+``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
@@ -104,13 +104,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, H, Dv), contiguous; with ``return_attn_probs``, ``(out, softmax_lse
     (H, total_q) float32, S_dmask)``. Differentiable in q, k and v."""
     _check_dims(q=(q, 3), k=(k, 3), v=(v, 3))
-    _refuse(alibi_slopes=alibi_slopes, deterministic=deterministic, block_table=block_table,
-            dropout_p=dropout_p if not isinstance(dropout_p, bool) and dropout_p != 0 else None)
+    _refuse(alibi_slopes=alibi_slopes, deterministic=deterministic, block_table=block_table)
     is_causal, window, alignment = _mask(causal, window_size, None, None)
     with_lse = _wants_probs(return_attn_probs, dropout_p)
     result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                               softmax_scale, enable_gqa=True, backend=backend, return_lse=with_lse,
-                              alignment=alignment, window=window, softcap=_softcap(softcap))
+                              alignment=alignment, window=window, softcap=_softcap(softcap), dropout_p=dropout_p)
     if not with_lse:
         return result.contiguous()
     out, lse = result

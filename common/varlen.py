@@ -38,6 +38,9 @@ def varlen_attention(
     alignment: str = "top_left",
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over a packed batch of variable-length sequences, each on its own.
 
@@ -64,6 +67,11 @@ def varlen_attention(
         backend: "triton", "ninetoothed" or "torch" (SDPA on the sequences padded
             to max_seqlen_q and max_seqlen_k, each row's keys as a boolean mask).
         return_lse: also return the log-sum-exp, float32 (H, total_q).
+        dropout_p, dropout_seed: as for :func:`common.attention`; the kernel backends
+            draw each weight's keep/drop from Philox counted by its packed position
+            (row and key in the packed batch), so a seed gives the same mask again.
+        sinks: None, or (H,): one logit per query head in every row's softmax, as for
+            :func:`common.attention` (kernel backends; differentiable).
 
     Returns:
         The output (total_q, H, Dv) in the inputs' dtype (a transposed view of
@@ -84,8 +92,9 @@ def varlen_attention(
     chosen = resolve(backend)
     call = check_call(
         chosen, *(t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)),
-        attn_mask=None, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-        return_lse=return_lse, alignment=alignment, window=window, softcap=softcap,
+        attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        return_lse=return_lse, dropout_seed=dropout_seed, alignment=alignment, window=window, softcap=softcap,
+        sinks=sinks,
     )
     _, H, total_q, _ = call.query.shape
     total_k = call.key.shape[2]
@@ -95,9 +104,12 @@ def varlen_attention(
     if not chosen.kernels:
         return _padded_reference(chosen, call, cu_q, cu_k, bands, max_seqlen_q, max_seqlen_k)
     call.row_bands = bands
+    if call.dropout_p > 0.0 and call.dropout_seed is None:
+        call.dropout_seed = ops.new_seed(call.query.device)
     if torch.compiler.is_compiling() or _needs_grad(call):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, None, False, call.scale,
-                                                    0.0, None, *ops.extras(call), None, call.row_bands)
+                                                    call.dropout_p, call.dropout_seed, *ops.extras(call),
+                                                    call.sinks, call.row_bands)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     out = out[0].transpose(0, 1)

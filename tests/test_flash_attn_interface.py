@@ -160,6 +160,18 @@ def test_varlen_matches_flash_attention(backend, causal, window, softcap):
         _close(got.grad, leaf.grad, 1e-3)
 
 
+def test_varlen_dropout_is_seeded_and_applied(backend):
+    lens = [5, 3]
+    q, k, v = (torch.randn(8, 2, 16, device=DEVICE) for _ in range(3))
+    outs = []
+    for p in (0.5, 0.5, 0.0):
+        torch.manual_seed(11)
+        outs.append(fa.flash_attn_varlen_func(q, k, v, _cu(lens), _cu(lens), 5, 5, dropout_p=p, causal=True,
+                                              backend=backend))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert not torch.allclose(outs[0], outs[2])
+
+
 def test_varlen_packed_functions(backend):
     lens = [4, 1, 6]
     qkv = torch.randn(sum(lens), 3, 2, 16, device=DEVICE)
@@ -179,8 +191,6 @@ def test_arguments_it_does_not_take_yet_are_refused():
         fa.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device=DEVICE))
     packed = q[0], k[0], v[0]
     cu = _cu([4])
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="block_table"):
         fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="S_dmask"):

@@ -181,3 +181,70 @@ def test_varlen_errors():
         varlen_attention(q, q.half(), q, cu, cu, 6, 6)
     with pytest.raises(TypeError, match="window must be None or a pair"):
         varlen_attention(q, q, q, cu, cu, 6, 6, window=(2,))
+
+
+def _packed_reference(q, k, v, lens_q, lens_k, *, keep=None, dropout_p=0.0, sinks=None):
+    """Bottom-right causal attention of the packed batch as one problem over its packed
+    positions, in float64: row i sees key j when both are in sequence b and j's place in
+    b is at most i's place + Lk_b - Lq_b; a sink logit per head joins each row's softmax;
+    dropout keeps ``keep`` ((H, total_q, total_k), the kernels' mask at packed positions)
+    scaled by 1 / (1 - p). Returns (total_q, H, Dv)."""
+    seq_q = torch.repeat_interleave(torch.arange(len(lens_q)), torch.tensor(lens_q)).to(q.device)
+    seq_k = torch.repeat_interleave(torch.arange(len(lens_k)), torch.tensor(lens_k)).to(q.device)
+    cu_q, cu_k = _cu(lens_q).long(), _cu(lens_k).long()
+    place_q = torch.arange(q.shape[0], device=q.device) - cu_q[seq_q]
+    place_k = torch.arange(k.shape[0], device=q.device) - cu_k[seq_k]
+    shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
+    seen = (seq_q[:, None] == seq_k[None, :]) & (place_k[None, :] <= place_q[:, None] + shift[seq_q][:, None])
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = (t.transpose(0, 1) for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
+    s = (qd @ kd.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks[:, None, None].expand(-1, s.shape[1], 1)], -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)[..., :k.shape[0]]  # (rows with no key and no sink: 0)
+    if keep is not None:
+        p = p * keep / (1 - dropout_p)
+    return (p @ vd).transpose(0, 1)
+
+
+def test_varlen_dropout_matches_its_mask(backend):
+    """Dropout over packed sequences: the kernels' Philox mask at packed positions, forward and
+    backward against the float64 reference with exactly that mask; the same seed, the same output."""
+    from common.reference import dropout_keep
+
+    lens_q, lens_k, p, seed = [3, 0, 9, 5], [6, 2, 9, 1], 0.3, 0x5EED
+    q = torch.randn(sum(lens_q), 4, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    seed_tensor = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
+    out = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), 9, 9, True, enable_gqa=True, backend=backend,
+                           alignment="bottom_right", dropout_p=p, dropout_seed=seed_tensor)
+    keep = dropout_keep(seed, 1, 4, sum(lens_q), sum(lens_k), p, device=DEVICE)[0]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = _packed_reference(*leaves, lens_q, lens_k, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+    _check_grads(out, expected, (q, k, v), leaves, 1e-3)
+    again = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), 9, 9, True, enable_gqa=True, backend=backend,
+                             alignment="bottom_right", dropout_p=p, dropout_seed=seed_tensor)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+
+
+def test_varlen_sinks(backend):
+    """A sink logit per head in every packed row's softmax (a row of an empty-keyed sequence gives 0);
+    the sinks' gradient too."""
+    lens_q, lens_k = [4, 2, 7], [6, 0, 7]
+    q = torch.randn(sum(lens_q), 4, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 4, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    out, lse = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), 7, 7, True, backend=backend,
+                                alignment="bottom_right", sinks=sinks, return_lse=True)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    expected = _packed_reference(*leaves[:3], lens_q, lens_k, sinks=leaves[3])
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+    assert torch.isfinite(lse).all()  # (the sink is in every row's log-sum-exp)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad.double())
+    for name, got, leaf in zip(("dq", "dk", "dv", "dsinks"), (q, k, v, sinks), leaves):
+        torch.testing.assert_close(got.grad.double(), leaf.grad, rtol=1e-3, atol=1e-3,
+                                   msg=lambda m, n=name: f"{n}: {m}")
