@@ -53,12 +53,15 @@ def main():
 
     # Host time of one tiny call, piece by piece.
     import common
+    import impl_triton.attention as ta
+    from common import plan as planning
     from common.backends import BACKENDS
+    from common.dispatch import full_attention
     from common.validation import check_call
 
     q, k, v = (torch.randn(2, 4, 16, 32, dtype=torch.float16, device="cuda") for _ in range(3))
     triton_backend = BACKENDS["triton"]
-    forward = triton_backend.load().forward
+    module = triton_backend.load()
 
     def per_call(fn, n=2000):
         fn()
@@ -69,19 +72,24 @@ def main():
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / n * 1e6
 
-    import impl_triton.attention as ta
+    def validate():
+        return check_call(triton_backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False, return_lse=False)
 
-    def slow_path():
-        ta._compiled.clear()  # forget the compiled kernel: go through Triton's dispatch
-        return forward(q, k, v, is_causal=False, scale=0.17)
+    def planned_launch():  # validation, a fresh plan and the backend's launch (no kept plan)
+        return module.forward(planning.make_forward(validate(), triton_backend, with_lse=False))
 
-    print(f"host µs per call: triton forward through Triton's dispatch every call {per_call(slow_path):.1f}")
-    print(f"host µs per call: validation {per_call(lambda: check_call(triton_backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, return_lse=False)):.1f}, "
-          f"triton forward {per_call(lambda: forward(q, k, v, is_causal=False, scale=0.17)):.1f}, "
-          f"attention() {per_call(lambda: common.attention(q, k, v)):.1f}, "
+    def through_dispatch():  # the same, the compiled kernel forgotten: Triton's own dispatch every call
+        ta._fwd_launcher.clear()
+        return planned_launch()
+
+    print(f"host µs per call: triton launch through Triton's dispatch every call {per_call(through_dispatch, 200):.1f}")
+    print(f"host µs per call: validation {per_call(validate):.1f}, "
+          f"validation + plan + launch {per_call(planned_launch):.1f}, "
+          f"full_attention() {per_call(lambda: full_attention(q, k, v)):.1f}, "
+          f"attention() (a kept plan) {per_call(lambda: common.attention(q, k, v)):.1f}, "
           f"torch.empty {per_call(lambda: torch.empty(2, 4, 16, 32, dtype=torch.float16, device='cuda')):.1f}, "
           f"SDPA {per_call(lambda: F.scaled_dot_product_attention(q, k, v)):.1f}")
-
 
 if __name__ == "__main__":
     main()
