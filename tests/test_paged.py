@@ -438,10 +438,10 @@ def test_append_checks_a_layout_once(backend, monkeypatch):
 # -- windows, soft-capping, sinks and the log-sum-exp ----------------------------------------
 
 FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the first sequence's keys span 3 blocks on a CPU
-    "window": ([300, 0, 5, 37], 3, 4, 2, 16, False, dict(window=(8, 2))),  # an empty and a shorter sequence
+    "window": ([300, 0, 5, 37], 3, 4, 2, 16, False, dict(window=(150, 2))),  # an empty and a shorter sequence
     "window_causal": ([290, 3, 33], 2, 2, 2, 16, True, dict(window=(20, -1))),  # 3 keys: shorter than its window
-    "softcap": ([270, 21], 2, 4, 2, 16, True, dict(softcap=0.7)),
-    "sinks": ([280, 0, 21], 1, 4, 2, 16, False, dict(sinks=True)),  # GQA (unpacked: sinks are per head)
+    "softcap": ([270, 21], 2, 4, 2, 64, True, dict(softcap=0.7)),
+    "sinks": ([280, 0, 21], 1, 4, 2, 64, False, dict(sinks=True)),  # GQA (unpacked: sinks are per head)
     "lse": ([300, 0, 21], 3, 4, 1, 32, True, dict(return_lse=True)),  # MQA, packed rows
     "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(25, 0), softcap=0.9, sinks=True, return_lse=True)),
 }
