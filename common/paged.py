@@ -510,7 +510,8 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, max_pages * page,
                                                             plan.config.block_n, query.device)
-    if plan.split and not planning.partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv):
+    if plan.split and (not planning.partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv)
+                       or _window_unsplit(plan, planner, B * Hp, query.device)):
         plan.num_splits, plan.blocks_per_split = 1, -(-(max_pages * page) // plan.config.block_n)
     # Many short-row programs, unsplit (a large batch): the dense decode's shallow pipeline
     # (benchmarks/NOTES.md, "Decode at a large batch").
@@ -523,6 +524,18 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     capacity = B * max_pages * page * H_kv * (D + Dv) * key_cache.element_size()
     backend.load().refine_paged(plan, capacity)
     return plan
+
+
+def _window_unsplit(plan: PagedPlan, planner, programs: int, device) -> bool:
+    """Whether a window bounded on the left runs unsplit: the splits cover the table's
+    positions, but the keys a row block sees lie within Lq - band[0] of its sequence's end;
+    where the planner would not split that many keys, one program per row block reads them
+    (a sliding-window decode over a long cache: no split programs with nothing to read, no
+    merge)."""
+    if plan.band is None or plan.band[0] <= -planning.UNBOUNDED:
+        return False
+    span = plan.lq_seq - plan.band[0]  # (the first row's window start to the last row's position)
+    return planner.splits(plan.m_blocks * programs, span, plan.config.block_n, device)[0] == 1
 
 
 def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *, window=None,

@@ -443,7 +443,8 @@ FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the firs
     "softcap": ([270, 21], 2, 4, 2, 64, True, dict(softcap=0.7)),
     "sinks": ([280, 0, 21], 1, 4, 2, 64, False, dict(sinks=True)),  # GQA (unpacked: sinks are per head)
     "lse": ([300, 0, 21], 3, 4, 1, 32, True, dict(return_lse=True)),  # MQA, packed rows
-    "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(25, 0), softcap=0.9, sinks=True, return_lse=True)),
+    # (the first sequence's window misses the first split: its sink joins through a split with no key)
+    "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(150, 0), softcap=0.9, sinks=True, return_lse=True)),
 }
 
 
@@ -481,18 +482,21 @@ def test_paged_features(backend, name, splits):
             assert bool(torch.isneginf(lse[1]).all()), "the empty sequence's rows: lse -inf"
 
 
-@pytest.mark.parametrize("splits", [None, 3])
-def test_paged_window_reads_only_its_window(backend, splits):
+@pytest.mark.parametrize("window, splits", [((20, 0), None), ((20, 0), 3), ((130, 0), 3)])
+def test_paged_window_reads_only_its_window(backend, window, splits):
     """A sliding-window decode visits only the key blocks its window reaches: keys and values in
-    the blocks before it are NaN, and the answer is still right (one visit would make it NaN)."""
+    the blocks before it are NaN, and the answer is still right (one visit would make it NaN).
+    A window the planner would not split runs unsplit, split keys forced or not."""
     import common.paged as paged
 
-    lens, window, page = [200, 150], (20, 0), 16
+    lens, page = [400, 300], 16
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, page, f32)
     query = torch.randn(2, 2, 1, 16, device=DEVICE)
     with force_splits(splits or 1):
-        block_n = paged._make_plan(get_backend(backend), query, key_cache, value_cache, block_table, seqlens, True,
-                                   None, window=window).config.block_n
+        plan = paged._make_plan(get_backend(backend), query, key_cache, value_cache, block_table, seqlens, True,
+                                None, window=window)
+        assert plan.split == (window[0] > plan.config.block_n and splits is not None)
+        block_n = plan.config.block_n
         for b, n in enumerate(lens):
             unread = (n - 1 - window[0]) // block_n * block_n  # the keys of the blocks before the window
             for cache in (key_cache, value_cache):
