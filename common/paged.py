@@ -8,7 +8,10 @@ BLOCK_N keys is several small pages: the Triton kernel gathers them key by key i
 tile; NineToothed's picks tiles by a scalar index, one page each, unrolled per step), the
 pages of a long sequence split across
 programs (merged by the same kernel that merges the dense decode path's splits),
-grouped-query heads packed into rows.
+grouped-query heads packed into rows (not with sinks: they are per query head). The dense
+path's features, in both kernels: a window around each row's position (the key blocks
+outside a row block's windows never visited), soft-capped scores, attention sinks (the
+first split's) and the log-sum-exp (the merged one, with split pages).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 ``_paged_fwd``: the forward of ``impl_triton.kernels`` over keys and values gathered
 page by page through a block table (one sequence per batch entry, its length read on the
-device), with split keys merged as there. ``_append_kv``: new tokens' keys and values
-into their slots.
+device), with split keys merged as there, and its windows (a band around each row's
+position: key blocks outside it never visited), soft-capping, sinks and log-sum-exp.
+``_append_kv``: new tokens' keys and values into their slots.
 """
 
 from __future__ import annotations
