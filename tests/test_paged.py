@@ -482,6 +482,15 @@ def test_paged_features(backend, name, splits):
             assert bool(torch.isneginf(lse[1]).all()), "the empty sequence's rows: lse -inf"
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_features_half(backend, splits):
+    """Every feature together on float16 caches (on a GPU: the soft-cap's tanh.approx.f32 kind)."""
+    out, expected, lse, expected_lse = _feature_call(backend, "all", splits, dtype=f16)
+    assert out.dtype == f16 and lse.dtype == f32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("window, splits", [((20, 0), None), ((20, 0), 3), ((130, 0), 3)])
 def test_paged_window_reads_only_its_window(backend, window, splits):
     """A sliding-window decode visits only the key blocks its window reaches: keys and values in
