@@ -165,7 +165,7 @@ def paged_attention(
         _validate_contents(block_table, cache_seqlens, num_pages, page)
     if B * H * Lq == 0:
         out = query.new_zeros((B, H, Lq, Dv))
-        return (out, query.new_zeros((B, H, Lq), dtype=torch.float32)) if return_lse else out
+        return (out, query.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)) if return_lse else out
     if not chosen.kernels:
         return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                                 window=window, with_lse=return_lse)

@@ -282,12 +282,20 @@ def test_paged_without_host_sync(backend, monkeypatch):
 
     for name in ("item", "tolist", "__int__", "__bool__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
+    sinks = torch.randn(2, device=DEVICE)
+    features = dict(window=(4, 0), softcap=1.5, sinks=sinks, return_lse=True)
     try:
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, backend=backend)
+        with_features, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, backend=backend,
+                                             **features)
         append_kv(key_cache, value_cache, block_table, seqlens, new, new, backend=backend)
     finally:
         monkeypatch.undo()
     torch.testing.assert_close(out.double(), _reference(query, keys, values, False), rtol=2e-4, atol=2e-4)
+    expected, expected_lse = _reference(query, keys, values, False, window=(4, 0), softcap=1.5, sinks=sinks,
+                                        with_lse=True)
+    torch.testing.assert_close(with_features.double(), expected, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=2e-4, atol=2e-4)
 
 
 def test_paged_errors():
@@ -571,3 +579,11 @@ def test_paged_feature_errors():
     for keywords, error, message in bad:
         with pytest.raises(error, match=message):
             paged_attention(*args, **keywords)
+
+
+def test_paged_no_query_rows_with_lse(backend):
+    """No query rows: an empty output and an empty log-sum-exp, nothing launched."""
+    key_cache, value_cache, block_table, seqlens, _, _ = _cache([20, 3], 2, 16, 16, 16, f32)
+    out, lse = paged_attention(torch.randn(2, 2, 0, 16, device=DEVICE), key_cache, value_cache, block_table, seqlens,
+                               window=(3, 0), return_lse=True, backend=backend)
+    assert out.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0) and lse.dtype == f32
