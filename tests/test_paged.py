@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -587,3 +588,23 @@ def test_paged_no_query_rows_with_lse(backend):
     out, lse = paged_attention(torch.randn(2, 2, 0, 16, device=DEVICE), key_cache, value_cache, block_table, seqlens,
                                window=(3, 0), return_lse=True, backend=backend)
     assert out.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0) and lse.dtype == f32
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a GPU's kinds: tanh.approx.f32 soft-capping, its tiles, its splits")
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_features_on_gpu(backend, page):
+    """Decode and a few speculative tokens over a long bf16 cache with the features together (a
+    sliding window or none, softcap, sinks, lse): the planner's own splits (merged in the kernel)
+    and forced ones, against the float64 reference."""
+    lens, H, H_kv, D = [8000, 1, 5000], 32, 8, 128
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, D, page, torch.bfloat16)
+    sinks = torch.randn(H, device=DEVICE)
+    for Lq, window, splits in [(1, (128, 0), None), (1, None, None), (4, (1000, 0), 4), (1, None, 4)]:
+        query = torch.randn(3, H, Lq, D, device=DEVICE, dtype=torch.bfloat16)
+        with force_splits(splits) if splits else contextlib.nullcontext():
+            out, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
+                                       window=window, softcap=2.0, sinks=sinks, return_lse=True, backend=backend)
+        expected, expected_lse = _reference(query, keys, values, True, window=window, softcap=2.0, sinks=sinks,
+                                            with_lse=True)
+        torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse.double(), expected_lse, rtol=2e-2, atol=2e-2)
