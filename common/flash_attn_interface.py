@@ -33,11 +33,16 @@ Not here yet (each raises NotImplementedError naming the argument):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
+from common import paged
+from common.backends import resolve
 from common.dispatch import attention
+from common.paged import append_kv, paged_attention
+from common.plan import force_splits
 from common.varlen import varlen_attention
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -225,3 +231,186 @@ def _flash_lse(lse: torch.Tensor) -> torch.Tensor:
 def _no_probs(q: torch.Tensor) -> torch.Tensor:
     """FlashAttention's S_dmask without dropout: an empty tensor of the inputs' dtype."""
     return torch.empty((0,), dtype=q.dtype, device=q.device)
+
+
+# -- flash_attn_with_kvcache: a KV cache, contiguous or paged ----------------------------------------
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            *, backend=None):
+    """Attention of ``q`` (batch, seqlen_q, nheads, D) over a KV cache, after appending ``k``, ``v``.
+
+    ``k_cache``/``v_cache``: (batch_size_cache, seqlen_cache, nheads_k, D/Dv) contiguous per row,
+    or pages (num_blocks, page_block_size, nheads_k, D/Dv) with ``block_table`` (batch,
+    max_blocks) int32. With ``k``, ``v`` (batch, seqlen_new, nheads_k, D/Dv), the caches are
+    written in place at positions ``cache_seqlens[b]`` .. ``+ seqlen_new - 1`` (``cache_seqlens``
+    itself unchanged), and attention sees ``cache_seqlens + seqlen_new`` keys per sequence.
+    ``cache_seqlens``: an int, an int32 (batch,) tensor, or None (the whole cache; not with
+    ``k``). ``cache_batch_idx`` (int32 (batch,)): each sequence's cache row (contiguous caches
+    only). ``num_splits``: 0 lets the planner choose, n >= 1 splits the keys n ways.
+
+    Returns out (batch, seqlen_q, nheads, Dv), contiguous; with ``return_softmax_lse``,
+    ``(out, softmax_lse (batch, nheads, seqlen_q) float32)``. Forward only, as FlashAttention's:
+    no gradient flows (the output does not require grad). Every check runs before the caches
+    are written; a contiguous cache is paged as a view (module docstring for what it needs)."""
+    chosen = resolve(backend)
+    B, Lq, H = _check_kvcache_tensors(q, k_cache, v_cache, k, v)
+    _refuse(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes)
+    if type(rotary_interleaved) is not bool:
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    is_causal, window, _ = _mask(causal, window_size, Lq, None)
+    softcap = _softcap(softcap)
+    if type(return_softmax_lse) is not bool:
+        raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
+    splits = _num_splits(num_splits)
+    L_new = 0 if k is None else k.shape[1]
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx selects rows of a contiguous cache; with block_table the table "
+                             "already says which pages each sequence uses (FlashAttention takes one or the "
+                             "other): drop cache_batch_idx, or permute block_table's rows")
+        key_cache, value_cache, table = k_cache, v_cache, block_table
+        capacity = block_table.shape[1] * k_cache.shape[1] if _is_table(block_table, B, q) else 0
+    else:
+        key_cache, value_cache, table = _as_pages(k_cache, v_cache, cache_batch_idx, B, q)
+        capacity = k_cache.shape[1]
+    seqlens = _cache_seqlens(cache_seqlens, B, L_new, capacity, q)
+    query = q.transpose(1, 2)
+    new = None if k is None else (k.transpose(1, 2), v.transpose(1, 2))
+    _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, (window, softcap, return_softmax_lse))
+    with torch.no_grad():  # (FlashAttention's: no backward; the caches change in place)
+        lengths = seqlens if new is None else append_kv(key_cache, value_cache, table, seqlens, *new,
+                                                        backend=backend)
+        with contextlib.nullcontext() if splits == 0 else force_splits(splits):
+            result = paged_attention(query, key_cache, value_cache, table, lengths, is_causal, softmax_scale,
+                                     enable_gqa=True, window=window, softcap=softcap,
+                                     return_lse=return_softmax_lse, backend=backend)
+    if not return_softmax_lse:
+        return result.transpose(1, 2).contiguous()
+    out, lse = result
+    return out.transpose(1, 2).contiguous(), _flash_lse(lse)
+
+
+def _check_kvcache_tensors(q, k_cache, v_cache, k, v) -> tuple[int, int, int]:
+    """q, the caches and the new k, v: FlashAttention's layouts, one dtype and device; (batch, seqlen_q, nheads)."""
+    _check_dims(q=(q, 4), k_cache=(k_cache, 4), v_cache=(v_cache, 4))
+    if (k is None) != (v is None):
+        raise ValueError("k and v come together: pass both (new tokens to append) or neither")
+    if k is not None:
+        _check_dims(k=(k, 4), v=(v, 4))
+    B, Lq, H, D = q.shape
+    H_kv = k_cache.shape[2]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), "
+                            f"got {t.dtype} on {t.device}")
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache's head dim must be q's ({D}), got shape {tuple(k_cache.shape)}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache but for the head dim, got shapes {tuple(v_cache.shape)} "
+                         f"and {tuple(k_cache.shape)}")
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(f"q's nheads ({H}) must be a multiple of the cache's nheads_k ({H_kv})")
+    if k is not None:
+        L_new = k.shape[1]
+        if tuple(k.shape) != (B, L_new, H_kv, D) or tuple(v.shape) != (B, L_new, H_kv, v_cache.shape[3]):
+            raise ValueError(f"k and v must be (batch, seqlen_new, nheads_k, head_dim) = ({B}, seqlen_new, {H_kv}, "
+                             f"{D} / {v_cache.shape[3]}), got {tuple(k.shape)} and {tuple(v.shape)}")
+    return B, Lq, H
+
+
+def _num_splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int (0: the planner chooses), got {num_splits!r}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: the planner chooses, n: n splits of the keys), "
+                         f"got {num_splits}")
+    return num_splits
+
+
+def _is_table(table, B, like) -> bool:
+    """Whether ``table`` is an int32 (batch, max_blocks) tensor on ``like``'s device (else a clear error)."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int32 or table.ndim != 2 or table.shape[0] != B or table.device != like.device:
+        raise ValueError(f"block_table must be int32 (batch, max_blocks) with batch = {B} on {like.device}, "
+                         f"got {table.dtype} of shape {tuple(table.shape)} on {table.device}")
+    return True
+
+
+def _as_pages(k_cache, v_cache, cache_batch_idx, B, like):
+    """A contiguous cache (B_cache, S, H_kv, D) as pages (B_cache * S / P, P, H_kv, D), views of
+    the same memory, and the block table that walks row ``cache_batch_idx[b]``'s pages in order."""
+    B_cache, S = k_cache.shape[:2]
+    page = next((p for p in (256, 128, 64, 32, 16) if S % p == 0), None)
+    if S == 0 or page is None:
+        raise NotImplementedError(f"k_cache/v_cache: a contiguous cache is paged as a view, which needs "
+                                  f"seqlen_cache a positive multiple of 16; got {S} (pad the cache to a multiple "
+                                  "of 16, or pass it as pages with block_table)")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if B_cache > 1 and cache.stride(0) != S * cache.stride(1):
+            raise NotImplementedError(f"{name}: a contiguous cache is paged as a view, which needs its batch "
+                                      f"stride to be seqlen_cache times its sequence stride (as torch.empty(B, S, "
+                                      f"H, D) gives); got strides {cache.stride()}")
+    if cache_batch_idx is None:
+        if B_cache < B:
+            raise ValueError(f"k_cache has {B_cache} rows for a batch of {B}: pass cache_batch_idx, or a cache "
+                             "with a row per sequence")
+        rows = torch.arange(B, device=like.device, dtype=torch.int32)
+    else:
+        if not isinstance(cache_batch_idx, torch.Tensor):
+            raise TypeError(f"cache_batch_idx must be a torch.Tensor, got {type(cache_batch_idx).__name__}")
+        if (cache_batch_idx.dtype != torch.int32 or tuple(cache_batch_idx.shape) != (B,)
+                or cache_batch_idx.device != like.device):
+            raise ValueError(f"cache_batch_idx must be int32 (batch,) = ({B},) on {like.device}, got "
+                             f"{cache_batch_idx.dtype} of shape {tuple(cache_batch_idx.shape)} on "
+                             f"{cache_batch_idx.device}")
+        rows = cache_batch_idx
+    per_row = S // page
+    table = rows[:, None] * per_row + torch.arange(per_row, device=like.device, dtype=torch.int32)[None, :]
+    return _paged_view(k_cache, page), _paged_view(v_cache, page), table
+
+
+def _paged_view(cache: torch.Tensor, page: int) -> torch.Tensor:
+    B_cache, S, H_kv, D = cache.shape
+    s_seq, s_head, s_dim = cache.stride()[1:]
+    return cache.as_strided((B_cache * S // page, page, H_kv, D), (page * s_seq, s_seq, s_head, s_dim))
+
+
+def _cache_seqlens(cache_seqlens, B, L_new, capacity, like) -> torch.Tensor:
+    """``cache_seqlens`` as an int32 (batch,) tensor: an int for every sequence, a tensor as it
+    is (not read back: lengths past the cache are FlashAttention's caller's to avoid), None the
+    whole cache (not with new tokens: they would have nowhere to go)."""
+    if cache_seqlens is None:
+        if L_new:
+            raise ValueError("cache_seqlens is needed with k and v: it says where the new tokens go")
+        return torch.full((B,), capacity, dtype=torch.int32, device=like.device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - L_new:
+            raise ValueError(f"cache_seqlens ({cache_seqlens}) plus seqlen_new ({L_new}) must fit the cache's "
+                             f"{capacity} positions, and cache_seqlens be >= 0")
+        return torch.full((B,), cache_seqlens, dtype=torch.int32, device=like.device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int, an int32 tensor or None, got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (B,) or cache_seqlens.device != like.device:
+        raise ValueError(f"cache_seqlens must be int32 (batch,) = ({B},) on {like.device}, got {cache_seqlens.dtype} "
+                         f"of shape {tuple(cache_seqlens.shape)} on {cache_seqlens.device}")
+    return cache_seqlens
+
+
+def _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, features) -> None:
+    """What append_kv and paged_attention would refuse (the backend's page sizes, head dims,
+    devices, softcap), checked before either writes or launches."""
+    window, softcap, return_lse = features
+    B, H, _, _ = query.shape
+    paged._check_query(query)
+    paged._check_caches(key_cache, value_cache, query, chosen)
+    paged._check_table(table, seqlens, B, query)
+    paged._check_heads(H, key_cache.shape[2], True)
+    paged._check_features(chosen, window, softcap, None, return_lse, H, query.device)
+    if new is not None:
+        paged._check_append(chosen, key_cache, value_cache, table, seqlens, *new, False)
