@@ -3,7 +3,8 @@
     from flash_attn import flash_attn_func                    # before
     from common.flash_attn_interface import flash_attn_func   # after
 
-Each function takes FlashAttention 2's arguments, in its order and with its
+Each function (``flash_attn_func``, its packed and variable-length forms, and
+``flash_attn_with_kvcache``) takes FlashAttention 2's arguments, in its order and with its
 defaults, in its layout ((batch, seqlen, heads, head_dim), or (total, heads,
 head_dim) for packed sequences), and returns what it returns, with its
 semantics:
@@ -26,9 +27,30 @@ Beyond FlashAttention 2: float32 inputs, a value head dim other than the query's
 and ``backend=`` (keyword only, after FlashAttention's arguments; None chooses as
 everywhere else: ``use_backend``, then ATTENTION_BACKEND, then "triton").
 
-Not here yet (each raises NotImplementedError naming the argument):
-``alibi_slopes``, ``block_table`` in the variable-length functions, and
-``flash_attn_with_kvcache``.
+``flash_attn_with_kvcache`` runs on ``common.paged``: ``append_kv`` writes ``k`` and
+``v`` into the caches in place at ``cache_seqlens`` (every check runs first: a refused
+call writes nothing), then ``paged_attention`` attends over ``cache_seqlens +
+seqlen_new`` keys per sequence, forward only (FlashAttention's has no backward either:
+the output does not require grad). Its caches:
+
+- with ``block_table`` (int32 (batch, max_blocks)), pages (num_blocks, page_block_size,
+  nheads_k, head_dim) as they are; page_block_size a power of two from 16 on the kernel
+  backends (FlashAttention's: a multiple of 256). ``cache_batch_idx`` with it is a ValueError
+  (FlashAttention takes one or the other).
+- without, (batch_size_cache, seqlen_cache, nheads_k, head_dim) viewed as pages without a
+  copy: pages of the largest power of two from 16 to 256 that divides seqlen_cache, rows
+  ``cache_batch_idx`` (None: 0 .. batch - 1). That needs seqlen_cache a positive multiple of
+  16 and a batch stride of seqlen_cache sequence strides (as ``torch.empty(B, S, H, D)``
+  gives); anything else raises NotImplementedError saying which.
+- ``cache_seqlens``: an int, an int32 (batch,) tensor (not read back to the host: lengths
+  that do not fit the cache are the caller's, as in FlashAttention; tokens with no slot are
+  not written), or None for the whole cache (a ValueError with ``k``, ``v``: they would have
+  nowhere to go). ``num_splits``: 0 leaves the split to the planner, n >= 1 is
+  ``common.plan.force_splits(n)``. ``return_softmax_lse`` returns ``(out, softmax_lse)``.
+
+Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``,
+``block_table`` in the variable-length functions, and ``rotary_cos``/``rotary_sin`` and
+``cache_leftpad`` in ``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
