@@ -38,7 +38,7 @@ the output does not require grad). Its caches:
   backends (FlashAttention's: a multiple of 256). ``cache_batch_idx`` with it is a ValueError
   (FlashAttention takes one or the other).
 - without, (batch_size_cache, seqlen_cache, nheads_k, head_dim) viewed as pages without a
-  copy: pages of the largest power of two from 16 to 256 that divides seqlen_cache, rows
+  copy: pages of the largest of 64, 32 and 16 that divides seqlen_cache (``VIEW_PAGES``), rows
   ``cache_batch_idx`` (None: 0 .. batch - 1). That needs seqlen_cache a positive multiple of
   16 and a batch stride of seqlen_cache sequence strides (as ``torch.empty(B, S, H, D)``
   gives); anything else raises NotImplementedError saying which.
@@ -364,11 +364,19 @@ def _is_table(table, B, like) -> bool:
     return True
 
 
+# The page sizes a contiguous cache may be viewed as, the first that divides seqlen_cache taken:
+# at most 64, the largest page the paged kernels were measured and tested with on the H200
+# (benchmarks/NOTES.md, "A paged KV cache": 0.95-0.99x of the contiguous decode in both
+# backends). A page is one key step of at least its size, so pages of 256 would make BLOCK_N
+# 256 tiles (at D = 256, 256 KB of K and V per pipeline stage: past the shared memory).
+VIEW_PAGES = (64, 32, 16)
+
+
 def _as_pages(k_cache, v_cache, cache_batch_idx, B, like):
     """A contiguous cache (B_cache, S, H_kv, D) as pages (B_cache * S / P, P, H_kv, D), views of
     the same memory, and the block table that walks row ``cache_batch_idx[b]``'s pages in order."""
     B_cache, S = k_cache.shape[:2]
-    page = next((p for p in (256, 128, 64, 32, 16) if S % p == 0), None)
+    page = next((p for p in VIEW_PAGES if S % p == 0), None)
     if S == 0 or page is None:
         raise NotImplementedError(f"k_cache/v_cache: a contiguous cache is paged as a view, which needs "
                                   f"seqlen_cache a positive multiple of 16; got {S} (pad the cache to a multiple "

@@ -247,7 +247,7 @@ def _appended(cache, rows, seqlens, new):
 @pytest.mark.parametrize("B_cache,rows,seqlens,L_new,causal,window,softcap,num_splits", [
     (2, None, None, 0, False, (-1, -1), 0.0, 0),  # the whole cache, nothing appended
     (2, None, 20, 2, True, (-1, -1), 0.0, 1),  # an int for every sequence, unsplit
-    (2, None, [5, 27], 3, True, (4, 0), 2.0, 3),  # append; a causal window, soft-capped, three splits
+    (2, None, [5, 27], 3, True, (4, 0), 2.0, 3),  # append; a causal window, soft-capped (3 splits of 1 block)
     (3, [2, 0], [9, 0], 2, False, (-1, -1), 0.0, 0),  # more cache rows than sequences, an empty cache
     (2, [1, 0], [30, 12], 2, True, (-1, -1), 0.0, 0),  # a permutation; a cache filled to its end
 ])
@@ -275,6 +275,31 @@ def test_kvcache_contiguous(backend, B_cache, rows, seqlens, L_new, causal, wind
     assert lse.shape == (B, H, Lq) and lse.dtype == torch.float32
     _close(out, expected)
     _close(lse, expected_lse)  # (+inf for the rows of an empty sequence)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_num_splits(backend, monkeypatch, num_splits):
+    """num_splits reaches the planner: 384 keys (pages of 64, three key blocks of the interpreter's 128)."""
+    import common.paged as paged
+
+    launched = []
+    launch = paged._launch
+    monkeypatch.setattr(paged, "_launch", lambda chosen, plan: launched.append(plan.num_splits) or launch(chosen, plan))
+    B, S, H, H_kv, D = 2, 384, 2, 1, 16
+    q = torch.randn(B, 2, H, D, device=DEVICE)
+    k_cache, v_cache = (torch.randn(B, S, H_kv, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, 2, H_kv, D, device=DEVICE) for _ in range(2))
+    lens = [100, 382]
+    before = k_cache.clone(), v_cache.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE), causal=True,
+                                     num_splits=num_splits, backend=backend)
+    assert launched == [num_splits]
+    expected_k, expected_v = (_appended(c, range(B), lens, new) for c, new in zip(before, (k, v)))
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    expected, _ = _kvcache_reference(q, [expected_k[b, :lens[b] + 2] for b in range(B)],
+                                     [expected_v[b, :lens[b] + 2] for b in range(B)], causal=True)
+    _close(out, expected)
 
 
 def test_kvcache_paged(backend):
