@@ -40,8 +40,10 @@ the output does not require grad). Its caches:
 - without, (batch_size_cache, seqlen_cache, nheads_k, head_dim) viewed as pages without a
   copy: pages of the largest of 64, 32 and 16 that divides seqlen_cache (``VIEW_PAGES``), rows
   ``cache_batch_idx`` (None: 0 .. batch - 1). That needs seqlen_cache a positive multiple of
-  16 and a batch stride of seqlen_cache sequence strides (as ``torch.empty(B, S, H, D)``
-  gives); anything else raises NotImplementedError saying which.
+  16 and a batch stride that is a whole number R of sequence strides, R a multiple of 16 and
+  the same for both caches (``torch.empty(B, S, H, D)`` gives R = S; a slice ``[:, :S]`` of a
+  longer cache, or a heads-first cache transposed, gives more); anything else raises
+  NotImplementedError saying which.
 - ``cache_seqlens``: an int, an int32 (batch,) tensor (not read back to the host: lengths
   that do not fit the cache are the caller's, as in FlashAttention; tokens with no slot are
   not written), or None for the whole cache (a ValueError with ``k``, ``v``: they would have
@@ -373,42 +375,67 @@ VIEW_PAGES = (64, 32, 16)
 
 
 def _as_pages(k_cache, v_cache, cache_batch_idx, B, like):
-    """A contiguous cache (B_cache, S, H_kv, D) as pages (B_cache * S / P, P, H_kv, D), views of
-    the same memory, and the block table that walks row ``cache_batch_idx[b]``'s pages in order."""
+    """A contiguous cache (B_cache, S, H_kv, D) as pages (P, H_kv, D), a view of the same memory,
+    and the block table that walks row ``cache_batch_idx[b]``'s S / P pages in order. Rows R
+    sequence strides apart (R = S from torch.empty; more for a slice of a longer cache) are
+    R / P pages apart, the pages between them never listed."""
     B_cache, S = k_cache.shape[:2]
-    page = next((p for p in VIEW_PAGES if S % p == 0), None)
+    span = _row_span(k_cache, v_cache)
+    page = next((p for p in VIEW_PAGES if S % p == 0 and (span or S) % p == 0), None)
     if S == 0 or page is None:
         raise NotImplementedError(f"k_cache/v_cache: a contiguous cache is paged as a view, which needs "
-                                  f"seqlen_cache a positive multiple of 16; got {S} (pad the cache to a multiple "
-                                  "of 16, or pass it as pages with block_table)")
+                                  f"seqlen_cache a positive multiple of 16 (got {S}) and rows a multiple of 16 "
+                                  f"positions apart (got {span or S}); pad the cache, or pass it as pages with "
+                                  "block_table")
+    rows = _cache_rows(cache_batch_idx, B, B_cache, like)
+    pages_per_row = S // page
+    table = (rows[:, None] * ((span or S) // page)
+             + torch.arange(pages_per_row, device=like.device, dtype=torch.int32)[None, :])
+    return _paged_view(k_cache, page, span or S), _paged_view(v_cache, page, span or S), table
+
+
+def _row_span(k_cache, v_cache) -> int | None:
+    """How many sequence strides apart the caches' rows are, the same for both (None: one row)."""
+    if k_cache.shape[0] == 1:
+        return None
+    spans = []
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if B_cache > 1 and cache.stride(0) != S * cache.stride(1):
+        batch, seq = cache.stride()[:2]
+        if seq <= 0 or batch <= 0 or batch % seq:
             raise NotImplementedError(f"{name}: a contiguous cache is paged as a view, which needs its batch "
-                                      f"stride to be seqlen_cache times its sequence stride (as torch.empty(B, S, "
-                                      f"H, D) gives); got strides {cache.stride()}")
+                                      f"stride to be a whole number of sequence strides (as torch.empty(B, S, H, "
+                                      f"D) gives: S of them); got strides {cache.stride()}")
+        spans.append(batch // seq)
+    if spans[0] != spans[1]:
+        raise NotImplementedError(f"k_cache and v_cache: a contiguous cache is paged as a view with one block table "
+                                  f"for both, which needs their rows the same number of positions apart; got "
+                                  f"{spans[0]} and {spans[1]} (strides {k_cache.stride()} and {v_cache.stride()})")
+    return spans[0]
+
+
+def _cache_rows(cache_batch_idx, B, B_cache, like) -> torch.Tensor:
+    """Each sequence's cache row, int32 (batch,): ``cache_batch_idx`` (not read back: a row
+    outside the cache is FlashAttention's caller's to avoid), or 0 .. batch - 1."""
     if cache_batch_idx is None:
         if B_cache < B:
             raise ValueError(f"k_cache has {B_cache} rows for a batch of {B}: pass cache_batch_idx, or a cache "
                              "with a row per sequence")
-        rows = torch.arange(B, device=like.device, dtype=torch.int32)
-    else:
-        if not isinstance(cache_batch_idx, torch.Tensor):
-            raise TypeError(f"cache_batch_idx must be a torch.Tensor, got {type(cache_batch_idx).__name__}")
-        if (cache_batch_idx.dtype != torch.int32 or tuple(cache_batch_idx.shape) != (B,)
-                or cache_batch_idx.device != like.device):
-            raise ValueError(f"cache_batch_idx must be int32 (batch,) = ({B},) on {like.device}, got "
-                             f"{cache_batch_idx.dtype} of shape {tuple(cache_batch_idx.shape)} on "
-                             f"{cache_batch_idx.device}")
-        rows = cache_batch_idx
-    per_row = S // page
-    table = rows[:, None] * per_row + torch.arange(per_row, device=like.device, dtype=torch.int32)[None, :]
-    return _paged_view(k_cache, page), _paged_view(v_cache, page), table
+        return torch.arange(B, device=like.device, dtype=torch.int32)
+    if not isinstance(cache_batch_idx, torch.Tensor):
+        raise TypeError(f"cache_batch_idx must be a torch.Tensor, got {type(cache_batch_idx).__name__}")
+    if (cache_batch_idx.dtype != torch.int32 or tuple(cache_batch_idx.shape) != (B,)
+            or cache_batch_idx.device != like.device):
+        raise ValueError(f"cache_batch_idx must be int32 (batch,) = ({B},) on {like.device}, got "
+                         f"{cache_batch_idx.dtype} of shape {tuple(cache_batch_idx.shape)} on {cache_batch_idx.device}")
+    return cache_batch_idx
 
 
-def _paged_view(cache: torch.Tensor, page: int) -> torch.Tensor:
+def _paged_view(cache: torch.Tensor, page: int, span: int) -> torch.Tensor:
+    """(B_cache, S, H_kv, D), rows ``span`` positions apart, as ((B_cache - 1) * span + S) / page pages."""
     B_cache, S, H_kv, D = cache.shape
     s_seq, s_head, s_dim = cache.stride()[1:]
-    return cache.as_strided((B_cache * S // page, page, H_kv, D), (page * s_seq, s_seq, s_head, s_dim))
+    pages = ((B_cache - 1) * span + S) // page
+    return cache.as_strided((pages, page, H_kv, D), (page * s_seq, s_seq, s_head, s_dim))
 
 
 def _cache_seqlens(cache_seqlens, B, L_new, capacity, like) -> torch.Tensor:

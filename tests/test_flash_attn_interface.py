@@ -277,6 +277,35 @@ def test_kvcache_contiguous(backend, B_cache, rows, seqlens, L_new, causal, wind
     _close(lse, expected_lse)  # (+inf for the rows of an empty sequence)
 
 
+@pytest.mark.parametrize("layout", ["slice", "heads_first"])
+def test_kvcache_strided_caches(backend, layout):
+    """Caches whose rows lie more than seqlen_cache positions apart, paged as views all the same:
+    a slice [:, :32] of a 48-key cache, and a (B, H_kv, S, D) cache transposed."""
+    B, S, H, H_kv, D, L_new = 2, 32, 2, 2, 16, 2
+    q = torch.randn(B, 2, H, D, device=DEVICE)
+    if layout == "slice":
+        buffers = [torch.randn(B, 48, H_kv, D, device=DEVICE) for _ in range(2)]
+        k_cache, v_cache = (t[:, :S] for t in buffers)
+    else:
+        buffers = [torch.randn(B, H_kv, S, D, device=DEVICE) for _ in range(2)]
+        k_cache, v_cache = (t.transpose(1, 2) for t in buffers)
+    k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) for _ in range(2))
+    lens = [7, 30]
+    rows = [1, 0]
+    before = [t.clone() for t in buffers]
+    expected_k, expected_v = (_appended(c.clone(), rows, lens, new) for c, new in zip((k_cache, v_cache), (k, v)))
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                     cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+                                     causal=True, backend=backend)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    if layout == "slice":  # (the positions past the slice untouched)
+        assert all(torch.equal(t[:, S:], old[:, S:]) for t, old in zip(buffers, before))
+    expected, _ = _kvcache_reference(q, [expected_k[r, :n + L_new] for r, n in zip(rows, lens)],
+                                     [expected_v[r, :n + L_new] for r, n in zip(rows, lens)], causal=True)
+    _close(out, expected)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_kvcache_num_splits(backend, monkeypatch, num_splits):
     """num_splits reaches the planner: 384 keys (pages of 64, three key blocks of the interpreter's 128)."""
@@ -369,9 +398,15 @@ def test_kvcache_refusals_leave_the_cache_alone():
     odd = torch.randn(2, 40, 2, 16, device=DEVICE)  # 40 keys: no page of 16 or more divides it
     with pytest.raises(NotImplementedError, match="multiple of 16"):
         fa.flash_attn_with_kvcache(q, odd, odd.clone(), k, v, cache_seqlens=seqlens)
-    heads_first = torch.randn(2, 2, 32, 16, device=DEVICE).transpose(1, 2)  # rows not S apart in the batch
+    batch_minor = torch.randn(32, 2, 16, 2, device=DEVICE).permute(3, 0, 1, 2)  # batch stride 1
     with pytest.raises(NotImplementedError, match="batch stride"):
-        fa.flash_attn_with_kvcache(q, heads_first, v_cache, k, v, cache_seqlens=seqlens)
+        fa.flash_attn_with_kvcache(q, batch_minor, v_cache, k, v, cache_seqlens=seqlens)
+    longer = torch.randn(2, 48, 2, 16, device=DEVICE)[:, :32]  # rows 48 positions apart, v_cache's 32
+    with pytest.raises(NotImplementedError, match="same number of positions apart"):
+        fa.flash_attn_with_kvcache(q, longer, v_cache, k, v, cache_seqlens=seqlens)
+    with pytest.raises(NotImplementedError, match="multiple of 16"):
+        fa.flash_attn_with_kvcache(q, *(torch.randn(2, 40, 2, 16, device=DEVICE)[:, :32] for _ in range(2)), k, v,
+                                   cache_seqlens=seqlens)  # rows 40 positions apart
     pages = torch.randn(4, 24, 2, 16, device=DEVICE)  # pages of 24 keys: the kernels take powers of two
     pages_before = pages.clone()
     with pytest.raises(ValueError, match="page_size"):
