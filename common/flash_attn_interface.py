@@ -67,6 +67,7 @@ from common.backends import resolve
 from common.dispatch import attention
 from common.paged import append_kv, paged_attention
 from common.plan import force_splits
+from common.validation import _check_real
 from common.varlen import varlen_attention
 
 __all__ = [
@@ -286,6 +287,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     is_causal, window, _ = _mask(causal, window_size, Lq, None)
     softcap = _softcap(softcap)
+    scale = None if softmax_scale is None else _check_real("softmax_scale", softmax_scale)
     if type(return_softmax_lse) is not bool:
         raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
     splits = _num_splits(num_splits)
@@ -308,7 +310,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lengths = seqlens if new is None else append_kv(key_cache, value_cache, table, seqlens, *new,
                                                         backend=backend)
         with contextlib.nullcontext() if splits == 0 else force_splits(splits):
-            result = paged_attention(query, key_cache, value_cache, table, lengths, is_causal, softmax_scale,
+            result = paged_attention(query, key_cache, value_cache, table, lengths, is_causal, scale,
                                      enable_gqa=True, window=window, softcap=softcap,
                                      return_lse=return_softmax_lse, backend=backend)
     if not return_softmax_lse:

@@ -250,6 +250,7 @@ def _appended(cache, rows, seqlens, new):
     (2, None, [5, 27], 3, True, (4, 0), 2.0, 3),  # append; a causal window, soft-capped (3 splits of 1 block)
     (3, [2, 0], [9, 0], 2, False, (-1, -1), 0.0, 0),  # more cache rows than sequences, an empty cache
     (2, [1, 0], [30, 12], 2, True, (-1, -1), 0.0, 0),  # a permutation; a cache filled to its end
+    (2, None, [0, 1], 0, True, (-1, -1), 0.0, 0),  # no keys, one key: rows that see none (0, lse +inf)
 ])
 def test_kvcache_contiguous(backend, B_cache, rows, seqlens, L_new, causal, window, softcap, num_splits):
     B, S, H, H_kv, D, Lq = 2, 32, 4, 2, 16, 3
@@ -380,6 +381,7 @@ def test_kvcache_refusals_leave_the_cache_alone():
         (dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
               cache_batch_idx=torch.zeros(2, dtype=torch.int32, device=DEVICE)), ValueError, "cache_batch_idx"),
         (dict(num_splits=-1), ValueError, "num_splits"),
+        (dict(softmax_scale="0.5"), TypeError, "softmax_scale"),
         (dict(window_size=(1,)), TypeError, "window_size"),
         (dict(softcap=3.0, backend="torch"), ValueError, "softcap"),
         (dict(cache_seqlens=seqlens.long()), ValueError, "cache_seqlens"),
