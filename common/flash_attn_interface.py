@@ -308,11 +308,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, (window, softcap, return_softmax_lse))
     with torch.no_grad():  # (FlashAttention's: no backward; the caches change in place)
         lengths = seqlens if new is None else append_kv(key_cache, value_cache, table, seqlens, *new,
-                                                        backend=backend)
+                                                        backend=chosen.name)
         with contextlib.nullcontext() if splits == 0 else force_splits(splits):
             result = paged_attention(query, key_cache, value_cache, table, lengths, is_causal, scale,
                                      enable_gqa=True, window=window, softcap=softcap,
-                                     return_lse=return_softmax_lse, backend=backend)
+                                     return_lse=return_softmax_lse, backend=chosen.name)
     if not return_softmax_lse:
         return result.transpose(1, 2).contiguous()
     out, lse = result
