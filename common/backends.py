@@ -113,8 +113,9 @@ class KernelBackendModule(BackendModule, Protocol):
     def backward(self, plan: BackwardPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Launch the backward kernels into ``plan.grad_query``, ``grad_key``, ``grad_value``; return them."""
 
-    def paged_forward(self, plan: PagedPlan) -> torch.Tensor:
-        """Attention over a paged KV cache (``common.paged``) into ``plan.out``; return it."""
+    def paged_forward(self, plan: PagedPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention over a paged KV cache (``common.paged``) into ``plan.out`` and, where
+        ``plan.with_lse``, its log-sum-exp into ``plan.lse``; return ``(plan.out, plan.lse)``."""
 
     def append_kv(self, key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int,
                   block_d: int, block_dv: int) -> None:

@@ -3,7 +3,8 @@
     from flash_attn import flash_attn_func                    # before
     from common.flash_attn_interface import flash_attn_func   # after
 
-Each function takes FlashAttention 2's arguments, in its order and with its
+Each function (``flash_attn_func``, its packed and variable-length forms, and
+``flash_attn_with_kvcache``) takes FlashAttention 2's arguments, in its order and with its
 defaults, in its layout ((batch, seqlen, heads, head_dim), or (total, heads,
 head_dim) for packed sequences), and returns what it returns, with its
 semantics:
@@ -26,18 +27,47 @@ Beyond FlashAttention 2: float32 inputs, a value head dim other than the query's
 and ``backend=`` (keyword only, after FlashAttention's arguments; None chooses as
 everywhere else: ``use_backend``, then ATTENTION_BACKEND, then "triton").
 
-Not here yet (each raises NotImplementedError naming the argument):
-``alibi_slopes``, ``block_table`` in the variable-length functions, and
-``flash_attn_with_kvcache``.
+``flash_attn_with_kvcache`` runs on ``common.paged``: ``append_kv`` writes ``k`` and
+``v`` into the caches in place at ``cache_seqlens`` (every check runs first: a refused
+call writes nothing), then ``paged_attention`` attends over ``cache_seqlens +
+seqlen_new`` keys per sequence, forward only (FlashAttention's has no backward either:
+the output does not require grad). Its caches:
+
+- with ``block_table`` (int32 (batch, max_blocks)), pages (num_blocks, page_block_size,
+  nheads_k, head_dim) as they are; page_block_size a power of two from 16 on the kernel
+  backends (FlashAttention's: a multiple of 256). ``cache_batch_idx`` with it is a ValueError
+  (FlashAttention takes one or the other).
+- without, (batch_size_cache, seqlen_cache, nheads_k, head_dim) viewed as pages without a
+  copy: pages of the largest of 64, 32 and 16 that divides seqlen_cache (``VIEW_PAGES``), rows
+  ``cache_batch_idx`` (None: 0 .. batch - 1). That needs seqlen_cache a positive multiple of
+  16 and a batch stride that is a whole number R of sequence strides, R a multiple of 16 and
+  the same for both caches (``torch.empty(B, S, H, D)`` gives R = S; a slice ``[:, :S]`` of a
+  longer cache, or a heads-first cache transposed, gives more); anything else raises
+  NotImplementedError saying which.
+- ``cache_seqlens``: an int, an int32 (batch,) tensor (not read back to the host: lengths
+  that do not fit the cache are the caller's, as in FlashAttention; tokens with no slot are
+  not written), or None for the whole cache (a ValueError with ``k``, ``v``: they would have
+  nowhere to go). ``num_splits``: 0 leaves the split to the planner, n >= 1 is
+  ``common.plan.force_splits(n)``. ``return_softmax_lse`` returns ``(out, softmax_lse)``.
+
+Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``,
+``block_table`` in the variable-length functions, and ``rotary_cos``/``rotary_sin`` and
+``cache_leftpad`` in ``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
+from common import paged
+from common.backends import resolve
 from common.dispatch import attention
+from common.paged import append_kv, paged_attention
+from common.plan import force_splits
+from common.validation import _check_real
 from common.varlen import varlen_attention
 
 __all__ = [
@@ -47,6 +77,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -225,3 +256,220 @@ def _flash_lse(lse: torch.Tensor) -> torch.Tensor:
 def _no_probs(q: torch.Tensor) -> torch.Tensor:
     """FlashAttention's S_dmask without dropout: an empty tensor of the inputs' dtype."""
     return torch.empty((0,), dtype=q.dtype, device=q.device)
+
+
+# -- flash_attn_with_kvcache: a KV cache, contiguous or paged ----------------------------------------
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            *, backend=None):
+    """Attention of ``q`` (batch, seqlen_q, nheads, D) over a KV cache, after appending ``k``, ``v``.
+
+    ``k_cache``/``v_cache``: (batch_size_cache, seqlen_cache, nheads_k, D/Dv) contiguous per row,
+    or pages (num_blocks, page_block_size, nheads_k, D/Dv) with ``block_table`` (batch,
+    max_blocks) int32. With ``k``, ``v`` (batch, seqlen_new, nheads_k, D/Dv), the caches are
+    written in place at positions ``cache_seqlens[b]`` .. ``+ seqlen_new - 1`` (``cache_seqlens``
+    itself unchanged), and attention sees ``cache_seqlens + seqlen_new`` keys per sequence.
+    ``cache_seqlens``: an int, an int32 (batch,) tensor, or None (the whole cache; not with
+    ``k``). ``cache_batch_idx`` (int32 (batch,)): each sequence's cache row (contiguous caches
+    only). ``num_splits``: 0 lets the planner choose, n >= 1 splits the keys n ways.
+
+    Returns out (batch, seqlen_q, nheads, Dv), contiguous; with ``return_softmax_lse``,
+    ``(out, softmax_lse (batch, nheads, seqlen_q) float32)``. Forward only, as FlashAttention's:
+    no gradient flows (the output does not require grad). Every check runs before the caches
+    are written; a contiguous cache is paged as a view (module docstring for what it needs)."""
+    chosen = resolve(backend)
+    B, Lq, H = _check_kvcache_tensors(q, k_cache, v_cache, k, v)
+    _refuse(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes)
+    if type(rotary_interleaved) is not bool:
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    is_causal, window, _ = _mask(causal, window_size, Lq, None)
+    softcap = _softcap(softcap)
+    scale = None if softmax_scale is None else _check_real("softmax_scale", softmax_scale)
+    if type(return_softmax_lse) is not bool:
+        raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
+    splits = _num_splits(num_splits)
+    L_new = 0 if k is None else k.shape[1]
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx selects rows of a contiguous cache; with block_table the table "
+                             "already says which pages each sequence uses (FlashAttention takes one or the "
+                             "other): drop cache_batch_idx, or permute block_table's rows")
+        key_cache, value_cache, table = k_cache, v_cache, block_table
+        capacity = block_table.shape[1] * k_cache.shape[1] if _is_table(block_table, B, q) else 0
+    else:
+        key_cache, value_cache, table = _as_pages(k_cache, v_cache, cache_batch_idx, B, q)
+        capacity = k_cache.shape[1]
+    seqlens = _cache_seqlens(cache_seqlens, B, L_new, capacity, q)
+    query = q.transpose(1, 2)
+    new = None if k is None else (k.transpose(1, 2), v.transpose(1, 2))
+    _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, (window, softcap, return_softmax_lse))
+    with torch.no_grad():  # (FlashAttention's: no backward; the caches change in place)
+        lengths = seqlens if new is None else append_kv(key_cache, value_cache, table, seqlens, *new,
+                                                        backend=chosen.name)
+        with contextlib.nullcontext() if splits == 0 else force_splits(splits):
+            result = paged_attention(query, key_cache, value_cache, table, lengths, is_causal, scale,
+                                     enable_gqa=True, window=window, softcap=softcap,
+                                     return_lse=return_softmax_lse, backend=chosen.name)
+    if not return_softmax_lse:
+        return result.transpose(1, 2).contiguous()
+    out, lse = result
+    return out.transpose(1, 2).contiguous(), _flash_lse(lse)
+
+
+def _check_kvcache_tensors(q, k_cache, v_cache, k, v) -> tuple[int, int, int]:
+    """q, the caches and the new k, v: FlashAttention's layouts, one dtype and device; (batch, seqlen_q, nheads)."""
+    _check_dims(q=(q, 4), k_cache=(k_cache, 4), v_cache=(v_cache, 4))
+    if (k is None) != (v is None):
+        raise ValueError("k and v come together: pass both (new tokens to append) or neither")
+    if k is not None:
+        _check_dims(k=(k, 4), v=(v, 4))
+    B, Lq, H, D = q.shape
+    H_kv = k_cache.shape[2]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), "
+                            f"got {t.dtype} on {t.device}")
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache's head dim must be q's ({D}), got shape {tuple(k_cache.shape)}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache but for the head dim, got shapes {tuple(v_cache.shape)} "
+                         f"and {tuple(k_cache.shape)}")
+    if H_kv == 0 or H % H_kv:
+        raise ValueError(f"q's nheads ({H}) must be a multiple of the cache's nheads_k ({H_kv})")
+    if k is not None:
+        L_new = k.shape[1]
+        if tuple(k.shape) != (B, L_new, H_kv, D) or tuple(v.shape) != (B, L_new, H_kv, v_cache.shape[3]):
+            raise ValueError(f"k and v must be (batch, seqlen_new, nheads_k, head_dim) = ({B}, seqlen_new, {H_kv}, "
+                             f"{D} / {v_cache.shape[3]}), got {tuple(k.shape)} and {tuple(v.shape)}")
+    return B, Lq, H
+
+
+def _num_splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int (0: the planner chooses), got {num_splits!r}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: the planner chooses, n: n splits of the keys), "
+                         f"got {num_splits}")
+    return num_splits
+
+
+def _is_table(table, B, like) -> bool:
+    """Whether ``table`` is an int32 (batch, max_blocks) tensor on ``like``'s device (else a clear error)."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int32 or table.ndim != 2 or table.shape[0] != B or table.device != like.device:
+        raise ValueError(f"block_table must be int32 (batch, max_blocks) with batch = {B} on {like.device}, "
+                         f"got {table.dtype} of shape {tuple(table.shape)} on {table.device}")
+    return True
+
+
+# The page sizes a contiguous cache may be viewed as, the first that divides seqlen_cache taken:
+# at most 64, the largest page the paged kernels were measured and tested with on the H200
+# (benchmarks/NOTES.md, "A paged KV cache": 0.95-0.99x of the contiguous decode in both
+# backends). A page is one key step of at least its size, so pages of 256 would make BLOCK_N
+# 256 tiles (at D = 256, 256 KB of K and V per pipeline stage: past the shared memory).
+VIEW_PAGES = (64, 32, 16)
+
+
+def _as_pages(k_cache, v_cache, cache_batch_idx, B, like):
+    """A contiguous cache (B_cache, S, H_kv, D) as pages (P, H_kv, D), a view of the same memory,
+    and the block table that walks row ``cache_batch_idx[b]``'s S / P pages in order. Rows R
+    sequence strides apart (R = S from torch.empty; more for a slice of a longer cache) are
+    R / P pages apart, the pages between them never listed."""
+    B_cache, S = k_cache.shape[:2]
+    span = _row_span(k_cache, v_cache)
+    page = next((p for p in VIEW_PAGES if S % p == 0 and (span or S) % p == 0), None)
+    if S == 0 or page is None:
+        raise NotImplementedError(f"k_cache/v_cache: a contiguous cache is paged as a view, which needs "
+                                  f"seqlen_cache a positive multiple of 16 (got {S}) and rows a multiple of 16 "
+                                  f"positions apart (got {span or S}); pad the cache, or pass it as pages with "
+                                  "block_table")
+    rows = _cache_rows(cache_batch_idx, B, B_cache, like)
+    pages_per_row = S // page
+    table = (rows[:, None] * ((span or S) // page)
+             + torch.arange(pages_per_row, device=like.device, dtype=torch.int32)[None, :])
+    return _paged_view(k_cache, page, span or S), _paged_view(v_cache, page, span or S), table
+
+
+def _row_span(k_cache, v_cache) -> int | None:
+    """How many sequence strides apart the caches' rows are, the same for both (None: one row)."""
+    if k_cache.shape[0] == 1:
+        return None
+    spans = []
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        batch, seq = cache.stride()[:2]
+        if seq <= 0 or batch <= 0 or batch % seq:
+            raise NotImplementedError(f"{name}: a contiguous cache is paged as a view, which needs its batch "
+                                      f"stride to be a whole number of sequence strides (as torch.empty(B, S, H, "
+                                      f"D) gives: S of them); got strides {cache.stride()}")
+        spans.append(batch // seq)
+    if spans[0] != spans[1]:
+        raise NotImplementedError(f"k_cache and v_cache: a contiguous cache is paged as a view with one block table "
+                                  f"for both, which needs their rows the same number of positions apart; got "
+                                  f"{spans[0]} and {spans[1]} (strides {k_cache.stride()} and {v_cache.stride()})")
+    return spans[0]
+
+
+def _cache_rows(cache_batch_idx, B, B_cache, like) -> torch.Tensor:
+    """Each sequence's cache row, int32 (batch,): ``cache_batch_idx`` (not read back: a row
+    outside the cache is FlashAttention's caller's to avoid), or 0 .. batch - 1."""
+    if cache_batch_idx is None:
+        if B_cache < B:
+            raise ValueError(f"k_cache has {B_cache} rows for a batch of {B}: pass cache_batch_idx, or a cache "
+                             "with a row per sequence")
+        return torch.arange(B, device=like.device, dtype=torch.int32)
+    if not isinstance(cache_batch_idx, torch.Tensor):
+        raise TypeError(f"cache_batch_idx must be a torch.Tensor, got {type(cache_batch_idx).__name__}")
+    if (cache_batch_idx.dtype != torch.int32 or tuple(cache_batch_idx.shape) != (B,)
+            or cache_batch_idx.device != like.device):
+        raise ValueError(f"cache_batch_idx must be int32 (batch,) = ({B},) on {like.device}, got "
+                         f"{cache_batch_idx.dtype} of shape {tuple(cache_batch_idx.shape)} on {cache_batch_idx.device}")
+    return cache_batch_idx
+
+
+def _paged_view(cache: torch.Tensor, page: int, span: int) -> torch.Tensor:
+    """(B_cache, S, H_kv, D), rows ``span`` positions apart, as ((B_cache - 1) * span + S) / page pages."""
+    B_cache, S, H_kv, D = cache.shape
+    s_seq, s_head, s_dim = cache.stride()[1:]
+    pages = ((B_cache - 1) * span + S) // page
+    return cache.as_strided((pages, page, H_kv, D), (page * s_seq, s_seq, s_head, s_dim))
+
+
+def _cache_seqlens(cache_seqlens, B, L_new, capacity, like) -> torch.Tensor:
+    """``cache_seqlens`` as an int32 (batch,) tensor: an int for every sequence, a tensor as it
+    is (not read back: lengths past the cache are FlashAttention's caller's to avoid), None the
+    whole cache (not with new tokens: they would have nowhere to go)."""
+    if cache_seqlens is None:
+        if L_new:
+            raise ValueError("cache_seqlens is needed with k and v: it says where the new tokens go")
+        return torch.full((B,), capacity, dtype=torch.int32, device=like.device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - L_new:
+            raise ValueError(f"cache_seqlens ({cache_seqlens}) plus seqlen_new ({L_new}) must fit the cache's "
+                             f"{capacity} positions, and cache_seqlens be >= 0")
+        return torch.full((B,), cache_seqlens, dtype=torch.int32, device=like.device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int, an int32 tensor or None, got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (B,) or cache_seqlens.device != like.device:
+        raise ValueError(f"cache_seqlens must be int32 (batch,) = ({B},) on {like.device}, got {cache_seqlens.dtype} "
+                         f"of shape {tuple(cache_seqlens.shape)} on {cache_seqlens.device}")
+    return cache_seqlens
+
+
+def _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, features) -> None:
+    """What append_kv and paged_attention would refuse (the backend's page sizes, head dims,
+    devices, softcap), checked before either writes or launches."""
+    window, softcap, return_lse = features
+    B, H, _, _ = query.shape
+    paged._check_query(query)
+    paged._check_caches(key_cache, value_cache, query, chosen)
+    paged._check_table(table, seqlens, B, query)
+    paged._check_heads(H, key_cache.shape[2], True)
+    paged._check_features(chosen, window, softcap, None, return_lse, H, query.device)
+    if new is not None:
+        paged._check_append(chosen, key_cache, value_cache, table, seqlens, *new, False)

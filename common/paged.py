@@ -8,7 +8,10 @@ BLOCK_N keys is several small pages: the Triton kernel gathers them key by key i
 tile; NineToothed's picks tiles by a scalar index, one page each, unrolled per step), the
 pages of a long sequence split across
 programs (merged by the same kernel that merges the dense decode path's splits),
-grouped-query heads packed into rows.
+grouped-query heads packed into rows (not with sinks: they are per query head). The dense
+path's features, in both kernels: a window around each row's position (the key blocks
+outside a row block's windows never visited), soft-capped scores, attention sinks (the
+first split's) and the log-sum-exp (the merged one, with split pages).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from common.validation import (
     _check_flag,
     _check_kernel_device,
     _check_real,
+    _check_sinks,
+    _check_softcap,
+    _check_window,
     _dtype_name,
     slice_span,
     within_offsets,
@@ -51,6 +57,11 @@ class PagedPlan:
     group: int  # query heads per K/V head in the kernel's view (1 once packed)
     lq_seq: int  # query rows per head, Lq: packed row r is row r % Lq of its head
     shape: tuple[int, int, int, int]  # (B, H, Lq, Dv)
+    band: tuple[int, int] | None = None  # the row at position p sees keys p + band[0] .. p + band[1]; None: all
+    softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
+    softcap_kind: planning.Softcap = planning.Softcap.OFF
+    sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
+    with_lse: bool = False  # the caller gets the log-sum-exp
     config: Config | None = None
     block_d: int = 0
     block_dv: int = 0
@@ -59,6 +70,7 @@ class PagedPlan:
     blocks_per_split: int = 0
     dot_precision: str = "ieee"
     out: torch.Tensor | None = None  # (B, Hp, Lqp, Dv)
+    lse: torch.Tensor | None = None  # (B, Hp, Lqp) float32, when with_lse
     o_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S, Dv) float32
     lse_part: torch.Tensor | None = None  # split: (B, Hp, Lqp, S) float32
     merge: planning.Merge | None = None
@@ -80,9 +92,13 @@ def paged_attention(
     scale: float | None = None,
     *,
     enable_gqa: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
     backend: str | None = None,
     validate: bool = False,
-) -> torch.Tensor:
+):
     """Attention of each sequence's newest queries over its keys in a paged cache.
 
     Args:
@@ -95,33 +111,46 @@ def paged_attention(
             block_table[b, j // page_size], slot j % page_size.
         cache_seqlens: int32 (B,): how many keys sequence b has (<= max_pages * page_size).
         is_causal: bottom-right: query row i of sequence b sits at position
-            cache_seqlens[b] - Lq + i and sees the keys up to it. Without it, every
-            row sees all of its sequence's keys.
+            p = cache_seqlens[b] - Lq + i and sees the keys up to it. Without it (and
+            without a window), every row sees all of its sequence's keys.
         scale: None (1/sqrt(D)) or any finite float.
         enable_gqa: allow H_kv < H (H a multiple of H_kv).
+        window: None, or (left, right) ints >= -1: the row at position p sees keys
+            p - left .. p + right (-1: unbounded on that side); with is_causal too,
+            right is 0 at most. The kernels visit only the key blocks a row block's
+            window reaches (a sliding-window decode reads its window, not the cache).
+        softcap: None, or a positive float: scores s (scaled) become softcap * tanh(s /
+            softcap) before masking (Gemma 2). Kernel backends only.
+        sinks: None, or (H,) float on query's device: one logit per query head that joins
+            each row's softmax denominator with no value (gpt-oss). Kernel backends only.
+        return_lse: also return the log-sum-exp (natural log) of each row's scaled,
+            soft-capped, masked scores (and its sink), float32 (B, H, Lq).
         backend: "triton", "ninetoothed" or "torch" (the reference: the pages gathered
-            into a dense batch for SDPA).
+            into a dense batch for SDPA, the lengths and window as a boolean mask; no
+            softcap, no sinks).
         validate: also check, with a host sync, that every length fits the table and
             every page a sequence uses lies in the cache. Without it nothing is read
             back to the host; a page entry outside the cache is clamped into it (a
             wrong page is read, never memory outside the cache).
 
     Returns:
-        (B, H, Lq, Dv) in query's dtype; a row that sees no key (an empty sequence) is 0.
-        Forward only (no gradient: a cache is read at inference).
+        (B, H, Lq, Dv) in query's dtype; with return_lse, (output, lse). A row that sees
+        no key (an empty sequence, or a window that misses every key) is 0, its lse -inf
+        (the sink's logit with sinks). Forward only (no gradient: a cache is read at inference).
 
     Raises:
         TypeError, ValueError: for bad input, before any kernel launches.
     """
     chosen = resolve(backend)
     layout = _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
-                     enable_gqa, validate)
+                     enable_gqa, validate, (window, softcap, sinks, return_lse))
     template = _templates.get(layout) if layout is not None else None
     if template is not None:  # validated and planned before: launch
         plan = PagedPlan(*template)
         plan.query = query if plan.query is None else query.view(plan.query)
         plan.key_cache, plan.value_cache, plan.block_table, plan.cache_seqlens = (
             key_cache, value_cache, block_table, cache_seqlens)
+        plan.sinks = _sink_rows(sinks, plan.shape)
         return _launch(chosen, plan)
     B, H, Lq, D = _check_query(query)
     num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, query, chosen)
@@ -131,16 +160,55 @@ def paged_attention(
     validate = _check_flag("validate", validate)
     _check_heads(H, H_kv, enable_gqa)
     scale = 1.0 / math.sqrt(D) if scale is None else _check_real("scale", scale)
+    window, softcap, return_lse = _check_features(chosen, window, softcap, sinks, return_lse, H, query.device)
     if validate:
         _validate_contents(block_table, cache_seqlens, num_pages, page)
     if B * H * Lq == 0:
-        return query.new_zeros((B, H, Lq, Dv))
+        out = query.new_zeros((B, H, Lq, Dv))
+        return (out, query.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)) if return_lse else out
     if not chosen.kernels:
-        return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
-    plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale)
+        return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
+                                window=window, with_lse=return_lse)
+    plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
+                      window=window, softcap=softcap, sinks=sinks, with_lse=return_lse)
     if layout is not None:
         _templates.put(layout, _template_of(plan, query))
     return _launch(chosen, plan)
+
+
+def _check_features(chosen, window, softcap, sinks, return_lse, H, device):
+    """window, softcap, sinks and return_lse (the dense path's checks and messages): the
+    window as ``common.validation._check_window`` gives it, softcap as a float or None,
+    return_lse as a bool. The torch backend takes no softcap and no sinks."""
+    window = _check_window(window)
+    if softcap is not None:
+        softcap = _check_softcap(chosen, softcap)
+    if sinks is not None:
+        _check_sinks(chosen, sinks, H, device)
+    return window, softcap, _check_flag("return_lse", return_lse)
+
+
+def _sink_rows(sinks, shape):
+    """The (H,) sink logits as the kernels read them: a float32 (B, H, Lq) view (None: no sinks)."""
+    if sinks is None:
+        return None
+    B, H, Lq, _ = shape
+    return sinks.float().view(1, H, 1).expand(B, H, Lq)
+
+
+def paged_band(is_causal: bool, window, Lq: int) -> tuple[int, int] | None:
+    """Which keys each query row sees, as offsets from its position p (row i of a sequence
+    of Lk keys at p = Lk - Lq + i): keys p + lo .. p + hi (then clipped to [0, Lk)); None
+    when every row sees all of its sequence's keys. ``window`` (left, right): -1 unbounded;
+    ``is_causal``: hi is 0 at most."""
+    left, right = window if window is not None else (-1, -1)
+    hi = planning.UNBOUNDED if right < 0 else right
+    if is_causal:
+        hi = min(hi, 0)
+    lo = -planning.UNBOUNDED if left < 0 else -left
+    if lo == -planning.UNBOUNDED and hi >= Lq - 1:
+        return None  # (the last row's position is Lk - 1: e.g. causal decoding, Lq = 1)
+    return lo, hi
 
 
 # A serving loop calls paged_attention with the same caches, table and lengths tensors at
@@ -153,16 +221,33 @@ _templates = PlanCache()
 
 
 def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, enable_gqa,
-            validate):
+            validate, features):
     """The key of a call's template, or None where the full path must run (bad or unusual
-    arguments: their checks; validate=True: it reads the tensors)."""
+    arguments: their checks; validate=True: it reads the tensors). ``features``: (window,
+    softcap, sinks, return_lse), each part of the key (the sinks by shape, dtype and device)."""
     tensors = (query, key_cache, value_cache, block_table, cache_seqlens)
     if (any(type(t) is not torch.Tensor for t in tensors) or type(is_causal) is not bool
             or type(enable_gqa) is not bool or validate is not False or not (scale is None or type(scale) is float)
             or not chosen.kernels):
         return None
+    features = _feature_key(*features)
+    if features is None:
+        return None
     return (chosen.name, chosen.interpreted(), planning.reuse_key(), paged_config, is_causal, scale, enable_gqa,
-            query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
+            features, query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
+
+
+def _feature_key(window, softcap, sinks, return_lse):
+    """(window, softcap, the sinks' (shape, dtype, device) or None, return_lse) for the
+    template's key, or None where one of them is unusual (its checks must run)."""
+    if window is not None and not (type(window) is tuple and len(window) == 2
+                                   and all(type(n) is int and n >= -1 for n in window)):
+        return None
+    if softcap is not None and not (type(softcap) is float and 0.0 < softcap < math.inf):
+        return None
+    if sinks is not None and type(sinks) is not torch.Tensor or type(return_lse) is not bool:
+        return None
+    return window, softcap, None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), return_lse
 
 
 def _template_of(plan: PagedPlan, query) -> tuple:
@@ -172,19 +257,21 @@ def _template_of(plan: PagedPlan, query) -> tuple:
     return tuple(fields)
 
 
-def _launch(chosen, plan: PagedPlan) -> torch.Tensor:
-    """Allocate the plan's outputs, launch, return (B, H, Lq, Dv)."""
+def _launch(chosen, plan: PagedPlan):
+    """Allocate the plan's outputs, launch, return (B, H, Lq, Dv) and, with_lse, its (B, H, Lq) lse."""
     query = plan.query
     with _on_device(query.device):
         alloc = allocator()
         B, Hp, Lqp, _ = query.shape
         Dv = plan.shape[3]
         plan.out = alloc((B, Hp, Lqp, Dv), query.dtype, query.device)
+        plan.lse = alloc((B, Hp, Lqp), torch.float32, query.device) if plan.with_lse else None
         if plan.split:
             plan.o_part, plan.lse_part = partials((B, Hp, Lqp), plan.num_splits, Dv, query.device)
         with _quiet(chosen):
-            out = chosen.load().paged_forward(plan)
-    return out.view(plan.shape)  # (packed rows, contiguous, are the heads' rows in order)
+            out, lse = chosen.load().paged_forward(plan)
+    # (packed rows, contiguous, are the heads' rows in order)
+    return (out.view(plan.shape), lse.view(plan.shape[:3])) if plan.with_lse else out.view(plan.shape)
 
 
 def append_kv(
@@ -399,12 +486,17 @@ def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int
     return Config(config.block_m, block_n, config.num_warps, stages)
 
 
-def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale) -> PagedPlan:
+def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *,
+               window=None, softcap=None, sinks=None, with_lse=False) -> PagedPlan:
     B, H, Lq, D = query.shape
     H_kv, page, Dv = key_cache.shape[2], key_cache.shape[1], value_cache.shape[3]
     plan = PagedPlan(query, key_cache, value_cache, block_table, cache_seqlens, scale, is_causal, H // H_kv, Lq,
-                     (B, H, Lq, Dv))
-    if H != H_kv:
+                     (B, H, Lq, Dv), paged_band(is_causal, window, Lq), softcap or 0.0, with_lse=with_lse)
+    plan.planner = planner = planning.current_planner()
+    plan.softcap_kind = planner.softcap_kind(plan.softcap, query.dtype, query.device, backend.interpreted())
+    plan.sinks = _sink_rows(sinks, plan.shape)
+    # (sinks are per query head: packed rows would mix them, as in common.plan.make_forward)
+    if H != H_kv and sinks is None:
         try:  # each group's query heads as rows of its K/V head: K/V read once per group
             packed = query.view(B, H_kv, (H // H_kv) * Lq, D)
         except RuntimeError:  # strides no view can merge
@@ -417,12 +509,12 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
-    plan.planner = planner = planning.current_planner()
     # (the thin programs' target whatever the row tile: the wide one was measured for the
     # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, max_pages * page,
                                                             plan.config.block_n, query.device)
-    if plan.split and not planning.partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv):
+    if plan.split and (not planning.partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv)
+                       or _window_unsplit(plan, planner, B * Hp, query.device)):
         plan.num_splits, plan.blocks_per_split = 1, -(-(max_pages * page) // plan.config.block_n)
     # Many short-row programs, unsplit (a large batch): the dense decode's shallow pipeline
     # (benchmarks/NOTES.md, "Decode at a large batch").
@@ -437,8 +529,22 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     return plan
 
 
-def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale):
-    """SDPA on the pages gathered into a dense batch, the sequences' lengths and causality as a mask."""
+def _window_unsplit(plan: PagedPlan, planner, programs: int, device) -> bool:
+    """Whether a window bounded on the left runs unsplit: the splits cover the table's
+    positions, but the keys a row block sees lie within Lq - band[0] of its sequence's end;
+    where the planner would not split that many keys, one program per row block reads them
+    (a sliding-window decode over a long cache: no split programs with nothing to read, no
+    merge)."""
+    if plan.band is None or plan.band[0] <= -planning.UNBOUNDED:
+        return False
+    span = plan.lq_seq - plan.band[0]  # (the first row's window start to the last row's position)
+    return planner.splits(plan.m_blocks * programs, span, plan.config.block_n, device)[0] == 1
+
+
+def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *, window=None,
+                     with_lse=False):
+    """SDPA on the pages gathered into a dense batch, the sequences' lengths, causality and
+    window as a boolean mask; with_lse: also the log-sum-exp, from the scores in float32."""
     B, H, Lq, _ = query.shape
     num_pages, page, H_kv, _ = key_cache.shape
     pages = block_table.long().clamp(0, num_pages - 1)
@@ -446,11 +552,17 @@ def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, 
     positions = torch.arange(k.shape[2], device=query.device)
     lengths = cache_seqlens.long()
     allowed = (positions[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
-    if is_causal:
-        last_key = lengths[:, None] - Lq + torch.arange(Lq, device=query.device)[None, :]  # (B, Lq)
-        allowed = allowed & (positions[None, None, :] <= last_key[:, :, None])[:, None]
+    band = paged_band(is_causal, window, Lq)
+    if band is not None:
+        row_positions = lengths[:, None] - Lq + torch.arange(Lq, device=query.device)[None, :]  # (B, Lq)
+        offset = positions[None, None, :] - row_positions[:, :, None]  # (B, Lq, Lk)
+        allowed = allowed & ((offset >= band[0]) & (offset <= band[1]))[:, None]
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scale, enable_gqa=H != H_kv)
-    return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0, not NaN
+    out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0, not NaN
+    if not with_lse:
+        return out
+    scores = query.float() @ k.float().repeat_interleave(H // H_kv, 1).transpose(-1, -2) * scale
+    return out, scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # (-inf: no key)
 
 
 def _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value):

@@ -498,32 +498,37 @@ def backward(plan):
 
 def paged_forward(plan):
     """Launch paged attention (and, for split keys, the merge) for a ``common.paged.PagedPlan``.
-    Returns ``plan.out``, filled in."""
+    Returns ``(plan.out, plan.lse)``, filled in (``plan.lse`` None unless ``plan.with_lse``)."""
     q, out = plan.query, plan.out
     B, H, Lq, D = q.shape
     kc, vc = plan.key_cache, plan.value_cache
     Dv = vc.shape[3]
     config = plan.config
-    o, lse = (plan.o_part, plan.lse_part) if plan.split else (out, _absent(out, B, H, Lq))
+    if plan.split:
+        o, lse = plan.o_part, plan.lse_part
+    else:
+        o, lse = out, plan.lse if plan.with_lse else _absent(out, B, H, Lq)
     page = kc.shape[1]
     pages_per_step = config.block_n // page
     # (the table's tile per split: its steps' pages)
     _make(premake_paged, D, Dv, config.block_m, page, plan.blocks_per_split * pages_per_step if plan.split else None,
           num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
-        q, kc, vc, plan.block_table, plan.cache_seqlens, plan.scale, plan.lq_seq, kc.shape[0], o, lse,
-        IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
-        PAGES_PER_STEP=pages_per_step,
+        q, kc, vc, plan.block_table, plan.cache_seqlens, plan.scale, plan.lq_seq, kc.shape[0],
+        *(plan.band if plan.band is not None else (0, 0)), plan.softcap,
+        plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
+        BANDED=plan.band is not None, WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision,
+        SPLIT=plan.split, PAGES_PER_STEP=pages_per_step, SOFTCAP=int(plan.softcap_kind),
+        SINKS=plan.sinks is not None,
     )
     if plan.split:
         merge = plan.merge
-        R = merge.rows
         _make(premake_combine, Dv, merge.block_r, merge.block_s, num_warps=4, num_stages=1,
               wide=_wide(plan.o_part, out))(
-            plan.o_part.view(R, plan.num_splits, Dv), plan.lse_part.view(R, plan.num_splits), out.view(R, Dv),
-            _absent(out, R), WITH_LSE=False,
+            *_merge_inputs(plan.o_part, plan.lse_part, out, plan.lse, merge.rows, plan.num_splits),
+            WITH_LSE=plan.with_lse,
         )
-    return out
+    return out, plan.lse
 
 
 def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int, block_d: int,

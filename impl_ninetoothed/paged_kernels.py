@@ -12,8 +12,9 @@ import triton
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
+from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh
 from common.plan import LN2, LOG2E
-from impl_ninetoothed.kernels import _flags, _like, _rows_like
+from impl_ninetoothed.kernels import TANH_APPROX, _flags, _like, _rows_like
 from impl_ninetoothed.tiles import _per_split, _row_slices, _rows
 
 # -- a paged KV cache ----------------------------------------------------------------------
@@ -37,13 +38,14 @@ def _pages(cache, batch, heads, m_blocks, page, block_d, num_splits=None):
 
 
 def paged_arrangement(
-    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, output, lse,
-    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
+    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
+    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP, SOFTCAP, SINKS,
     block_m, page, block_d, block_dv, blocks_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``blocks_per_split`` is given: the block table's row for the batch entry
-    (its split's part), (1,) tiles each; the sequence's length; all pages of the caches."""
+    (its split's part), (1,) tiles each; the sequence's length; all pages of the caches;
+    its rows' sink logits (a (B, H, Lq) view, as the log-sum-exp)."""
     query_arranged = _rows(query, block_m, block_d)
     batch, heads, m_blocks = query_arranged.shape
     split = blocks_per_split is not None
@@ -55,9 +57,11 @@ def paged_arrangement(
     table.dtype = table.dtype.squeeze(0)
     table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks, -1))  # (B, H, M, S)
     seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
+    sinks_arranged = _row_slices(sinks, block_m)
     if split:
         query_arranged = _per_split(query_arranged, num_splits)
         seqlens = _per_split(seqlens, num_splits)
+        sinks_arranged = _per_split(sinks_arranged, num_splits)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
         lse_arranged = lse.tile((1, 1, block_m, 1))
@@ -69,19 +73,22 @@ def paged_arrangement(
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, page, block_d, num_splits),
         _pages(value_cache, batch, heads, m_blocks, page, block_dv, num_splits), table, seqlens, scale, lq_seq,
-        num_pages, output_arranged, lse_arranged, IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
+        num_pages, band_lo, band_hi, softcap, sinks_arranged, output_arranged, lse_arranged, BANDED, WITH_LSE,
+        DOT_PRECISION, SPLIT, PAGES_PER_STEP, SOFTCAP, SINKS,
     )
 
 
 def paged_application(
-    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, output, lse,
-    IS_CAUSAL, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP,
+    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
+    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP, SOFTCAP, SINKS,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), PAGES_PER_STEP pages
     an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton kernel
     makes one tile of them), as ``_paged_fwd``: packed row r is query row r % lq_seq of its
-    head, at position Lk - lq_seq + r % lq_seq (bottom-right); a page entry outside the
-    cache is clamped into it, a length past the table to the table."""
+    head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it sees keys at
+    position + band_lo .. position + band_hi, and the program walks only the pages its rows'
+    bands reach; SOFTCAP and SINKS as there; a page entry outside the cache is clamped into
+    it, a length past the table to the table."""
     q = query
     offs_m = query.offsets(-2)
     PAGE = key_cache.dtype.shape[0]
@@ -89,25 +96,36 @@ def paged_application(
     Lk = ntl.minimum(ntl.sum(cache_seqlens, 0), block_table.source.shape[-1] * PAGE)
     last_key = Lk - lq_seq + offs_m % lq_seq  # the key at each row's position
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
     lo = ntl.min(block_table[0].offsets(-1), 0)  # the split's first page
-    hi = ntl.minimum(lo + block_table.shape[0], ntl.cdiv(Lk, PAGE))
-    for j in range(lo, hi, PAGES_PER_STEP):
+    if SINKS:  # a logit with no value: it starts the online softmax, once per row (the first split's)
+        m_i = ntl.where(lo == 0, sinks * LOG2E, m_i)
+        l_i = ntl.where(lo == 0, 1.0, l_i)
+    # the split's pages that its rows' bands reach; keys from page `end` on are another
+    # split's or no row's (a step's pages past it repeat its last, masked)
+    first, _, _, end = _key_stages(last_key, lo, lo + block_table.shape[0], Lk, band_lo, band_hi, PAGE, BANDED)
+    key_end = ntl.minimum(Lk, end * PAGE)
+    for j in range(first, end, PAGES_PER_STEP):
         # PAGES_PER_STEP pages an iteration, unrolled: their table entries and tiles are
         # independent loads, in flight together (one page of 16 keys an iteration left
         # the loop bound by each load's latency)
         for g in triton.language.static_range(PAGES_PER_STEP):
-            entry = ntl.minimum(j + g, hi - 1) - lo  # past the last page: a masked repeat of it
+            entry = ntl.minimum(j + g, end - 1) - lo  # past the last page: a masked repeat of it
             page = ntl.minimum(ntl.maximum(ntl.sum(block_table[entry], 0), 0), num_pages - 1)
             offs_kn = (j + g) * PAGE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
-            key_ok = offs_kn < Lk
+            key_ok = offs_kn < key_end
             k = key_cache[page]
-            qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
+            else:
+                qk = qk * qk_scale
             valid = key_ok[None, :]
-            if IS_CAUSAL:
-                valid = valid & (offs_kn[None, :] <= last_key[:, None])
+            if BANDED:
+                valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
             qk = ntl.where(valid, qk, float("-inf"))
             m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
             m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
@@ -119,7 +137,7 @@ def paged_application(
             acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             m_i = m_ij
 
-    if WITH_LSE:
+    if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
         lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
     l_i = ntl.where(l_i == 0.0, 1.0, l_i)  # no key (an empty sequence, or a split past its end): 0
     output = acc / l_i[:, None]  # noqa: F841 (a store)
@@ -187,9 +205,11 @@ def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
         _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
         _like(query.shape[:1]),  # cache_seqlens (B,) int32
         Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
+        Tensor(0), Tensor(0), Tensor(0),  # band_lo, band_hi, softcap
+        _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         output,
-        _like(output.shape[:-1]),  # lse (split partials only)
-        *_flags("IS_CAUSAL", "WITH_LSE", "DOT_PRECISION", "SPLIT", "PAGES_PER_STEP"),
+        _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
+        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "PAGES_PER_STEP", "SOFTCAP", "SINKS"),
     )
     return arrangement_, paged_application, tensors
 

@@ -314,7 +314,7 @@ def backward(plan):
 
 def paged_forward(plan):
     """Launch paged attention (and, for split keys, the merge) for a ``common.paged.PagedPlan``.
-    Returns ``plan.out``, filled in."""
+    Returns ``(plan.out, plan.lse)``, filled in (``plan.lse`` None unless ``plan.with_lse``)."""
     q, out = plan.query, plan.out
     B, H, Lq, D = q.shape
     kc, vc = plan.key_cache, plan.value_cache
@@ -323,24 +323,27 @@ def paged_forward(plan):
     if plan.split:
         o, lse, o_strides = plan.o_part, plan.lse_part, plan.o_part.stride()
     else:
-        o, lse, o_strides = out, out, (*out.stride()[:3], 0, out.stride(3))
+        o, lse, o_strides = out, plan.lse if plan.with_lse else out, (*out.stride()[:3], 0, out.stride(3))
+    sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     # (as in forward(): int32 counters whenever split, taken only where the kernel merges)
     kernel_merge = plan.refinement.kernel_merge
     counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else out
+    merged_lse = plan.lse if plan.split and plan.with_lse else out  # never written without MERGE_LSE
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, kc, vc, plan.block_table, plan.cache_seqlens, o, lse, out, counts,
-        *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *o_strides,
+        q, kc, vc, plan.block_table, plan.cache_seqlens, sinks, o, lse, out, merged_lse, counts,
+        *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *sink_strides, *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
-        plan.num_splits, plan.blocks_per_split, int(kernel_merge),
+        plan.num_splits, plan.blocks_per_split, *_band_args(plan), int(kernel_merge),
         num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
-        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, IS_CAUSAL=plan.is_causal, WITH_LSE=plan.split,
-        DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
+        BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None,
+        WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
+        SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, MERGE_LSE=plan.split and plan.with_lse,
     )
     if plan.split and not kernel_merge:
-        _merge_launcher.run(*_merge_launch(plan, Dv, None))
-    return out
+        _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))
+    return out, plan.lse
 
 
 def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int, block_d: int,

@@ -2,8 +2,9 @@
 
 ``_paged_fwd``: the forward of ``impl_triton.kernels`` over keys and values gathered
 page by page through a block table (one sequence per batch entry, its length read on the
-device), with split keys merged as there. ``_append_kv``: new tokens' keys and values
-into their slots.
+device), with split keys merged as there, and its windows (a band around each row's
+position: key blocks outside it never visited), soft-capping, sinks and log-sum-exp.
+``_append_kv``: new tokens' keys and values into their slots.
 """
 
 from __future__ import annotations
@@ -11,22 +12,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from impl_triton.kernels import LN2, LOG2E, _last_split_merges
+from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh
+from impl_triton.kernels import LN2, LOG2E, TANH_APPROX, _last_split_merges
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["kernel_merge"])
 def _paged_fwd(
-    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, O, LSE, OUT, COUNTS,
+    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, SINK, O, LSE, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tz, stride_tb,
+    stride_sz, stride_sh, stride_sm,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
-    H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, kernel_merge,
+    H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, band_lo, band_hi,
+    softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence, BLOCK_N keys per step (BLOCK_N / PAGE pages, gathered key
@@ -37,9 +42,16 @@ def _paged_fwd(
     (clamped to the table's MAX_PAGES * PAGE).
     Rows may be grouped-query heads packed into rows (GROUP = 1 then): row r is
     query row r % LQ_SEQ of its head, at position SEQLENS[z] - LQ_SEQ + r % LQ_SEQ
-    (bottom-right), which IS_CAUSAL keeps to the keys at or before it. SPLIT: O and
-    LSE are the float32 partials (B, H, Lq, NUM_SPLITS[, Dv]) that the last program of
-    each row block merges into OUT (as in _attn_fwd).
+    (bottom-right). BANDED: the row at position p sees keys p + band_lo .. p + band_hi
+    (causal, a window, or both: ``common.paged.paged_band``), and the program visits
+    only the key blocks its rows' bands reach (``_key_stages`` on the rows' positions).
+    SOFTCAP: scores become softcap * tanh(s / softcap) (as ``_attn_fwd``). SINKS: SINK
+    (B, H, Lq; strides) holds each row's sink logit, which starts the online softmax of
+    the split that starts at the first key (m_i = sink, l_i = 1): one split counts it.
+    WITH_LSE: the log-sum-exp (natural log) of each row into LSE, (B, H, Lq) or, SPLIT,
+    the partials' (B, H, Lq, NUM_SPLITS), contiguous. SPLIT: O and LSE are the float32
+    partials that the last program of each row block merges into OUT and, MERGE_LSE,
+    LSE_OUT (B, H, Lq) (as in _attn_fwd).
     """
     start_m = tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
@@ -61,15 +73,23 @@ def _paged_fwd(
     Lk = tl.minimum(tl.load(SEQLENS + off_z), MAX_PAGES * PAGE)  # a bad length reads no entry past the table
     last_key = Lk - LQ_SEQ + offs_m % LQ_SEQ  # the key at each row's position
     qk_scale = scale * LOG2E
+    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo = split * BLOCKS_PER_SPLIT
-    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, tl.cdiv(Lk, BLOCK_N))
+    if SINKS:  # a logit with no value: it starts the online softmax, once per row (the first split's)
+        sink = tl.load(SINK + off_z * stride_sz + off_h * stride_sh + offs_m.to(tl.int64) * stride_sm, mask=m_ok,
+                       other=0.0)
+        m_i = tl.where(lo == 0, sink * LOG2E, m_i)
+        l_i = tl.where(lo == 0, 1.0, l_i)
+    # the split's key blocks that its rows' bands reach (one masked loop: every step may
+    # hold keys past the length, or outside a band)
+    first, _, _, end = _key_stages(last_key, lo, lo + BLOCKS_PER_SPLIT, Lk, band_lo, band_hi, BLOCK_N, BANDED)
     table = TABLE + off_z * stride_tz
     k_base = K_CACHE + off_h_kv * stride_kh + offs_d[None, :] * stride_kd
     v_base = V_CACHE + off_h_kv * stride_vh + offs_dv[None, :] * stride_vd
-    for j in range(lo, hi):
+    for j in range(first, end):
         offs_kn = j * BLOCK_N + offs_n
         key_ok = offs_kn < Lk
         # each key's page (PAGE neighbours share one table entry), clamped into the cache
@@ -78,10 +98,14 @@ def _paged_fwd(
         slot = (offs_kn % PAGE).to(tl.int64)
         k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None], mask=key_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+            qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
+        else:
+            qk = qk * qk_scale
         valid = key_ok[None, :]
-        if IS_CAUSAL:
-            valid = valid & (offs_kn[None, :] <= last_key[:, None])
+        if BANDED:
+            valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
         qk = tl.where(valid, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
@@ -94,7 +118,7 @@ def _paged_fwd(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
 
-    if WITH_LSE:
+    if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
         lse = (m_i + tl.math.log2(l_i)) * LN2
         tl.store(LSE + (off_hz.to(tl.int64) * Lq + offs_m) * NUM_SPLITS + split, lse, mask=m_ok)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # no key (an empty sequence, or a split past its end): 0
@@ -104,8 +128,8 @@ def _paged_fwd(
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
     if SPLIT:
         if kernel_merge != 0:  # (otherwise _merge_kernel's launch merges them, as in _attn_fwd)
-            _last_split_merges(COUNTS, O, LSE, OUT, OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
-                               HEAD_DIM_V, BLOCK_M, BLOCK_DV, False)
+            _last_split_merges(COUNTS, O, LSE, OUT, LSE_OUT, off_hz.to(tl.int64) * Lq + offs_m, m_ok, NUM_SPLITS,
+                               HEAD_DIM_V, BLOCK_M, BLOCK_DV, MERGE_LSE)
 
 
 @triton.jit

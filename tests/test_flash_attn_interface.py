@@ -225,3 +225,193 @@ def test_backend_is_chosen_as_everywhere(monkeypatch):
     monkeypatch.setenv("ATTENTION_BACKEND", "bogus")
     with pytest.raises(ValueError, match="ATTENTION_BACKEND"):
         fa.flash_attn_func(q, k, v)
+
+
+# -- flash_attn_with_kvcache ---------------------------------------------------------------------------
+
+def _kvcache_reference(q, keys, values, **kwargs):
+    """Each sequence over its own keys (lists of (Lk_b, H_kv, D)): (out (B, Lq, H, Dv), lse (B, H, Lq))."""
+    outs, lses = zip(*(_reference(q[b:b + 1], keys[b][None], values[b][None], **kwargs) for b in range(len(keys))))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _appended(cache, rows, seqlens, new):
+    """The cache as FlashAttention leaves it: row rows[b] holds new[b] from position seqlens[b]."""
+    expected = cache.clone()
+    if new is not None:
+        for b, (row, n) in enumerate(zip(rows, seqlens)):
+            expected[row, n:n + new.shape[1]] = new[b]
+    return expected
+
+
+@pytest.mark.parametrize("B_cache,rows,seqlens,L_new,causal,window,softcap,num_splits", [
+    (2, None, None, 0, False, (-1, -1), 0.0, 0),  # the whole cache, nothing appended
+    (2, None, 20, 2, True, (-1, -1), 0.0, 1),  # an int for every sequence, unsplit
+    (2, None, [5, 27], 3, True, (4, 0), 2.0, 3),  # append; a causal window, soft-capped (3 splits of 1 block)
+    (3, [2, 0], [9, 0], 2, False, (-1, -1), 0.0, 0),  # more cache rows than sequences, an empty cache
+    (2, [1, 0], [30, 12], 2, True, (-1, -1), 0.0, 0),  # a permutation; a cache filled to its end
+    (2, None, [0, 1], 0, True, (-1, -1), 0.0, 0),  # no keys, one key: rows that see none (0, lse +inf)
+])
+def test_kvcache_contiguous(backend, B_cache, rows, seqlens, L_new, causal, window, softcap, num_splits):
+    B, S, H, H_kv, D, Lq = 2, 32, 4, 2, 16, 3
+    q = torch.randn(B, Lq, H, D, device=DEVICE, requires_grad=True)
+    k_cache, v_cache = (torch.randn(B_cache, S, H_kv, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) if L_new else None for _ in range(2))
+    before = k_cache.clone(), v_cache.clone()
+    lens = [S] * B if seqlens is None else [seqlens] * B if isinstance(seqlens, int) else seqlens
+    arg = seqlens if not isinstance(seqlens, list) else torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    idx = None if rows is None else torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=arg, cache_batch_idx=idx,
+                                          causal=causal, window_size=window, softcap=softcap,
+                                          num_splits=num_splits, return_softmax_lse=True, backend=backend)
+    rows = list(range(B)) if rows is None else rows
+    expected_k, expected_v = (_appended(c, rows, lens, new) for c, new in zip(before, (k, v)))
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)  # those slots, and only those
+    ends = [n + L_new for n in lens]
+    keys = [expected_k[row, :end] for row, end in zip(rows, ends)]
+    values = [expected_v[row, :end] for row, end in zip(rows, ends)]
+    expected, expected_lse = _kvcache_reference(q.detach(), keys, values, causal=causal, window=window,
+                                                softcap=softcap)
+    assert out.shape == (B, Lq, H, D) and out.is_contiguous() and not out.requires_grad
+    assert lse.shape == (B, H, Lq) and lse.dtype == torch.float32
+    _close(out, expected)
+    _close(lse, expected_lse)  # (+inf for the rows of an empty sequence)
+
+
+@pytest.mark.parametrize("layout", ["slice", "heads_first"])
+def test_kvcache_strided_caches(backend, layout):
+    """Caches whose rows lie more than seqlen_cache positions apart, paged as views all the same:
+    a slice [:, :32] of a 48-key cache, and a (B, H_kv, S, D) cache transposed."""
+    B, S, H, H_kv, D, L_new = 2, 32, 2, 2, 16, 2
+    q = torch.randn(B, 2, H, D, device=DEVICE)
+    if layout == "slice":
+        buffers = [torch.randn(B, 48, H_kv, D, device=DEVICE) for _ in range(2)]
+        k_cache, v_cache = (t[:, :S] for t in buffers)
+    else:
+        buffers = [torch.randn(B, H_kv, S, D, device=DEVICE) for _ in range(2)]
+        k_cache, v_cache = (t.transpose(1, 2) for t in buffers)
+    k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) for _ in range(2))
+    lens = [7, 30]
+    rows = [1, 0]
+    before = [t.clone() for t in buffers]
+    expected_k, expected_v = (_appended(c.clone(), rows, lens, new) for c, new in zip((k_cache, v_cache), (k, v)))
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                     cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+                                     causal=True, backend=backend)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    if layout == "slice":  # (the positions past the slice untouched)
+        assert all(torch.equal(t[:, S:], old[:, S:]) for t, old in zip(buffers, before))
+    expected, _ = _kvcache_reference(q, [expected_k[r, :n + L_new] for r, n in zip(rows, lens)],
+                                     [expected_v[r, :n + L_new] for r, n in zip(rows, lens)], causal=True)
+    _close(out, expected)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_num_splits(backend, monkeypatch, num_splits):
+    """num_splits reaches the planner: 384 keys (pages of 64, three key blocks of the interpreter's 128)."""
+    import common.paged as paged
+
+    launched = []
+    launch = paged._launch
+    monkeypatch.setattr(paged, "_launch", lambda chosen, plan: launched.append(plan.num_splits) or launch(chosen, plan))
+    B, S, H, H_kv, D = 2, 384, 2, 1, 16
+    q = torch.randn(B, 2, H, D, device=DEVICE)
+    k_cache, v_cache = (torch.randn(B, S, H_kv, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, 2, H_kv, D, device=DEVICE) for _ in range(2))
+    lens = [100, 382]
+    before = k_cache.clone(), v_cache.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE), causal=True,
+                                     num_splits=num_splits, backend=backend)
+    assert launched == [num_splits]
+    expected_k, expected_v = (_appended(c, range(B), lens, new) for c, new in zip(before, (k, v)))
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    expected, _ = _kvcache_reference(q, [expected_k[b, :lens[b] + 2] for b in range(B)],
+                                     [expected_v[b, :lens[b] + 2] for b in range(B)], causal=True)
+    _close(out, expected)
+
+
+def test_kvcache_paged(backend):
+    """A shuffled block table of 16-key pages, grouped heads, an append across a page boundary."""
+    B, H, H_kv, D, Lq, page, L_new = 2, 4, 1, 16, 2, 16, 3
+    num_blocks, per_seq = 7, 3
+    q = torch.randn(B, Lq, H, D, device=DEVICE)
+    k_cache, v_cache = (torch.randn(num_blocks, page, H_kv, D, device=DEVICE) for _ in range(2))
+    table = torch.randperm(num_blocks, device=DEVICE)[:B * per_seq].view(B, per_seq).to(torch.int32)
+    k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) for _ in range(2))
+    lens = [14, 40]
+    before = k_cache.clone(), v_cache.clone()
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                          cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                          block_table=table, causal=True, window_size=(5, -1), softcap=3.0,
+                                          return_softmax_lse=True, backend=backend)
+    expected_caches = []
+    for cache, new in zip(before, (k, v)):
+        dense = cache[table.long()].flatten(1, 2)  # (B, per_seq * page, H_kv, D): each sequence's keys in order
+        dense = _appended(dense, range(B), lens, new)
+        written = cache.clone()
+        written[table.long()] = dense.view(B, per_seq, page, H_kv, D)
+        expected_caches.append((written, dense))
+    (expected_k, keys), (expected_v, values) = expected_caches
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    ends = [n + L_new for n in lens]
+    expected, expected_lse = _kvcache_reference(q, [keys[b, :ends[b]] for b in range(B)],
+                                                [values[b, :ends[b]] for b in range(B)], causal=True,
+                                                window=(5, -1), softcap=3.0)
+    _close(out, expected)
+    _close(lse, expected_lse)
+    plain = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(ends, dtype=torch.int32),
+                                       block_table=table, causal=True, window_size=(5, -1), softcap=3.0,
+                                       backend=backend)  # the same cache, nothing appended
+    _close(plain, expected)
+
+
+def test_kvcache_refusals_leave_the_cache_alone():
+    q = torch.randn(2, 1, 2, 16, device=DEVICE)
+    k_cache, v_cache = (torch.randn(2, 32, 2, 16, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 16, device=DEVICE) for _ in range(2))
+    before = k_cache.clone()
+    seqlens = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
+    ones = torch.ones(2, 8, device=DEVICE)
+    for kwargs, error, words in [
+        (dict(rotary_cos=ones, rotary_sin=ones), NotImplementedError, "rotary_cos"),
+        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "cache_leftpad"),
+        (dict(alibi_slopes=torch.ones(2, device=DEVICE)), NotImplementedError, "alibi_slopes"),
+        (dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
+              cache_batch_idx=torch.zeros(2, dtype=torch.int32, device=DEVICE)), ValueError, "cache_batch_idx"),
+        (dict(num_splits=-1), ValueError, "num_splits"),
+        (dict(softmax_scale="0.5"), TypeError, "softmax_scale"),
+        (dict(window_size=(1,)), TypeError, "window_size"),
+        (dict(softcap=3.0, backend="torch"), ValueError, "softcap"),
+        (dict(cache_seqlens=seqlens.long()), ValueError, "cache_seqlens"),
+        (dict(cache_seqlens=None), ValueError, "cache_seqlens"),
+        (dict(cache_seqlens=32), ValueError, "cache_seqlens"),  # (no room for k)
+        (dict(cache_batch_idx=torch.tensor([0, 1], device=DEVICE)), ValueError, "cache_batch_idx"),
+    ]:
+        kwargs = {"cache_seqlens": seqlens, **kwargs}
+        with pytest.raises(error, match=words):
+            fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    with pytest.raises(ValueError, match="k and v come together"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, cache_seqlens=seqlens)
+    with pytest.raises(ValueError, match="k and v must be"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k[:, :, :1], v[:, :, :1], cache_seqlens=seqlens)
+    assert torch.equal(k_cache, before)
+    odd = torch.randn(2, 40, 2, 16, device=DEVICE)  # 40 keys: no page of 16 or more divides it
+    with pytest.raises(NotImplementedError, match="multiple of 16"):
+        fa.flash_attn_with_kvcache(q, odd, odd.clone(), k, v, cache_seqlens=seqlens)
+    batch_minor = torch.randn(32, 2, 16, 2, device=DEVICE).permute(3, 0, 1, 2)  # batch stride 1
+    with pytest.raises(NotImplementedError, match="batch stride"):
+        fa.flash_attn_with_kvcache(q, batch_minor, v_cache, k, v, cache_seqlens=seqlens)
+    longer = torch.randn(2, 48, 2, 16, device=DEVICE)[:, :32]  # rows 48 positions apart, v_cache's 32
+    with pytest.raises(NotImplementedError, match="same number of positions apart"):
+        fa.flash_attn_with_kvcache(q, longer, v_cache, k, v, cache_seqlens=seqlens)
+    with pytest.raises(NotImplementedError, match="multiple of 16"):
+        fa.flash_attn_with_kvcache(q, *(torch.randn(2, 40, 2, 16, device=DEVICE)[:, :32] for _ in range(2)), k, v,
+                                   cache_seqlens=seqlens)  # rows 40 positions apart
+    pages = torch.randn(4, 24, 2, 16, device=DEVICE)  # pages of 24 keys: the kernels take powers of two
+    pages_before = pages.clone()
+    with pytest.raises(ValueError, match="page_size"):
+        fa.flash_attn_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=seqlens,
+                                   block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(k_cache, before) and torch.equal(pages, pages_before)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -40,21 +41,40 @@ def _cache(lens, H_kv, D, Dv, page, dtype, spare=3):
     return key_cache, value_cache, block_table, seqlens, keys, values
 
 
-def _reference(query, keys, values, is_causal):
-    """Each sequence's queries against its dense keys, in float64 (bottom-right causal); rows with no key: 0."""
-    outs = []
+def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sinks=None, with_lse=False):
+    """Each sequence's queries against its dense keys, in float64, from the definition: row i of a
+    sequence of Lk keys sits at position p = Lk - Lq + i and sees keys j < Lk with j <= p (causal) and
+    p - left <= j <= p + right (window; -1 unbounded); scores scaled, then softcap * tanh(s / softcap);
+    a head's sink logit joins each row's denominator with no value. Rows with no key: 0 (lse -inf,
+    or the sink's logit). with_lse: also the (B, H, Lq) log-sum-exp."""
+    outs, lses = [], []
     group = query.shape[1] // keys[0].shape[0]
     for b, (k, v) in enumerate(zip(keys, values)):
         q = query[b].double()
         k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
         Lq, Lk = q.shape[1], k.shape[1]
         s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
+        j = torch.arange(Lk, device=q.device)[None, :]
+        keep = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
         if is_causal:
-            keep = torch.arange(Lk, device=q.device)[None, :] <= torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
-            s = s.masked_fill(~keep, float("-inf"))
-        p = torch.softmax(s, -1).nan_to_num(0.0) if Lk else s.new_zeros(s.shape)
-        outs.append(p @ v if Lk else q.new_zeros(q.shape[0], Lq, v.shape[-1]))
-    return torch.stack(outs)
+            keep &= j <= pos
+        if window is not None and window[0] >= 0:
+            keep &= j >= pos - window[0]
+        if window is not None and window[1] >= 0:
+            keep &= j <= pos + window[1]
+        s = s.masked_fill(~keep, float("-inf"))
+        if sinks is not None:  # a column of each head's sink logit, with no value
+            s = torch.cat([s, sinks.double()[:, None, None].expand(-1, Lq, 1)], -1)
+            v = torch.cat([v, v.new_zeros(v.shape[0], 1, v.shape[2])], 1)
+        lse = s.logsumexp(-1)
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        outs.append(p @ v if s.shape[-1] else q.new_zeros(q.shape[0], Lq, v.shape[-1]))
+        lses.append(lse)
+    out = torch.stack(outs)
+    return (out, torch.stack(lses)) if with_lse else out
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
@@ -263,12 +283,20 @@ def test_paged_without_host_sync(backend, monkeypatch):
 
     for name in ("item", "tolist", "__int__", "__bool__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
+    sinks = torch.randn(2, device=DEVICE)
+    features = dict(window=(4, 0), softcap=1.5, sinks=sinks, return_lse=True)
     try:
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, backend=backend)
+        with_features, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, backend=backend,
+                                             **features)
         append_kv(key_cache, value_cache, block_table, seqlens, new, new, backend=backend)
     finally:
         monkeypatch.undo()
     torch.testing.assert_close(out.double(), _reference(query, keys, values, False), rtol=2e-4, atol=2e-4)
+    expected, expected_lse = _reference(query, keys, values, False, window=(4, 0), softcap=1.5, sinks=sinks,
+                                        with_lse=True)
+    torch.testing.assert_close(with_features.double(), expected, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=2e-4, atol=2e-4)
 
 
 def test_paged_errors():
@@ -414,3 +442,169 @@ def test_append_checks_a_layout_once(backend, monkeypatch):
     monkeypatch.setattr(paged, "_check_caches", check_caches)
     with pytest.raises(ValueError, match="value must be"):
         append_kv(key_cache, value_cache, block_table, lengths, new[2], new[3][:, :, :, :8], backend=backend)
+
+
+# -- windows, soft-capping, sinks and the log-sum-exp ----------------------------------------
+
+FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the first sequence's keys span 3 blocks on a CPU
+    "window": ([300, 0, 5, 37], 3, 4, 2, 16, False, dict(window=(150, 2))),  # an empty and a shorter sequence
+    "window_causal": ([290, 3, 33], 2, 2, 2, 16, True, dict(window=(20, -1))),  # 3 keys: shorter than its window
+    "softcap": ([270, 21], 2, 4, 2, 64, True, dict(softcap=0.7)),
+    "sinks": ([280, 0, 21], 1, 4, 2, 64, False, dict(sinks=True)),  # GQA (unpacked: sinks are per head)
+    "lse": ([300, 0, 21], 3, 4, 1, 32, True, dict(return_lse=True)),  # MQA, packed rows
+    # (the first sequence's window misses the first split: its sink joins through a split with no key)
+    "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(150, 0), softcap=0.9, sinks=True, return_lse=True)),
+}
+
+
+def _feature_call(backend, name, splits, dtype=f32):
+    """paged_attention with one FEATURES case (fresh inputs; sinks=True: random sink logits) against
+    the float64 reference: (out, expected, lse, expected lse or None)."""
+    lens, Lq, H, H_kv, page, is_causal, keywords = FEATURES[name]
+    keywords = dict(keywords)
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, 16, 16, page, dtype)
+    query = torch.randn(len(lens), H, Lq, 16, device=DEVICE, dtype=dtype)
+    if keywords.get("sinks") is True:
+        keywords["sinks"] = torch.randn(H, device=DEVICE)
+    with force_splits(splits or 1):
+        result = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=H_kv < H,
+                                 backend=backend, **keywords)
+    expected = _reference(query, keys, values, is_causal, window=keywords.get("window"),
+                          softcap=keywords.get("softcap"), sinks=keywords.get("sinks"), with_lse=True)
+    if keywords.get("return_lse"):
+        return result[0], expected[0], result[1], expected[1]
+    return result, expected[0], None, None
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_features(backend, name, splits):
+    """Each feature alone and all together, unsplit and with the keys split in 3, against the reference."""
+    out, expected, lse, expected_lse = _feature_call(backend, name, splits)
+    lens, Lq, H = FEATURES[name][:3]
+    assert out.shape == (len(lens), H, Lq, 16) and out.dtype == f32
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+    if lse is not None:
+        assert lse.shape == (len(lens), H, Lq) and lse.dtype == f32
+        torch.testing.assert_close(lse.double(), expected_lse, rtol=2e-4, atol=2e-4)
+        if "sinks" not in FEATURES[name][6]:
+            assert bool(torch.isneginf(lse[1]).all()), "the empty sequence's rows: lse -inf"
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_features_half(backend, splits):
+    """Every feature together on float16 caches (on a GPU: the soft-cap's tanh.approx.f32 kind)."""
+    out, expected, lse, expected_lse = _feature_call(backend, "all", splits, dtype=f16)
+    assert out.dtype == f16 and lse.dtype == f32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("window, splits", [((20, 0), None), ((20, 0), 3), ((130, 0), 3)])
+def test_paged_window_reads_only_its_window(backend, window, splits):
+    """A sliding-window decode visits only the key blocks its window reaches: keys and values in
+    the blocks before it are NaN, and the answer is still right (one visit would make it NaN).
+    A window the planner would not split runs unsplit, split keys forced or not."""
+    import common.paged as paged
+
+    lens, page = [400, 300], 16
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, page, f32)
+    query = torch.randn(2, 2, 1, 16, device=DEVICE)
+    with force_splits(splits or 1):
+        plan = paged._make_plan(get_backend(backend), query, key_cache, value_cache, block_table, seqlens, True,
+                                None, window=window)
+        assert plan.split == (window[0] > plan.config.block_n and splits is not None)
+        block_n = plan.config.block_n
+        for b, n in enumerate(lens):
+            unread = (n - 1 - window[0]) // block_n * block_n  # the keys of the blocks before the window
+            for cache in (key_cache, value_cache):
+                cache[block_table[b, :unread // page].long()] = float("nan")
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, window=window,
+                              backend=backend)
+    torch.testing.assert_close(out.double(), _reference(query, keys, values, True, window=window), rtol=2e-4,
+                               atol=2e-4)
+
+
+def test_paged_features_plan_reuse(backend):
+    """The window, softcap, sinks and return_lse are part of the template's key: a call with them
+    never reuses the plan of a call without; new sink logits are read on reuse."""
+    import common.paged as paged
+
+    paged._templates.clear()
+    lens = [40, 7]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
+    query = torch.randn(2, 2, 2, 16, device=DEVICE)
+    calls = [dict(), dict(window=(5, 0)), dict(window=(5, 0), softcap=1.0), dict(sinks=torch.randn(2, device=DEVICE)),
+             dict(sinks=torch.randn(2, device=DEVICE)), dict(return_lse=True)]
+    for keywords in calls:
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, backend=backend, **keywords)
+        out = out[0] if keywords.get("return_lse") else out
+        expected = _reference(query, keys, values, True, window=keywords.get("window"),
+                              softcap=keywords.get("softcap"), sinks=keywords.get("sinks"))
+        torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+    assert len(paged._templates) == 5  # (the two sinks calls share one)
+
+
+def test_paged_reference_backend_window_and_lse():
+    """The torch backend takes a window (a boolean mask) and returns the log-sum-exp."""
+    lens = [40, 0, 9]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
+    query = torch.randn(3, 4, 3, 16, device=DEVICE)
+    out, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
+                               window=(4, -1), return_lse=True, backend="torch")
+    expected, expected_lse = _reference(query, keys, values, True, window=(4, -1), with_lse=True)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_feature_errors():
+    """Bad windows, soft-caps, sinks and return_lse: the dense path's messages, before any launch;
+    the torch backend refuses softcap and sinks as attention() does."""
+    key_cache, value_cache, block_table, seqlens, _, _ = _cache([20, 3], 2, 16, 16, 16, f32)
+    q = torch.randn(2, 2, 1, 16, device=DEVICE)
+    args = (q, key_cache, value_cache, block_table, seqlens)
+    bad = [
+        (dict(window=(-2, 0)), ValueError, "window's left bound must be >= 0"),
+        (dict(window=(3,)), TypeError, "window must be None or a pair"),
+        (dict(window=(1.5, 0)), TypeError, "window's left bound must be an int"),
+        (dict(softcap=0.0), ValueError, "softcap must be a positive number"),
+        (dict(softcap="2"), TypeError, "softcap must be a real number"),
+        (dict(sinks=torch.zeros(3, device=DEVICE)), ValueError, r"sinks must have shape \(2,\)"),
+        (dict(sinks=torch.zeros(2, dtype=torch.int32, device=DEVICE)), TypeError, "sinks must be a float tensor"),
+        (dict(sinks=[0.0, 0.0]), TypeError, "sinks must be a torch.Tensor"),
+        (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+        (dict(softcap=2.0, backend="torch"), ValueError, "the 'torch' backend cannot soft-cap scores"),
+        (dict(sinks=torch.zeros(2, device=DEVICE), backend="torch"), ValueError,
+         "the 'torch' backend has no attention sinks"),
+    ]
+    for keywords, error, message in bad:
+        with pytest.raises(error, match=message):
+            paged_attention(*args, **keywords)
+
+
+def test_paged_no_query_rows_with_lse(backend):
+    """No query rows: an empty output and an empty log-sum-exp, nothing launched."""
+    key_cache, value_cache, block_table, seqlens, _, _ = _cache([20, 3], 2, 16, 16, 16, f32)
+    out, lse = paged_attention(torch.randn(2, 2, 0, 16, device=DEVICE), key_cache, value_cache, block_table, seqlens,
+                               window=(3, 0), return_lse=True, backend=backend)
+    assert out.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0) and lse.dtype == f32
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a GPU's kinds: tanh.approx.f32 soft-capping, its tiles, its splits")
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_features_on_gpu(backend, page):
+    """Decode and a few speculative tokens over a long bf16 cache with the features together (a
+    sliding window or none, softcap, sinks, lse): the planner's own splits (merged in the kernel)
+    and forced ones, against the float64 reference."""
+    lens, H, H_kv, D = [8000, 1, 5000], 32, 8, 128
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, D, page, torch.bfloat16)
+    sinks = torch.randn(H, device=DEVICE)
+    for Lq, window, splits in [(1, (128, 0), None), (1, None, None), (4, (1000, 0), 4), (1, None, 4)]:
+        query = torch.randn(3, H, Lq, D, device=DEVICE, dtype=torch.bfloat16)
+        with force_splits(splits) if splits else contextlib.nullcontext():
+            out, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
+                                       window=window, softcap=2.0, sinks=sinks, return_lse=True, backend=backend)
+        expected, expected_lse = _reference(query, keys, values, True, window=window, softcap=2.0, sinks=sinks,
+                                            with_lse=True)
+        torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse.double(), expected_lse, rtol=2e-2, atol=2e-2)
