@@ -1,5 +1,5 @@
 """The ``@triton.jit`` helpers both backends' kernels call: dropout's mask, tanh, the
-soft-cap's factors, a band's test and a band's key-block stages.
+soft-cap's factors, ALiBi's bias, a band's test and a band's key-block stages.
 
 The Triton kernels call them as any jit function. NineToothed copies the source of every
 ``@triton.jit`` function in an application's module into the code it generates, so
@@ -75,6 +75,14 @@ def _cap_factors(scale, softcap, SOFTCAP: triton.language.constexpr):
 
 
 @triton.jit
+def _alibi_bias(rows, keys, slope, shift):
+    """(M, N): ALiBi's bias -slope * |rows + shift - keys| for ``rows`` (M,) at positions rows + shift
+    and ``keys`` (N,) (|.| is symmetric: rows and keys swapped, it gives the transposed bias);
+    ``slope``: a scalar in the scores' units (the kernels' base 2: the head's slope times log2(e))."""
+    return -slope * tl.abs((rows + shift)[:, None] - keys[None, :]).to(tl.float32)
+
+
+@triton.jit
 def _in_band(rows, keys, band_lo, band_hi):
     """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi (band_lo and
     band_hi: scalars, or (M,) vectors of per-row offsets)."""
@@ -107,4 +115,4 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
 
 
 # What impl_ninetoothed puts in each generated module under the interpreter.
-JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _in_band, _key_stages)
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _alibi_bias, _in_band, _key_stages)
