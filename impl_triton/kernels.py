@@ -146,7 +146,7 @@ def _attn_fwd_inner(
             else:
                 qk = qk * qk_scale
             if ALIBI:  # after the cap, before any mask
-                qk += _alibi_bias(offs_m, offs_kn, alibi, alibi_shift)
+                qk = qk + _alibi_bias(offs_m, offs_kn, alibi, alibi_shift)
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -478,7 +478,7 @@ def _attn_bwd_dq_inner(
             else:
                 qk = qk * qk_scale
             if ALIBI:
-                qk += _alibi_bias(offs_m, offs_kn, alibi, alibi_shift)
+                qk = qk + _alibi_bias(offs_m, offs_kn, alibi, alibi_shift)
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -648,7 +648,7 @@ def _attn_bwd_dkdv_inner(
             else:
                 qkT = qkT * qk_scale
             if ALIBI:  # (keys x rows: |j - pos_i| = |pos_i - j|)
-                qkT += _alibi_bias(offs_kn, offs_qm + alibi_shift, alibi, 0)
+                qkT = qkT + _alibi_bias(offs_kn, offs_qm + alibi_shift, alibi, 0)
             if MASKED and BANDED:
                 row_lo, row_hi = _row_band(row_lo_ptr, row_hi_ptr, offs_qm, m_ok, band_lo, band_hi, BANDED)
                 qkT = tl.where(tl.trans(_in_band(offs_qm, offs_kn, row_lo, row_hi)), qkT, float("-inf"))
