@@ -45,7 +45,7 @@ import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
-from common.jit_helpers import _alibi_bias, _cap_factors, _dropout_keep, _in_band, _key_stages, _tanh
+from common.jit_helpers import _alibi_bias, _cap_factors, _dropout_keep, _in_band, _key_stages, _scores, _tanh
 from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
 from impl_ninetoothed.tiles import (
     _group_row_blocks,
@@ -63,6 +63,7 @@ from impl_ninetoothed.tiles import (
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
+_SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed copies them with _scores)
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
@@ -142,12 +143,9 @@ def _attn_fwd_inner(
         k = key[j - first]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
-            else:
-                qk = qk * qk_scale
-            if ALIBI:  # after the cap, before any mask
-                qk = qk + _alibi_bias(offs_m, key[j - first].offsets(-2), alibi, alibi_shift)
+            # soft-capped (or scaled) and ALiBi's bias added, in base 2
+            qk, cap = _scores(qk, offs_m, key[j - first].offsets(-2), qk_scale, cap_in, cap_out, alibi, alibi_shift,
+                              SOFTCAP, ALIBI)
             if MASKED:
                 offs_n = key[j - first].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
@@ -366,13 +364,8 @@ def _attn_bwd_dq_inner(
         v = value[j]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            if SOFTCAP:
-                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
-                qk = cap * cap_out
-            else:
-                qk = qk * qk_scale
-            if ALIBI:
-                qk = qk + _alibi_bias(offs_m, key[j].offsets(-2), alibi, alibi_shift)
+            qk, cap = _scores(qk, offs_m, key[j].offsets(-2), qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP,
+                              ALIBI)
             if MASKED:
                 offs_n = key[j].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
@@ -515,13 +508,9 @@ def _attn_bwd_dkdv_inner(
         m2 = ntl.where(lse_i == float("-inf"), float("inf"), lse_i * LOG2E)
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            if SOFTCAP:
-                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
-                qkT = capT * cap_out
-            else:
-                qkT = qkT * qk_scale
-            if ALIBI:  # (keys x rows: |j - pos_i| = |pos_i - j|)
-                qkT = qkT + _alibi_bias(offs_kn, query[g, i].offsets(-2) + alibi_shift, alibi, 0)
+            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|)
+            qkT, capT = _scores(qkT, offs_kn, query[g, i].offsets(-2) + alibi_shift, qk_scale, cap_in, cap_out,
+                                alibi, 0, SOFTCAP, ALIBI)
             if MASKED and BANDED:
                 offs_qm = query[g, i].offsets(-2)
                 row_lo = band_lo

@@ -75,14 +75,13 @@ import triton
 import triton.language as tl
 
 from common import plan as _plan
-from common.jit_helpers import _alibi_bias, _cap_factors, _dropout_keep, _in_band, _key_stages, _tanh
+from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _scores
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
 NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
 BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
-TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 ROW_BANDS = tl.constexpr(_plan.ROW_BANDS)
 UNBOUNDED = tl.constexpr(_plan.UNBOUNDED)
 
@@ -141,12 +140,8 @@ def _attn_fwd_inner(
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
-            else:
-                qk = qk * qk_scale
-            if ALIBI:  # after the cap, before any mask
-                qk = qk + _alibi_bias(offs_m, offs_kn, alibi, alibi_shift)
+            # soft-capped (or scaled) and ALiBi's bias added, in base 2
+            qk, cap = _scores(qk, offs_m, offs_kn, qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP, ALIBI)
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -472,13 +467,7 @@ def _attn_bwd_dq_inner(
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            if SOFTCAP:
-                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
-                qk = cap * cap_out
-            else:
-                qk = qk * qk_scale
-            if ALIBI:
-                qk = qk + _alibi_bias(offs_m, offs_kn, alibi, alibi_shift)
+            qk, cap = _scores(qk, offs_m, offs_kn, qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP, ALIBI)
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -642,13 +631,9 @@ def _attn_bwd_dkdv_inner(
         m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            if SOFTCAP:
-                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
-                qkT = capT * cap_out
-            else:
-                qkT = qkT * qk_scale
-            if ALIBI:  # (keys x rows: |j - pos_i| = |pos_i - j|)
-                qkT = qkT + _alibi_bias(offs_kn, offs_qm + alibi_shift, alibi, 0)
+            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|)
+            qkT, capT = _scores(qkT, offs_kn, offs_qm + alibi_shift, qk_scale, cap_in, cap_out, alibi, 0, SOFTCAP,
+                                ALIBI)
             if MASKED and BANDED:
                 row_lo, row_hi = _row_band(row_lo_ptr, row_hi_ptr, offs_qm, m_ok, band_lo, band_hi, BANDED)
                 qkT = tl.where(tl.trans(_in_band(offs_qm, offs_kn, row_lo, row_hi)), qkT, float("-inf"))
