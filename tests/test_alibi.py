@@ -143,3 +143,30 @@ def test_bad_alibi_slopes(slopes, error, words):
     for backend in ("triton", "ninetoothed", "torch"):
         with pytest.raises(error, match=words):
             attention(q, q, q, backend=backend, alibi_slopes=slopes)
+
+
+def test_alibi_through_the_operators(backend):
+    """torch.library's checks of the operators given slopes, and one torch.compile graph (fullgraph) with them."""
+    import torch._dynamo
+
+    from common.ops import OPS
+
+    forward_op, backward_op = OPS[backend]
+    q, k, v = (torch.randn(1, 4, 20, 16, device=DEVICE) for _ in range(3))
+    slopes = torch.rand(4, device=DEVICE).expand(1, 4)
+    args = (q, k[:, :2, :13], v[:, :2, :13], None, True, 0.3, 0.0, None, [-1, -1, 1], 0.0, None, None, slopes)
+    torch.library.opcheck(forward_op, args)
+    out, lse = forward_op(*args)
+    torch.library.opcheck(backward_op, (torch.randn_like(out), *args[:3], None, out, lse, None, True, 0.3, 0.0, None,
+                                        [-1, -1, 1], 0.0, None, slopes))
+    torch._dynamo.reset()
+
+    def loss_fn(q, k, v):
+        return attention(q, k, v, is_causal=True, backend=backend, alignment="bottom_right",
+                         alibi_slopes=slopes[0]).square().sum()
+
+    leaves = [t.requires_grad_() for t in (q, k[:, :, :13].clone(), v[:, :, :13].clone())]
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    expected = torch.autograd.grad(loss_fn(*leaves), leaves)
+    for got, want in zip(torch.autograd.grad(compiled(*leaves), leaves), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
