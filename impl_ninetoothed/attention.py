@@ -494,8 +494,7 @@ def backward(plan):
           num_warps=config.num_warps, num_stages=config.num_stages, wide=wide)(
         q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
         plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), *_alibi_args(plan),
-        plan.delta,
-        plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
+        plan.delta, plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
     )
     rows = (q, plan.grad_out, plan.lse, plan.delta)
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
