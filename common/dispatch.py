@@ -96,7 +96,8 @@ def attention(
             value (gpt-oss's attention sinks); the log-sum-exp includes it, a
             row with no visible key gives 0. Differentiable (sinks.grad).
         alibi_slopes: None, or a float32 tensor (H,) or (B, H) on the query's
-            device, finite (ALiBi, FlashAttention's convention): adds
+            device (ALiBi, FlashAttention's convention; read as they are, with
+            no host sync to check their values): adds
             ``-slope[b, h] * |pos_i - j|`` to the score of query row i and key j
             (pos_i under ``alignment``), after soft-capping and before any mask
             (a masked score stays masked). The slopes get no gradient (as in

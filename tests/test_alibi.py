@@ -132,7 +132,6 @@ def test_alibi_slopes_get_no_gradient(backend):
     (torch.ones(2, dtype=torch.float16), TypeError, "alibi_slopes must be a float32 tensor, got float16"),
     (torch.ones(3), ValueError, r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),
     (torch.ones(1, 2, 1), ValueError, "alibi_slopes must have shape"),
-    (torch.tensor([1.0, float("nan")]), ValueError, "alibi_slopes must be finite"),
     ([1.0, 1.0], TypeError, "alibi_slopes must be a torch.Tensor or None, got list"),
     (torch.ones(2, device="meta"), ValueError, "alibi_slopes is on meta but query is on"),
 ])
