@@ -5,8 +5,8 @@ the backend (``common.backends``), then either the backend's registered
 operator (``common.ops``; when an input needs a gradient or ``torch.compile``
 is tracing) or, where nobody is watching, the same operator body called
 directly. The body plans the call (``common.plan``) and the backend launches
-its kernels for that plan. A plain call (no mask, dropout, window, soft-capping
-or sinks) runs the plan kept for its layout (``common.reuse.PLANS``), made by
+its kernels for that plan. A plain call (no mask, dropout, window, soft-capping,
+sinks or ALiBi) runs the plan kept for its layout (``common.reuse.PLANS``), made by
 the first call of that layout: later ones neither validate nor plan again.
 """
 
@@ -37,6 +37,7 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -94,6 +95,14 @@ def attention(
             that joins every row's softmax denominator and contributes no
             value (gpt-oss's attention sinks); the log-sum-exp includes it, a
             row with no visible key gives 0. Differentiable (sinks.grad).
+        alibi_slopes: None, or a float32 tensor (H,) or (B, H) on the query's
+            device (ALiBi, FlashAttention's convention; read as they are, with
+            no host sync to check their values): adds
+            ``-slope[b, h] * |pos_i - j|`` to the score of query row i and key j
+            (pos_i under ``alignment``), after soft-capping and before any mask
+            (a masked score stays masked). The slopes get no gradient (as in
+            FlashAttention): a slopes tensor that requires grad is used as a
+            constant.
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
@@ -103,18 +112,19 @@ def attention(
         TypeError, ValueError: for bad input, before any kernel launches.
     """
     if (attn_mask is None and dropout_seed is None and window is None and softcap is None and sinks is None
-            and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"):
+            and alibi_slopes is None and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"):
         again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
         if again is not None:
             return again
     return full_attention(query, key, value, is_causal, scale, attn_mask=attn_mask, dropout_p=dropout_p,
                           enable_gqa=enable_gqa, backend=backend, return_lse=return_lse, dropout_seed=dropout_seed,
-                          alignment=alignment, window=window, softcap=softcap, sinks=sinks)
+                          alignment=alignment, window=window, softcap=softcap, sinks=sinks,
+                          alibi_slopes=alibi_slopes)
 
 
 def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=None, dropout_p=0.0,
                    enable_gqa=False, backend=None, return_lse=False, dropout_seed=None, alignment="top_left",
-                   window=None, softcap=None, sinks=None):
+                   window=None, softcap=None, sinks=None, alibi_slopes=None):
     """:func:`attention` without a kept plan: validated, planned and launched afresh (through
     the backend's operator where autograd or ``torch.compile`` watches)."""
     chosen = resolve(backend)
@@ -122,14 +132,14 @@ def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
-        alignment=alignment, window=window, softcap=softcap, sinks=sinks,
+        alignment=alignment, window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
     )
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
     if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
                                                     call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
-                                                    *ops.extras(call), call.sinks)
+                                                    *ops.extras(call), call.sinks, None, call.alibi_slopes)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
@@ -157,6 +167,7 @@ def attention_backward(
     alignment: str = "top_left",
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """The gradients of :func:`attention` with respect to query, key and value.
 
@@ -167,7 +178,7 @@ def attention_backward(
     Args:
         grad_out: (B, H, Lq, Dv) or (H, Lq, Dv): the gradient of the output.
         query, key, value, attn_mask, is_causal, scale, enable_gqa, backend,
-            alignment, window, softcap: as given to :func:`attention` for the forward call.
+            alignment, window, softcap, alibi_slopes: as given to :func:`attention` for the forward call.
         out: the forward's output, (B, H, Lq, Dv) or (H, Lq, Dv).
         lse: the forward's log-sum-exp (``return_lse=True``), float32,
             (B, H, Lq) or (H, Lq). (With attention sinks it includes them, which
@@ -189,13 +200,13 @@ def attention_backward(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=False, dropout_seed=dropout_seed,
-        alignment=alignment, window=window, softcap=softcap,
+        alignment=alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
     )
     grad_out, out, lse, grad_lse = check_backward(chosen, call, grad_out, out, lse, grad_lse)
     if torch.compiler.is_compiling():
         grads = ops.OPS[chosen.name][1](grad_out, call.query, call.key, call.value, call.attn_mask, out, lse,
                                         grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
-                                        *ops.extras(call))
+                                        *ops.extras(call), None, call.alibi_slopes)
     else:
         grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)

@@ -15,6 +15,9 @@ semantics:
   bound of 0). A row that sees no key gives 0 and a log-sum-exp of ``+inf``.
 - ``softcap``: anything > 0 soft-caps the scaled scores, ``softcap * tanh(s / softcap)``;
   0 (or less) is none.
+- ``alibi_slopes`` (dense functions): float32, (nheads,) or (batch, nheads); adds
+  ``-slope * |i + seqlen_k - seqlen_q - j|`` to the (soft-capped) score of query row i
+  and key j. The slopes get no gradient (as FlashAttention's).
 - Grouped-query attention by the key/value heads alone: ``nheads`` a multiple of ``nheads_k``.
 - ``softmax_scale=None`` is ``1 / sqrt(head_dim)``; ``dropout_p`` applies whenever it is > 0.
 - ``deterministic`` is accepted and has nothing to choose: our backward is always
@@ -50,8 +53,9 @@ the output does not require grad). Its caches:
   nowhere to go). ``num_splits``: 0 leaves the split to the planner, n >= 1 is
   ``common.plan.force_splits(n)``. ``return_softmax_lse`` returns ``(out, softmax_lse)``.
 
-Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``,
-``block_table`` in the variable-length functions, and ``rotary_cos``/``rotary_sin`` and
+Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``
+and ``block_table`` in the variable-length functions, ``alibi_slopes`` in
+``flash_attn_with_kvcache``, and ``rotary_cos``/``rotary_sin`` and
 ``cache_leftpad`` in ``flash_attn_with_kvcache``.
 """
 
@@ -89,13 +93,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``(out, softmax_lse (B, H, Lq) float32, S_dmask)``. Differentiable in q, k and v. The other
     arguments as FlashAttention 2's (module docstring)."""
     _check_dims(q=(q, 4), k=(k, 4), v=(v, 4))
-    _refuse(alibi_slopes=alibi_slopes, deterministic=deterministic)
+    _refuse(deterministic=deterministic)
     Lq, Lk = q.shape[1], k.shape[1]
-    is_causal, window, alignment = _mask(causal, window_size, Lq, Lk)
+    is_causal, window, alignment = _mask(causal, window_size, Lq, Lk, alibi_slopes is not None)
     with_lse = _wants_probs(return_attn_probs, dropout_p)
     result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, softmax_scale,
                        dropout_p=dropout_p, enable_gqa=True, backend=backend, return_lse=with_lse,
-                       alignment=alignment, window=window, softcap=_softcap(softcap))
+                       alignment=alignment, window=window, softcap=_softcap(softcap), alibi_slopes=alibi_slopes)
     if not with_lse:
         return result.transpose(1, 2).contiguous()
     out, lse = result
@@ -174,23 +178,27 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 # -- FlashAttention's arguments in our terms -------------------------------------------------------
 
-def _mask(causal, window_size, Lq, Lk) -> tuple[bool, tuple[int, int] | None, str]:
+def _mask(causal, window_size, Lq, Lk, alibi=False) -> tuple[bool, tuple[int, int] | None, str]:
     """``(is_causal, window, alignment)`` for FlashAttention's ``causal`` and ``window_size``
     (Lq, Lk: the lengths where one pair holds them all; None for packed sequences). Causal is a
-    window's right bound of 0; where the rows' alignment cannot change the answer (no mask, equal
-    lengths, one causal query row, which sees every key) the call asks for SDPA's top-left, the
-    alignment ``attention()``'s reused plans take."""
-    if type(causal) is not bool:
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    window's right bound of 0; where the rows' alignment cannot change the answer (no mask and no
+    ALiBi, whose bias depends on the rows' positions; equal lengths; one causal query row, which
+    sees every key) the call asks for SDPA's top-left, the alignment ``attention()``'s reused plans take."""
+    _check_flag("causal", causal)
     left, right = _window_size(window_size)
     if causal:
         right = 0
     window = None if left < 0 and (right < 0 or (causal and right == 0)) else (left, right)
     if Lq is not None and window is None and causal and Lq == 1:
         causal = False  # (bottom-right, a single query row sees every key)
-    masked = causal or window is not None
+    masked = causal or window is not None or alibi
     alignment = "bottom_right" if masked and (Lq is None or Lq != Lk) else "top_left"
     return causal, window, alignment
+
+
+def _check_flag(name: str, value) -> None:
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _window_size(window_size) -> tuple[int, int]:
@@ -211,8 +219,7 @@ def _softcap(softcap):
 
 
 def _wants_probs(return_attn_probs, dropout_p) -> bool:
-    if type(return_attn_probs) is not bool:
-        raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
+    _check_flag("return_attn_probs", return_attn_probs)
     if return_attn_probs and not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) and dropout_p > 0:
         raise ValueError("return_attn_probs=True with dropout_p > 0 asks for the dropped attention probabilities "
                          "(S_dmask), which these kernels never form; call with return_attn_probs=False, or "
@@ -222,8 +229,7 @@ def _wants_probs(return_attn_probs, dropout_p) -> bool:
 
 def _refuse(deterministic=False, **unsupported) -> None:
     """A clear error for an argument whose feature is not in our kernels yet (None: not asked for)."""
-    if type(deterministic) is not bool:
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    _check_flag("deterministic", deterministic)
     for name, value in unsupported.items():
         if value is not None:
             raise NotImplementedError(f"{name}: not supported by common.flash_attn_interface yet; "

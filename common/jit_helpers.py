@@ -1,5 +1,5 @@
 """The ``@triton.jit`` helpers both backends' kernels call: dropout's mask, tanh, the
-soft-cap's factors, a band's test and a band's key-block stages.
+soft-cap's factors, the scores (capped or scaled, ALiBi's bias added), a band's test and a band's key-block stages.
 
 The Triton kernels call them as any jit function. NineToothed copies the source of every
 ``@triton.jit`` function in an application's module into the code it generates, so
@@ -8,7 +8,7 @@ interpreter, where they are not JITFunctions, ``impl_ninetoothed.attention._make
 them in each generated module instead. That module imports ``triton`` and
 ``triton.language`` only, and defining a function evaluates its parameters'
 annotations: they say ``triton.language.constexpr``. Their bodies say ``tl`` and name
-the constants of ``common.plan`` (``LOG2E``, ``UNIFORM_24``): ``tl.constexpr`` here (a
+the constants of ``common.plan`` (``LOG2E``, ``UNIFORM_24``, ``TANH_APPROX``): ``tl.constexpr`` here (a
 jit function reads only constexpr globals), defined in each generated module by ``_make``.
 
 Helpers, not plain functions inlined by NineToothed: its inliner gives a value-returning
@@ -26,6 +26,7 @@ from common import plan as _plan
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
+TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 
 
 @triton.jit
@@ -75,6 +76,31 @@ def _cap_factors(scale, softcap, SOFTCAP: triton.language.constexpr):
 
 
 @triton.jit
+def _scores(qk, rows, keys, qk_scale, cap_in, cap_out, alibi, alibi_shift,
+            SOFTCAP: triton.language.constexpr, ALIBI: triton.language.constexpr):
+    """(s, t): the products qk (M, N) as base-2 scores s, soft-capped (SOFTCAP: tanh(qk * cap_in) *
+    cap_out, t that tanh, for the backward's 1 - t^2) or scaled (qk * qk_scale, t unused), then ALiBi's
+    bias for ``rows`` and ``keys`` added (ALIBI; :func:`_alibi_bias`), before any mask."""
+    t = 0.0
+    if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+        t = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
+        s = t * cap_out
+    else:
+        s = qk * qk_scale
+    if ALIBI:
+        s = s + _alibi_bias(rows, keys, alibi, alibi_shift)
+    return s, t
+
+
+@triton.jit
+def _alibi_bias(rows, keys, slope, shift):
+    """(M, N): ALiBi's bias -slope * |rows + shift - keys| for ``rows`` (M,) at positions rows + shift
+    and ``keys`` (N,) (|.| is symmetric: rows and keys swapped, it gives the transposed bias);
+    ``slope``: a scalar in the scores' units (the kernels' base 2: the head's slope times log2(e))."""
+    return -slope * tl.abs((rows + shift)[:, None] - keys[None, :]).to(tl.float32)
+
+
+@triton.jit
 def _in_band(rows, keys, band_lo, band_hi):
     """(M, N): key j lies in row i's band, i + band_lo <= j <= i + band_hi (band_lo and
     band_hi: scalars, or (M,) vectors of per-row offsets)."""
@@ -107,4 +133,4 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
 
 
 # What impl_ninetoothed puts in each generated module under the interpreter.
-JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _in_band, _key_stages)
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages)

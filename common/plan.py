@@ -287,6 +287,8 @@ class ForwardPlan:
     softcap_kind: Softcap = Softcap.OFF
     sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
     row_bands: torch.Tensor | None = None  # per-row bands instead of band (common.varlen.row_bands)
+    alibi: torch.Tensor | None = None  # ALiBi: (B, H) float32 slopes (a view); see alibi_shift
+    alibi_shift: int = 0  # row i sits at position i + alibi_shift (Lk - Lq bottom-right, else 0)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -355,6 +357,8 @@ class BackwardPlan:
     seed: torch.Tensor | None = None  # the forward's seed: its mask, regenerated
     band: tuple[int, int] | None = None  # as the forward's
     row_bands: torch.Tensor | None = None  # as the forward's
+    alibi: torch.Tensor | None = None  # as the forward's
+    alibi_shift: int = 0
     softcap: float = 0.0
     softcap_kind: Softcap = Softcap.OFF
     config: BackwardConfig | None = None
@@ -431,6 +435,21 @@ def band_mask(band: tuple[int, int], Lq: int, Lk: int, device) -> torch.Tensor:
     return (offset >= band[0]) & (offset <= band[1])
 
 
+def set_alibi(plan, call, Lq: int, Lk: int) -> None:
+    """A plan's ALiBi fields from a call: the (B, H) slopes and the rows' position shift
+    (the keys' length before a causal plan drops the keys no row sees)."""
+    if call.alibi_slopes is not None:
+        plan.alibi = call.alibi_slopes
+        plan.alibi_shift = Lk - Lq if call.bottom_right else 0
+
+
+def alibi_bias(slopes: torch.Tensor, shift: int, Lq: int, Lk: int) -> torch.Tensor:
+    """ALiBi's bias as a float32 (B, H, Lq, Lk) tensor: -slope * |i + shift - j| (SDPA's mask, the reference)."""
+    pos = torch.arange(Lq, device=slopes.device)[:, None] + shift
+    dist = (pos - torch.arange(Lk, device=slopes.device)[None, :]).abs().float()
+    return -slopes.float()[:, :, None, None] * dist
+
+
 def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool = True) -> ForwardPlan:
     """Plan the forward pass of a validated call with at least one query row and one key,
     with the settings of :func:`current_planner`.
@@ -447,6 +466,7 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
     plan.softcap = call.softcap or 0.0
     plan.row_bands = call.row_bands
+    set_alibi(plan, call, Lq, Lk)
     plan.planner = planner = current_planner()
     if not backend.kernels:
         return plan
@@ -461,8 +481,9 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
     # Dropout's mask is counted by (head, row): packed rows would change it.
     # (Sinks are per query head: packed rows would mix them.)
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
-    # (A running output is laid out by query head and row.)
-    unpackable = plan.dropout or plan.sinks is not None or plan.row_bands is not None or resume is not None
+    # (A running output is laid out by query head and row.) (ALiBi's bias: by query head and row.)
+    unpackable = (plan.dropout or plan.sinks is not None or plan.row_bands is not None or resume is not None
+                  or plan.alibi is not None)
     packed = None if unpackable else planner.pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None and not within_offsets(backend, *packed):
         packed = None  # a packed head's rows would pass the 32-bit offsets within a head
@@ -554,6 +575,7 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
     plan.softcap = call.softcap or 0.0
     plan.row_bands = call.row_bands
+    set_alibi(plan, call, Lq, Lk)
     if not backend.kernels:
         return plan
     if plan.softcap:  # (without soft-capping: OFF, the field's default; the planner is read only where it decides)

@@ -44,13 +44,14 @@ class Call:
     softcap: float | None = None  # scores s become softcap * tanh(s / softcap), before any mask
     sinks: torch.Tensor | None = None  # (H,): a logit per query head in every row's softmax denominator
     row_bands: torch.Tensor | None = None  # packed sequences: per-row bands (common.varlen), B = 1
+    alibi_slopes: torch.Tensor | None = None  # (B, H) float32 (a view; stride 0 over B for (H,) slopes), detached
 
 
 def check_call(
     backend: Backend,
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
-    alignment="top_left", window=None, softcap=None, sinks=None,
+    alignment="top_left", window=None, softcap=None, sinks=None, alibi_slopes=None,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form."""
     _check_types(query, key, value)
@@ -83,8 +84,10 @@ def check_call(
         softcap = _check_softcap(backend, softcap)
     if sinks is not None:
         _check_sinks(backend, sinks, H, device)
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi(alibi_slopes, B, H, device)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
-                window, bottom_right, softcap, sinks)
+                window, bottom_right, softcap, sinks, alibi_slopes=alibi_slopes)
 
 
 # -- scalars ------------------------------------------------------------------------------
@@ -379,6 +382,23 @@ def _check_sinks(backend: Backend, sinks, H: int, device) -> None:
         raise ValueError(f"sinks must have shape ({H},): one logit per query head, got {tuple(sinks.shape)}")
     if sinks.device != device:
         raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
+
+
+def _check_alibi(slopes, B: int, H: int, device) -> torch.Tensor:
+    """ALiBi's slopes, (H,) or (B, H) float32 on the query's device, as a detached (B, H) view
+    (they get no gradient: a slopes tensor that requires grad is used as a constant). Their values
+    are not read here: that would cost a host sync every call (a non-finite slope gives non-finite
+    scores, as a non-finite mask does)."""
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {_dtype_name(slopes.dtype)}")
+    if tuple(slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must have shape ({H},) or ({B}, {H}): one slope per query head "
+                         f"(or per batch and query head), got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {slopes.device} but query is on {device}")
+    return slopes.detach().expand(B, H)
 
 
 # -- 32-bit offsets -----------------------------------------------------------------------

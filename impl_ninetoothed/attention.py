@@ -213,14 +213,23 @@ def _band_args(plan, keys=False) -> tuple:
     return (*(plan.band if plan.band is not None else (0, 0)), plan.softcap, *per_row, *(per_key if keys else ()))
 
 
+def _alibi_args(plan) -> tuple:
+    """(slopes, alibi_shift) as ALIBI kernels read them (see _alibi_inputs): the (B, H) slopes as a
+    (B, H, Lq) view, and the rows' position shift; a stand-in and 0 otherwise."""
+    B, H, Lq = plan.query.shape[:3]
+    if plan.alibi is None:
+        return _absent(plan.query, B, H, Lq), 0
+    return plan.alibi[:, :, None].expand(B, H, Lq), plan.alibi_shift
+
+
 def blocked_keys(plan) -> bool:
     """Whether the forward's unmasked stage reads the keys and values through views of their
     whole blocks (:func:`_row_blocks`): every load of NineToothed's is masked against the
     bounds of its source, and a source whose block size is a constant makes the per-key
     check of those loads a constant too (fewer instructions a step of that loop on sm_90:
-    benchmarks/NOTES.md, "NineToothed's unmasked loads"). Unsplit launches
-    without dropout (whose unmasked stage reads the keys' positions from the keys' tiles)."""
-    return not plan.split and not plan.dropout
+    benchmarks/NOTES.md, "NineToothed's unmasked loads"). Unsplit launches without dropout or
+    ALiBi (whose unmasked stage reads the keys' positions from the keys' tiles)."""
+    return not plan.split and not plan.dropout and plan.alibi is None
 
 
 def _row_blocks(x, block: int, blocked: bool):
@@ -252,11 +261,13 @@ def _attention_launch(plan) -> tuple:
     blocked = blocked_keys(plan)
     inputs = (q, plan.key, plan.value, _row_blocks(plan.key, config.block_n, blocked),
               _row_blocks(plan.value, config.block_n, blocked), attn_mask, plan.scale, *_dropout_args(plan),
-              *_band_args(plan), plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse)
+              *_band_args(plan), plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq),
+              *_alibi_args(plan), o, lse)
     return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan), DROPOUT=plan.dropout,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume, BLOCKED=blocked,
+        ALIBI=plan.alibi is not None,
     )
 
 
@@ -474,24 +485,24 @@ def backward(plan):
     attn_mask = plan.attn_mask if plan.attn_mask is not None else _absent(q, B, H, Lq, Lk)
     grad_lse = plan.grad_lse if plan.grad_lse is not None else _absent(plan.lse, B, H, Lq)
     flags = dict(BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
-                 DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind))
+                 DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), ALIBI=plan.alibi is not None)
     dropout = _dropout_args(plan)
-    blocked = not plan.dropout  # (both passes' unmasked stages, as the forward's: blocked_keys)
+    blocked = not plan.dropout and plan.alibi is None  # (both passes' unmasked stages, as the forward's: blocked_keys)
     wide = _wide(q, k, v, plan.attn_mask, plan.out, plan.grad_out, plan.lse, plan.grad_lse, plan.grad_query,
                  plan.grad_key, plan.grad_value)
     _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
           num_warps=config.num_warps, num_stages=config.num_stages, wide=wide)(
         q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
-        plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), plan.delta,
-        plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
+        plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), *_alibi_args(plan),
+        plan.delta, plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
     )
     rows = (q, plan.grad_out, plan.lse, plan.delta)
     _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
           num_warps=config.num_warps, num_stages=config.num_stages, wide=wide)(
         q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta,
         *(_row_blocks(x, config.block_m1, blocked) for x in rows), plan.scale, *dropout,
-        *_band_args(plan, keys=True), plan.grad_key, plan.grad_value, BLOCKED=blocked, GROUP_OF_ONE=H == k.shape[1],
-        **flags,
+        *_band_args(plan, keys=True), *_alibi_args(plan), plan.grad_key, plan.grad_value, BLOCKED=blocked,
+        GROUP_OF_ONE=H == k.shape[1], **flags,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value
 

@@ -18,8 +18,8 @@ blocks in three stages (the band's left edge masked, the blocks every row sees
 whole unmasked, the right edge and the ragged tail masked; causal, bottom-right
 and windowed calls are all bands), blocks outside the band never visited;
 packed variable-length sequences (``BANDED == ROW_BANDS``) give every row its
-own band, arranged like the log-sum-exp; soft-capping and attention sinks as in
-the Triton kernel. Short
+own band, arranged like the log-sum-exp; soft-capping, ALiBi (its slopes a
+(B, H, Lq) view arranged like the sinks) and attention sinks as in the Triton kernel. Short
 queries split the keys as the Triton kernel does: the arrangement tiles each
 K/V row once more into splits of ``blocks_per_split`` blocks, one program per
 split, and ``combine_arrangement`` + ``combine_application`` merge the
@@ -45,7 +45,7 @@ import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
-from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _tanh
+from common.jit_helpers import _alibi_bias, _cap_factors, _dropout_keep, _in_band, _key_stages, _scores, _tanh
 from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
 from impl_ninetoothed.tiles import (
     _group_row_blocks,
@@ -63,6 +63,7 @@ from impl_ninetoothed.tiles import (
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
+_SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed copies them with _scores)
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
@@ -73,8 +74,8 @@ KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MA
 
 def arrangement(
     query, key, value, key_blocks, value_blocks, attn_mask, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, slopes, alibi_shift, output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED, ALIBI,
     block_m, block_n, block_d, block_dv, split=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -97,6 +98,7 @@ def arrangement(
     value_blocks_arranged = _key_blocks_row(value_blocks, query.shape[1], m_blocks, block_dv, num_splits)
     attn_mask_arranged = _last_first(_mask_row(attn_mask, block_m, block_n, blocks_per_split))
     sinks_arranged = _last_first(_row_slices(sinks, block_m))  # (B, H, Lq): stride 0 but over H
+    slopes_arranged = _last_first(_row_slices(slopes, block_m))  # (B, H, Lq): stride 0 over Lq
     row_bands_arranged = [_last_first(_row_slices(x, block_m)) for x in (row_bands_lo, row_bands_hi)]
     if blocks_per_split is None:
         output_arranged = _last_first(_rows(output, block_m, block_dv))
@@ -104,6 +106,7 @@ def arrangement(
     else:
         query_arranged = _per_split(query_arranged, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
+        slopes_arranged = _per_split(slopes_arranged, num_splits)
         row_bands_arranged = [_per_split(x, num_splits) for x in row_bands_arranged]
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
@@ -116,14 +119,16 @@ def arrangement(
     return (
         query_arranged, key_arranged, value_arranged, key_blocks_arranged, value_blocks_arranged,
         attn_mask_arranged, scale, _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo,
-        band_hi, softcap, *row_bands_arranged, sinks_arranged, output_arranged, lse_arranged, BANDED, MASK_KIND,
-        WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED,
+        band_hi, softcap, *row_bands_arranged, sinks_arranged, slopes_arranged, alibi_shift, output_arranged,
+        lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
+        RESUME, BLOCKED, ALIBI,
     )
 
 
 def _attn_fwd_inner(
     acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, cap_in, cap_out,
-    seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+    alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+    DROPOUT, SOFTCAP, ALIBI,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
@@ -137,11 +142,10 @@ def _attn_fwd_inner(
     for j in range(lo, hi):
         k = key[j - first]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
-            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
-            else:
-                qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+            # soft-capped (or scaled) and ALiBi's bias added, in base 2
+            qk, cap = _scores(qk, offs_m, key[j - first].offsets(-2), qk_scale, cap_in, cap_out, alibi, alibi_shift,
+                              SOFTCAP, ALIBI)
             if MASKED:
                 offs_n = key[j - first].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
@@ -190,14 +194,17 @@ def _attn_fwd_inner(
 
 def application(
     query, key, value, key_blocks, value_blocks, attn_mask, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, output, lse,
-    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, slopes, alibi_shift, output, lse,
+    BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED, ALIBI,
 ):
     q = query
     offs_m = query.offsets(-2)
     head = query.offsets(0) * query.source.shape[1] + query.offsets(1)  # in (B·H): the dropout mask's
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    alibi = 0.0
+    if ALIBI:  # the head's slope, once per program, in base-2 units (rows past the end read -inf)
+        alibi = ntl.max(slopes, 0) * LOG2E
     seed = 0
     if DROPOUT:
         seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
@@ -237,27 +244,27 @@ def application(
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
-            DROPOUT, SOFTCAP,
+            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
         )
     if BLOCKED:
         # The whole blocks from their own view, whose block size is a constant: their loads carry
-        # no per-key bounds check (an unsplit launch without dropout; the blocks count from 0).
+        # no per-key bounds check (an unsplit launch without dropout or ALiBi; the blocks count from 0).
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi,
-            qk_scale, cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+            qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, False,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False,
         )
     else:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
-            DROPOUT, SOFTCAP,
+            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, row_lo, row_hi, qk_scale,
-        cap_in, cap_out, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
-        DROPOUT, SOFTCAP,
+        cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
+        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
     )
 
     if WITH_LSE:
@@ -318,8 +325,8 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
 
 def dq_arrangement(
     query, key, value, key_blocks, value_blocks, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed,
-    dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
-    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
+    dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, slopes, alibi_shift, delta_out,
+    grad_query, BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, ALIBI,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), as the forward (row blocks
@@ -339,14 +346,15 @@ def dq_arrangement(
         _last_first(_mask_row(attn_mask, block_m, block_n)),
         rows(out, block_dv), rows(grad_out, block_dv), rows(lse), rows(grad_lse), scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
-        rows(row_bands_lo), rows(row_bands_hi), rows(delta_out), rows(grad_query, block_d),
-        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
+        rows(row_bands_lo), rows(row_bands_hi), rows(slopes), alibi_shift, rows(delta_out), rows(grad_query, block_d),
+        BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, ALIBI,
     )
 
 
 def _attn_bwd_dq_inner(
     dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, band_lo, band_hi, qk_scale, cap_in, cap_out,
-    seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP,
+    alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    SOFTCAP, ALIBI,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
     DROPOUT: dp reaches only the kept probabilities, scaled as in the forward.
@@ -355,12 +363,9 @@ def _attn_bwd_dq_inner(
         k = key[j]
         v = value[j]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
-            if SOFTCAP:
-                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
-                qk = cap * cap_out
-            else:
-                qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+            qk, cap = _scores(qk, offs_m, key[j].offsets(-2), qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP,
+                              ALIBI)
             if MASKED:
                 offs_n = key[j].offsets(-2)
                 valid = offs_n[None, :] < key.source.shape[-2]
@@ -390,8 +395,8 @@ def _attn_bwd_dq_inner(
 
 def dq_application(
     query, key, value, key_blocks, value_blocks, attn_mask, out, grad_out, lse, grad_lse, scale, dropout_seed,
-    dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, delta_out, grad_query,
-    BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED,
+    dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, slopes, alibi_shift, delta_out,
+    grad_query, BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, ALIBI,
 ):
     q = query
     do = grad_out
@@ -410,6 +415,9 @@ def dq_application(
     m2 = ntl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    alibi = 0.0
+    if ALIBI:
+        alibi = ntl.max(slopes, 0) * LOG2E
     dq = ntl.zeros(grad_query.shape, dtype=ntl.float32)
 
     # In key blocks, as in the forward: the band's left edge [first, full_lo)
@@ -426,25 +434,25 @@ def dq_application(
     if BANDED:
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, key, value, attn_mask, offs_m, first, full_lo, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
-            SOFTCAP,
+            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True,
+            DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
-    if BLOCKED:  # the whole blocks from their own view, as in the forward (no dropout)
+    if BLOCKED:  # the whole blocks from their own view, as in the forward (no dropout or ALiBi)
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi,
-            qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False,
-            DOT_PRECISION, DROPOUT, SOFTCAP,
+            qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
+            False, DOT_PRECISION, DROPOUT, SOFTCAP, False,
         )
     else:
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION,
-            DROPOUT, SOFTCAP,
+            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False,
+            DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, row_lo, row_hi, qk_scale,
-        cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
-        SOFTCAP,
+        cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True,
+        DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
     )
     grad_query = dq * scale  # noqa: F841 (a store)
 
@@ -452,8 +460,8 @@ def dq_application(
 def dkdv_arrangement(
     query, key, value, attn_mask, grad_out, lse, delta, query_blocks, grad_out_blocks, lse_blocks, delta_blocks,
     scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi,
-    key_bands_lo, key_bands_hi, grad_key, grad_value,
-    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, GROUP_OF_ONE,
+    key_bands_lo, key_bands_hi, slopes, alibi_shift, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, GROUP_OF_ONE, ALIBI,
     block_m, block_n, block_d, block_dv,
 ):
     """One program per (batch, K/V head, block of BLOCK_N keys); it sees the
@@ -478,16 +486,16 @@ def dkdv_arrangement(
         scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         _group_rows(row_bands_lo, group, n_blocks, block_m), _group_rows(row_bands_hi, group, n_blocks, block_m),
         _row_slices(key_bands_lo, block_n), _row_slices(key_bands_hi, block_n),
+        _group_rows(slopes, group, n_blocks, block_m), alibi_shift,
         _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
-        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, GROUP_OF_ONE,
+        BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, GROUP_OF_ONE, ALIBI,
     )
 
 
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, lo, hi, band_lo,
-    band_hi, qk_scale,
-    cap_in, cap_out, seed, head, dropout_p, dropout_scale,
-    BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP,
+    band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+    BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
 ):
     """Add query blocks [lo, hi) of query head ``g`` of the group to (dk, dv)
     (dk unscaled), on transposed scores (keys x rows). MASKED: the blocks may
@@ -499,12 +507,10 @@ def _attn_bwd_dkdv_inner(
         lse_i = lse[g, i]  # (each subscript of a tile is a load of its own)
         m2 = ntl.where(lse_i == float("-inf"), float("inf"), lse_i * LOG2E)
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
-            if SOFTCAP:
-                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
-                qkT = capT * cap_out
-            else:
-                qkT = qkT * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|)
+            qkT, capT = _scores(qkT, offs_kn, query[g, i].offsets(-2) + alibi_shift, qk_scale, cap_in, cap_out,
+                                alibi, 0, SOFTCAP, ALIBI)
             if MASKED and BANDED:
                 offs_qm = query[g, i].offsets(-2)
                 row_lo = band_lo
@@ -542,8 +548,8 @@ def _attn_bwd_dkdv_inner(
 def dkdv_application(
     query, key, value, attn_mask, grad_out, lse, delta, query_blocks, grad_out_blocks, lse_blocks, delta_blocks,
     scale, dropout_seed, dropout_p, dropout_scale, band_lo, band_hi, softcap, row_bands_lo, row_bands_hi,
-    key_bands_lo, key_bands_hi, grad_key, grad_value,
-    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, GROUP_OF_ONE,
+    key_bands_lo, key_bands_hi, slopes, alibi_shift, grad_key, grad_value,
+    BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, GROUP_OF_ONE, ALIBI,
 ):
     k = key
     v = value
@@ -580,27 +586,31 @@ def dkdv_application(
         # query head g of this K/V head, in (B·H): the dropout mask's (NineToothed's inliner
         # mis-names a helper called inside an expression, so this is spelled out)
         head = key.offsets(0) * query.source.shape[1] + key.offsets(1) * query.shape[0] + g
+        alibi = 0.0
+        if ALIBI:  # query head g's slope (its first row tile always holds a row)
+            alibi = ntl.max(slopes[g, 0], 0) * LOG2E
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, lo, full_lo,
-            band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
-            True, DOT_PRECISION, DROPOUT, SOFTCAP,
+            band_lo, band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+            BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
-        if BLOCKED:  # the whole row blocks from their own views (no dropout): see blocked_keys
+        if BLOCKED:  # the whole row blocks from their own views (no dropout or ALiBi): see blocked_keys
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, query_blocks, grad_out_blocks, lse_blocks, delta_blocks, attn_mask, row_bands_lo,
-                row_bands_hi, g, offs_kn, full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head,
-                dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
+                row_bands_hi, g, offs_kn, full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, alibi,
+                alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+                SOFTCAP, False,
             )
         else:
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn,
-                full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale,
-                BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
+                full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head,
+                dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
             )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, full_hi, hi,
-            band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
-            True, DOT_PRECISION, DROPOUT, SOFTCAP,
+            band_lo, band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+            BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
     grad_key = dk * scale  # noqa: F841 (a store)
     grad_value = dv  # noqa: F841 (a store)
@@ -674,6 +684,12 @@ def _band_inputs(query, key=None):
     return Tensor(0), Tensor(0), Tensor(0), *per_row(query.shape[:3]), *per_key
 
 
+def _alibi_inputs(query):
+    """slopes, ALiBi's (B, H, Lq) float32 view of the (B, H) slopes (stride 0 over Lq; rows past the
+    end read -inf, so a tile's max is its head's slope), and alibi_shift (a runtime int), read when ALIBI."""
+    return _rows_like(query, other=float("-inf")), Tensor(0)
+
+
 # What a split forward's launch changes with the split count, which its kernel is not to be
 # specialised on (common.launch.route_generated_launch): the number of splits of the partials,
 # (B, H, Lq, S, Dv) and (B, H, Lq, S) (one symbol), and the partial log-sum-exps' strides
@@ -703,9 +719,10 @@ def premake(head_dim, head_dim_v, block_m, block_n, split=False):
         *_dropout_inputs(),
         *_band_inputs(query),
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
+        *_alibi_inputs(query),
         output, lse,
         *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP",
-                 "SINKS", "RESUME", "BLOCKED"),
+                 "SINKS", "RESUME", "BLOCKED", "ALIBI"),
     )
     return arrangement_, application, tensors
 
@@ -743,9 +760,10 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
         Tensor(0),  # scale
         *_dropout_inputs(),
         *_band_inputs(query),
+        *_alibi_inputs(query),
         _rows_like(query),  # delta_out
         _rows_like(query, head_dim),  # grad_query
-        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED"),
+        *_flags("BANDED", "MASK_KIND", "WITH_DLSE", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED", "ALIBI"),
     )
     return arrangement_, dq_application, tensors
 
@@ -771,8 +789,9 @@ def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
         Tensor(0),  # scale
         *_dropout_inputs(),
         *_band_inputs(query, key),
+        *_alibi_inputs(query),
         _like(key.shape[:3], head_dim),  # grad_key
         _like(key.shape[:3], head_dim_v),  # grad_value
-        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED", "GROUP_OF_ONE"),
+        *_flags("BANDED", "MASK_KIND", "DOT_PRECISION", "DROPOUT", "SOFTCAP", "BLOCKED", "GROUP_OF_ONE", "ALIBI"),
     )
     return arrangement_, dkdv_application, tensors

@@ -28,7 +28,9 @@ The Lq x Lk score matrix never exists outside registers.
   dK/dV pass), the stages taken over the block's rows.
 - SOFTCAP: scores become softcap * tanh(s / softcap) (``tanh.approx.f32`` for
   16-bit inputs on NVIDIA GPUs, else tanh from exp2: ``common.plan.Planner.softcap_kind``); the
-  backward multiplies ds by 1 - tanh^2. SINKS: a per-head logit starts each
+  backward multiplies ds by 1 - tanh^2. ALIBI: -slope * |pos_i - j| added to
+  the (capped) scores before any mask, the slope (SLOPES, (B, H) strided) read
+  once per program; it only lowers scores, so band skipping stays valid. SINKS: a per-head logit starts each
   row's online softmax (m_i = sink, l_i = 1), so it joins the denominator with
   no value; the log-sum-exp includes it, and the backward needs nothing more.
 - Grouped-query attention reads key/value head ``h // GROUP``: no copies.
@@ -73,14 +75,13 @@ import triton
 import triton.language as tl
 
 from common import plan as _plan
-from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _tanh
+from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _scores
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
 NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
 BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
-TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 ROW_BANDS = tl.constexpr(_plan.ROW_BANDS)
 UNBOUNDED = tl.constexpr(_plan.UNBOUNDED)
 
@@ -116,13 +117,13 @@ def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, off_hz,
-    dropout_p,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+    alibi, alibi_shift, seed, off_hz, dropout_p,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
@@ -138,11 +139,9 @@ def _attn_fwd_inner(
         key_ok = offs_kn < Lk
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
-            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
-            else:
-                qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+            # soft-capped (or scaled) and ALiBi's bias added, in base 2
+            qk, cap = _scores(qk, offs_m, offs_kn, qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP, ALIBI)
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -199,25 +198,25 @@ def _attn_fwd_inner(
 # attention mask's tiles vectorised along it. (The backward kernels stay specialised: without
 # it, Lq, the dK/dV loop's length, made their masked steps longer.)
 @triton.jit(do_not_specialize=["kernel_merge", "NUM_SPLITS", "BLOCKS_PER_SPLIT", "stride_lz", "stride_lh",
-                               "stride_lm", "Lq", "M_BLOCKS"])
+                               "stride_lm", "Lq", "M_BLOCKS", "alibi_shift"])
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, SEED, SINK, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
+    Q, K, V, O, LSE, MASK, SEED, SINK, SLOPES, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    stride_sz, stride_sh, stride_sm,
+    stride_sz, stride_sh, stride_sm, stride_az, stride_ah,
     stride_lz, stride_lh, stride_lm, stride_ls,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
-    softcap, kernel_merge,
+    softcap, kernel_merge, alibi_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, RESUME: tl.constexpr,
-    MERGE_LSE: tl.constexpr,
+    MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -266,6 +265,9 @@ def _attn_fwd(
               + offs_dv[None, :] * stride_vd)
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    alibi = 0.0
+    if ALIBI:  # the head's slope, once per program, in base-2 units
+        alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -300,20 +302,20 @@ def _attn_fwd(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
             offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
-            seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
-            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+            alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
+            MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
-        seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False,
-        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+        alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
+        MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
-        seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True,
-        NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP,
+        alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
+        MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
     )
 
     if WITH_LSE:
@@ -445,12 +447,12 @@ def _attn_bwd_dq_inner(
     dq, q, do, m2, delta,
     k_ptrs, v_ptrs, mask_ptrs,
     stride_kn, stride_vn, stride_mn,
-    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, off_hz,
-    dropout_p, dropout_scale,
+    offs_m, offs_n, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+    alibi, alibi_shift, seed, off_hz, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
     DROPOUT: dp reaches only the kept probabilities, scaled as in the forward.
@@ -464,12 +466,8 @@ def _attn_bwd_dq_inner(
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
-            if SOFTCAP:
-                cap = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX)
-                qk = cap * cap_out
-            else:
-                qk = qk * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+            qk, cap = _scores(qk, offs_m, offs_kn, qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP, ALIBI)
             if MASKED:
                 valid = key_ok[None, :]
                 if BANDED:
@@ -498,7 +496,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK, SEED, ROW_LO, ROW_HI,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK, SEED, SLOPES, ROW_LO, ROW_HI,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -506,13 +504,13 @@ def _attn_bwd_dq(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
     stride_dlz, stride_dlh, stride_dlm,
-    stride_mz, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
+    stride_mz, stride_mh, stride_mm, stride_mn, stride_az, stride_ah,
+    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap, alibi_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """One program: dq of BLOCK_M query rows of one (batch, head), and their
     delta = rowsum(do * o) - dlse, stored to DELTA (B, H, Lq) for _attn_bwd_dkdv."""
@@ -558,6 +556,9 @@ def _attn_bwd_dq(
     m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    alibi = 0.0
+    if ALIBI:
+        alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -573,21 +574,23 @@ def _attn_bwd_dq(
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
             offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
-            seed, off_hz, dropout_p, dropout_scale,
+            alibi, alibi_shift, seed, off_hz, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
-            SOFTCAP,
+            SOFTCAP, ALIBI,
         )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
-        seed, off_hz, dropout_p, dropout_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP,
+        alibi, alibi_shift, seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
+        SOFTCAP, ALIBI,
     )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
-        seed, off_hz, dropout_p, dropout_scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP,
+        alibi, alibi_shift, seed, off_hz, dropout_p, dropout_scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
+        SOFTCAP, ALIBI,
     )
     dq = dq * scale
     dq_ptrs = DQ + (off_hz.to(tl.int64) * Lq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
@@ -599,12 +602,12 @@ def _attn_bwd_dkdv_inner(
     dk, dv, k, v,
     q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, row_lo_ptr, row_hi_ptr,
     stride_qm, stride_dom, stride_lm, stride_mm,
-    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out, seed, head,
-    dropout_p, dropout_scale,
+    offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
+    alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Add query blocks [lo, hi) of one query head to (dk, dv) (dk unscaled).
 
@@ -627,12 +630,10 @@ def _attn_bwd_dkdv_inner(
             lse = tl.load(lse_ptrs + start_m.to(tl.int64) * stride_lm)
         m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP:
-            if SOFTCAP:
-                capT = _tanh(qkT * cap_in, SOFTCAP == TANH_APPROX)
-                qkT = capT * cap_out
-            else:
-                qkT = qkT * qk_scale
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|)
+            qkT, capT = _scores(qkT, offs_kn, offs_qm + alibi_shift, qk_scale, cap_in, cap_out, alibi, 0, SOFTCAP,
+                                ALIBI)
             if MASKED and BANDED:
                 row_lo, row_hi = _row_band(row_lo_ptr, row_hi_ptr, offs_qm, m_ok, band_lo, band_hi, BANDED)
                 qkT = tl.where(tl.trans(_in_band(offs_qm, offs_kn, row_lo, row_hi)), qkT, float("-inf"))
@@ -667,19 +668,19 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED, ROW_LO, ROW_HI, KEY_LO, KEY_HI,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED, SLOPES, ROW_LO, ROW_HI, KEY_LO, KEY_HI,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
-    stride_mz, stride_mh, stride_mm, stride_mn,
-    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
+    stride_mz, stride_mh, stride_mm, stride_mn, stride_az, stride_ah,
+    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap, alibi_shift,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """One program: dk and dv of BLOCK_N keys of one (batch, K/V head), summed
     over the GROUP query heads that read them."""
@@ -727,6 +728,9 @@ def _attn_bwd_dkdv(
                    + offs_dv[None, :] * stride_dod)
         lse_ptrs = LSE + off_z * stride_lz + off_h * stride_lh + offs_m.to(tl.int64) * stride_lm
         head = off_z * H_KV * GROUP + off_h  # in (B·H): the rows of DELTA, the dropout mask's head
+        alibi = 0.0
+        if ALIBI:  # query head g's slope
+            alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
         delta_ptrs = DELTA + head * Lq + offs_m
         mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m.to(tl.int64)[None, :] * stride_mm
                      + offs_kn.to(tl.int64)[:, None] * stride_mn)
@@ -734,25 +738,25 @@ def _attn_bwd_dkdv(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
-            seed, head, dropout_p, dropout_scale,
+            alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
-            SOFTCAP,
+            SOFTCAP, ALIBI,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
-            seed, head, dropout_p, dropout_scale,
+            alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
-            SOFTCAP,
+            SOFTCAP, ALIBI,
         )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
-            seed, head, dropout_p, dropout_scale,
+            alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
-            SOFTCAP,
+            SOFTCAP, ALIBI,
         )
     dk = dk * scale
     rows = off_hz.to(tl.int64) * Lk + offs_kn[:, None]

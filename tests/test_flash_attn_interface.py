@@ -4,7 +4,8 @@ The reference below is written from FlashAttention's docstrings alone, in float6
 (batch, seqlen, heads, head_dim) layout; causal and windows aligned bottom-right (query i
 at key position i + Lk - Lq, seeing keys [pos - left, pos + right], causal a right bound
 of 0); soft-capping of the scaled scores; key/value heads shared by consecutive query
-heads; a row that sees no key gives 0 and a log-sum-exp of +inf.
+heads; a row that sees no key gives 0 and a log-sum-exp of +inf; ALiBi's bias
+-slope * |i + Lk - Lq - j| added to the (soft-capped) scores.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.conftest import DEVICE
 f32 = torch.float32
 
 
-def _reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+def _reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, alibi_slopes=None):
     """FlashAttention's forward in float64 on (B, Lq, H, D), (B, Lk, H_kv, D), (B, Lk, H_kv, Dv):
     (out (B, Lq, H, Dv), lse (B, H, Lq))."""
     q, k, v = (t.double() for t in (q, k, v))
@@ -33,6 +34,8 @@ def _reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
         s = softcap * torch.tanh(s / softcap)
     pos = torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
     j = torch.arange(Lk, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.double().expand(B, H)[:, :, None, None] * (pos - j).abs().double()
     left, right = window
     right = 0 if causal else right
     seen = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
@@ -79,6 +82,33 @@ def test_func_matches_flash_attention(backend, Lq, Lk, causal, window, softcap):
     torch.testing.assert_close(plain, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("Lq,Lk,causal,window,softcap,per_batch", [
+    (5, 9, False, (-1, -1), 0.0, False),  # no mask: the alignment still matters (the bias)
+    (9, 5, True, (-1, -1), 0.0, True),
+    (6, 11, True, (3, -1), 2.5, False),
+    (7, 7, False, (2, 1), 0.0, True),
+    (1, 12, True, (-1, -1), 0.0, False),  # a decode step
+])
+def test_func_with_alibi(backend, Lq, Lk, causal, window, softcap, per_batch):
+    q, k, v = _inputs(2, Lq, Lk, 4, 2, 16, grad=True)
+    slopes = torch.rand((2, 4) if per_batch else (4,), device=DEVICE) * 0.5 + 0.1
+    out, lse, _ = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                     alibi_slopes=slopes, return_attn_probs=True, backend=backend)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected, expected_lse = _reference(*leaves, causal, window, softcap, alibi_slopes=slopes)
+    _close(out, expected)
+    _close(lse, expected_lse)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad.double())
+    for got, leaf in zip((q, k, v), leaves):
+        _close(got.grad, leaf.grad, 1e-3)
+    kv = torch.stack([k.detach(), v.detach()], 2)
+    packed = fa.flash_attn_kvpacked_func(q.detach(), kv, causal=causal, window_size=window, softcap=softcap,
+                                         alibi_slopes=slopes, backend=backend)
+    _close(packed, expected.detach())
+
+
 def test_func_gradients(backend):
     """Causal, grouped heads, a scale and Dv != D: dq, dk, dv as the float64 reference's."""
     q, k, v = _inputs(1, 6, 10, 4, 1, 16, Dv=32, grad=True)
@@ -115,6 +145,9 @@ def test_packed_functions_match_unpacked(backend):
     _close(out, _reference(*qkv.detach().unbind(2), causal=True)[0])
     out.sum().backward()
     assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+    slopes = torch.rand(4, device=DEVICE)
+    out = fa.flash_attn_qkvpacked_func(qkv.detach(), causal=True, alibi_slopes=slopes, backend=backend)
+    _close(out, _reference(*qkv.detach().unbind(2), causal=True, alibi_slopes=slopes)[0])
     q = torch.randn(2, 3, 4, 16, device=DEVICE)
     kv = torch.randn(2, 9, 2, 2, 16, device=DEVICE)
     out, lse, _ = fa.flash_attn_kvpacked_func(q, kv, window_size=(4, 0), return_attn_probs=True, backend=backend)
@@ -187,10 +220,10 @@ def test_varlen_packed_functions(backend):
 
 def test_arguments_it_does_not_take_yet_are_refused():
     q, k, v = _inputs(1, 4, 4, 2, 2, 16)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device=DEVICE))
     packed = q[0], k[0], v[0]
     cu = _cu([4])
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, alibi_slopes=torch.ones(2, device=DEVICE))
     with pytest.raises(NotImplementedError, match="block_table"):
         fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="S_dmask"):
