@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh
-from impl_triton.kernels import LN2, LOG2E, TANH_APPROX, _last_split_merges
+from common.jit_helpers import TANH_APPROX, _cap_factors, _in_band, _key_stages, _tanh
+from impl_triton.kernels import LN2, LOG2E, _last_split_merges
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
