@@ -61,6 +61,15 @@ def _close(got, expected, tol=2e-4):
     torch.testing.assert_close(got.double(), expected.double(), rtol=tol, atol=tol)
 
 
+def _check_grads(out, expected, inputs, leaves):
+    """One random output gradient through both: each input's gradient against its float64 leaf's."""
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad.double())
+    for got, leaf in zip(inputs, leaves):
+        _close(got.grad, leaf.grad, 1e-3)
+
+
 @pytest.mark.parametrize("Lq,Lk,causal,window,softcap", [
     (5, 9, True, (-1, -1), 0.0),  # decode-like rows at the bottom of the keys
     (9, 5, True, (-1, -1), 0.0),  # more rows than keys: the top rows see none
@@ -115,11 +124,7 @@ def test_func_gradients(backend):
     out = fa.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, backend=backend)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     expected, _ = _reference(*leaves, causal=True, scale=0.3)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    expected.backward(grad.double())
-    for got, leaf in zip((q, k, v), leaves):
-        _close(got.grad, leaf.grad, 1e-3)
+    _check_grads(out, expected, (q, k, v), leaves)
 
 
 def test_func_half_precision_and_one_query_row(backend):
@@ -186,11 +191,7 @@ def test_varlen_matches_flash_attention(backend, causal, window, softcap):
     assert out.shape == q.shape and out.is_contiguous() and lse.shape == (4, sum(lens_q)) and probs.numel() == 0
     _close(out, expected)
     torch.testing.assert_close(lse.double(), expected_lse.detach(), rtol=2e-4, atol=2e-4)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    expected.backward(grad.double())
-    for got, leaf in zip((q, k, v), leaves):
-        _close(got.grad, leaf.grad, 1e-3)
+    _check_grads(out, expected, (q, k, v), leaves)
 
 
 def test_varlen_dropout_is_seeded_and_applied(backend):
