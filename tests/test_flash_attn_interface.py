@@ -395,9 +395,9 @@ def test_kvcache_paged(backend):
                                                 window=(5, -1), softcap=3.0)
     _close(out, expected)
     _close(lse, expected_lse)
-    plain = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(ends, dtype=torch.int32),
-                                       block_table=table, causal=True, window_size=(5, -1), softcap=3.0,
-                                       backend=backend)  # the same cache, nothing appended
+    ends = torch.tensor(ends, dtype=torch.int32, device=DEVICE)  # the same cache, nothing appended
+    plain = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=ends, block_table=table, causal=True,
+                                       window_size=(5, -1), softcap=3.0, backend=backend)
     _close(plain, expected)
 
 
