@@ -37,16 +37,17 @@ seqlen_new`` keys per sequence, forward only (FlashAttention's has no backward e
 the output does not require grad). Its caches:
 
 - with ``block_table`` (int32 (batch, max_blocks)), pages (num_blocks, page_block_size,
-  nheads_k, head_dim) as they are; page_block_size a power of two from 16 on the kernel
-  backends (FlashAttention's: a multiple of 256). ``cache_batch_idx`` with it is a ValueError
-  (FlashAttention takes one or the other).
-- without, (batch_size_cache, seqlen_cache, nheads_k, head_dim) viewed as pages without a
-  copy: pages of the largest of 64, 32 and 16 that divides seqlen_cache (``VIEW_PAGES``), rows
-  ``cache_batch_idx`` (None: 0 .. batch - 1). That needs seqlen_cache a positive multiple of
-  16 and a batch stride that is a whole number R of sequence strides, R a multiple of 16 and
-  the same for both caches (``torch.empty(B, S, H, D)`` gives R = S; a slice ``[:, :S]`` of a
-  longer cache, or a heads-first cache transposed, gives more); anything else raises
-  NotImplementedError saying which.
+  nheads_k, head_dim) as they are, of any size (FlashAttention's: a multiple of 256).
+  ``cache_batch_idx`` with it is a ValueError (FlashAttention takes one or the other).
+- without, (batch_size_cache, seqlen_cache, nheads_k, head_dim), any seqlen_cache >= 1,
+  viewed as pages without a copy: pages of the largest power of two up to 64
+  (``VIEW_PAGE``) that divides seqlen_cache and the rows' distance R, rows
+  ``cache_batch_idx`` (None: 0 .. batch - 1). That needs a batch stride that is a whole
+  number R of sequence strides, the same for both caches (``torch.empty(B, S, H, D)``
+  gives R = S; a slice ``[:, :S]`` of a longer cache, or a heads-first cache transposed,
+  gives more); anything else raises NotImplementedError saying which. (An odd
+  seqlen_cache makes pages of one key: a table entry per key, NineToothed's kernel then
+  without tensor cores; COMPARISON.md.)
 - ``cache_seqlens``: an int, an int32 (batch,) tensor (not read back to the host: lengths
   that do not fit the cache are the caller's, as in FlashAttention; tokens with no slot are
   not written), or None for the whole cache (a ValueError with ``k``, ``v``: they would have
@@ -374,32 +375,26 @@ def _is_table(table, B, like) -> bool:
     return True
 
 
-# The page sizes a contiguous cache may be viewed as, the first that divides seqlen_cache taken:
-# at most 64, the largest page the paged kernels were measured and tested with on the H200
-# (benchmarks/NOTES.md, "A paged KV cache": 0.95-0.99x of the contiguous decode in both
-# backends). A page is one key step of at least its size, so pages of 256 would make BLOCK_N
-# 256 tiles (at D = 256, 256 KB of K and V per pipeline stage: past the shared memory).
-VIEW_PAGES = (64, 32, 16)
+# The largest page a contiguous cache is viewed as: the paged kernels' key step, so that a
+# step is whole pages (a larger page would not make it faster, and fewer sizes compile).
+VIEW_PAGE = 64
 
 
 def _as_pages(k_cache, v_cache, cache_batch_idx, B, like):
     """A contiguous cache (B_cache, S, H_kv, D) as pages (P, H_kv, D), a view of the same memory,
-    and the block table that walks row ``cache_batch_idx[b]``'s S / P pages in order. Rows R
-    sequence strides apart (R = S from torch.empty; more for a slice of a longer cache) are
-    R / P pages apart, the pages between them never listed."""
+    and the block table that walks row ``cache_batch_idx[b]``'s S / P pages in order. P is the
+    largest power of two up to VIEW_PAGE that divides S and the rows' distance R (R = S from
+    torch.empty; more for a slice of a longer cache): rows are R / P pages apart, the pages
+    between them never listed."""
     B_cache, S = k_cache.shape[:2]
-    span = _row_span(k_cache, v_cache)
-    page = next((p for p in VIEW_PAGES if S % p == 0 and (span or S) % p == 0), None)
-    if S == 0 or page is None:
-        raise NotImplementedError(f"k_cache/v_cache: a contiguous cache is paged as a view, which needs "
-                                  f"seqlen_cache a positive multiple of 16 (got {S}) and rows a multiple of 16 "
-                                  f"positions apart (got {span or S}); pad the cache, or pass it as pages with "
-                                  "block_table")
+    if S == 0:
+        raise ValueError("k_cache/v_cache: a cache of seqlen_cache 0 holds no key; give it room for the tokens")
+    span = _row_span(k_cache, v_cache) or S
+    page = min(math.gcd(S, span) & -math.gcd(S, span), VIEW_PAGE)
     rows = _cache_rows(cache_batch_idx, B, B_cache, like)
-    pages_per_row = S // page
-    table = (rows[:, None] * ((span or S) // page)
-             + torch.arange(pages_per_row, device=like.device, dtype=torch.int32)[None, :])
-    return _paged_view(k_cache, page, span or S), _paged_view(v_cache, page, span or S), table
+    table = (rows[:, None] * (span // page)
+             + torch.arange(S // page, device=like.device, dtype=torch.int32)[None, :])
+    return _paged_view(k_cache, page, span), _paged_view(v_cache, page, span), table
 
 
 def _row_span(k_cache, v_cache) -> int | None:

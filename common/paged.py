@@ -1,13 +1,13 @@
 """A paged KV cache: ``paged_attention`` and ``append_kv`` (vLLM's and FlashInfer's layout).
 
-The cache holds keys and values in fixed-size pages, (num_pages, page_size, H_kv, D); a
-block table (B, max_pages) lists each sequence's pages in order and ``cache_seqlens`` (B,)
-how many keys each holds. ``append_kv`` writes new tokens into their slots, and
-``paged_attention`` attends a batch of queries over their sequences' pages (a step of
-BLOCK_N keys is several small pages: the Triton kernel gathers them key by key into one
-tile; NineToothed's picks tiles by a scalar index, one page each, unrolled per step), the
-pages of a long sequence split across
-programs (merged by the same kernel that merges the dense decode path's splits),
+The cache holds keys and values in fixed-size pages, (num_pages, page_size, H_kv, D), of any
+size from one token (SGLang's) up; a block table (B, max_pages) lists each sequence's pages
+in order and ``cache_seqlens`` (B,) how many keys each holds. ``append_kv`` writes new tokens
+into their slots, and ``paged_attention`` attends a batch of queries over their sequences'
+pages: a step of BLOCK_N keys, whatever the page size (the Triton kernel gathers them key by
+key into one tile; NineToothed's picks tiles of a page by scalar index, unrolled per step,
+and below 16-key tiles multiplies without tensor cores), the pages of a long sequence split
+across programs (merged by the same kernel that merges the dense decode path's splits),
 grouped-query heads packed into rows (not with sinks: they are per query head). The dense
 path's features, in both kernels: a window around each row's position (the key blocks
 outside a row block's windows never visited), soft-capped scores, attention sinks (the
@@ -67,7 +67,8 @@ class PagedPlan:
     block_dv: int = 0
     m_blocks: int = 0
     num_splits: int = 1
-    blocks_per_split: int = 0
+    blocks_per_split: int = 0  # in split blocks
+    split_block: int = 0  # keys a split holds a multiple of: whole pages and whole key steps (their lcm)
     dot_precision: str = "ieee"
     out: torch.Tensor | None = None  # (B, Hp, Lqp, Dv)
     lse: torch.Tensor | None = None  # (B, Hp, Lqp) float32, when with_lse
@@ -105,8 +106,7 @@ def paged_attention(
         query: (B, H, Lq, D): each sequence's newest Lq tokens, whose keys and values
             are already in the cache; float16, bfloat16 or float32.
         key_cache: (num_pages, page_size, H_kv, D); value_cache: (num_pages,
-            page_size, H_kv, Dv); query's dtype and device. The kernel backends take
-            page sizes that are powers of two from 16.
+            page_size, H_kv, Dv); query's dtype and device; any page size >= 1.
         block_table: int32 (B, max_pages): sequence b's keys j live in page
             block_table[b, j // page_size], slot j % page_size.
         cache_seqlens: int32 (B,): how many keys sequence b has (<= max_pages * page_size).
@@ -385,12 +385,8 @@ def _check_cache(name, cache, like, like_name):
 
 
 def _check_kernel_caches(backend, key_cache, value_cache, like):
-    """What the kernels take: pages of a power of two from 16, their head dims, 32-bit
-    offsets where the backend has no others, and tensors they can reach."""
-    page = key_cache.shape[1]
-    if page < 16 or page & (page - 1):
-        raise ValueError(f"page_size (key_cache.shape[1]) must be a power of two >= 16 for the "
-                         f"{backend.name!r} backend, got {page}")
+    """What the kernels take: their head dims, 32-bit offsets where the backend has no
+    others, and tensors they can reach (pages of any size)."""
     low, high = backend.head_dims
     for name, d in (("query/key", key_cache.shape[3]), ("value", value_cache.shape[3])):
         if not low <= d <= high:
@@ -474,16 +470,14 @@ PAGED_MAX_STAGES = {"triton": 5, "ninetoothed": 6}
 
 
 def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int, dtype: torch.dtype) -> Config:
-    """The paged kernel's configuration: the dense decode path's tiles for these rows,
-    its key step (BLOCK_N) widened to a whole page where pages are larger, and as many
-    pipeline stages as fit PAGED_STAGE_BYTES. A step of smaller pages is BLOCK_N / page
-    pages: gathered key by key in the Triton kernel, unrolled page by page in
-    NineToothed's."""
+    """The paged kernel's configuration: the dense decode path's tiles for these rows, and
+    as many pipeline stages as fit PAGED_STAGE_BYTES. The key step (BLOCK_N) is the dense
+    path's whatever the page size: a step is part of a page, one page, or several pages
+    (gathered key by key in the Triton kernel, unrolled tile by tile in NineToothed's)."""
     config = default_config(max(block_d, block_dv), min(rows, 64), dtype)
-    block_n = max(page, config.block_n)
-    per_stage = block_n * (block_d + block_dv) * dtype.itemsize
+    per_stage = config.block_n * (block_d + block_dv) * dtype.itemsize
     stages = max(2, min(PAGED_MAX_STAGES.get(backend, 3), PAGED_STAGE_BYTES // per_stage))
-    return Config(config.block_m, block_n, config.num_warps, stages)
+    return Config(config.block_m, config.block_n, config.num_warps, stages)
 
 
 def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *,
@@ -509,13 +503,16 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
+    # A split holds whole pages (NineToothed's kernel takes its part of the table as a tile)
+    # and whole key steps.
+    plan.split_block = math.lcm(page, plan.config.block_n)
     # (the thin programs' target whatever the row tile: the wide one was measured for the
     # contiguous cache only)
     plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, max_pages * page,
-                                                            plan.config.block_n, query.device)
+                                                            plan.split_block, query.device)
     if plan.split and (not planning.partials_fit(backend, (B, Hp, Lqp), plan.num_splits, Dv)
                        or _window_unsplit(plan, planner, B * Hp, query.device)):
-        plan.num_splits, plan.blocks_per_split = 1, -(-(max_pages * page) // plan.config.block_n)
+        plan.num_splits, plan.blocks_per_split = 1, -(-(max_pages * page) // plan.split_block)
     # Many short-row programs, unsplit (a large batch): the dense decode's shallow pipeline
     # (benchmarks/NOTES.md, "Decode at a large batch").
     plan.config = planner.shallow_stages(plan.config, plan.m_blocks * B * Hp, plan.num_splits, query.device,
@@ -538,7 +535,7 @@ def _window_unsplit(plan: PagedPlan, planner, programs: int, device) -> bool:
     if plan.band is None or plan.band[0] <= -planning.UNBOUNDED:
         return False
     span = plan.lq_seq - plan.band[0]  # (the first row's window start to the last row's position)
-    return planner.splits(plan.m_blocks * programs, span, plan.config.block_n, device)[0] == 1
+    return planner.splits(plan.m_blocks * programs, span, plan.split_block, device)[0] == 1
 
 
 def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *, window=None,

@@ -507,6 +507,18 @@ def backward(plan):
     return plan.grad_query, plan.grad_key, plan.grad_value
 
 
+# Keys a step of tiles under 16 keys (the CUDA cores' products: fewer than the tensor cores' steps).
+SMALL_TILE_STEP = 16
+
+
+def paged_tiles(page: int, block_n: int) -> tuple[int, int]:
+    """(tile, tiles per step) of the paged kernel for pages of ``page`` keys and steps of
+    ``block_n``: the largest power of two that divides the page, at most a step; a step of
+    BLOCK_N keys, or of SMALL_TILE_STEP where tiles are under tl.dot's 16 keys."""
+    tile = min(page & -page, block_n)
+    return tile, max(1, (block_n if tile >= 16 else SMALL_TILE_STEP) // tile)
+
+
 def paged_forward(plan):
     """Launch paged attention (and, for split keys, the merge) for a ``common.paged.PagedPlan``.
     Returns ``(plan.out, plan.lse)``, filled in (``plan.lse`` None unless ``plan.with_lse``)."""
@@ -519,17 +531,17 @@ def paged_forward(plan):
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, plan.lse if plan.with_lse else _absent(out, B, H, Lq)
-    page = kc.shape[1]
-    pages_per_step = config.block_n // page
-    # (the table's tile per split: its steps' pages)
-    _make(premake_paged, D, Dv, config.block_m, page, plan.blocks_per_split * pages_per_step if plan.split else None,
+    tile, tiles_per_step = paged_tiles(kc.shape[1], config.block_n)
+    # (the table's tile per split: its pages)
+    pages_per_split = plan.blocks_per_split * plan.split_block // kc.shape[1] if plan.split else None
+    _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split,
           num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
         q, kc, vc, plan.block_table, plan.cache_seqlens, plan.scale, plan.lq_seq, kc.shape[0],
         *(plan.band if plan.band is not None else (0, 0)), plan.softcap,
         plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq), o, lse,
         BANDED=plan.band is not None, WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split, PAGES_PER_STEP=pages_per_step, SOFTCAP=int(plan.softcap_kind),
+        SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None,
     )
     if plan.split:

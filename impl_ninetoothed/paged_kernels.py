@@ -12,22 +12,22 @@ import triton
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
-from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh
+from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh, _tile_pv, _tile_qk
 from common.plan import LN2, LOG2E
 from impl_ninetoothed.kernels import TANH_APPROX, _flags, _like, _rows_like
 from impl_ninetoothed.tiles import _per_split, _row_slices, _rows
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
-def _pages(cache, batch, heads, m_blocks, page, block_d, num_splits=None):
+def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
     """(num_pages, PAGE, H_kv, D) -> per program of (batch, heads, m_blocks[, S]), every page
-    of the K/V head its query head reads, as a (num_pages,) array of (PAGE, D) tiles: the
-    program picks pages by index (a gather: which page is data, read from the block table).
-    The batch, the group's heads and the row blocks are broadcast (expand)."""
+    of the K/V head its query head reads, as a (num_pages, PAGE / tile) array of (tile, D)
+    tiles: the program picks a page's tile by index (a gather: which page is data, read from
+    the block table). The batch, the group's heads and the row blocks are broadcast (expand)."""
     group = heads // cache.shape[2]
-    arranged = cache.tile((1, page, 1, block_d)).squeeze((1, 3))  # (num_pages, H_kv)
+    arranged = cache.tile((1, tile, 1, block_d)).squeeze(3).permute((2, 0, 1))  # (H_kv, num_pages, PAGE / tile)
     arranged.dtype = arranged.dtype.squeeze((0, 2))
-    arranged = arranged.permute((1, 0)).tile((1, -1)).squeeze(1)  # (H_kv,), each a row of num_pages tiles
+    arranged = arranged.tile((1, -1, -1)).squeeze((1, 2))  # (H_kv,), each the head's array of tiles
     arranged.dtype = arranged.dtype.squeeze(0)
     arranged = arranged.unsqueeze(0).unsqueeze(2).unsqueeze(3)  # (1, H_kv, 1, 1)
     if num_splits is None:
@@ -39,21 +39,22 @@ def _pages(cache, batch, heads, m_blocks, page, block_d, num_splits=None):
 
 def paged_arrangement(
     query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
-    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP, SOFTCAP, SINKS,
-    block_m, page, block_d, block_dv, blocks_per_split=None,
+    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS,
+    block_m, tile, block_d, block_dv, pages_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
-    pages when ``blocks_per_split`` is given: the block table's row for the batch entry
-    (its split's part), (1,) tiles each; the sequence's length; all pages of the caches;
-    its rows' sink logits (a (B, H, Lq) view, as the log-sum-exp)."""
+    pages when ``pages_per_split`` is given: the block table's row for the batch entry
+    (its split's part), (1,) tiles each; the sequence's length; all pages of the caches,
+    in tiles of ``tile`` keys (a power of two that divides the page size); its rows' sink
+    logits (a (B, H, Lq) view, as the log-sum-exp)."""
     query_arranged = _rows(query, block_m, block_d)
     batch, heads, m_blocks = query_arranged.shape
-    split = blocks_per_split is not None
+    split = pages_per_split is not None
     num_splits = output.shape[3] if split else None
     # (B, max_pages) -> per program its (part of the) row of (1,) tiles
     table = block_table.tile((1, 1))
     table.dtype = table.dtype.squeeze(0)
-    table = table.tile((1, blocks_per_split if split else -1))
+    table = table.tile((1, pages_per_split if split else -1))
     table.dtype = table.dtype.squeeze(0)
     table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks, -1))  # (B, H, M, S)
     seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
@@ -71,54 +72,57 @@ def paged_arrangement(
         output_arranged = _rows(output, block_m, block_dv)
         lse_arranged = _row_slices(lse, block_m)
     return (
-        query_arranged, _pages(key_cache, batch, heads, m_blocks, page, block_d, num_splits),
-        _pages(value_cache, batch, heads, m_blocks, page, block_dv, num_splits), table, seqlens, scale, lq_seq,
+        query_arranged, _pages(key_cache, batch, heads, m_blocks, tile, block_d, num_splits),
+        _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, scale, lq_seq,
         num_pages, band_lo, band_hi, softcap, sinks_arranged, output_arranged, lse_arranged, BANDED, WITH_LSE,
-        DOT_PRECISION, SPLIT, PAGES_PER_STEP, SOFTCAP, SINKS,
+        DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS,
     )
 
 
 def paged_application(
     query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
-    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, PAGES_PER_STEP, SOFTCAP, SINKS,
+    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS,
 ):
-    """BLOCK_M query rows against their sequence's pages (its split's), PAGES_PER_STEP pages
-    an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton kernel
-    makes one tile of them), as ``_paged_fwd``: packed row r is query row r % lq_seq of its
-    head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it sees keys at
-    position + band_lo .. position + band_hi, and the program walks only the pages its rows'
-    bands reach; SOFTCAP and SINKS as there; a page entry outside the cache is clamped into
-    it, a length past the table to the table."""
+    """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
+    an iteration, each its own products and softmax update (``_paged_fwd`` of the Triton
+    kernel gathers one BLOCK_N tile of keys), as ``_paged_fwd``: packed row r is query row
+    r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
+    sees keys at position + band_lo .. position + band_hi, and the program walks only the
+    tiles its rows' bands reach; SOFTCAP and SINKS as there; a page entry outside the cache
+    is clamped into it, a length past the table to the table. Tile t of the sequence is tile
+    t % per_page of its page t // per_page."""
     q = query
     offs_m = query.offsets(-2)
-    PAGE = key_cache.dtype.shape[0]
+    TILE = key_cache.dtype.shape[0]
+    per_page = key_cache.shape[1]  # tiles a page
     # the (1,) tile of this sequence's length; a bad one reads no entry past the table (as _paged_fwd)
-    Lk = ntl.minimum(ntl.sum(cache_seqlens, 0), block_table.source.shape[-1] * PAGE)
+    Lk = ntl.minimum(ntl.sum(cache_seqlens, 0), block_table.source.shape[-1] * per_page * TILE)
     last_key = Lk - lq_seq + offs_m % lq_seq  # the key at each row's position
     qk_scale = scale * LOG2E
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
-    lo = ntl.min(block_table[0].offsets(-1), 0)  # the split's first page
+    lo = ntl.min(block_table[0].offsets(-1), 0) * per_page  # the split's first tile
     if SINKS:  # a logit with no value: it starts the online softmax, once per row (the first split's)
         m_i = ntl.where(lo == 0, sinks * LOG2E, m_i)
         l_i = ntl.where(lo == 0, 1.0, l_i)
-    # the split's pages that its rows' bands reach; keys from page `end` on are another
-    # split's or no row's (a step's pages past it repeat its last, masked)
-    first, _, _, end = _key_stages(last_key, lo, lo + block_table.shape[0], Lk, band_lo, band_hi, PAGE, BANDED)
-    key_end = ntl.minimum(Lk, end * PAGE)
-    for j in range(first, end, PAGES_PER_STEP):
-        # PAGES_PER_STEP pages an iteration, unrolled: their table entries and tiles are
+    # the split's tiles that its rows' bands reach; keys from tile `end` on are another
+    # split's or no row's (a step's tiles past it repeat its last, masked)
+    first, _, _, end = _key_stages(last_key, lo, lo + block_table.shape[0] * per_page, Lk, band_lo, band_hi, TILE,
+                                   BANDED)
+    key_end = ntl.minimum(Lk, end * TILE)
+    for j in range(first, end, TILES_PER_STEP):
+        # TILES_PER_STEP tiles an iteration, unrolled: their table entries and tiles are
         # independent loads, in flight together (one page of 16 keys an iteration left
         # the loop bound by each load's latency)
-        for g in triton.language.static_range(PAGES_PER_STEP):
-            entry = ntl.minimum(j + g, end - 1) - lo  # past the last page: a masked repeat of it
-            page = ntl.minimum(ntl.maximum(ntl.sum(block_table[entry], 0), 0), num_pages - 1)
-            offs_kn = (j + g) * PAGE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
+        for g in triton.language.static_range(TILES_PER_STEP):
+            t = ntl.minimum(j + g, end - 1)  # past the last tile: a masked repeat of it
+            page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
+            offs_kn = (j + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
             key_ok = offs_kn < key_end
-            k = key_cache[page]
-            qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
+            k = key_cache[page, t % per_page]
+            qk = _tile_qk(q, k, DOT_PRECISION)
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
                 qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
@@ -133,8 +137,8 @@ def paged_application(
             alpha = ntl.exp2(m_i - m_sub)
             l_i = l_i * alpha + ntl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = ntl.where(key_ok[:, None], value_cache[page], 0.0)  # slots past the length: any bits
-            acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            v = ntl.where(key_ok[:, None], value_cache[page, t % per_page], 0.0)  # slots past the length: any bits
+            acc = _tile_pv(acc, p, v, DOT_PRECISION)
             m_i = m_ij
 
     if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
@@ -189,13 +193,14 @@ def append_application(key, value, key_cache, value_cache, block_table, cache_se
         value_cache[page, pos % PAGE] = value
 
 
-def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
-    """Paged attention; with ``blocks_per_split``, its split variant (see ``paged_arrangement``)."""
+def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
+    """Paged attention over pages in tiles of ``tile`` keys; with ``pages_per_split``, its
+    split variant (see ``paged_arrangement``)."""
     arrangement_ = functools.partial(
-        paged_arrangement, block_m=block_m, page=page, block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v), blocks_per_split=blocks_per_split,
+        paged_arrangement, block_m=block_m, tile=tile, block_d=padded_head_dim(head_dim),
+        block_dv=padded_head_dim(head_dim_v), pages_per_split=pages_per_split,
     )
-    split = blocks_per_split is not None
+    split = pages_per_split is not None
     query = Tensor(shape=(None, None, None, head_dim), other=0)
     key_cache = Tensor(shape=(None, None, None, head_dim), other=0)  # (num_pages, PAGE, H_kv, D)
     output = _rows_like(query, *((None,) if split else ()), head_dim_v)
@@ -209,7 +214,7 @@ def premake_paged(head_dim, head_dim_v, block_m, page, blocks_per_split=None):
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
-        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "PAGES_PER_STEP", "SOFTCAP", "SINKS"),
+        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS"),
     )
     return arrangement_, paged_application, tensors
 

@@ -34,8 +34,9 @@ def _paged_fwd(
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
-    split of that sequence, BLOCK_N keys per step (BLOCK_N / PAGE pages, gathered key
-    by key: small pages would otherwise make tiny steps).
+    split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
+    by key from their pages: any page size (PAGE), from one token (a table entry per key)
+    to pages of many steps.
 
     Page j of sequence z is block TABLE[z, j] of the caches (clamped into the cache:
     a bad entry reads a wrong page, never outside); the sequence has SEQLENS[z] keys

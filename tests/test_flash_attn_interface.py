@@ -312,18 +312,23 @@ def test_kvcache_contiguous(backend, B_cache, rows, seqlens, L_new, causal, wind
     _close(lse, expected_lse)  # (+inf for the rows of an empty sequence)
 
 
-@pytest.mark.parametrize("layout", ["slice", "heads_first"])
-def test_kvcache_strided_caches(backend, layout):
-    """Caches whose rows lie more than seqlen_cache positions apart, paged as views all the same:
-    a slice [:, :32] of a 48-key cache, and a (B, H_kv, S, D) cache transposed."""
-    B, S, H, H_kv, D, L_new = 2, 32, 2, 2, 16, 2
+@pytest.mark.parametrize("layout,S,stored", [
+    ("slice", 32, 48),  # rows 48 positions apart: pages of 16
+    ("heads_first", 32, 32),  # a (B, H_kv, S, D) cache transposed
+    ("rows", 37, 37),  # seqlen_cache odd (FlashAttention's tests take 339, 799, ...): pages of one key
+    ("slice", 36, 40),  # rows 40 positions apart, 36 of them used: pages of 4
+])
+def test_kvcache_strided_caches(backend, layout, S, stored):
+    """Contiguous caches of any seqlen_cache, rows seqlen_cache or more positions apart, paged
+    as views all the same (pages of the largest power of two that divides both)."""
+    B, H, H_kv, D, L_new = 2, 2, 2, 16, 2
     q = torch.randn(B, 2, H, D, device=DEVICE)
-    if layout == "slice":
-        buffers = [torch.randn(B, 48, H_kv, D, device=DEVICE) for _ in range(2)]
-        k_cache, v_cache = (t[:, :S] for t in buffers)
-    else:
+    if layout == "heads_first":
         buffers = [torch.randn(B, H_kv, S, D, device=DEVICE) for _ in range(2)]
         k_cache, v_cache = (t.transpose(1, 2) for t in buffers)
+    else:
+        buffers = [torch.randn(B, stored, H_kv, D, device=DEVICE) for _ in range(2)]
+        k_cache, v_cache = (t[:, :S] for t in buffers)
     k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) for _ in range(2))
     lens = [7, 30]
     rows = [1, 0]
@@ -334,7 +339,7 @@ def test_kvcache_strided_caches(backend, layout):
                                      cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
                                      causal=True, backend=backend)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    if layout == "slice":  # (the positions past the slice untouched)
+    if stored > S:  # (the positions past the slice untouched)
         assert all(torch.equal(t[:, S:], old[:, S:]) for t, old in zip(buffers, before))
     expected, _ = _kvcache_reference(q, [expected_k[r, :n + L_new] for r, n in zip(rows, lens)],
                                      [expected_v[r, :n + L_new] for r, n in zip(rows, lens)], causal=True)
@@ -431,21 +436,13 @@ def test_kvcache_refusals_leave_the_cache_alone():
     with pytest.raises(ValueError, match="k and v must be"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, k[:, :, :1], v[:, :, :1], cache_seqlens=seqlens)
     assert torch.equal(k_cache, before)
-    odd = torch.randn(2, 40, 2, 16, device=DEVICE)  # 40 keys: no page of 16 or more divides it
-    with pytest.raises(NotImplementedError, match="multiple of 16"):
-        fa.flash_attn_with_kvcache(q, odd, odd.clone(), k, v, cache_seqlens=seqlens)
     batch_minor = torch.randn(32, 2, 16, 2, device=DEVICE).permute(3, 0, 1, 2)  # batch stride 1
     with pytest.raises(NotImplementedError, match="batch stride"):
         fa.flash_attn_with_kvcache(q, batch_minor, v_cache, k, v, cache_seqlens=seqlens)
     longer = torch.randn(2, 48, 2, 16, device=DEVICE)[:, :32]  # rows 48 positions apart, v_cache's 32
     with pytest.raises(NotImplementedError, match="same number of positions apart"):
         fa.flash_attn_with_kvcache(q, longer, v_cache, k, v, cache_seqlens=seqlens)
-    with pytest.raises(NotImplementedError, match="multiple of 16"):
-        fa.flash_attn_with_kvcache(q, *(torch.randn(2, 40, 2, 16, device=DEVICE)[:, :32] for _ in range(2)), k, v,
-                                   cache_seqlens=seqlens)  # rows 40 positions apart
-    pages = torch.randn(4, 24, 2, 16, device=DEVICE)  # pages of 24 keys: the kernels take powers of two
-    pages_before = pages.clone()
-    with pytest.raises(ValueError, match="page_size"):
-        fa.flash_attn_with_kvcache(q, pages, pages.clone(), k, v, cache_seqlens=seqlens,
-                                   block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE))
-    assert torch.equal(k_cache, before) and torch.equal(pages, pages_before)
+    empty = torch.randn(2, 0, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="seqlen_cache 0"):
+        fa.flash_attn_with_kvcache(q, empty, empty.clone(), cache_seqlens=0)
+    assert torch.equal(k_cache, before)
