@@ -45,7 +45,8 @@ CPU = "cpu"  # runs on CPU tensors without Triton's interpreter
 OFFSETS64 = "offsets64"  # indexes with 64-bit offsets: tensors may span 2^31 elements or more
 SOFTCAP = "softcap"  # soft-caps the scores (softcap=)
 SINKS = "sinks"  # attention sinks: a logit per head in every row's softmax (sinks=)
-CAPABILITIES = (LSE, BACKWARD, CPU, OFFSETS64, SOFTCAP, SINKS)
+ANY_PAGE = "any_page"  # paged caches of any page size (without it: multiples of 16)
+CAPABILITIES = (LSE, BACKWARD, CPU, OFFSETS64, SOFTCAP, SINKS, ANY_PAGE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +146,12 @@ BACKENDS = {
     b.name: b
     for b in (
         Backend("triton", "impl_triton.attention", "hand-written Triton kernels",
-                kernels=True, capabilities=frozenset({LSE, BACKWARD, OFFSETS64, SOFTCAP, SINKS}),
+                kernels=True, capabilities=frozenset({LSE, BACKWARD, OFFSETS64, SOFTCAP, SINKS, ANY_PAGE}),
                 head_dims=_KERNEL_HEAD_DIMS),
         Backend("ninetoothed", "impl_ninetoothed.attention", "NineToothed arrangements + applications",
                 kernels=True, capabilities=frozenset({LSE, BACKWARD, SOFTCAP, SINKS}), head_dims=_KERNEL_HEAD_DIMS),
         Backend("torch", "common.torch_backend", "torch.nn.functional.scaled_dot_product_attention",
-                kernels=False, capabilities=frozenset({BACKWARD, CPU, OFFSETS64}), head_dims=None),
+                kernels=False, capabilities=frozenset({BACKWARD, CPU, OFFSETS64, ANY_PAGE}), head_dims=None),
     )
 }
 

@@ -37,7 +37,8 @@ seqlen_new`` keys per sequence, forward only (FlashAttention's has no backward e
 the output does not require grad). Its caches:
 
 - with ``block_table`` (int32 (batch, max_blocks)), pages (num_blocks, page_block_size,
-  nheads_k, head_dim) as they are, of any size (FlashAttention's: a multiple of 256).
+  nheads_k, head_dim) as they are, of any size on the Triton backend, multiples of 16 on
+  NineToothed's (FlashAttention's: multiples of 256).
   ``cache_batch_idx`` with it is a ValueError (FlashAttention takes one or the other).
 - without, (batch_size_cache, seqlen_cache, nheads_k, head_dim), any seqlen_cache >= 1,
   viewed as pages without a copy: pages of the largest power of two up to 64
@@ -46,8 +47,8 @@ the output does not require grad). Its caches:
   number R of sequence strides, the same for both caches (``torch.empty(B, S, H, D)``
   gives R = S; a slice ``[:, :S]`` of a longer cache, or a heads-first cache transposed,
   gives more); anything else raises NotImplementedError saying which. (An odd
-  seqlen_cache makes pages of one key: a table entry per key, NineToothed's kernel then
-  without tensor cores; COMPARISON.md.)
+  seqlen_cache makes pages of one key, a table entry per key: the Triton backend's;
+  NineToothed's needs pages of multiples of 16, a ValueError otherwise.)
 - ``cache_seqlens``: an int, an int32 (batch,) tensor (not read back to the host: lengths
   that do not fit the cache are the caller's, as in FlashAttention; tokens with no slot are
   not written), or None for the whole cache (a ValueError with ``k``, ``v``: they would have
@@ -68,7 +69,7 @@ import math
 import torch
 
 from common import paged
-from common.backends import resolve
+from common.backends import ANY_PAGE, resolve
 from common.dispatch import attention
 from common.paged import append_kv, paged_attention
 from common.plan import force_splits
@@ -307,7 +308,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         key_cache, value_cache, table = k_cache, v_cache, block_table
         capacity = block_table.shape[1] * k_cache.shape[1] if _is_table(block_table, B, q) else 0
     else:
-        key_cache, value_cache, table = _as_pages(k_cache, v_cache, cache_batch_idx, B, q)
+        key_cache, value_cache, table = _as_pages(chosen, k_cache, v_cache, cache_batch_idx, B, q)
         capacity = k_cache.shape[1]
     seqlens = _cache_seqlens(cache_seqlens, B, L_new, capacity, q)
     query = q.transpose(1, 2)
@@ -380,7 +381,7 @@ def _is_table(table, B, like) -> bool:
 VIEW_PAGE = 64
 
 
-def _as_pages(k_cache, v_cache, cache_batch_idx, B, like):
+def _as_pages(chosen, k_cache, v_cache, cache_batch_idx, B, like):
     """A contiguous cache (B_cache, S, H_kv, D) as pages (P, H_kv, D), a view of the same memory,
     and the block table that walks row ``cache_batch_idx[b]``'s S / P pages in order. P is the
     largest power of two up to VIEW_PAGE that divides S and the rows' distance R (R = S from
@@ -391,6 +392,10 @@ def _as_pages(k_cache, v_cache, cache_batch_idx, B, like):
         raise ValueError("k_cache/v_cache: a cache of seqlen_cache 0 holds no key; give it room for the tokens")
     span = _row_span(k_cache, v_cache) or S
     page = min(math.gcd(S, span) & -math.gcd(S, span), VIEW_PAGE)
+    if page % 16 and not chosen.supports(ANY_PAGE):
+        raise ValueError(f"k_cache/v_cache: the {chosen.name!r} backend views a contiguous cache as pages of "
+                         f"multiples of 16 keys, which needs seqlen_cache ({S}) and the distance between rows "
+                         f"({span}) multiples of 16; pad the cache, or use backend='triton' (any length)")
     rows = _cache_rows(cache_batch_idx, B, B_cache, like)
     table = (rows[:, None] * (span // page)
              + torch.arange(S // page, device=like.device, dtype=torch.int32)[None, :])

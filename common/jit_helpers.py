@@ -1,6 +1,5 @@
 """The ``@triton.jit`` helpers both backends' kernels call: dropout's mask, tanh, the
-soft-cap's factors, the scores (capped or scaled, ALiBi's bias added), a band's test and a band's key-block stages;
-and the tile products of NineToothed's paged kernel (tiles of any key count).
+soft-cap's factors, the scores (capped or scaled, ALiBi's bias added), a band's test and a band's key-block stages.
 
 The Triton kernels call them as any jit function. NineToothed copies the source of every
 ``@triton.jit`` function in an application's module into the code it generates, so
@@ -133,27 +132,5 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
     return first, full_lo, full_hi, end
 
 
-@triton.jit
-def _tile_qk(q, k, DOT_PRECISION: triton.language.constexpr):
-    """q (M, D) times a tile of keys k (N, D) transposed: (M, N) float32. Tiles under 16
-    keys, tl.dot's least, by products and a sum on the CUDA cores (a page of fewer keys is
-    one tile: NineToothed picks tiles, it cannot gather rows of several pages into one)."""
-    if k.shape[0] >= 16:
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    else:
-        qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-    return qk
-
-
-@triton.jit
-def _tile_pv(acc, p, v, DOT_PRECISION: triton.language.constexpr):
-    """acc (M, Dv) plus p (M, N) times a tile of values v (N, Dv), as :func:`_tile_qk`."""
-    if v.shape[0] >= 16:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    else:
-        acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-    return acc
-
-
 # What impl_ninetoothed puts in each generated module under the interpreter.
-JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _tile_qk, _tile_pv)
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages)

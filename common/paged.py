@@ -1,12 +1,12 @@
 """A paged KV cache: ``paged_attention`` and ``append_kv`` (vLLM's and FlashInfer's layout).
 
 The cache holds keys and values in fixed-size pages, (num_pages, page_size, H_kv, D), of any
-size from one token (SGLang's) up; a block table (B, max_pages) lists each sequence's pages
+size from one token (SGLang's) up on the Triton backend; a block table (B, max_pages) lists each sequence's pages
 in order and ``cache_seqlens`` (B,) how many keys each holds. ``append_kv`` writes new tokens
 into their slots, and ``paged_attention`` attends a batch of queries over their sequences'
 pages: a step of BLOCK_N keys, whatever the page size (the Triton kernel gathers them key by
 key into one tile; NineToothed's picks tiles of a page by scalar index, unrolled per step,
-and below 16-key tiles multiplies without tensor cores), the pages of a long sequence split
+which takes pages of multiples of 16 keys), the pages of a long sequence split
 across programs (merged by the same kernel that merges the dense decode path's splits),
 grouped-query heads packed into rows (not with sinks: they are per query head). The dense
 path's features, in both kernels: a window around each row's position (the key blocks
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from common import plan as planning
-from common.backends import OFFSETS64, resolve
+from common.backends import ANY_PAGE, OFFSETS64, resolve
 from common.configs import Config, default_config, next_power_of_2, padded_head_dim
 from common.ops import _on_device, _quiet
 from common.outputs import allocator, partials
@@ -106,7 +106,8 @@ def paged_attention(
         query: (B, H, Lq, D): each sequence's newest Lq tokens, whose keys and values
             are already in the cache; float16, bfloat16 or float32.
         key_cache: (num_pages, page_size, H_kv, D); value_cache: (num_pages,
-            page_size, H_kv, Dv); query's dtype and device; any page size >= 1.
+            page_size, H_kv, Dv); query's dtype and device. Any page size >= 1 on the
+            "triton" and "torch" backends, multiples of 16 on "ninetoothed".
         block_table: int32 (B, max_pages): sequence b's keys j live in page
             block_table[b, j // page_size], slot j % page_size.
         cache_seqlens: int32 (B,): how many keys sequence b has (<= max_pages * page_size).
@@ -385,8 +386,13 @@ def _check_cache(name, cache, like, like_name):
 
 
 def _check_kernel_caches(backend, key_cache, value_cache, like):
-    """What the kernels take: their head dims, 32-bit offsets where the backend has no
-    others, and tensors they can reach (pages of any size)."""
+    """What the kernels take: pages of any size (or of multiples of 16 keys), their head
+    dims, 32-bit offsets where the backend has no others, and tensors they can reach."""
+    page = key_cache.shape[1]
+    if page % 16 and not backend.supports(ANY_PAGE):
+        raise ValueError(f"page_size (key_cache.shape[1]) must be a multiple of 16 for the {backend.name!r} "
+                         f"backend (its kernel reads whole tiles of 16 keys or more: COMPARISON.md), got {page}; "
+                         "the 'triton' backend takes any page size")
     low, high = backend.head_dims
     for name, d in (("query/key", key_cache.shape[3]), ("value", value_cache.shape[3])):
         if not low <= d <= high:

@@ -507,16 +507,12 @@ def backward(plan):
     return plan.grad_query, plan.grad_key, plan.grad_value
 
 
-# Keys a step of tiles under 16 keys (the CUDA cores' products: fewer than the tensor cores' steps).
-SMALL_TILE_STEP = 16
-
-
 def paged_tiles(page: int, block_n: int) -> tuple[int, int]:
-    """(tile, tiles per step) of the paged kernel for pages of ``page`` keys and steps of
-    ``block_n``: the largest power of two that divides the page, at most a step; a step of
-    BLOCK_N keys, or of SMALL_TILE_STEP where tiles are under tl.dot's 16 keys."""
+    """(tile, tiles per step) of the paged kernel for pages of ``page`` keys (a multiple of
+    16) and steps of ``block_n``: the largest power of two that divides the page, at most a
+    step; a step of BLOCK_N keys (one tile where pages are larger than a step)."""
     tile = min(page & -page, block_n)
-    return tile, max(1, (block_n if tile >= 16 else SMALL_TILE_STEP) // tile)
+    return tile, max(1, block_n // tile)
 
 
 def paged_forward(plan):

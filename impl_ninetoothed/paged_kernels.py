@@ -12,7 +12,7 @@ import triton
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
-from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh, _tile_pv, _tile_qk
+from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh
 from common.plan import LN2, LOG2E
 from impl_ninetoothed.kernels import TANH_APPROX, _flags, _like, _rows_like
 from impl_ninetoothed.tiles import _per_split, _row_slices, _rows
@@ -45,7 +45,7 @@ def paged_arrangement(
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``pages_per_split`` is given: the block table's row for the batch entry
     (its split's part), (1,) tiles each; the sequence's length; all pages of the caches,
-    in tiles of ``tile`` keys (a power of two that divides the page size); its rows' sink
+    in tiles of ``tile`` keys (a power of two from 16 that divides the page size); its rows' sink
     logits (a (B, H, Lq) view, as the log-sum-exp)."""
     query_arranged = _rows(query, block_m, block_d)
     batch, heads, m_blocks = query_arranged.shape
@@ -84,7 +84,7 @@ def paged_application(
     sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
-    an iteration, each its own products and softmax update (``_paged_fwd`` of the Triton
+    an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton
     kernel gathers one BLOCK_N tile of keys), as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
@@ -122,7 +122,7 @@ def paged_application(
             offs_kn = (j + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
             key_ok = offs_kn < key_end
             k = key_cache[page, t % per_page]
-            qk = _tile_qk(q, k, DOT_PRECISION)
+            qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
                 qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
@@ -138,7 +138,7 @@ def paged_application(
             l_i = l_i * alpha + ntl.sum(p, 1)
             acc = acc * alpha[:, None]
             v = ntl.where(key_ok[:, None], value_cache[page, t % per_page], 0.0)  # slots past the length: any bits
-            acc = _tile_pv(acc, p, v, DOT_PRECISION)
+            acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             m_i = m_ij
 
     if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)

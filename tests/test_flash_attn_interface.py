@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from common import flash_attn_interface as fa
+from common.backends import ANY_PAGE, get_backend
 from tests.conftest import DEVICE
 
 f32 = torch.float32
@@ -334,9 +335,15 @@ def test_kvcache_strided_caches(backend, layout, S, stored):
     rows = [1, 0]
     before = [t.clone() for t in buffers]
     expected_k, expected_v = (_appended(c.clone(), rows, lens, new) for c, new in zip((k_cache, v_cache), (k, v)))
-    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
-                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                                     cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    batch_idx = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    if math.gcd(S, stored) % 16 and not get_backend(backend).supports(ANY_PAGE):  # (NineToothed's: 16s)
+        with pytest.raises(ValueError, match="multiples of 16"):
+            fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
+                                       causal=True, backend=backend)
+        assert all(torch.equal(t, old) for t, old in zip(buffers, before))  # (refused before writing)
+        return
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
                                      causal=True, backend=backend)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     if stored > S:  # (the positions past the slice untouched)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common import append_kv, attention, paged_attention
-from common.backends import get_backend
+from common.backends import ANY_PAGE, get_backend
 from common.plan import force_splits
 from tests.conftest import DEVICE
 
@@ -87,6 +87,11 @@ def test_paged_attention(backend, case, splits):
     lens, Lq, H, H_kv, D, Dv, page, is_causal, dtype = case
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, dtype)
     query = torch.randn(len(lens), H, Lq, D, device=DEVICE, dtype=dtype)
+    if page % 16 and not get_backend(backend).supports(ANY_PAGE):  # (NineToothed's: multiples of 16)
+        with pytest.raises(ValueError, match="page_size .* must be a multiple of 16"):
+            paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=H_kv < H,
+                            backend=backend)
+        return
     if splits is None:
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal,
                               enable_gqa=H_kv < H, backend=backend)
