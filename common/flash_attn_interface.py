@@ -15,7 +15,7 @@ semantics:
   bound of 0). A row that sees no key gives 0 and a log-sum-exp of ``+inf``.
 - ``softcap``: anything > 0 soft-caps the scaled scores, ``softcap * tanh(s / softcap)``;
   0 (or less) is none.
-- ``alibi_slopes`` (dense functions): float32, (nheads,) or (batch, nheads); adds
+- ``alibi_slopes`` (dense functions and ``flash_attn_with_kvcache``): float32, (nheads,) or (batch, nheads); adds
   ``-slope * |i + seqlen_k - seqlen_q - j|`` to the (soft-capped) score of query row i
   and key j. The slopes get no gradient (as FlashAttention's).
 - Grouped-query attention by the key/value heads alone: ``nheads`` a multiple of ``nheads_k``.
@@ -56,9 +56,8 @@ the output does not require grad). Its caches:
   ``common.plan.force_splits(n)``. ``return_softmax_lse`` returns ``(out, softmax_lse)``.
 
 Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``
-and ``block_table`` in the variable-length functions, ``alibi_slopes`` in
-``flash_attn_with_kvcache``, and ``rotary_cos``/``rotary_sin`` and
-``cache_leftpad`` in ``flash_attn_with_kvcache``.
+and ``block_table`` in the variable-length functions, and ``rotary_cos``/``rotary_sin``
+and ``cache_leftpad`` in ``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
@@ -290,7 +289,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are written; a contiguous cache is paged as a view (module docstring for what it needs)."""
     chosen = resolve(backend)
     B, Lq, H = _check_kvcache_tensors(q, k_cache, v_cache, k, v)
-    _refuse(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes)
+    _refuse(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)
     if type(rotary_interleaved) is not bool:
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     is_causal, window, _ = _mask(causal, window_size, Lq, None)
@@ -313,13 +312,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlens = _cache_seqlens(cache_seqlens, B, L_new, capacity, q)
     query = q.transpose(1, 2)
     new = None if k is None else (k.transpose(1, 2), v.transpose(1, 2))
-    _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, (window, softcap, return_softmax_lse))
+    _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new,
+                 (window, softcap, alibi_slopes, return_softmax_lse))
     with torch.no_grad():  # (FlashAttention's: no backward; the caches change in place)
         lengths = seqlens if new is None else append_kv(key_cache, value_cache, table, seqlens, *new,
                                                         backend=chosen.name)
         with contextlib.nullcontext() if splits == 0 else force_splits(splits):
             result = paged_attention(query, key_cache, value_cache, table, lengths, is_causal, scale,
-                                     enable_gqa=True, window=window, softcap=softcap,
+                                     enable_gqa=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                      return_lse=return_softmax_lse, backend=chosen.name)
     if not return_softmax_lse:
         return result.transpose(1, 2).contiguous()
@@ -470,12 +470,14 @@ def _cache_seqlens(cache_seqlens, B, L_new, capacity, like) -> torch.Tensor:
 def _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, features) -> None:
     """What append_kv and paged_attention would refuse (the backend's page sizes, head dims,
     devices, softcap), checked before either writes or launches."""
-    window, softcap, return_lse = features
+    window, softcap, alibi_slopes, return_lse = features
     B, H, _, _ = query.shape
     paged._check_query(query)
     paged._check_caches(key_cache, value_cache, query, chosen)
     paged._check_table(table, seqlens, B, query)
     paged._check_heads(H, key_cache.shape[2], True)
     paged._check_features(chosen, window, softcap, None, return_lse, H, query.device)
+    if alibi_slopes is not None:
+        paged._check_alibi(alibi_slopes, B, H, query.device)
     if new is not None:
         paged._check_append(chosen, key_cache, value_cache, table, seqlens, *new, False)

@@ -8,10 +8,11 @@ pages: a step of BLOCK_N keys, whatever the page size (the Triton kernel gathers
 key into one tile; NineToothed's picks tiles of a page by scalar index, unrolled per step,
 which takes pages of multiples of 16 keys), the pages of a long sequence split
 across programs (merged by the same kernel that merges the dense decode path's splits),
-grouped-query heads packed into rows (not with sinks: they are per query head). The dense
+grouped-query heads packed into rows (not with sinks or ALiBi: they are per query head). The dense
 path's features, in both kernels: a window around each row's position (the key blocks
 outside a row block's windows never visited), soft-capped scores, attention sinks (the
-first split's) and the log-sum-exp (the merged one, with split pages).
+first split's), ALiBi (FlashAttention's bias, from each row's position in its sequence)
+and the log-sum-exp (the merged one, with split pages).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from common.reuse import PlanCache
 from common.validation import (
     OFFSET_LIMIT,
     SUPPORTED_DTYPES,
+    _check_alibi,
     _check_flag,
     _check_kernel_device,
     _check_real,
@@ -61,6 +63,7 @@ class PagedPlan:
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
     softcap_kind: planning.Softcap = planning.Softcap.OFF
     sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
+    alibi: torch.Tensor | None = None  # (B, H, Lq) float32 view of ALiBi's (H,) or (B, H) slopes (stride 0 over Lq)
     with_lse: bool = False  # the caller gets the log-sum-exp
     config: Config | None = None
     block_d: int = 0
@@ -96,6 +99,7 @@ def paged_attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | None = None,
     validate: bool = False,
@@ -124,8 +128,11 @@ def paged_attention(
             softcap) before masking (Gemma 2). Kernel backends only.
         sinks: None, or (H,) float on query's device: one logit per query head that joins
             each row's softmax denominator with no value (gpt-oss). Kernel backends only.
+        alibi_slopes: None, or float32 (H,) or (B, H) on query's device: ALiBi, the bias
+            -slope * |p - j| added to the (capped) score of key j for the row at position
+            p (FlashAttention's, bottom-right as the rows' positions are).
         return_lse: also return the log-sum-exp (natural log) of each row's scaled,
-            soft-capped, masked scores (and its sink), float32 (B, H, Lq).
+            soft-capped, biased, masked scores (and its sink), float32 (B, H, Lq).
         backend: "triton", "ninetoothed" or "torch" (the reference: the pages gathered
             into a dense batch for SDPA, the lengths and window as a boolean mask; no
             softcap, no sinks).
@@ -144,7 +151,7 @@ def paged_attention(
     """
     chosen = resolve(backend)
     layout = _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
-                     enable_gqa, validate, (window, softcap, sinks, return_lse))
+                     enable_gqa, validate, (window, softcap, sinks, alibi_slopes, return_lse))
     template = _templates.get(layout) if layout is not None else None
     if template is not None:  # validated and planned before: launch
         plan = PagedPlan(*template)
@@ -152,6 +159,7 @@ def paged_attention(
         plan.key_cache, plan.value_cache, plan.block_table, plan.cache_seqlens = (
             key_cache, value_cache, block_table, cache_seqlens)
         plan.sinks = _sink_rows(sinks, plan.shape)
+        plan.alibi = _slope_rows(alibi_slopes, plan.shape)
         return _launch(chosen, plan)
     B, H, Lq, D = _check_query(query)
     num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, query, chosen)
@@ -162,6 +170,8 @@ def paged_attention(
     _check_heads(H, H_kv, enable_gqa)
     scale = 1.0 / math.sqrt(D) if scale is None else _check_real("scale", scale)
     window, softcap, return_lse = _check_features(chosen, window, softcap, sinks, return_lse, H, query.device)
+    if alibi_slopes is not None:
+        alibi_slopes = _check_alibi(alibi_slopes, B, H, query.device)
     if validate:
         _validate_contents(block_table, cache_seqlens, num_pages, page)
     if B * H * Lq == 0:
@@ -169,9 +179,9 @@ def paged_attention(
         return (out, query.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)) if return_lse else out
     if not chosen.kernels:
         return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
-                                window=window, with_lse=return_lse)
+                                window=window, alibi_slopes=alibi_slopes, with_lse=return_lse)
     plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
-                      window=window, softcap=softcap, sinks=sinks, with_lse=return_lse)
+                      window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, with_lse=return_lse)
     if layout is not None:
         _templates.put(layout, _template_of(plan, query))
     return _launch(chosen, plan)
@@ -195,6 +205,14 @@ def _sink_rows(sinks, shape):
         return None
     B, H, Lq, _ = shape
     return sinks.float().view(1, H, 1).expand(B, H, Lq)
+
+
+def _slope_rows(slopes, shape):
+    """ALiBi's (H,) or (B, H) slopes as the kernels read them: a float32 (B, H, Lq) view (None: no ALiBi)."""
+    if slopes is None:
+        return None
+    B, H, Lq, _ = shape
+    return slopes.detach().expand(B, H)[:, :, None].expand(B, H, Lq)
 
 
 def paged_band(is_causal: bool, window, Lq: int) -> tuple[int, int] | None:
@@ -225,7 +243,8 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
             validate, features):
     """The key of a call's template, or None where the full path must run (bad or unusual
     arguments: their checks; validate=True: it reads the tensors). ``features``: (window,
-    softcap, sinks, return_lse), each part of the key (the sinks by shape, dtype and device)."""
+    softcap, sinks, alibi_slopes, return_lse), each part of the key (the sinks and slopes by
+    shape, dtype and device)."""
     tensors = (query, key_cache, value_cache, block_table, cache_seqlens)
     if (any(type(t) is not torch.Tensor for t in tensors) or type(is_causal) is not bool
             or type(enable_gqa) is not bool or validate is not False or not (scale is None or type(scale) is float)
@@ -238,17 +257,18 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
             features, query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
 
 
-def _feature_key(window, softcap, sinks, return_lse):
-    """(window, softcap, the sinks' (shape, dtype, device) or None, return_lse) for the
-    template's key, or None where one of them is unusual (its checks must run)."""
+def _feature_key(window, softcap, sinks, alibi_slopes, return_lse):
+    """(window, softcap, the sinks' and the slopes' (shape, dtype, device) or None, return_lse)
+    for the template's key, or None where one of them is unusual (its checks must run)."""
     if window is not None and not (type(window) is tuple and len(window) == 2
                                    and all(type(n) is int and n >= -1 for n in window)):
         return None
     if softcap is not None and not (type(softcap) is float and 0.0 < softcap < math.inf):
         return None
-    if sinks is not None and type(sinks) is not torch.Tensor or type(return_lse) is not bool:
+    tensors = (sinks, alibi_slopes)
+    if any(t is not None and type(t) is not torch.Tensor for t in tensors) or type(return_lse) is not bool:
         return None
-    return window, softcap, None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), return_lse
+    return window, softcap, *(None if t is None else (t.shape, t.dtype, t.device) for t in tensors), return_lse
 
 
 def _template_of(plan: PagedPlan, query) -> tuple:
@@ -487,7 +507,7 @@ def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int
 
 
 def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *,
-               window=None, softcap=None, sinks=None, with_lse=False) -> PagedPlan:
+               window=None, softcap=None, sinks=None, alibi_slopes=None, with_lse=False) -> PagedPlan:
     B, H, Lq, D = query.shape
     H_kv, page, Dv = key_cache.shape[2], key_cache.shape[1], value_cache.shape[3]
     plan = PagedPlan(query, key_cache, value_cache, block_table, cache_seqlens, scale, is_causal, H // H_kv, Lq,
@@ -495,8 +515,9 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.planner = planner = planning.current_planner()
     plan.softcap_kind = planner.softcap_kind(plan.softcap, query.dtype, query.device, backend.interpreted())
     plan.sinks = _sink_rows(sinks, plan.shape)
-    # (sinks are per query head: packed rows would mix them, as in common.plan.make_forward)
-    if H != H_kv and sinks is None:
+    plan.alibi = _slope_rows(alibi_slopes, plan.shape)
+    # (sinks and slopes are per query head: packed rows would mix them, as in common.plan.make_forward)
+    if H != H_kv and sinks is None and alibi_slopes is None:
         try:  # each group's query heads as rows of its K/V head: K/V read once per group
             packed = query.view(B, H_kv, (H // H_kv) * Lq, D)
         except RuntimeError:  # strides no view can merge
@@ -545,9 +566,10 @@ def _window_unsplit(plan: PagedPlan, planner, programs: int, device) -> bool:
 
 
 def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *, window=None,
-                     with_lse=False):
+                     alibi_slopes=None, with_lse=False):
     """SDPA on the pages gathered into a dense batch, the sequences' lengths, causality and
-    window as a boolean mask; with_lse: also the log-sum-exp, from the scores in float32."""
+    window as a boolean mask (ALiBi's bias added as a float one: -inf where not allowed);
+    with_lse: also the log-sum-exp, from the scores in float32."""
     B, H, Lq, _ = query.shape
     num_pages, page, H_kv, _ = key_cache.shape
     pages = block_table.long().clamp(0, num_pages - 1)
@@ -556,15 +578,20 @@ def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, 
     lengths = cache_seqlens.long()
     allowed = (positions[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
     band = paged_band(is_causal, window, Lq)
+    row_positions = lengths[:, None] - Lq + torch.arange(Lq, device=query.device)[None, :]  # (B, Lq)
+    offset = positions[None, None, :] - row_positions[:, :, None]  # (B, Lq, Lk)
     if band is not None:
-        row_positions = lengths[:, None] - Lq + torch.arange(Lq, device=query.device)[None, :]  # (B, Lq)
-        offset = positions[None, None, :] - row_positions[:, :, None]  # (B, Lq, Lk)
         allowed = allowed & ((offset >= band[0]) & (offset <= band[1]))[:, None]
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scale, enable_gqa=H != H_kv)
+    bias = 0.0
+    mask = allowed
+    if alibi_slopes is not None:  # (B, H, Lq, Lk), -inf where not allowed
+        bias = -alibi_slopes[:, :, None, None] * offset.abs()[:, None].float()
+        mask = bias.masked_fill(~allowed, float("-inf")).to(query.dtype)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=H != H_kv)
     out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0, not NaN
     if not with_lse:
         return out
-    scores = query.float() @ k.float().repeat_interleave(H // H_kv, 1).transpose(-1, -2) * scale
+    scores = query.float() @ k.float().repeat_interleave(H // H_kv, 1).transpose(-1, -2) * scale + bias
     return out, scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # (-inf: no key)
 
 

@@ -12,7 +12,7 @@ import triton
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
-from common.jit_helpers import _cap_factors, _in_band, _key_stages, _tanh
+from common.jit_helpers import _alibi_bias, _cap_factors, _in_band, _key_stages, _tanh
 from common.plan import LN2, LOG2E
 from impl_ninetoothed.kernels import TANH_APPROX, _flags, _like, _rows_like
 from impl_ninetoothed.tiles import _per_split, _row_slices, _rows
@@ -39,14 +39,14 @@ def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
 
 def paged_arrangement(
     query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
-    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS,
+    sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
     block_m, tile, block_d, block_dv, pages_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``pages_per_split`` is given: the block table's row for the batch entry
     (its split's part), (1,) tiles each; the sequence's length; all pages of the caches,
     in tiles of ``tile`` keys (a power of two from 16 that divides the page size); its rows' sink
-    logits (a (B, H, Lq) view, as the log-sum-exp)."""
+    logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp)."""
     query_arranged = _rows(query, block_m, block_d)
     batch, heads, m_blocks = query_arranged.shape
     split = pages_per_split is not None
@@ -59,10 +59,12 @@ def paged_arrangement(
     table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks, -1))  # (B, H, M, S)
     seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
     sinks_arranged = _row_slices(sinks, block_m)
+    slopes_arranged = _row_slices(slopes, block_m)
     if split:
         query_arranged = _per_split(query_arranged, num_splits)
         seqlens = _per_split(seqlens, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
+        slopes_arranged = _per_split(slopes_arranged, num_splits)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
         lse_arranged = lse.tile((1, 1, block_m, 1))
@@ -74,21 +76,21 @@ def paged_arrangement(
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, tile, block_d, num_splits),
         _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, scale, lq_seq,
-        num_pages, band_lo, band_hi, softcap, sinks_arranged, output_arranged, lse_arranged, BANDED, WITH_LSE,
-        DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS,
+        num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, output_arranged, lse_arranged, BANDED,
+        WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
     )
 
 
 def paged_application(
     query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
-    sinks, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS,
+    sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
     an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton
     kernel gathers one BLOCK_N tile of keys), as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
-    tiles its rows' bands reach; SOFTCAP and SINKS as there; a page entry outside the cache
+    tiles its rows' bands reach; SOFTCAP, SINKS and ALIBI as there; a page entry outside the cache
     is clamped into it, a length past the table to the table. Tile t of the sequence is tile
     t % per_page of its page t // per_page."""
     q = query
@@ -104,6 +106,9 @@ def paged_application(
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
     lo = ntl.min(block_table[0].offsets(-1), 0) * per_page  # the split's first tile
+    alibi = 0.0
+    if ALIBI:  # the head's slope, once per program, in base-2 units (rows past the end read -inf)
+        alibi = ntl.max(slopes, 0) * LOG2E
     if SINKS:  # a logit with no value: it starts the online softmax, once per row (the first split's)
         m_i = ntl.where(lo == 0, sinks * LOG2E, m_i)
         l_i = ntl.where(lo == 0, 1.0, l_i)
@@ -127,6 +132,8 @@ def paged_application(
                 qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
                 qk = qk * qk_scale
+            if ALIBI:  # (each row's position is its last key)
+                qk = qk + _alibi_bias(last_key, offs_kn, alibi, 0)
             valid = key_ok[None, :]
             if BANDED:
                 valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
@@ -212,9 +219,10 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
         Tensor(0), Tensor(0), Tensor(0),  # band_lo, band_hi, softcap
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
+        _rows_like(query, other=float("-inf")),  # slopes, (B, H, Lq) float32: a view of the (B, H) slopes
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
-        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS"),
+        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS", "ALIBI"),
     )
     return arrangement_, paged_application, tensors
 

@@ -336,14 +336,16 @@ def paged_forward(plan):
     else:
         o, lse, o_strides = out, plan.lse if plan.with_lse else out, (*out.stride()[:3], 0, out.stride(3))
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
+    slopes, slope_strides = (plan.alibi, plan.alibi.stride()[:2]) if plan.alibi is not None else (out, (0, 0))
     # (as in forward(): int32 counters whenever split, taken only where the kernel merges)
     kernel_merge = plan.refinement.kernel_merge
     counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else out
     merged_lse = plan.lse if plan.split and plan.with_lse else out  # never written without MERGE_LSE
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, kc, vc, plan.block_table, plan.cache_seqlens, sinks, o, lse, out, merged_lse, counts,
-        *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *sink_strides, *o_strides,
+        q, kc, vc, plan.block_table, plan.cache_seqlens, sinks, slopes, o, lse, out, merged_lse, counts,
+        *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *sink_strides, *slope_strides,
+        *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
         plan.num_splits, plan.blocks_per_split * (plan.split_block // config.block_n), *_band_args(plan),
         int(kernel_merge),
@@ -352,6 +354,7 @@ def paged_forward(plan):
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None,
         WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, MERGE_LSE=plan.split and plan.with_lse,
+        ALIBI=plan.alibi is not None,
     )
     if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))

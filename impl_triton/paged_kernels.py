@@ -3,7 +3,7 @@
 ``_paged_fwd``: the forward of ``impl_triton.kernels`` over keys and values gathered
 page by page through a block table (one sequence per batch entry, its length read on the
 device), with split keys merged as there, and its windows (a band around each row's
-position: key blocks outside it never visited), soft-capping, sinks and log-sum-exp.
+position: key blocks outside it never visited), soft-capping, sinks, ALiBi and log-sum-exp.
 ``_append_kv``: new tokens' keys and values into their slots.
 """
 
@@ -12,26 +12,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from common.jit_helpers import TANH_APPROX, _cap_factors, _in_band, _key_stages, _tanh
+from common.jit_helpers import TANH_APPROX, _alibi_bias, _cap_factors, _in_band, _key_stages, _tanh
 from impl_triton.kernels import LN2, LOG2E, _last_split_merges
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["kernel_merge"])
 def _paged_fwd(
-    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, SINK, O, LSE, OUT, LSE_OUT, COUNTS,
+    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, SINK, SLOPES, O, LSE, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tz, stride_tb,
     stride_sz, stride_sh, stride_sm,
+    stride_az, stride_ah,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, band_lo, band_hi,
     softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
@@ -49,6 +50,8 @@ def _paged_fwd(
     SOFTCAP: scores become softcap * tanh(s / softcap) (as ``_attn_fwd``). SINKS: SINK
     (B, H, Lq; strides) holds each row's sink logit, which starts the online softmax of
     the split that starts at the first key (m_i = sink, l_i = 1): one split counts it.
+    ALIBI: -slope * |position - key| added to the (capped) scores, the slope SLOPES[z, h]
+    ((B, H) strided; rows are then never packed heads).
     WITH_LSE: the log-sum-exp (natural log) of each row into LSE, (B, H, Lq) or, SPLIT,
     the partials' (B, H, Lq, NUM_SPLITS), contiguous. SPLIT: O and LSE are the float32
     partials that the last program of each row block merges into OUT and, MERGE_LSE,
@@ -79,6 +82,9 @@ def _paged_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo = split * BLOCKS_PER_SPLIT
+    alibi = 0.0
+    if ALIBI:  # the head's slope, once per program, in base-2 units
+        alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
     if SINKS:  # a logit with no value: it starts the online softmax, once per row (the first split's)
         sink = tl.load(SINK + off_z * stride_sz + off_h * stride_sh + offs_m.to(tl.int64) * stride_sm, mask=m_ok,
                        other=0.0)
@@ -104,6 +110,8 @@ def _paged_fwd(
             qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
         else:
             qk = qk * qk_scale
+        if ALIBI:  # (each row's position is its last key)
+            qk += _alibi_bias(last_key, offs_kn, alibi, 0)
         valid = key_ok[None, :]
         if BANDED:
             valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)

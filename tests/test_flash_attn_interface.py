@@ -264,9 +264,13 @@ def test_backend_is_chosen_as_everywhere(monkeypatch):
 
 # -- flash_attn_with_kvcache ---------------------------------------------------------------------------
 
-def _kvcache_reference(q, keys, values, **kwargs):
+def _kvcache_reference(q, keys, values, alibi_slopes=None, **kwargs):
     """Each sequence over its own keys (lists of (Lk_b, H_kv, D)): (out (B, Lq, H, Dv), lse (B, H, Lq))."""
-    outs, lses = zip(*(_reference(q[b:b + 1], keys[b][None], values[b][None], **kwargs) for b in range(len(keys))))
+    def slopes(b):
+        return alibi_slopes if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes[b:b + 1]
+
+    outs, lses = zip(*(_reference(q[b:b + 1], keys[b][None], values[b][None], alibi_slopes=slopes(b), **kwargs)
+                       for b in range(len(keys))))
     return torch.cat(outs), torch.cat(lses)
 
 
@@ -379,7 +383,8 @@ def test_kvcache_num_splits(backend, monkeypatch, num_splits):
 
 
 def test_kvcache_paged(backend):
-    """A shuffled block table of 16-key pages, grouped heads, an append across a page boundary."""
+    """A shuffled block table of 16-key pages, grouped heads, an append across a page boundary; a causal
+    window, soft-capping and ALiBi's slopes per sequence and head."""
     B, H, H_kv, D, Lq, page, L_new = 2, 4, 1, 16, 2, 16, 3
     num_blocks, per_seq = 7, 3
     q = torch.randn(B, Lq, H, D, device=DEVICE)
@@ -387,11 +392,12 @@ def test_kvcache_paged(backend):
     table = torch.randperm(num_blocks, device=DEVICE)[:B * per_seq].view(B, per_seq).to(torch.int32)
     k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) for _ in range(2))
     lens = [14, 40]
+    slopes = torch.rand(B, H, device=DEVICE)
     before = k_cache.clone(), v_cache.clone()
     out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
                                           cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                                           block_table=table, causal=True, window_size=(5, -1), softcap=3.0,
-                                          return_softmax_lse=True, backend=backend)
+                                          alibi_slopes=slopes, return_softmax_lse=True, backend=backend)
     expected_caches = []
     for cache, new in zip(before, (k, v)):
         dense = cache[table.long()].flatten(1, 2)  # (B, per_seq * page, H_kv, D): each sequence's keys in order
@@ -404,12 +410,12 @@ def test_kvcache_paged(backend):
     ends = [n + L_new for n in lens]
     expected, expected_lse = _kvcache_reference(q, [keys[b, :ends[b]] for b in range(B)],
                                                 [values[b, :ends[b]] for b in range(B)], causal=True,
-                                                window=(5, -1), softcap=3.0)
+                                                window=(5, -1), softcap=3.0, alibi_slopes=slopes)
     _close(out, expected)
     _close(lse, expected_lse)
     ends = torch.tensor(ends, dtype=torch.int32, device=DEVICE)  # the same cache, nothing appended
     plain = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=ends, block_table=table, causal=True,
-                                       window_size=(5, -1), softcap=3.0, backend=backend)
+                                       window_size=(5, -1), softcap=3.0, alibi_slopes=slopes, backend=backend)
     _close(plain, expected)
 
 
@@ -423,7 +429,7 @@ def test_kvcache_refusals_leave_the_cache_alone():
     for kwargs, error, words in [
         (dict(rotary_cos=ones, rotary_sin=ones), NotImplementedError, "rotary_cos"),
         (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "cache_leftpad"),
-        (dict(alibi_slopes=torch.ones(2, device=DEVICE)), NotImplementedError, "alibi_slopes"),
+        (dict(alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, "alibi_slopes"),
         (dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
               cache_batch_idx=torch.zeros(2, dtype=torch.int32, device=DEVICE)), ValueError, "cache_batch_idx"),
         (dict(num_splits=-1), ValueError, "num_splits"),

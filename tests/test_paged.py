@@ -45,11 +45,13 @@ def _cache(lens, H_kv, D, Dv, page, dtype, spare=3):
     return key_cache, value_cache, block_table, seqlens, keys, values
 
 
-def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sinks=None, with_lse=False):
+def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sinks=None, alibi_slopes=None,
+               with_lse=False):
     """Each sequence's queries against its dense keys, in float64, from the definition: row i of a
     sequence of Lk keys sits at position p = Lk - Lq + i and sees keys j < Lk with j <= p (causal) and
-    p - left <= j <= p + right (window; -1 unbounded); scores scaled, then softcap * tanh(s / softcap);
-    a head's sink logit joins each row's denominator with no value. Rows with no key: 0 (lse -inf,
+    p - left <= j <= p + right (window; -1 unbounded); scores scaled, then softcap * tanh(s / softcap),
+    then ALiBi's -slope * |p - j| (slopes (H,) or (B, H)); a head's sink logit joins each row's
+    denominator with no value. Rows with no key: 0 (lse -inf,
     or the sink's logit). with_lse: also the (B, H, Lq) log-sum-exp."""
     outs, lses = [], []
     group = query.shape[1] // keys[0].shape[0]
@@ -62,6 +64,9 @@ def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sin
             s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
         j = torch.arange(Lk, device=q.device)[None, :]
+        if alibi_slopes is not None:
+            slopes = alibi_slopes.double().expand(len(keys), -1)[b]
+            s = s - slopes[:, None, None] * (pos - j).abs()
         keep = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
         if is_causal:
             keep &= j <= pos
@@ -374,6 +379,26 @@ def test_paged_plan_reused(backend, splits, monkeypatch):
                         backend=backend)
 
 
+def test_paged_alibi_through_a_kept_plan(backend, monkeypatch):
+    """A kept plan takes each call's slopes (new values, the same layout), never the first call's."""
+    import common.paged as paged
+
+    paged._templates.clear()
+    lens = [37, 5]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
+    query = torch.randn(2, 2, 1, 16, device=DEVICE)
+    outs, slopes = [], [torch.rand(2, device=DEVICE) for _ in range(2)]
+    for i, s in enumerate(slopes):
+        if i:
+            monkeypatch.setattr(paged, "_make_plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("planned")))
+        outs.append(paged_attention(query, key_cache, value_cache, block_table, seqlens, True, alibi_slopes=s,
+                                    backend=backend))
+    assert len(paged._templates) == 1
+    for out, s in zip(outs, slopes):
+        torch.testing.assert_close(out.double(), _reference(query, keys, values, True, alibi_slopes=s), rtol=2e-4,
+                                   atol=2e-4)
+
+
 def test_paged_shallow_stages_at_a_large_batch(backend, monkeypatch):
     """The paged plan asks the dense decode's rule (common.plan.shallow_stages) with its own
     launch: every (batch, K/V head, row block) program, its split count, its padded head dim;
@@ -459,8 +484,11 @@ FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the firs
     "softcap": ([270, 21], 2, 4, 2, 64, True, dict(softcap=0.7)),
     "sinks": ([280, 0, 21], 1, 4, 2, 64, False, dict(sinks=True)),  # GQA (unpacked: sinks are per head)
     "lse": ([300, 0, 21], 3, 4, 1, 32, True, dict(return_lse=True)),  # MQA, packed rows
+    "alibi": ([260, 0, 19], 2, 4, 2, 16, True, dict(alibi_slopes="H")),  # GQA (unpacked: slopes are per head)
+    "alibi_full": ([230, 7], 3, 2, 2, 32, False, dict(alibi_slopes="BH")),  # not causal: the bias both sides
     # (the first sequence's window misses the first split: its sink joins through a split with no key)
-    "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(150, 0), softcap=0.9, sinks=True, return_lse=True)),
+    "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(150, 0), softcap=0.9, sinks=True, alibi_slopes="BH",
+                                                     return_lse=True)),
 }
 
 
@@ -473,11 +501,15 @@ def _feature_call(backend, name, splits, dtype=f32):
     query = torch.randn(len(lens), H, Lq, 16, device=DEVICE, dtype=dtype)
     if keywords.get("sinks") is True:
         keywords["sinks"] = torch.randn(H, device=DEVICE)
+    if "alibi_slopes" in keywords:  # "H" or "BH": slopes per head, or per sequence and head
+        keywords["alibi_slopes"] = torch.rand(*((len(lens),) if keywords["alibi_slopes"] == "BH" else ()), H,
+                                              device=DEVICE)
     with force_splits(splits or 1):
         result = paged_attention(query, key_cache, value_cache, block_table, seqlens, is_causal, enable_gqa=H_kv < H,
                                  backend=backend, **keywords)
     expected = _reference(query, keys, values, is_causal, window=keywords.get("window"),
-                          softcap=keywords.get("softcap"), sinks=keywords.get("sinks"), with_lse=True)
+                          softcap=keywords.get("softcap"), sinks=keywords.get("sinks"),
+                          alibi_slopes=keywords.get("alibi_slopes"), with_lse=True)
     if keywords.get("return_lse"):
         return result[0], expected[0], result[1], expected[1]
     return result, expected[0], None, None
@@ -553,19 +585,21 @@ def test_paged_features_plan_reuse(backend):
 
 
 def test_paged_reference_backend_window_and_lse():
-    """The torch backend takes a window (a boolean mask) and returns the log-sum-exp."""
+    """The torch backend takes a window (a boolean mask), ALiBi (a float one) and returns the log-sum-exp."""
     lens = [40, 0, 9]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
     query = torch.randn(3, 4, 3, 16, device=DEVICE)
+    slopes = torch.rand(4, device=DEVICE)
     out, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
-                               window=(4, -1), return_lse=True, backend="torch")
-    expected, expected_lse = _reference(query, keys, values, True, window=(4, -1), with_lse=True)
+                               window=(4, -1), alibi_slopes=slopes, return_lse=True, backend="torch")
+    expected, expected_lse = _reference(query, keys, values, True, window=(4, -1), alibi_slopes=slopes,
+                                        with_lse=True)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_feature_errors():
-    """Bad windows, soft-caps, sinks and return_lse: the dense path's messages, before any launch;
+    """Bad windows, soft-caps, sinks, slopes and return_lse: the dense path's messages, before any launch;
     the torch backend refuses softcap and sinks as attention() does."""
     key_cache, value_cache, block_table, seqlens, _, _ = _cache([20, 3], 2, 16, 16, 16, f32)
     q = torch.randn(2, 2, 1, 16, device=DEVICE)
@@ -580,6 +614,9 @@ def test_paged_feature_errors():
         (dict(sinks=torch.zeros(2, dtype=torch.int32, device=DEVICE)), TypeError, "sinks must be a float tensor"),
         (dict(sinks=[0.0, 0.0]), TypeError, "sinks must be a torch.Tensor"),
         (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+        (dict(alibi_slopes=torch.zeros(3, device=DEVICE)), ValueError, r"alibi_slopes must have shape \(2,\)"),
+        (dict(alibi_slopes=torch.zeros(2, dtype=torch.float16, device=DEVICE)), TypeError, "must be a float32"),
+        (dict(alibi_slopes=[0.5, 0.25]), TypeError, "alibi_slopes must be a torch.Tensor"),
         (dict(softcap=2.0, backend="torch"), ValueError, "the 'torch' backend cannot soft-cap scores"),
         (dict(sinks=torch.zeros(2, device=DEVICE), backend="torch"), ValueError,
          "the 'torch' backend has no attention sinks"),
