@@ -122,6 +122,11 @@ class KernelBackendModule(BackendModule, Protocol):
                   block_d: int, block_dv: int) -> None:
         """Write ``key`` and ``value`` (B, H_kv, L_new, D | Dv) into their slots of the paged caches."""
 
+    def rotary(self, x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
+        """The rotary embedding: pairs ``x1``, ``x2`` (B, L, H, R/2 strided views) rotated by the
+        angles of rows ``starts[b]`` (+ l where ``per_row``) of ``cos``, ``sin`` (S, R/2), into
+        ``o1``, ``o2`` (views of another tensor)."""
+
     def refine_forward(self, plan: ForwardPlan, kv_bytes: int) -> None:
         """Set ``plan.refinement`` to this backend's own decisions for the launch planned so far
         (its config and splits, by ``plan.planner``'s settings; ``kv_bytes``: the keys' and values'

@@ -54,10 +54,16 @@ the output does not require grad). Its caches:
   not written), or None for the whole cache (a ValueError with ``k``, ``v``: they would have
   nowhere to go). ``num_splits``: 0 leaves the split to the planner, n >= 1 is
   ``common.plan.force_splits(n)``. ``return_softmax_lse`` returns ``(out, softmax_lse)``.
+- ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2), with new ``k``, ``v``: the new
+  keys are rotated at positions ``cache_seqlens + i`` before they are written, the queries at
+  the same positions where causal or local (a window bound short of the cache), else all
+  at ``cache_seqlens`` (FlashAttention's rule); ``rotary_interleaved`` pairs dims (0, 1),
+  (2, 3), ... or, False, i and rotary_dim / 2 + i (GPT-NeoX). A kernel of each backend
+  (``common.rotary``); the caller's q and k are not changed.
 
 Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``
-and ``block_table`` in the variable-length functions, and ``rotary_cos``/``rotary_sin``
-and ``cache_leftpad`` in ``flash_attn_with_kvcache``.
+and ``block_table`` in the variable-length functions, and ``cache_leftpad`` in
+``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from common.backends import ANY_PAGE, resolve
 from common.dispatch import attention
 from common.paged import append_kv, paged_attention
 from common.plan import force_splits
+from common.rotary import apply_rotary
 from common.validation import _check_real
 from common.varlen import varlen_attention
 
@@ -289,7 +296,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are written; a contiguous cache is paged as a view (module docstring for what it needs)."""
     chosen = resolve(backend)
     B, Lq, H = _check_kvcache_tensors(q, k_cache, v_cache, k, v)
-    _refuse(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)
+    _refuse(cache_leftpad=cache_leftpad)
     if type(rotary_interleaved) is not bool:
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     is_causal, window, _ = _mask(causal, window_size, Lq, None)
@@ -314,7 +321,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     new = None if k is None else (k.transpose(1, 2), v.transpose(1, 2))
     _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new,
                  (window, softcap, alibi_slopes, return_softmax_lse))
+    rotary = _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
     with torch.no_grad():  # (FlashAttention's: no backward; the caches change in place)
+        if rotary:  # q at the new tokens' positions (one position for all rows, unmasked), the new k
+            per_row = causal or _local(window_size, capacity)
+            q = apply_rotary(chosen, q, rotary_cos, rotary_sin, seqlens, per_row=per_row,
+                             interleaved=rotary_interleaved)
+            k = apply_rotary(chosen, k, rotary_cos, rotary_sin, seqlens, per_row=True, interleaved=rotary_interleaved)
+            query, new = q.transpose(1, 2), (k.transpose(1, 2), new[1])
         lengths = seqlens if new is None else append_kv(key_cache, value_cache, table, seqlens, *new,
                                                         backend=chosen.name)
         with contextlib.nullcontext() if splits == 0 else force_splits(splits):
@@ -325,6 +339,42 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return result.transpose(1, 2).contiguous()
     out, lse = result
     return out.transpose(1, 2).contiguous(), _flash_lse(lse)
+
+
+def _check_rotary(rotary_cos, rotary_sin, q, k, capacity) -> bool:
+    """Whether the call rotates (both tables given, with new k, v), after FlashAttention's
+    checks: (seqlen_ro, rotary_dim / 2) tables of q's dtype and device, rotary_dim a
+    multiple of 16 up to the head dim, a row for each of the cache's positions."""
+    if rotary_cos is None and rotary_sin is None:
+        return False
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin rotate the new k as well as q: pass k and v too "
+                         "(FlashAttention's rule)")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype} on "
+                            f"{t.device}")
+    if rotary_cos.ndim != 2 or rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got shapes "
+                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    if rotary_dim == 0 or rotary_dim % 16 or rotary_dim > q.shape[3]:
+        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must be a positive multiple of 16 "
+                         f"up to the head dim ({q.shape[3]})")
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos/rotary_sin must have a row for each of the cache's {capacity} positions, "
+                         f"got {rotary_cos.shape[0]}")
+    return True
+
+
+def _local(window_size, capacity: int) -> bool:
+    """Whether FlashAttention counts the window as local (a bound on either side short of
+    the cache's capacity; a wider bound is none)."""
+    return any(0 <= bound < capacity for bound in window_size)
 
 
 def _check_kvcache_tensors(q, k_cache, v_cache, k, v) -> tuple[int, int, int]:

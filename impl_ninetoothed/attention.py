@@ -4,7 +4,7 @@ for a plan (``common.plan``, ``common.paged``), and the forward's launches bound
 for reuse.
 
 The backend module ``common.backends`` registers: ``forward``, ``backward``, ``refine_forward``,
-``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``.
+``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``, ``rotary``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from impl_ninetoothed.kernels import (
     premake_dkdv,
     premake_dq,
 )
-from impl_ninetoothed.paged_kernels import premake_append, premake_paged
+from impl_ninetoothed.paged_kernels import premake_append, premake_paged, premake_rotary
 
 # -- making kernels: once per process, thread-safe ---------------------------------------------
 
@@ -558,3 +558,11 @@ def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *,
     D, Dv = key.shape[3], value.shape[3]
     _make(premake_append, D, Dv, num_warps=4, num_stages=1, wide=_wide(key, value, key_cache, value_cache))(
         key, value, key_cache, value_cache, block_table, cache_seqlens, key_cache.shape[0])
+
+
+def rotary(x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
+    """Rotate the pairs (x1, x2) (B, L, H, R/2 strided views) by the angles of rows
+    ``starts[b]`` (+ l where ``per_row``) of cos and sin (S, R/2), into (o1, o2): one program
+    per (batch, row, head), see rotary_arrangement."""
+    _make(premake_rotary, x1.shape[3], num_warps=4, num_stages=1, wide=_wide(x1, x2, o1, o2))(
+        x1, x2, o1, o2, cos, sin, starts, PER_ROW=per_row)

@@ -1,6 +1,7 @@
-"""Attention over a paged KV cache, and appending to it, as NineToothed kernels: the
-arrangements, applications and premakes of ``_paged_fwd`` and ``_append_kv`` of
-``impl_triton.paged_kernels``, in the vocabulary of ``impl_ninetoothed.kernels``.
+"""Attention over a paged KV cache, appending to it and the rotary embedding of new tokens,
+as NineToothed kernels: the arrangements, applications and premakes of ``_paged_fwd``,
+``_append_kv`` and ``_rotary`` of ``impl_triton.paged_kernels``, in the vocabulary of
+``impl_ninetoothed.kernels``.
 """
 
 from __future__ import annotations
@@ -243,3 +244,57 @@ def premake_append(head_dim, head_dim_v):
         Tensor(0),  # num_pages
     )
     return arrangement_, append_application, tensors
+
+
+def rotary_arrangement(x1, x2, o1, o2, cos, sin, starts, PER_ROW, block_r):
+    """One program per (batch, row, head): its pair of (HALF,) slices of x1, x2 and the
+    outputs', every row of cos and sin as a (ROWS,) array of (HALF,) tiles (the program picks
+    its position's row by index: a gather), its batch entry's start."""
+    batch, length, heads = x1.shape[0], x1.shape[1], x1.shape[2]
+
+    def pairs(x):
+        arranged = x.tile((1, 1, 1, block_r)).squeeze(3)
+        arranged.dtype = arranged.dtype.squeeze((0, 1, 2))
+        return arranged
+
+    def angles(table):
+        arranged = table.tile((1, block_r)).squeeze(1)  # (ROWS,)
+        arranged.dtype = arranged.dtype.squeeze(0)
+        arranged = arranged.tile((-1,))  # (1,), the whole array
+        return arranged.unsqueeze(1).unsqueeze(2).expand((batch, length, heads))
+
+    starts_arranged = starts.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, length, heads))
+    return (pairs(x1), pairs(x2), pairs(o1), pairs(o2), angles(cos), angles(sin), starts_arranged, PER_ROW)
+
+
+def rotary_application(x1, x2, o1, o2, cos, sin, starts, PER_ROW):
+    """x1 cos - x2 sin and x1 sin + x2 cos at this row's position (its batch entry's start,
+    plus the row where PER_ROW), clamped into the tables, in float32 (as ``_rotary``)."""
+    pos = ntl.sum(starts, 0)
+    if PER_ROW:
+        pos = pos + x1.offsets(1)  # this program's row: its offset along L
+    pos = ntl.minimum(ntl.maximum(pos, 0), cos.shape[0] - 1)
+    c = ntl.cast(cos[pos], ntl.float32)
+    s = ntl.cast(sin[pos], ntl.float32)
+    a = ntl.cast(x1, ntl.float32)
+    b = ntl.cast(x2, ntl.float32)
+    o1 = a * c - b * s  # noqa: F841 (a store)
+    o2 = a * s + b * c  # noqa: F841 (a store)
+
+
+def premake_rotary(half):
+    """The rotary embedding of (B, L, H, half) pairs (strided views of one tensor's head dims)."""
+    arrangement_ = functools.partial(rotary_arrangement, block_r=padded_head_dim(half))
+    x1 = Tensor(shape=(None, None, None, half), other=0)  # (B, L, H, half)
+    cos = Tensor(shape=(None, half), other=0)  # (ROWS, half)
+    tensors = (
+        x1,
+        _like(x1.shape[:3], half, other=0),  # x2
+        _like(x1.shape[:3], half),  # o1
+        _like(x1.shape[:3], half),  # o2
+        cos,
+        _like(cos.shape[:1], half, other=0),  # sin
+        _like(x1.shape[:1]),  # starts (B,) int32
+        *_flags("PER_ROW"),
+    )
+    return arrangement_, rotary_application, tensors

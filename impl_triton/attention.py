@@ -2,7 +2,7 @@
 plan (``common.plan``, ``common.paged``), and the forward's launch bound to a layout for reuse.
 
 The backend module ``common.backends`` registers: ``forward``, ``backward``, ``refine_forward``,
-``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``. Kernels are launched through
+``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``, ``rotary``. Kernels are launched through
 ``common.launch.CachedLauncher`` (compiled kernels without Triton's per-call dispatch).
 """
 
@@ -16,7 +16,7 @@ import triton
 from common.interpret import apply_interpreter_fixes
 from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _merge_kernel
-from impl_triton.paged_kernels import _append_kv, _paged_fwd
+from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
 
 # -- the backend's own decisions: its refinement of a plan --------------------------------------
 
@@ -68,6 +68,7 @@ _dkdv_launcher = CachedLauncher(_attn_bwd_dkdv)
 _merge_launcher = CachedLauncher(_merge_kernel)
 _paged_launcher = CachedLauncher(_paged_fwd)
 _append_launcher = CachedLauncher(_append_kv)
+_rotary_launcher = CachedLauncher(_rotary)
 
 
 def _band_args(plan) -> tuple[int, int, float]:
@@ -374,4 +375,19 @@ def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *,
         num_warps=4, num_stages=1,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=block_m, PAGE=key_cache.shape[1],
         BLOCK_D=block_d, BLOCK_DV=block_dv,
+    )
+
+
+def rotary(x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
+    """Rotate the pairs (x1, x2) (B, L, H, R/2 strided views) by the angles of rows
+    ``starts[b]`` (+ l where ``per_row``) of cos and sin (S, R/2), into (o1, o2)."""
+    B, L, H, half = x1.shape
+    block_l = min(64, max(16, triton.next_power_of_2(L)))
+    _rotary_launcher(
+        (B * H, triton.cdiv(L, block_l), 1),
+        x1, x2, o1, o2, cos, sin, starts,
+        *x1.stride(), *x2.stride(), *o1.stride(), *o2.stride(), *cos.stride(), *sin.stride(),
+        H, L, half, cos.shape[0],
+        num_warps=4, num_stages=1,
+        PER_ROW=per_row, BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(half),
     )

@@ -4,7 +4,8 @@
 page by page through a block table (one sequence per batch entry, its length read on the
 device), with split keys merged as there, and its windows (a band around each row's
 position: key blocks outside it never visited), soft-capping, sinks, ALiBi and log-sum-exp.
-``_append_kv``: new tokens' keys and values into their slots.
+``_append_kv``: new tokens' keys and values into their slots. ``_rotary``: the rotary
+embedding of new queries and keys at their positions (FlashAttention's kvcache call).
 """
 
 from __future__ import annotations
@@ -180,3 +181,41 @@ def _append_kv(
                 + offs_dv[None, :] * stride_wd, mask=slot_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
     tl.store(V_CACHE + rows_v[:, None] + offs_dv[None, :] * stride_vd, v,
              mask=slot_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+
+
+@triton.jit
+def _rotary(
+    X1, X2, O1, O2, COS, SIN, STARTS,
+    stride_xb, stride_xl, stride_xh, stride_xr,
+    stride_yb, stride_yl, stride_yh, stride_yr,
+    stride_ob, stride_ol, stride_oh, stride_or,
+    stride_pb, stride_pl, stride_ph, stride_pr,
+    stride_cs, stride_cr, stride_ss, stride_sr,
+    H, L, HALF, ROWS,
+    PER_ROW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One program: BLOCK_L rows of one (batch, head) of the rotary embedding's pairs: x1
+    (X1) and x2 (X2), (B, L, H, HALF) strided, become x1 cos - x2 sin (O1) and x1 sin + x2
+    cos (O2) (O1, O2 strided as X1, X2 are: their own), the angles of position STARTS[b] +
+    l (PER_ROW) or STARTS[b] (every row at one position) from rows of COS and SIN (ROWS,
+    HALF); a position outside them is clamped into them. Computed in float32."""
+    off_b = (tl.program_id(0) // H).to(tl.int64)
+    off_h = (tl.program_id(0) % H).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    ok = (offs_l < L)[:, None] & (offs_r < HALF)[None, :]
+    pos = tl.load(STARTS + off_b) + (offs_l if PER_ROW else offs_l * 0)
+    pos = tl.minimum(tl.maximum(pos, 0), ROWS - 1).to(tl.int64)
+    cos = tl.load(COS + pos[:, None] * stride_cs + offs_r[None, :] * stride_cr, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + pos[:, None] * stride_ss + offs_r[None, :] * stride_sr, mask=ok, other=0.0).to(tl.float32)
+    rows = offs_l.to(tl.int64)[:, None]
+    x1 = tl.load(X1 + off_b * stride_xb + off_h * stride_xh + rows * stride_xl + offs_r[None, :] * stride_xr, mask=ok,
+                 other=0.0)
+    x2 = tl.load(X2 + off_b * stride_yb + off_h * stride_yh + rows * stride_yl + offs_r[None, :] * stride_yr, mask=ok,
+                 other=0.0)
+    o1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
+    o2 = x1.to(tl.float32) * sin + x2.to(tl.float32) * cos
+    tl.store(O1 + off_b * stride_ob + off_h * stride_oh + rows * stride_ol + offs_r[None, :] * stride_or,
+             o1.to(O1.dtype.element_ty), mask=ok)
+    tl.store(O2 + off_b * stride_pb + off_h * stride_ph + rows * stride_pl + offs_r[None, :] * stride_pr,
+             o2.to(O2.dtype.element_ty), mask=ok)

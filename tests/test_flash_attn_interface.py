@@ -419,6 +419,61 @@ def test_kvcache_paged(backend):
     _close(plain, expected)
 
 
+def _rotated(x, cos, sin, positions, interleaved):
+    """FlashAttention's rotary embedding in float64, from its definition: x (B, L, H, D) at
+    positions (B, L); pairs (0, 1), (2, 3), ... (interleaved) or (i, R / 2 + i) of the first R dims."""
+    R = 2 * cos.shape[1]
+    c, s = (t.double()[positions.long()][:, :, None, :] for t in (cos, sin))  # (B, L, 1, R / 2)
+    x = x.double()
+    if interleaved:
+        x1, x2 = x[..., 0:R:2], x[..., 1:R:2]
+        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2)
+    else:
+        x1, x2 = x[..., :R // 2], x[..., R // 2:R]
+        rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+    return torch.cat([rotated, x[..., R:]], -1)
+
+
+@pytest.mark.parametrize("interleaved,causal,window,R", [
+    (True, True, (-1, -1), 16),  # causal: q row i at cache_seqlens + i; part of the head dim rotated
+    (False, False, (-1, -1), 32),  # neither causal nor local: every q row at cache_seqlens; the whole head dim
+    (False, False, (3, -1), 16),  # local: q rows at their own positions
+    (True, False, (-1, 100), 32),  # a bound past the cache is no bound: not local
+])
+def test_kvcache_rotary(backend, interleaved, causal, window, R):
+    """rotary_cos/rotary_sin: the new keys rotated at their positions before they are written, the
+    queries at FlashAttention's positions; the caller's q and k unchanged."""
+    B, S, H, H_kv, D, Lq, L_new = 2, 48, 4, 2, 32, 3, 2
+    q = torch.randn(B, Lq, H, D, device=DEVICE)
+    k_cache, v_cache = (torch.randn(B, S, H_kv, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) for _ in range(2))
+    angles = torch.rand(S, R // 2, device=DEVICE) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    lens = [5, 40]
+    before = k_cache.clone(), v_cache.clone()
+    q_before, k_before = q.clone(), k.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                     causal=causal, window_size=window, rotary_interleaved=interleaved,
+                                     backend=backend)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    starts = torch.tensor(lens, device=DEVICE)[:, None]
+    k_rot = _rotated(k, cos, sin, starts + torch.arange(L_new, device=DEVICE), interleaved).float()
+    per_row = causal or any(0 <= bound < S for bound in window)  # (causal or local: rows at their positions)
+    q_rot = _rotated(q, cos, sin, (starts + torch.arange(Lq, device=DEVICE) * per_row), interleaved)
+    expected_k, expected_v = (_appended(c, range(B), lens, new) for c, new in zip(before, (k_rot, v)))
+    _close(k_cache, expected_k, tol=1e-5)  # (the rotation in float32)
+    assert torch.equal(v_cache, expected_v)
+    keys, values = ([t[b, :n + L_new] for b, n in enumerate(lens)] for t in (expected_k, expected_v))
+    expected, _ = _kvcache_reference(q_rot, keys, values, causal=causal, window=window)
+    _close(out, expected)
+
+
+def test_kvcache_rotary_on_the_torch_backend():
+    """The torch backend rotates too (common.rotary's reference, the same call)."""
+    test_kvcache_rotary("torch", False, True, (-1, -1), 16)
+
+
 def test_kvcache_refusals_leave_the_cache_alone():
     q = torch.randn(2, 1, 2, 16, device=DEVICE)
     k_cache, v_cache = (torch.randn(2, 32, 2, 16, device=DEVICE) for _ in range(2))
@@ -427,7 +482,12 @@ def test_kvcache_refusals_leave_the_cache_alone():
     seqlens = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
     ones = torch.ones(2, 8, device=DEVICE)
     for kwargs, error, words in [
-        (dict(rotary_cos=ones, rotary_sin=ones), NotImplementedError, "rotary_cos"),
+        (dict(rotary_cos=ones, rotary_sin=ones), ValueError, "a row for each of the cache's 32 positions"),
+        (dict(rotary_cos=torch.ones(32, 8, device=DEVICE)), ValueError, "come together"),
+        (dict(rotary_cos=torch.ones(32, 4, device=DEVICE), rotary_sin=torch.ones(32, 4, device=DEVICE)), ValueError,
+         "multiple of 16"),
+        (dict(rotary_cos=torch.ones(32, 8, device=DEVICE).half(), rotary_sin=torch.ones(32, 8, device=DEVICE).half()),
+         TypeError, "q's dtype"),
         (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "cache_leftpad"),
         (dict(alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, "alibi_slopes"),
         (dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
