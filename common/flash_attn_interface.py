@@ -60,10 +60,12 @@ the output does not require grad). Its caches:
   at ``cache_seqlens`` (FlashAttention's rule); ``rotary_interleaved`` pairs dims (0, 1),
   (2, 3), ... or, False, i and rotary_dim / 2 + i (GPT-NeoX). A kernel of each backend
   (``common.rotary``); the caller's q and k are not changed.
+- ``cache_leftpad`` (int32 (batch,), contiguous caches only, as FlashAttention's): sequence
+  b's keys start at ``cache_leftpad[b]``; positions (causality, windows, ALiBi, the rotary
+  angles) stay the cache's.
 
 Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``
-and ``block_table`` in the variable-length functions, and ``cache_leftpad`` in
-``flash_attn_with_kvcache``.
+and ``block_table`` in the variable-length functions.
 """
 
 from __future__ import annotations
@@ -296,7 +298,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are written; a contiguous cache is paged as a view (module docstring for what it needs)."""
     chosen = resolve(backend)
     B, Lq, H = _check_kvcache_tensors(q, k_cache, v_cache, k, v)
-    _refuse(cache_leftpad=cache_leftpad)
     if type(rotary_interleaved) is not bool:
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     is_causal, window, _ = _mask(causal, window_size, Lq, None)
@@ -311,6 +312,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError("cache_batch_idx selects rows of a contiguous cache; with block_table the table "
                              "already says which pages each sequence uses (FlashAttention takes one or the "
                              "other): drop cache_batch_idx, or permute block_table's rows")
+        if cache_leftpad is not None:
+            raise ValueError("cache_leftpad is for a contiguous cache (FlashAttention takes no left padding with "
+                             "block_table): a paged sequence starts at its first page")
         key_cache, value_cache, table = k_cache, v_cache, block_table
         capacity = block_table.shape[1] * k_cache.shape[1] if _is_table(block_table, B, q) else 0
     else:
@@ -320,7 +324,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     query = q.transpose(1, 2)
     new = None if k is None else (k.transpose(1, 2), v.transpose(1, 2))
     _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new,
-                 (window, softcap, alibi_slopes, return_softmax_lse))
+                 (window, softcap, alibi_slopes, cache_leftpad, return_softmax_lse))
     rotary = _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
     with torch.no_grad():  # (FlashAttention's: no backward; the caches change in place)
         if rotary:  # q at the new tokens' positions (one position for all rows, unmasked), the new k
@@ -334,7 +338,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         with contextlib.nullcontext() if splits == 0 else force_splits(splits):
             result = paged_attention(query, key_cache, value_cache, table, lengths, is_causal, scale,
                                      enable_gqa=True, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                     return_lse=return_softmax_lse, backend=chosen.name)
+                                     cache_leftpad=cache_leftpad, return_lse=return_softmax_lse, backend=chosen.name)
     if not return_softmax_lse:
         return result.transpose(1, 2).contiguous()
     out, lse = result
@@ -520,7 +524,7 @@ def _cache_seqlens(cache_seqlens, B, L_new, capacity, like) -> torch.Tensor:
 def _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, features) -> None:
     """What append_kv and paged_attention would refuse (the backend's page sizes, head dims,
     devices, softcap), checked before either writes or launches."""
-    window, softcap, alibi_slopes, return_lse = features
+    window, softcap, alibi_slopes, leftpad, return_lse = features
     B, H, _, _ = query.shape
     paged._check_query(query)
     paged._check_caches(key_cache, value_cache, query, chosen)
@@ -529,5 +533,7 @@ def _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, fea
     paged._check_features(chosen, window, softcap, None, return_lse, H, query.device)
     if alibi_slopes is not None:
         paged._check_alibi(alibi_slopes, B, H, query.device)
+    if leftpad is not None:
+        paged._check_leftpad(leftpad, B, query)
     if new is not None:
         paged._check_append(chosen, key_cache, value_cache, table, seqlens, *new, False)

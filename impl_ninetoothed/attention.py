@@ -533,13 +533,15 @@ def paged_forward(plan):
     _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split,
           num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
-        q, kc, vc, plan.block_table, plan.cache_seqlens, plan.scale, plan.lq_seq, kc.shape[0],
+        q, kc, vc, plan.block_table, plan.cache_seqlens,
+        plan.leftpad if plan.leftpad is not None else _absent(plan.cache_seqlens, B), plan.scale, plan.lq_seq,
+        kc.shape[0],
         *(plan.band if plan.band is not None else (0, 0)), plan.softcap,
         plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq),
         plan.alibi if plan.alibi is not None else _absent(out, B, H, Lq), o, lse,
         BANDED=plan.band is not None, WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, SOFTCAP=int(plan.softcap_kind),
-        SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None,
+        SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
     )
     if plan.split:
         merge = plan.merge

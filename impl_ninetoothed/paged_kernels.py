@@ -39,13 +39,14 @@ def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
 
 
 def paged_arrangement(
-    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
-    sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
+    query, key_cache, value_cache, block_table, cache_seqlens, leftpad, scale, lq_seq, num_pages, band_lo, band_hi,
+    softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
+    LEFTPADDED,
     block_m, tile, block_d, block_dv, pages_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``pages_per_split`` is given: the block table's row for the batch entry
-    (its split's part), (1,) tiles each; the sequence's length; all pages of the caches,
+    (its split's part), (1,) tiles each; the sequence's length and first key; all pages of the caches,
     in tiles of ``tile`` keys (a power of two from 16 that divides the page size); its rows' sink
     logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp)."""
     query_arranged = _rows(query, block_m, block_d)
@@ -59,11 +60,13 @@ def paged_arrangement(
     table.dtype = table.dtype.squeeze(0)
     table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks, -1))  # (B, H, M, S)
     seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
+    starts = leftpad.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
     sinks_arranged = _row_slices(sinks, block_m)
     slopes_arranged = _row_slices(slopes, block_m)
     if split:
         query_arranged = _per_split(query_arranged, num_splits)
         seqlens = _per_split(seqlens, num_splits)
+        starts = _per_split(starts, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
         slopes_arranged = _per_split(slopes_arranged, num_splits)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
@@ -76,22 +79,23 @@ def paged_arrangement(
         lse_arranged = _row_slices(lse, block_m)
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, tile, block_d, num_splits),
-        _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, scale, lq_seq,
-        num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, output_arranged, lse_arranged, BANDED,
-        WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
+        _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, starts, scale,
+        lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, output_arranged, lse_arranged,
+        BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED,
     )
 
 
 def paged_application(
-    query, key_cache, value_cache, block_table, cache_seqlens, scale, lq_seq, num_pages, band_lo, band_hi, softcap,
-    sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
+    query, key_cache, value_cache, block_table, cache_seqlens, leftpad, scale, lq_seq, num_pages, band_lo, band_hi,
+    softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
+    LEFTPADDED,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
     an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton
     kernel gathers one BLOCK_N tile of keys), as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
-    tiles its rows' bands reach; SOFTCAP, SINKS and ALIBI as there; a page entry outside the cache
+    tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI and LEFTPADDED as there; a page entry outside the cache
     is clamped into it, a length past the table to the table. Tile t of the sequence is tile
     t % per_page of its page t // per_page."""
     q = query
@@ -117,6 +121,11 @@ def paged_application(
     # split's or no row's (a step's tiles past it repeat its last, masked)
     first, _, _, end = _key_stages(last_key, lo, lo + block_table.shape[0] * per_page, Lk, band_lo, band_hi, TILE,
                                    BANDED)
+    key_start = 0
+    if LEFTPADDED:  # (a start past the length: no key)
+        key_start = ntl.sum(leftpad, 0)
+        first = ntl.maximum(first, ntl.minimum(key_start, Lk) // TILE)
+        end = ntl.maximum(end, first)
     key_end = ntl.minimum(Lk, end * TILE)
     for j in range(first, end, TILES_PER_STEP):
         # TILES_PER_STEP tiles an iteration, unrolled: their table entries and tiles are
@@ -126,7 +135,7 @@ def paged_application(
             t = ntl.minimum(j + g, end - 1)  # past the last tile: a masked repeat of it
             page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
             offs_kn = (j + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
-            key_ok = offs_kn < key_end
+            key_ok = (offs_kn < key_end) & (offs_kn >= key_start)
             k = key_cache[page, t % per_page]
             qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
@@ -217,13 +226,15 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         _like(key_cache.shape[:3], head_dim_v, other=0),  # value_cache
         _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
         _like(query.shape[:1]),  # cache_seqlens (B,) int32
+        _like(query.shape[:1]),  # leftpad (B,) int32
         Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
         Tensor(0), Tensor(0), Tensor(0),  # band_lo, band_hi, softcap
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         _rows_like(query, other=float("-inf")),  # slopes, (B, H, Lq) float32: a view of the (B, H) slopes
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
-        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS", "ALIBI"),
+        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS", "ALIBI",
+                 "LEFTPADDED"),
     )
     return arrangement_, paged_application, tensors
 

@@ -20,7 +20,7 @@ from impl_triton.kernels import LN2, LOG2E, _last_split_merges
 
 @triton.jit(do_not_specialize=["kernel_merge"])
 def _paged_fwd(
-    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, SINK, SLOPES, O, LSE, OUT, LSE_OUT, COUNTS,
+    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, LEFTPAD, SINK, SLOPES, O, LSE, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -34,6 +34,7 @@ def _paged_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
+    LEFTPADDED: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
@@ -52,7 +53,8 @@ def _paged_fwd(
     (B, H, Lq; strides) holds each row's sink logit, which starts the online softmax of
     the split that starts at the first key (m_i = sink, l_i = 1): one split counts it.
     ALIBI: -slope * |position - key| added to the (capped) scores, the slope SLOPES[z, h]
-    ((B, H) strided; rows are then never packed heads).
+    ((B, H) strided; rows are then never packed heads). LEFTPADDED: sequence z's keys start
+    at LEFTPAD[z] (the blocks before it not visited; the rows' positions unchanged).
     WITH_LSE: the log-sum-exp (natural log) of each row into LSE, (B, H, Lq) or, SPLIT,
     the partials' (B, H, Lq, NUM_SPLITS), contiguous. SPLIT: O and LSE are the float32
     partials that the last program of each row block merges into OUT and, MERGE_LSE,
@@ -94,12 +96,17 @@ def _paged_fwd(
     # the split's key blocks that its rows' bands reach (one masked loop: every step may
     # hold keys past the length, or outside a band)
     first, _, _, end = _key_stages(last_key, lo, lo + BLOCKS_PER_SPLIT, Lk, band_lo, band_hi, BLOCK_N, BANDED)
+    key_start = 0
+    if LEFTPADDED:  # (a start past the length: no key)
+        key_start = tl.load(LEFTPAD + off_z)
+        first = tl.maximum(first, tl.minimum(key_start, Lk) // BLOCK_N)
+        end = tl.maximum(end, first)
     table = TABLE + off_z * stride_tz
     k_base = K_CACHE + off_h_kv * stride_kh + offs_d[None, :] * stride_kd
     v_base = V_CACHE + off_h_kv * stride_vh + offs_dv[None, :] * stride_vd
     for j in range(first, end):
         offs_kn = j * BLOCK_N + offs_n
-        key_ok = offs_kn < Lk
+        key_ok = (offs_kn < Lk) & (offs_kn >= key_start)
         # each key's page (PAGE neighbours share one table entry), clamped into the cache
         page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=key_ok, other=0)
         page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)

@@ -469,6 +469,30 @@ def test_kvcache_rotary(backend, interleaved, causal, window, R):
     _close(out, expected)
 
 
+def test_kvcache_leftpad(backend):
+    """cache_leftpad: each sequence's keys start there; the positions (causality, the rotary angles)
+    stay the cache's."""
+    B, S, H, H_kv, D, Lq, L_new = 2, 48, 2, 2, 16, 2, 2
+    q = torch.randn(B, Lq, H, D, device=DEVICE)
+    k_cache, v_cache = (torch.randn(B, S, H_kv, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, L_new, H_kv, D, device=DEVICE) for _ in range(2))
+    angles = torch.rand(S, 8, device=DEVICE) * 6.0
+    lens, leftpad = [10, 30], [3, 20]
+    before = k_cache.clone(), v_cache.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                     cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                     cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=DEVICE),
+                                     causal=True, rotary_interleaved=False, backend=backend)
+    starts = torch.tensor(lens, device=DEVICE)[:, None]
+    k_rot = _rotated(k, angles.cos(), angles.sin(), starts + torch.arange(L_new, device=DEVICE), False).float()
+    q_rot = _rotated(q, angles.cos(), angles.sin(), starts + torch.arange(Lq, device=DEVICE), False)
+    expected_k, expected_v = (_appended(c, range(B), lens, new) for c, new in zip(before, (k_rot, v)))
+    _close(k_cache, expected_k, tol=1e-5)
+    keys, values = ([t[b, p:n + L_new] for b, (n, p) in enumerate(zip(lens, leftpad))] for t in (expected_k, v_cache))
+    expected, _ = _kvcache_reference(q_rot, keys, values, causal=True)
+    _close(out, expected)
+
+
 def test_kvcache_rotary_on_the_torch_backend():
     """The torch backend rotates too (common.rotary's reference, the same call)."""
     test_kvcache_rotary("torch", False, True, (-1, -1), 16)
@@ -488,7 +512,9 @@ def test_kvcache_refusals_leave_the_cache_alone():
          "multiple of 16"),
         (dict(rotary_cos=torch.ones(32, 8, device=DEVICE).half(), rotary_sin=torch.ones(32, 8, device=DEVICE).half()),
          TypeError, "q's dtype"),
-        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE)), NotImplementedError, "cache_leftpad"),
+        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+              block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)), ValueError, "cache_leftpad is for"),
+        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int64, device=DEVICE)), ValueError, "cache_leftpad must be"),
         (dict(alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, "alibi_slopes"),
         (dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
               cache_batch_idx=torch.zeros(2, dtype=torch.int32, device=DEVICE)), ValueError, "cache_batch_idx"),

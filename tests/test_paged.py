@@ -46,12 +46,12 @@ def _cache(lens, H_kv, D, Dv, page, dtype, spare=3):
 
 
 def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sinks=None, alibi_slopes=None,
-               with_lse=False):
+               leftpad=None, with_lse=False):
     """Each sequence's queries against its dense keys, in float64, from the definition: row i of a
     sequence of Lk keys sits at position p = Lk - Lq + i and sees keys j < Lk with j <= p (causal) and
     p - left <= j <= p + right (window; -1 unbounded); scores scaled, then softcap * tanh(s / softcap),
-    then ALiBi's -slope * |p - j| (slopes (H,) or (B, H)); a head's sink logit joins each row's
-    denominator with no value. Rows with no key: 0 (lse -inf,
+    then ALiBi's -slope * |p - j| (slopes (H,) or (B, H)); keys before leftpad[b] unseen; a head's
+    sink logit joins each row's denominator with no value. Rows with no key: 0 (lse -inf,
     or the sink's logit). with_lse: also the (B, H, Lq) log-sum-exp."""
     outs, lses = [], []
     group = query.shape[1] // keys[0].shape[0]
@@ -68,6 +68,8 @@ def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sin
             slopes = alibi_slopes.double().expand(len(keys), -1)[b]
             s = s - slopes[:, None, None] * (pos - j).abs()
         keep = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
+        if leftpad is not None:
+            keep &= j >= int(leftpad[b])
         if is_causal:
             keep &= j <= pos
         if window is not None and window[0] >= 0:
@@ -379,6 +381,26 @@ def test_paged_plan_reused(backend, splits, monkeypatch):
                         backend=backend)
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_leftpad_reads_nothing_before_it(backend, splits):
+    """Keys before a sequence's left padding are never read: NaN there, the answer still right."""
+    lens, leftpad = [300, 40], [170, 3]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
+    for b, start in enumerate(leftpad):
+        for cache in (key_cache, value_cache):
+            pages = block_table[b, :start // 16].long()
+            cache[pages] = float("nan")
+            cache[block_table[b, start // 16].long(), :start % 16] = float("nan")
+    query = torch.randn(2, 2, 2, 16, device=DEVICE)
+    starts = torch.tensor(leftpad, dtype=torch.int32, device=DEVICE)
+    clean = [(k[:, s:], v[:, s:]) for k, v, s in zip(keys, values, leftpad)]
+    expected = _reference(query, [k for k, _ in clean], [v for _, v in clean], True)
+    with force_splits(splits or 1):
+        out = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, cache_leftpad=starts,
+                              backend=backend)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+
+
 def test_paged_alibi_through_a_kept_plan(backend, monkeypatch):
     """A kept plan takes each call's slopes (new values, the same layout), never the first call's."""
     import common.paged as paged
@@ -486,6 +508,8 @@ FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the firs
     "lse": ([300, 0, 21], 3, 4, 1, 32, True, dict(return_lse=True)),  # MQA, packed rows
     "alibi": ([260, 0, 19], 2, 4, 2, 16, True, dict(alibi_slopes="H")),  # GQA (unpacked: slopes are per head)
     "alibi_full": ([230, 7], 3, 2, 2, 32, False, dict(alibi_slopes="BH")),  # not causal: the bias both sides
+    # (keys from a start: one past its length, one at 0, one in the first split's last block)
+    "leftpad": ([260, 30, 19, 40], 2, 4, 2, 16, True, dict(cache_leftpad=[150, 35, 0, 5])),
     # (the first sequence's window misses the first split: its sink joins through a split with no key)
     "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(150, 0), softcap=0.9, sinks=True, alibi_slopes="BH",
                                                      return_lse=True)),
@@ -501,6 +525,8 @@ def _feature_call(backend, name, splits, dtype=f32):
     query = torch.randn(len(lens), H, Lq, 16, device=DEVICE, dtype=dtype)
     if keywords.get("sinks") is True:
         keywords["sinks"] = torch.randn(H, device=DEVICE)
+    if "cache_leftpad" in keywords:
+        keywords["cache_leftpad"] = torch.tensor(keywords["cache_leftpad"], dtype=torch.int32, device=DEVICE)
     if "alibi_slopes" in keywords:  # "H" or "BH": slopes per head, or per sequence and head
         keywords["alibi_slopes"] = torch.rand(*((len(lens),) if keywords["alibi_slopes"] == "BH" else ()), H,
                                               device=DEVICE)
@@ -509,7 +535,8 @@ def _feature_call(backend, name, splits, dtype=f32):
                                  backend=backend, **keywords)
     expected = _reference(query, keys, values, is_causal, window=keywords.get("window"),
                           softcap=keywords.get("softcap"), sinks=keywords.get("sinks"),
-                          alibi_slopes=keywords.get("alibi_slopes"), with_lse=True)
+                          alibi_slopes=keywords.get("alibi_slopes"), leftpad=keywords.get("cache_leftpad"),
+                          with_lse=True)
     if keywords.get("return_lse"):
         return result[0], expected[0], result[1], expected[1]
     return result, expected[0], None, None
@@ -585,15 +612,18 @@ def test_paged_features_plan_reuse(backend):
 
 
 def test_paged_reference_backend_window_and_lse():
-    """The torch backend takes a window (a boolean mask), ALiBi (a float one) and returns the log-sum-exp."""
+    """The torch backend takes a window (a boolean mask), ALiBi (a float one), left padding and returns
+    the log-sum-exp."""
     lens = [40, 0, 9]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
     query = torch.randn(3, 4, 3, 16, device=DEVICE)
     slopes = torch.rand(4, device=DEVICE)
+    leftpad = torch.tensor([30, 0, 12], dtype=torch.int32, device=DEVICE)  # (12: past its sequence's 9 keys)
     out, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
-                               window=(4, -1), alibi_slopes=slopes, return_lse=True, backend="torch")
+                               window=(4, -1), alibi_slopes=slopes, cache_leftpad=leftpad, return_lse=True,
+                               backend="torch")
     expected, expected_lse = _reference(query, keys, values, True, window=(4, -1), alibi_slopes=slopes,
-                                        with_lse=True)
+                                        leftpad=leftpad, with_lse=True)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-5, atol=1e-5)
 
@@ -617,6 +647,8 @@ def test_paged_feature_errors():
         (dict(alibi_slopes=torch.zeros(3, device=DEVICE)), ValueError, r"alibi_slopes must have shape \(2,\)"),
         (dict(alibi_slopes=torch.zeros(2, dtype=torch.float16, device=DEVICE)), TypeError, "must be a float32"),
         (dict(alibi_slopes=[0.5, 0.25]), TypeError, "alibi_slopes must be a torch.Tensor"),
+        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int64, device=DEVICE)), ValueError, "leftpad must be int32"),
+        (dict(cache_leftpad=[0, 1]), TypeError, "cache_leftpad must be a torch.Tensor"),
         (dict(softcap=2.0, backend="torch"), ValueError, "the 'torch' backend cannot soft-cap scores"),
         (dict(sinks=torch.zeros(2, device=DEVICE), backend="torch"), ValueError,
          "the 'torch' backend has no attention sinks"),
