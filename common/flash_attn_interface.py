@@ -64,8 +64,8 @@ the output does not require grad). Its caches:
   b's keys start at ``cache_leftpad[b]``; positions (causality, windows, ALiBi, the rotary
   angles) stay the cache's.
 
-Not here yet (each raises NotImplementedError naming the argument): ``alibi_slopes``
-and ``block_table`` in the variable-length functions.
+Not here yet (raises NotImplementedError naming the argument): ``alibi_slopes`` in the
+variable-length functions without ``block_table``.
 """
 
 from __future__ import annotations
@@ -146,10 +146,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (batch + 1,)), its keys ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``; causal and windows align
     bottom-right within each sequence.
 
+    With ``block_table`` (int32 (batch, max_blocks)), ``k``/``v`` are a paged cache
+    (num_blocks, page_block_size, H_kv, D | Dv) and sequence b's ``cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]`` keys are in its pages (FlashAttention 2.6's paged prefill): forward only,
+    as there (the output does not require grad), ``alibi_slopes`` taken, no dropout.
+
     Returns out (total_q, H, Dv), contiguous; with ``return_attn_probs``, ``(out, softmax_lse
-    (H, total_q) float32, S_dmask)``. Differentiable in q, k and v."""
+    (H, total_q) float32, S_dmask)``. Differentiable in q, k and v (without ``block_table``)."""
+    if block_table is not None:
+        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
+                             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, backend)
     _check_dims(q=(q, 3), k=(k, 3), v=(v, 3))
-    _refuse(alibi_slopes=alibi_slopes, deterministic=deterministic, block_table=block_table)
+    _refuse(alibi_slopes=alibi_slopes, deterministic=deterministic)
     is_causal, window, alignment = _mask(causal, window_size, None, None)
     with_lse = _wants_probs(return_attn_probs, dropout_p)
     result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
@@ -159,6 +167,64 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return result.contiguous()
     out, lse = result
     return out.contiguous(), _flash_lse(lse), _no_probs(q)
+
+
+def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, backend):
+    """flash_attn_varlen_func over a paged cache: the packed queries gathered into (batch, H,
+    max_seqlen_q, D) rows (each sequence's first, the rest padding), paged_attention with the
+    sequences' query and key lengths, the rows gathered back (all on the device: no host sync)."""
+    _check_dims(q=(q, 3), k=(k_cache, 4), v=(v_cache, 4))
+    _refuse(deterministic=deterministic)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 with block_table: a paged cache is read at inference, forward only "
+                         f"(got {dropout_p!r})")
+    with_lse = _wants_probs(return_attn_probs, 0.0)
+    chosen = resolve(backend)
+    cu_q, cu_k = _cu_lengths(cu_seqlens_q, cu_seqlens_k, q)
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be an int >= 0 (the longest sequence's queries), got {max_seqlen_q!r}")
+    is_causal, window, _ = _mask(causal, window_size, None, None)
+    scale = None if softmax_scale is None else _check_real("softmax_scale", softmax_scale)
+    total_q, H, D = q.shape
+    B = cu_q.shape[0] - 1
+    if total_q and not max_seqlen_q:
+        raise ValueError(f"max_seqlen_q is 0 but q has {total_q} rows: it must be the longest sequence's queries")
+    if total_q == 0:
+        out = q.new_zeros((0, H, v_cache.shape[3]))
+        return (out, q.new_zeros((H, 0), dtype=torch.float32), _no_probs(q)) if with_lse else out
+    rows = torch.arange(max_seqlen_q, device=q.device)
+    starts = cu_q[:-1].long()
+    index = (starts[:, None] + rows[None, :]).clamp(0, max(total_q - 1, 0))  # (padding rows: any row)
+    query = q[index.flatten()].view(B, max_seqlen_q, H, D).transpose(1, 2)
+    with torch.no_grad():  # (FlashAttention's paged prefill: no backward)
+        result = paged_attention(query, k_cache, v_cache, block_table, cu_k[1:] - cu_k[:-1], is_causal, scale,
+                                 enable_gqa=True, window=window, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+                                 query_lengths=cu_q[1:] - cu_q[:-1], return_lse=with_lse, backend=chosen.name)
+    out, lse = result if with_lse else (result, None)
+    # packed row t of sequence b is padded row b * max_seqlen_q + t - cu_seqlens_q[b]
+    t = torch.arange(total_q, device=q.device)
+    seq = torch.searchsorted(cu_q[1:].contiguous(), t.to(cu_q.dtype), right=True).clamp(max=max(B - 1, 0))
+    padded = seq * max_seqlen_q + t - starts[seq]
+    out = out.transpose(1, 2).reshape(B * max_seqlen_q, H, -1)[padded]
+    if not with_lse:
+        return out
+    lse = lse.transpose(1, 2).reshape(B * max_seqlen_q, H)[padded].t().contiguous()
+    return out, _flash_lse(lse), _no_probs(q)
+
+
+def _cu_lengths(cu_seqlens_q, cu_seqlens_k, like):
+    """cu_seqlens_q and cu_seqlens_k: int32 (batch + 1,) on the inputs' device, of one batch."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32 or cu.ndim != 1 or cu.shape[0] < 2 or cu.device != like.device:
+            raise ValueError(f"{name} must be int32 (batch + 1,) on {like.device}, got {cu.dtype} of shape "
+                             f"{tuple(cu.shape)} on {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence and one more, alike; got "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    return cu_seqlens_q, cu_seqlens_k
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -534,6 +600,6 @@ def _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, fea
     if alibi_slopes is not None:
         paged._check_alibi(alibi_slopes, B, H, query.device)
     if leftpad is not None:
-        paged._check_leftpad(leftpad, B, query)
+        paged._check_lengths("cache_leftpad", leftpad, B, query)
     if new is not None:
         paged._check_append(chosen, key_cache, value_cache, table, seqlens, *new, False)

@@ -65,6 +65,7 @@ class PagedPlan:
     sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
     alibi: torch.Tensor | None = None  # (B, H, Lq) float32 view of ALiBi's (H,) or (B, H) slopes (stride 0 over Lq)
     leftpad: torch.Tensor | None = None  # (B,) int32: sequence b's keys start at leftpad[b] (None: at 0)
+    query_lengths: torch.Tensor | None = None  # (B,) int32: sequence b's first query_lengths[b] rows (None: Lq)
     with_lse: bool = False  # the caller gets the log-sum-exp
     config: Config | None = None
     block_d: int = 0
@@ -102,6 +103,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     cache_leftpad: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | None = None,
     validate: bool = False,
@@ -137,6 +139,10 @@ def paged_attention(
             cache_leftpad[b] .. cache_seqlens[b] - 1 (FlashAttention's left padding: the
             keys before it are not attended; the rows' positions, and so causality, windows
             and ALiBi, stay those of the cache). The key blocks before it are not read.
+        query_lengths: None, or int32 (B,) on query's device, each in 0..Lq: sequence b
+            has query_lengths[b] new tokens, the first rows of its Lq (the others padding:
+            output 0, lse -inf), at positions cache_seqlens[b] - query_lengths[b] + i
+            (FlashAttention's varlen queries over a paged cache).
         return_lse: also return the log-sum-exp (natural log) of each row's scaled,
             soft-capped, biased, masked scores (and its sink), float32 (B, H, Lq).
         backend: "triton", "ninetoothed" or "torch" (the reference: the pages gathered
@@ -157,7 +163,8 @@ def paged_attention(
     """
     chosen = resolve(backend)
     layout = _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
-                     enable_gqa, validate, (window, softcap, sinks, alibi_slopes, cache_leftpad, return_lse))
+                     enable_gqa, validate, (window, softcap, sinks, alibi_slopes, cache_leftpad, query_lengths,
+                                            return_lse))
     template = _templates.get(layout) if layout is not None else None
     if template is not None:  # validated and planned before: launch
         plan = PagedPlan(*template)
@@ -166,7 +173,7 @@ def paged_attention(
             key_cache, value_cache, block_table, cache_seqlens)
         plan.sinks = _sink_rows(sinks, plan.shape)
         plan.alibi = _slope_rows(alibi_slopes, plan.shape)
-        plan.leftpad = cache_leftpad
+        plan.leftpad, plan.query_lengths = cache_leftpad, query_lengths
         return _launch(chosen, plan)
     B, H, Lq, D = _check_query(query)
     num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, query, chosen)
@@ -180,7 +187,9 @@ def paged_attention(
     if alibi_slopes is not None:
         alibi_slopes = _check_alibi(alibi_slopes, B, H, query.device)
     if cache_leftpad is not None:
-        _check_leftpad(cache_leftpad, B, query)
+        _check_lengths("cache_leftpad", cache_leftpad, B, query)
+    if query_lengths is not None:
+        _check_lengths("query_lengths", query_lengths, B, query)
     if validate:
         _validate_contents(block_table, cache_seqlens, num_pages, page)
     if B * H * Lq == 0:
@@ -188,10 +197,11 @@ def paged_attention(
         return (out, query.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)) if return_lse else out
     if not chosen.kernels:
         return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
-                                window=window, alibi_slopes=alibi_slopes, leftpad=cache_leftpad, with_lse=return_lse)
+                                window=window, alibi_slopes=alibi_slopes, leftpad=cache_leftpad,
+                                query_lengths=query_lengths, with_lse=return_lse)
     plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                       window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, leftpad=cache_leftpad,
-                      with_lse=return_lse)
+                      query_lengths=query_lengths, with_lse=return_lse)
     if layout is not None:
         _templates.put(layout, _template_of(plan, query))
     return _launch(chosen, plan)
@@ -253,8 +263,8 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
             validate, features):
     """The key of a call's template, or None where the full path must run (bad or unusual
     arguments: their checks; validate=True: it reads the tensors). ``features``: (window,
-    softcap, sinks, alibi_slopes, cache_leftpad, return_lse), each part of the key (the
-    tensors by shape, dtype and device)."""
+    softcap, sinks, alibi_slopes, cache_leftpad, query_lengths, return_lse), each part of the
+    key (the tensors by shape, dtype and device)."""
     tensors = (query, key_cache, value_cache, block_table, cache_seqlens)
     if (any(type(t) is not torch.Tensor for t in tensors) or type(is_causal) is not bool
             or type(enable_gqa) is not bool or validate is not False or not (scale is None or type(scale) is float)
@@ -267,16 +277,16 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
             features, query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
 
 
-def _feature_key(window, softcap, sinks, alibi_slopes, cache_leftpad, return_lse):
-    """(window, softcap, the sinks', the slopes' and the left padding's (shape, dtype, device)
-    or None, return_lse) for the template's key, or None where one of them is unusual (its
-    checks must run)."""
+def _feature_key(window, softcap, sinks, alibi_slopes, cache_leftpad, query_lengths, return_lse):
+    """(window, softcap, the sinks', the slopes', the left padding's and the query lengths'
+    (shape, dtype, device) or None, return_lse) for the template's key, or None where one of
+    them is unusual (its checks must run)."""
     if window is not None and not (type(window) is tuple and len(window) == 2
                                    and all(type(n) is int and n >= -1 for n in window)):
         return None
     if softcap is not None and not (type(softcap) is float and 0.0 < softcap < math.inf):
         return None
-    tensors = (sinks, alibi_slopes, cache_leftpad)
+    tensors = (sinks, alibi_slopes, cache_leftpad, query_lengths)
     if any(t is not None and type(t) is not torch.Tensor for t in tensors) or type(return_lse) is not bool:
         return None
     return window, softcap, *(None if t is None else (t.shape, t.dtype, t.device) for t in tensors), return_lse
@@ -475,13 +485,13 @@ def _check_table(block_table, cache_seqlens, B, like):
             raise ValueError(f"{name} is on {t.device} but the tensors are on {like.device}")
 
 
-def _check_leftpad(cache_leftpad, B, like):
-    if not isinstance(cache_leftpad, torch.Tensor):
-        raise TypeError(f"cache_leftpad must be a torch.Tensor or None, got {type(cache_leftpad).__name__}")
-    if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (B,) or cache_leftpad.device != like.device:
-        raise ValueError(f"cache_leftpad must be int32 (B,) = ({B},) on {like.device}, got "
-                         f"{_dtype_name(cache_leftpad.dtype)} of shape {tuple(cache_leftpad.shape)} on "
-                         f"{cache_leftpad.device}")
+def _check_lengths(name, lengths, B, like):
+    """A per-sequence int32 (B,) tensor on the query's device (its values not read: no host sync)."""
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(lengths).__name__}")
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (B,) or lengths.device != like.device:
+        raise ValueError(f"{name} must be int32 (B,) = ({B},) on {like.device}, got {_dtype_name(lengths.dtype)} "
+                         f"of shape {tuple(lengths.shape)} on {lengths.device}")
 
 
 def _check_heads(H, H_kv, enable_gqa):
@@ -527,7 +537,8 @@ def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int
 
 
 def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *,
-               window=None, softcap=None, sinks=None, alibi_slopes=None, leftpad=None, with_lse=False) -> PagedPlan:
+               window=None, softcap=None, sinks=None, alibi_slopes=None, leftpad=None, query_lengths=None,
+               with_lse=False) -> PagedPlan:
     B, H, Lq, D = query.shape
     H_kv, page, Dv = key_cache.shape[2], key_cache.shape[1], value_cache.shape[3]
     plan = PagedPlan(query, key_cache, value_cache, block_table, cache_seqlens, scale, is_causal, H // H_kv, Lq,
@@ -536,7 +547,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.softcap_kind = planner.softcap_kind(plan.softcap, query.dtype, query.device, backend.interpreted())
     plan.sinks = _sink_rows(sinks, plan.shape)
     plan.alibi = _slope_rows(alibi_slopes, plan.shape)
-    plan.leftpad = leftpad
+    plan.leftpad, plan.query_lengths = leftpad, query_lengths
     # (sinks and slopes are per query head: packed rows would mix them, as in common.plan.make_forward)
     if H != H_kv and sinks is None and alibi_slopes is None:
         try:  # each group's query heads as rows of its K/V head: K/V read once per group
@@ -587,7 +598,7 @@ def _window_unsplit(plan: PagedPlan, planner, programs: int, device) -> bool:
 
 
 def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *, window=None,
-                     alibi_slopes=None, leftpad=None, with_lse=False):
+                     alibi_slopes=None, leftpad=None, query_lengths=None, with_lse=False):
     """SDPA on the pages gathered into a dense batch, the sequences' lengths, causality and
     window as a boolean mask (ALiBi's bias added as a float one: -inf where not allowed);
     with_lse: also the log-sum-exp, from the scores in float32."""
@@ -602,10 +613,14 @@ def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, 
         allowed &= positions[None, :] >= leftpad.long()[:, None]
     allowed = allowed[:, None, None, :]  # (B, 1, 1, Lk)
     band = paged_band(is_causal, window, Lq)
-    row_positions = lengths[:, None] - Lq + torch.arange(Lq, device=query.device)[None, :]  # (B, Lq)
+    rows = torch.arange(Lq, device=query.device)[None, :]
+    new_tokens = Lq if query_lengths is None else query_lengths.long()[:, None]
+    row_positions = lengths[:, None] - new_tokens + rows  # (B, Lq)
     offset = positions[None, None, :] - row_positions[:, :, None]  # (B, Lq, Lk)
     if band is not None:
         allowed = allowed & ((offset >= band[0]) & (offset <= band[1]))[:, None]
+    if query_lengths is not None:  # (padding rows: none)
+        allowed = allowed & (rows < new_tokens)[:, None, :, None]
     bias = 0.0
     mask = allowed
     if alibi_slopes is not None:  # (B, H, Lq, Lk), -inf where not allowed

@@ -534,7 +534,9 @@ def paged_forward(plan):
           num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
         q, kc, vc, plan.block_table, plan.cache_seqlens,
-        plan.leftpad if plan.leftpad is not None else _absent(plan.cache_seqlens, B), plan.scale, plan.lq_seq,
+        plan.leftpad if plan.leftpad is not None else _absent(plan.cache_seqlens, B),
+        plan.query_lengths if plan.query_lengths is not None else _absent(plan.cache_seqlens, B), plan.scale,
+        plan.lq_seq,
         kc.shape[0],
         *(plan.band if plan.band is not None else (0, 0)), plan.softcap,
         plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq),
@@ -542,6 +544,7 @@ def paged_forward(plan):
         BANDED=plan.band is not None, WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
+        QUERY_LENGTHS=plan.query_lengths is not None,
     )
     if plan.split:
         merge = plan.merge

@@ -39,14 +39,15 @@ def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
 
 
 def paged_arrangement(
-    query, key_cache, value_cache, block_table, cache_seqlens, leftpad, scale, lq_seq, num_pages, band_lo, band_hi,
-    softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
-    LEFTPADDED,
+    query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
+    band_lo, band_hi, softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP,
+    SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS,
     block_m, tile, block_d, block_dv, pages_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``pages_per_split`` is given: the block table's row for the batch entry
-    (its split's part), (1,) tiles each; the sequence's length and first key; all pages of the caches,
+    (its split's part), (1,) tiles each; the sequence's length, first key and query count; all pages of the
+    caches,
     in tiles of ``tile`` keys (a power of two from 16 that divides the page size); its rows' sink
     logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp)."""
     query_arranged = _rows(query, block_m, block_d)
@@ -61,12 +62,14 @@ def paged_arrangement(
     table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks, -1))  # (B, H, M, S)
     seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
     starts = leftpad.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
+    new_tokens = query_lengths.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
     sinks_arranged = _row_slices(sinks, block_m)
     slopes_arranged = _row_slices(slopes, block_m)
     if split:
         query_arranged = _per_split(query_arranged, num_splits)
         seqlens = _per_split(seqlens, num_splits)
         starts = _per_split(starts, num_splits)
+        new_tokens = _per_split(new_tokens, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
         slopes_arranged = _per_split(slopes_arranged, num_splits)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
@@ -79,23 +82,25 @@ def paged_arrangement(
         lse_arranged = _row_slices(lse, block_m)
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, tile, block_d, num_splits),
-        _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, starts, scale,
-        lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, output_arranged, lse_arranged,
-        BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED,
+        _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, starts, new_tokens,
+        scale, lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, output_arranged,
+        lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED,
+        QUERY_LENGTHS,
     )
 
 
 def paged_application(
-    query, key_cache, value_cache, block_table, cache_seqlens, leftpad, scale, lq_seq, num_pages, band_lo, band_hi,
-    softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
-    LEFTPADDED,
+    query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
+    band_lo, band_hi, softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP,
+    SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
     an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton
     kernel gathers one BLOCK_N tile of keys), as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
-    tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI and LEFTPADDED as there; a page entry outside the cache
+    tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED and QUERY_LENGTHS as there; a page entry
+    outside the cache
     is clamped into it, a length past the table to the table. Tile t of the sequence is tile
     t % per_page of its page t // per_page."""
     q = query
@@ -104,7 +109,11 @@ def paged_application(
     per_page = key_cache.shape[1]  # tiles a page
     # the (1,) tile of this sequence's length; a bad one reads no entry past the table (as _paged_fwd)
     Lk = ntl.minimum(ntl.sum(cache_seqlens, 0), block_table.source.shape[-1] * per_page * TILE)
-    last_key = Lk - lq_seq + offs_m % lq_seq  # the key at each row's position
+    rows_in_seq = offs_m % lq_seq
+    new_tokens = lq_seq
+    if QUERY_LENGTHS:  # (rows past a sequence's queries are padding)
+        new_tokens = ntl.sum(query_lengths, 0)
+    last_key = Lk - new_tokens + rows_in_seq  # the key at each row's position
     qk_scale = scale * LOG2E
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
@@ -147,6 +156,8 @@ def paged_application(
             valid = key_ok[None, :]
             if BANDED:
                 valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
+            if QUERY_LENGTHS:
+                valid = valid & (rows_in_seq < new_tokens)[:, None]
             qk = ntl.where(valid, qk, float("-inf"))
             m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
             m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
@@ -227,6 +238,7 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
         _like(query.shape[:1]),  # cache_seqlens (B,) int32
         _like(query.shape[:1]),  # leftpad (B,) int32
+        _like(query.shape[:1]),  # query_lengths (B,) int32
         Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
         Tensor(0), Tensor(0), Tensor(0),  # band_lo, band_hi, softcap
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
@@ -234,7 +246,7 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
         *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS", "ALIBI",
-                 "LEFTPADDED"),
+                 "LEFTPADDED", "QUERY_LENGTHS"),
     )
     return arrangement_, paged_application, tensors
 

@@ -344,8 +344,8 @@ def paged_forward(plan):
     merged_lse = plan.lse if plan.split and plan.with_lse else out  # never written without MERGE_LSE
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
-        q, kc, vc, plan.block_table, plan.cache_seqlens, plan.leftpad if plan.leftpad is not None else out, sinks,
-        slopes, o, lse, out, merged_lse, counts,
+        q, kc, vc, plan.block_table, plan.cache_seqlens, plan.leftpad if plan.leftpad is not None else out,
+        plan.query_lengths if plan.query_lengths is not None else out, sinks, slopes, o, lse, out, merged_lse, counts,
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *sink_strides, *slope_strides,
         *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
@@ -357,6 +357,7 @@ def paged_forward(plan):
         WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, MERGE_LSE=plan.split and plan.with_lse,
         ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
+        QUERY_LENGTHS=plan.query_lengths is not None,
     )
     if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))

@@ -20,7 +20,7 @@ from impl_triton.kernels import LN2, LOG2E, _last_split_merges
 
 @triton.jit(do_not_specialize=["kernel_merge"])
 def _paged_fwd(
-    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, LEFTPAD, SINK, SLOPES, O, LSE, OUT, LSE_OUT, COUNTS,
+    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, LEFTPAD, QLENS, SINK, SLOPES, O, LSE, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -34,7 +34,7 @@ def _paged_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
-    LEFTPADDED: tl.constexpr,
+    LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
@@ -55,6 +55,8 @@ def _paged_fwd(
     ALIBI: -slope * |position - key| added to the (capped) scores, the slope SLOPES[z, h]
     ((B, H) strided; rows are then never packed heads). LEFTPADDED: sequence z's keys start
     at LEFTPAD[z] (the blocks before it not visited; the rows' positions unchanged).
+    QUERY_LENGTHS: sequence z has QLENS[z] queries, rows r % LQ_SEQ < QLENS[z], at positions
+    SEQLENS[z] - QLENS[z] + r % LQ_SEQ; its other rows see no key (output 0).
     WITH_LSE: the log-sum-exp (natural log) of each row into LSE, (B, H, Lq) or, SPLIT,
     the partials' (B, H, Lq, NUM_SPLITS), contiguous. SPLIT: O and LSE are the float32
     partials that the last program of each row block merges into OUT and, MERGE_LSE,
@@ -78,7 +80,12 @@ def _paged_fwd(
     q = tl.load(Q + off_z * stride_qz + off_h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     Lk = tl.minimum(tl.load(SEQLENS + off_z), MAX_PAGES * PAGE)  # a bad length reads no entry past the table
-    last_key = Lk - LQ_SEQ + offs_m % LQ_SEQ  # the key at each row's position
+    row_ok = m_ok
+    new_tokens = LQ_SEQ
+    if QUERY_LENGTHS:  # (rows past a sequence's queries are padding)
+        new_tokens = tl.load(QLENS + off_z)
+        row_ok = offs_m % LQ_SEQ < new_tokens
+    last_key = Lk - new_tokens + offs_m % LQ_SEQ  # the key at each row's position
     qk_scale = scale * LOG2E
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -123,6 +130,8 @@ def _paged_fwd(
         valid = key_ok[None, :]
         if BANDED:
             valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
+        if QUERY_LENGTHS:
+            valid = valid & row_ok[:, None]
         qk = tl.where(valid, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN

@@ -221,13 +221,20 @@ def test_varlen_packed_functions(backend):
 
 
 def test_arguments_it_does_not_take_yet_are_refused():
+    """ALiBi in the dense varlen function (NotImplementedError); what block_table refuses; S_dmask with dropout."""
     q, k, v = _inputs(1, 4, 4, 2, 2, 16)
     packed = q[0], k[0], v[0]
     cu = _cu([4])
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, alibi_slopes=torch.ones(2, device=DEVICE))
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    pages = torch.randn(2, 16, 2, 16, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="dropout_p must be 0 with block_table"):
+        fa.flash_attn_varlen_func(packed[0], pages, pages, cu, cu, 4, 4, dropout_p=0.1, block_table=table)
+    with pytest.raises(ValueError, match="k must have 4 dimensions"):
+        fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, block_table=table)
+    with pytest.raises(ValueError, match="max_seqlen_q is 0"):
+        fa.flash_attn_varlen_func(packed[0], pages, pages, cu, cu, 0, 4, block_table=table)
     with pytest.raises(ValueError, match="S_dmask"):
         fa.flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)
 
@@ -491,6 +498,33 @@ def test_kvcache_leftpad(backend):
     keys, values = ([t[b, p:n + L_new] for b, (n, p) in enumerate(zip(lens, leftpad))] for t in (expected_k, v_cache))
     expected, _ = _kvcache_reference(q_rot, keys, values, causal=True)
     _close(out, expected)
+
+
+@pytest.mark.parametrize("causal,window,alibi", [(True, (-1, -1), False), (False, (4, 2), True)])
+def test_varlen_with_block_table(backend, causal, window, alibi):
+    """flash_attn_varlen_func over a paged cache (FlashAttention 2.6's paged prefill): packed queries of
+    several lengths (one sequence without any), each sequence's keys in its pages, bottom-right."""
+    lens_q, lens_k, H, H_kv, D, page = [3, 0, 5], [20, 7, 40], 4, 2, 16, 16
+    per_seq = 3
+    k_cache, v_cache = (torch.randn(10, page, H_kv, D, device=DEVICE) for _ in range(2))
+    table = torch.randperm(10, device=DEVICE)[:3 * per_seq].view(3, per_seq).to(torch.int32)
+    q = torch.randn(sum(lens_q), H, D, device=DEVICE, requires_grad=True)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for n in (lens_q, lens_k))
+    slopes = torch.rand(3, H, device=DEVICE) if alibi else None
+    out, lse, _ = fa.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                            window_size=window, alibi_slopes=slopes, return_attn_probs=True,
+                                            block_table=table, backend=backend)
+    assert out.shape == (sum(lens_q), H, D) and lse.shape == (H, sum(lens_q)) and not out.requires_grad
+    for b, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+        if not n_q:
+            continue
+        keys, values = (c[table[b].long()].flatten(0, 1)[:n_k][None] for c in (k_cache, v_cache))
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        expected, expected_lse = _reference(q[rows][None].detach(), keys, values, causal=causal, window=window,
+                                            alibi_slopes=None if slopes is None else slopes[b:b + 1])
+        _close(out[rows], expected[0])
+        _close(lse[:, rows], expected_lse[0])
 
 
 def test_kvcache_rotary_on_the_torch_backend():

@@ -46,12 +46,13 @@ def _cache(lens, H_kv, D, Dv, page, dtype, spare=3):
 
 
 def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sinks=None, alibi_slopes=None,
-               leftpad=None, with_lse=False):
+               leftpad=None, query_lengths=None, with_lse=False):
     """Each sequence's queries against its dense keys, in float64, from the definition: row i of a
     sequence of Lk keys sits at position p = Lk - Lq + i and sees keys j < Lk with j <= p (causal) and
     p - left <= j <= p + right (window; -1 unbounded); scores scaled, then softcap * tanh(s / softcap),
-    then ALiBi's -slope * |p - j| (slopes (H,) or (B, H)); keys before leftpad[b] unseen; a head's
-    sink logit joins each row's denominator with no value. Rows with no key: 0 (lse -inf,
+    then ALiBi's -slope * |p - j| (slopes (H,) or (B, H)); keys before leftpad[b] unseen; with
+    query_lengths, sequence b's first query_lengths[b] rows at p = Lk - query_lengths[b] + i, the others
+    seeing no key; a head's sink logit joins each row's denominator with no value. Rows with no key: 0 (lse -inf,
     or the sink's logit). with_lse: also the (B, H, Lq) log-sum-exp."""
     outs, lses = [], []
     group = query.shape[1] // keys[0].shape[0]
@@ -62,7 +63,8 @@ def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sin
         s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        pos = torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
+        new_tokens = Lq if query_lengths is None else int(query_lengths[b])
+        pos = torch.arange(Lq, device=q.device)[:, None] + Lk - new_tokens
         j = torch.arange(Lk, device=q.device)[None, :]
         if alibi_slopes is not None:
             slopes = alibi_slopes.double().expand(len(keys), -1)[b]
@@ -70,6 +72,7 @@ def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sin
         keep = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
         if leftpad is not None:
             keep &= j >= int(leftpad[b])
+        keep &= torch.arange(Lq, device=q.device)[:, None] < new_tokens
         if is_causal:
             keep &= j <= pos
         if window is not None and window[0] >= 0:
@@ -510,6 +513,9 @@ FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the firs
     "alibi_full": ([230, 7], 3, 2, 2, 32, False, dict(alibi_slopes="BH")),  # not causal: the bias both sides
     # (keys from a start: one past its length, one at 0, one in the first split's last block)
     "leftpad": ([260, 30, 19, 40], 2, 4, 2, 16, True, dict(cache_leftpad=[150, 35, 0, 5])),
+    # (per-sequence queries: 3 of 3, none, 1, 2; MQA, packed rows; a window)
+    "query_lengths": ([280, 9, 30, 3], 3, 4, 1, 16, True, dict(query_lengths=[3, 0, 1, 2], window=(40, 0),
+                                                                return_lse=True)),
     # (the first sequence's window misses the first split: its sink joins through a split with no key)
     "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(150, 0), softcap=0.9, sinks=True, alibi_slopes="BH",
                                                      return_lse=True)),
@@ -525,8 +531,9 @@ def _feature_call(backend, name, splits, dtype=f32):
     query = torch.randn(len(lens), H, Lq, 16, device=DEVICE, dtype=dtype)
     if keywords.get("sinks") is True:
         keywords["sinks"] = torch.randn(H, device=DEVICE)
-    if "cache_leftpad" in keywords:
-        keywords["cache_leftpad"] = torch.tensor(keywords["cache_leftpad"], dtype=torch.int32, device=DEVICE)
+    for name in ("cache_leftpad", "query_lengths"):
+        if name in keywords:
+            keywords[name] = torch.tensor(keywords[name], dtype=torch.int32, device=DEVICE)
     if "alibi_slopes" in keywords:  # "H" or "BH": slopes per head, or per sequence and head
         keywords["alibi_slopes"] = torch.rand(*((len(lens),) if keywords["alibi_slopes"] == "BH" else ()), H,
                                               device=DEVICE)
@@ -536,7 +543,7 @@ def _feature_call(backend, name, splits, dtype=f32):
     expected = _reference(query, keys, values, is_causal, window=keywords.get("window"),
                           softcap=keywords.get("softcap"), sinks=keywords.get("sinks"),
                           alibi_slopes=keywords.get("alibi_slopes"), leftpad=keywords.get("cache_leftpad"),
-                          with_lse=True)
+                          query_lengths=keywords.get("query_lengths"), with_lse=True)
     if keywords.get("return_lse"):
         return result[0], expected[0], result[1], expected[1]
     return result, expected[0], None, None
@@ -612,18 +619,19 @@ def test_paged_features_plan_reuse(backend):
 
 
 def test_paged_reference_backend_window_and_lse():
-    """The torch backend takes a window (a boolean mask), ALiBi (a float one), left padding and returns
-    the log-sum-exp."""
+    """The torch backend takes a window (a boolean mask), ALiBi (a float one), left padding, query
+    lengths and returns the log-sum-exp."""
     lens = [40, 0, 9]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
     query = torch.randn(3, 4, 3, 16, device=DEVICE)
     slopes = torch.rand(4, device=DEVICE)
     leftpad = torch.tensor([30, 0, 12], dtype=torch.int32, device=DEVICE)  # (12: past its sequence's 9 keys)
+    new_tokens = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEVICE)
     out, lse = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
-                               window=(4, -1), alibi_slopes=slopes, cache_leftpad=leftpad, return_lse=True,
-                               backend="torch")
+                               window=(4, -1), alibi_slopes=slopes, cache_leftpad=leftpad, query_lengths=new_tokens,
+                               return_lse=True, backend="torch")
     expected, expected_lse = _reference(query, keys, values, True, window=(4, -1), alibi_slopes=slopes,
-                                        leftpad=leftpad, with_lse=True)
+                                        leftpad=leftpad, query_lengths=new_tokens, with_lse=True)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-5, atol=1e-5)
 
