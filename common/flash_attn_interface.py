@@ -82,7 +82,7 @@ from common.paged import append_kv, paged_attention
 from common.plan import force_splits
 from common.rotary import apply_rotary
 from common.validation import _check_real
-from common.varlen import varlen_attention
+from common.varlen import _check_cu_seqlens, varlen_attention
 
 __all__ = [
     "flash_attn_func",
@@ -214,17 +214,14 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 def _cu_lengths(cu_seqlens_q, cu_seqlens_k, like):
-    """cu_seqlens_q and cu_seqlens_k: int32 (batch + 1,) on the inputs' device, of one batch."""
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32 or cu.ndim != 1 or cu.shape[0] < 2 or cu.device != like.device:
-            raise ValueError(f"{name} must be int32 (batch + 1,) on {like.device}, got {cu.dtype} of shape "
-                             f"{tuple(cu.shape)} on {cu.device}")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence and one more, alike; got "
-                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
-    return cu_seqlens_q, cu_seqlens_k
+    """cu_seqlens_q and cu_seqlens_k (varlen_attention's checks): int32 (batch + 1,) on the
+    inputs' device, of one batch of at least one sequence (the block table's rows)."""
+    cu_q, cu_k = (_check_cu_seqlens(name, cu, like) for name, cu in (("cu_seqlens_q", cu_seqlens_q),
+                                                                     ("cu_seqlens_k", cu_seqlens_k)))
+    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, at least one; got shapes "
+                         f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
+    return cu_q, cu_k
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
