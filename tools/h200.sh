@@ -2,7 +2,7 @@
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
 # stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
-#         serving (varlen and paged tests, then the paged probe)
+#         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
 #         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
@@ -82,7 +82,7 @@ for stage in "$@"; do
               done; done; wait
               tail -n 4 "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log ;;
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
-    serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py -q -n 12 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;
+    serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py tests/test_flash_attn_interface.py -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;
     ring-test) timeout 540 torchrun --nproc-per-node 2 -m tests.ring_worker triton ninetoothed torch 2>&1 | grep -v '^W1' | tail -40 | tee "$OUT/ring_test.log" ;;
     # issue 13's open points: 256k, and 64k causal with more calls per point
     ring-bench-long) timeout 560 torchrun --nproc-per-node 2 tools/ring_bench.py --lengths 65536 262144 --bwd-lengths 65536 --calls 5 --json "$OUT/ring_bench_long.json" 2>&1 | grep -v '^W1' | tail -60 > "$OUT/ring_bench_long.log"; tail -40 "$OUT/ring_bench_long.log" ;;
