@@ -18,6 +18,8 @@ is written to the project.
   dense kernel on each sequence and SDPA on the padded batch.
 - paged: paged decode (pages of 16 and 64 keys, shuffled) against our contiguous-cache
   decode on the same keys, kernel time by CUDA-graph replay, bandwidth of K/V read; append_kv.
+- paged_extras: what ALiBi, left padding and per-sequence query lengths cost the paged kernels
+  (decode and 4-row chunks, pages of 64, graph replay), and the rotary kernel of a decode step.
 - paged_batch: paged decode at a large batch, the paged plan's stages against 3, 2, and 2 with the
   dense path's register cap; beside dense decode and SDPA.
 - decode: split-KV decode shapes under several programs-per-SM targets and
@@ -291,6 +293,44 @@ def paged():
             t = _graph_time_ms(lambda: append_kv(*caches, table, start, new, new))
             line.append(f"append_kv page {page} {t * 1e3:.1f} us")
         print("; ".join(line), flush=True)
+
+
+def paged_extras():
+    """The paged kernels with and without the features of FlashAttention's kvcache call: decode (Lq 1)
+    and 4 new rows per sequence, B = 8, 32 query heads over 8, D = 128, bf16, pages of 64 in a
+    shuffled table, Lk 16k; plain, ALiBi (rows unpacked: per-head slopes), left padding (the first
+    quarter skipped), query lengths (rows 1-4 of 4); then the rotary kernel on a decode step's q and k."""
+    from common import paged_attention
+    from common.backends import get_backend
+    from common.rotary import apply_rotary
+
+    B, H, H_kv, D, Lk, page = 8, 32, 8, 128, 16384, 64
+    pages = Lk // page
+    table = torch.randperm(B * pages, device="cuda").view(B, pages).to(torch.int32)
+    caches = [torch.randn(B * pages, page, H_kv, D, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    lengths = torch.full((B,), Lk, dtype=torch.int32, device="cuda")
+    extras = {"plain": {}, "alibi": dict(alibi_slopes=torch.rand(H, device="cuda")),
+              "leftpad": dict(cache_leftpad=torch.full((B,), Lk // 4, dtype=torch.int32, device="cuda")),
+              "query_lengths": dict(query_lengths=torch.randint(1, 5, (B,), dtype=torch.int32, device="cuda"))}
+    for Lq in (1, 4):
+        q = torch.randn(B, H, Lq, D, dtype=torch.bfloat16, device="cuda")
+        for backend in ("triton", "ninetoothed"):
+            line, plain = [], None
+            for name, kw in extras.items():
+                if name == "query_lengths" and Lq == 1:
+                    continue
+                t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, True, enable_gqa=True,
+                                                           backend=backend, **kw))
+                plain = plain or t
+                line.append(f"{name} {t * 1e3:.0f} us ({t / plain:.2f}x)")
+            print(f"Lq={Lq} {backend}: " + "; ".join(line), flush=True)
+    angles = torch.rand(Lk, 64, device="cuda")
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    x = torch.randn(B, 1, H, D, dtype=torch.bfloat16, device="cuda")
+    for backend in ("triton", "ninetoothed"):
+        chosen = get_backend(backend)
+        t = _graph_time_ms(lambda: apply_rotary(chosen, x, cos, sin, lengths, per_row=True, interleaved=True))
+        print(f"rotary {backend}: q of a decode step (8 x 32 heads) {t * 1e3:.1f} us", flush=True)
 
 
 # (backend, None: the shipped configuration, or (keys per step | None: the shipped one, warps, stages
