@@ -20,6 +20,8 @@ is written to the project.
   decode on the same keys, kernel time by CUDA-graph replay, bandwidth of K/V read; append_kv.
 - paged_extras: what ALiBi, left padding and per-sequence query lengths cost the paged kernels
   (decode and 4-row chunks, pages of 64, graph replay), and the rotary kernel of a decode step.
+- paged_sweep: paged decode with pages of PROBE_PAGES keys (default 16) under other key steps, warps
+  and stages, both backends (NineToothed's pages of 16 run at 0.57-0.64x of the contiguous decode).
 - paged_batch: paged decode at a large batch, the paged plan's stages against 3, 2, and 2 with the
   dense path's register cap; beside dense decode and SDPA.
 - decode: split-KV decode shapes under several programs-per-SM targets and
@@ -348,8 +350,8 @@ def _paged_variant(variant):
     def config(backend, block_d, block_dv, rows, page, dtype):
         base = shipped(backend, block_d, block_dv, rows, page, dtype)
         block_n, warps, stages, *cap = variant
-        return dataclasses.replace(base, block_n=max(page, block_n or base.block_n), num_warps=warps,
-                                   num_stages=stages, maxnreg=cap[0] if cap else None)
+        return dataclasses.replace(base, block_n=block_n or base.block_n, num_warps=warps, num_stages=stages,
+                                   maxnreg=cap[0] if cap else None)
 
     if variant is not None:
         paged_module.paged_config = config
@@ -357,6 +359,40 @@ def _paged_variant(variant):
         yield
     finally:
         paged_module.paged_config = shipped
+
+
+# (keys per step or None: the shipped one, warps, stages)
+PAGED_SWEEP = [None, (32, 4, 6), (128, 4, 4), (128, 8, 4), (256, 8, 3), (64, 8, 5)]
+
+
+def paged_sweep():
+    """Decode from pages of PROBE_PAGES keys (B 8, 32 query heads over 8, D 128, bf16, Lk 16k and
+    64k, a shuffled table) under PAGED_SWEEP's configurations, both backends, against our
+    contiguous decode: how far the key step, warps and stages move the small pages."""
+    from common import paged_attention
+
+    B, H, H_kv, D = 8, 32, 8, 128
+    for page in [int(p) for p in os.environ.get("PROBE_PAGES", "16").split()]:
+        for Lk in (16384, 65536):
+            k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            q = torch.randn(B, H, 1, D, dtype=torch.bfloat16, device="cuda")
+            dense = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
+            pages = Lk // page
+            table = torch.randperm(B * pages, device="cuda").view(B, pages).to(torch.int32)
+            caches = []
+            for x in (k, v):
+                cache = torch.empty(B * pages, page, H_kv, D, dtype=x.dtype, device="cuda")
+                cache[table.long()] = x.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4)
+                caches.append(cache)
+            lengths = torch.full((B,), Lk, dtype=torch.int32, device="cuda")
+            for backend in ("triton", "ninetoothed"):
+                line = []
+                for variant in PAGED_SWEEP:
+                    with _paged_variant(variant):
+                        t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                                   backend=backend))
+                    line.append(f"{variant or 'shipped'} {dense / t:.2f}x")
+                print(f"page {page} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
 
 
 def paged_batch():
