@@ -868,11 +868,12 @@ def test_decode_at_a_large_batch(backend):
         assert (config.num_stages, config.maxnreg) == (2, DEFAULT_PLANNER.shallow_max_registers)
         check_output(attention(q, k, v, enable_gqa=True, backend=backend), q, k, v, enable_gqa=True)
     capped = _capped_forward_kernels(backend)
-    assert capped and all(0 < registers <= DEFAULT_PLANNER.shallow_max_registers for registers in capped), capped
+    assert capped and all(0 < registers <= cap == DEFAULT_PLANNER.shallow_max_registers
+                          for name, registers, cap in capped), capped
 
 
 def _capped_forward_kernels(backend: str) -> list:
-    """The registers of each forward kernel this process compiled under a register cap."""
+    """(name, registers, cap) of each forward kernel this process compiled under a register cap."""
     from common.launch import routed_kernel
 
     if backend == "triton":
@@ -880,10 +881,11 @@ def _capped_forward_kernels(backend: str) -> list:
         launchers = [_fwd_launcher]
     else:
         from impl_ninetoothed.attention import _made
-        launchers = [routed_kernel(handle).launcher for key, handle in _made.items() if key[-1] is not None]
+        # (_made's key: premake, args, num_warps, num_stages, maxnreg, wide)
+        launchers = {id(h): routed_kernel(h).launcher for key, h in _made.items() if key[4] is not None}.values()
     # (the by-class cache's key: classes, layout, num_warps, num_stages, maxnreg, device)
-    return [kernel.n_regs for launcher in launchers for key, kernel in launcher._by_class.items()
-            if key[4] is not None]
+    return [(kernel.name, kernel.n_regs, key[4]) for launcher in launchers
+            for key, kernel in launcher._by_class.items() if key[4] is not None]
 
 
 def test_decode_without_forcing(backend, device):
