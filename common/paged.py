@@ -8,7 +8,7 @@ pages: a step of BLOCK_N keys, whatever the page size (the Triton kernel gathers
 key into one tile; NineToothed's picks tiles of a page by scalar index, unrolled per step,
 which takes pages of multiples of 16 keys), the pages of a long sequence split
 across programs (merged by the same kernel that merges the dense decode path's splits),
-grouped-query heads packed into rows (not with sinks or ALiBi: they are per query head). The dense
+grouped-query heads packed into rows (sinks and ALiBi slopes then read per row). The dense
 path's features, in both kernels: a window around each row's position (the key blocks
 outside a row block's windows never visited), soft-capped scores, attention sinks (the
 first split's), ALiBi (FlashAttention's bias, from each row's position in its sequence)
@@ -62,8 +62,9 @@ class PagedPlan:
     band: tuple[int, int] | None = None  # the row at position p sees keys p + band[0] .. p + band[1]; None: all
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
     softcap_kind: planning.Softcap = planning.Softcap.OFF
-    sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
-    alibi: torch.Tensor | None = None  # (B, H, Lq) float32 view of ALiBi's (H,) or (B, H) slopes (stride 0 over Lq)
+    # per row as the query's rows (packed heads' rows too): float32 (B, H, Lq), or where packed (B, H_kv, group * Lq)
+    sinks: torch.Tensor | None = None  # the (H,) sink logits
+    alibi: torch.Tensor | None = None  # ALiBi's (H,) or (B, H) slopes
     leftpad: torch.Tensor | None = None  # (B,) int32: sequence b's keys start at leftpad[b] (None: at 0)
     query_lengths: torch.Tensor | None = None  # (B,) int32: sequence b's first query_lengths[b] rows (None: Lq)
     with_lse: bool = False  # the caller gets the log-sum-exp
@@ -171,8 +172,8 @@ def paged_attention(
         plan.query = query if plan.query is None else query.view(plan.query)
         plan.key_cache, plan.value_cache, plan.block_table, plan.cache_seqlens = (
             key_cache, value_cache, block_table, cache_seqlens)
-        plan.sinks = _sink_rows(sinks, plan.shape)
-        plan.alibi = _slope_rows(alibi_slopes, plan.shape)
+        plan.sinks = _packed_rows(_sink_rows(sinks, plan.shape), plan.query)
+        plan.alibi = _packed_rows(_slope_rows(alibi_slopes, plan.shape), plan.query)
         plan.leftpad, plan.query_lengths = cache_leftpad, query_lengths
         return _launch(chosen, plan)
     B, H, Lq, D = _check_query(query)
@@ -233,6 +234,15 @@ def _slope_rows(slopes, shape):
         return None
     B, H, Lq, _ = shape
     return slopes.detach().expand(B, H)[:, :, None].expand(B, H, Lq)
+
+
+def _packed_rows(rows, query):
+    """Per-row values (B, H, Lq) as rows of ``query`` (B, H_kv, group * Lq, D) where its grouped
+    heads are packed (a copy of B * H * Lq floats where no view merges them); ``rows`` itself
+    otherwise (and None)."""
+    if rows is None or rows.shape == query.shape[:3]:
+        return rows
+    return rows.reshape(query.shape[:3])
 
 
 def paged_band(is_causal: bool, window, Lq: int) -> tuple[int, int] | None:
@@ -548,8 +558,8 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.sinks = _sink_rows(sinks, plan.shape)
     plan.alibi = _slope_rows(alibi_slopes, plan.shape)
     plan.leftpad, plan.query_lengths = leftpad, query_lengths
-    # (sinks and slopes are per query head: packed rows would mix them, as in common.plan.make_forward)
-    if H != H_kv and sinks is None and alibi_slopes is None:
+    # (sinks and slopes are per query head: packed, each row reads its own, _packed_rows)
+    if H != H_kv:
         try:  # each group's query heads as rows of its K/V head: K/V read once per group
             packed = query.view(B, H_kv, (H // H_kv) * Lq, D)
         except RuntimeError:  # strides no view can merge
@@ -557,6 +567,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
         # (not where a packed head's rows would pass the 32-bit offsets within a head)
         if packed is not None and within_offsets(backend, packed):
             plan.query, plan.group = packed, 1
+            plan.sinks, plan.alibi = _packed_rows(plan.sinks, packed), _packed_rows(plan.alibi, packed)
     _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)

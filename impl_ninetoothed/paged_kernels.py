@@ -121,8 +121,8 @@ def paged_application(
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
     lo = ntl.min(block_table[0].offsets(-1), 0) * per_page  # the split's first tile
     alibi = 0.0
-    if ALIBI:  # the head's slope, once per program, in base-2 units (rows past the end read -inf)
-        alibi = ntl.max(slopes, 0) * LOG2E
+    if ALIBI:  # each row's slope (its head's: packed rows are several heads'), in base-2 units
+        alibi = ntl.expand_dims(slopes, 1) * LOG2E  # (NineToothed reads x[:, None] as a tile index)
     if SINKS:  # a logit with no value: it starts the online softmax, once per row (the first split's)
         m_i = ntl.where(lo == 0, sinks * LOG2E, m_i)
         l_i = ntl.where(lo == 0, 1.0, l_i)
@@ -242,7 +242,7 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         Tensor(0), Tensor(0), Tensor(0),  # scale, lq_seq, num_pages
         Tensor(0), Tensor(0), Tensor(0),  # band_lo, band_hi, softcap
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
-        _rows_like(query, other=float("-inf")),  # slopes, (B, H, Lq) float32: a view of the (B, H) slopes
+        _rows_like(query, other=0),  # slopes, (B, H, Lq) float32: each row's head's slope
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
         *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS", "ALIBI",

@@ -337,7 +337,7 @@ def paged_forward(plan):
     else:
         o, lse, o_strides = out, plan.lse if plan.with_lse else out, (*out.stride()[:3], 0, out.stride(3))
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
-    slopes, slope_strides = (plan.alibi, plan.alibi.stride()[:2]) if plan.alibi is not None else (out, (0, 0))
+    slopes, slope_strides = (plan.alibi, plan.alibi.stride()) if plan.alibi is not None else (out, (0, 0, 0))
     # (as in forward(): int32 counters whenever split, taken only where the kernel merges)
     kernel_merge = plan.refinement.kernel_merge
     counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else out

@@ -26,7 +26,7 @@ def _paged_fwd(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tz, stride_tb,
     stride_sz, stride_sh, stride_sm,
-    stride_az, stride_ah,
+    stride_az, stride_ah, stride_am,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, band_lo, band_hi,
     softcap, kernel_merge,
@@ -52,8 +52,8 @@ def _paged_fwd(
     SOFTCAP: scores become softcap * tanh(s / softcap) (as ``_attn_fwd``). SINKS: SINK
     (B, H, Lq; strides) holds each row's sink logit, which starts the online softmax of
     the split that starts at the first key (m_i = sink, l_i = 1): one split counts it.
-    ALIBI: -slope * |position - key| added to the (capped) scores, the slope SLOPES[z, h]
-    ((B, H) strided; rows are then never packed heads). LEFTPADDED: sequence z's keys start
+    ALIBI: -slope * |position - key| added to the (capped) scores, each row's slope
+    SLOPES[z, h, r] (its head's, as SINK's logits). LEFTPADDED: sequence z's keys start
     at LEFTPAD[z] (the blocks before it not visited; the rows' positions unchanged).
     QUERY_LENGTHS: sequence z has QLENS[z] queries, rows r % LQ_SEQ < QLENS[z], at positions
     SEQLENS[z] - QLENS[z] + r % LQ_SEQ; its other rows see no key (output 0).
@@ -93,8 +93,9 @@ def _paged_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     lo = split * BLOCKS_PER_SPLIT
     alibi = 0.0
-    if ALIBI:  # the head's slope, once per program, in base-2 units
-        alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
+    if ALIBI:  # each row's slope (its head's: packed rows are several heads'), in base-2 units
+        alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah + offs_m.to(tl.int64) * stride_am, mask=m_ok,
+                        other=0.0)[:, None] * LOG2E
     if SINKS:  # a logit with no value: it starts the online softmax, once per row (the first split's)
         sink = tl.load(SINK + off_z * stride_sz + off_h * stride_sh + offs_m.to(tl.int64) * stride_sm, mask=m_ok,
                        other=0.0)

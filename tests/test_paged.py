@@ -405,20 +405,23 @@ def test_paged_leftpad_reads_nothing_before_it(backend, splits):
 
 
 def test_paged_alibi_through_a_kept_plan(backend, monkeypatch):
-    """A kept plan takes each call's slopes (new values, the same layout), never the first call's."""
+    """A kept plan takes each call's slopes (new values, the same layout), never the first call's;
+    grouped-query heads stay packed into rows (K/V read once per group), each row its head's slope."""
     import common.paged as paged
 
     paged._templates.clear()
     lens = [37, 5]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
-    query = torch.randn(2, 2, 1, 16, device=DEVICE)
-    outs, slopes = [], [torch.rand(2, device=DEVICE) for _ in range(2)]
+    query = torch.randn(2, 4, 3, 16, device=DEVICE)
+    outs, slopes = [], [torch.rand(4, device=DEVICE) for _ in range(2)]
     for i, s in enumerate(slopes):
         if i:
             monkeypatch.setattr(paged, "_make_plan", lambda *a, **k: (_ for _ in ()).throw(AssertionError("planned")))
         outs.append(paged_attention(query, key_cache, value_cache, block_table, seqlens, True, alibi_slopes=s,
-                                    backend=backend))
+                                    enable_gqa=True, backend=backend))
     assert len(paged._templates) == 1
+    (template,) = paged._templates.values()
+    assert template[0] == (2, 2, 6, 16)  # the packed query's shape
     for out, s in zip(outs, slopes):
         torch.testing.assert_close(out.double(), _reference(query, keys, values, True, alibi_slopes=s), rtol=2e-4,
                                    atol=2e-4)
@@ -507,9 +510,9 @@ FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the firs
     "window": ([300, 0, 5, 37], 3, 4, 2, 16, False, dict(window=(150, 2))),  # an empty and a shorter sequence
     "window_causal": ([290, 3, 33], 2, 2, 2, 16, True, dict(window=(20, -1))),  # 3 keys: shorter than its window
     "softcap": ([270, 21], 2, 4, 2, 64, True, dict(softcap=0.7)),
-    "sinks": ([280, 0, 21], 1, 4, 2, 64, False, dict(sinks=True)),  # GQA (unpacked: sinks are per head)
+    "sinks": ([280, 0, 21], 1, 4, 2, 64, False, dict(sinks=True)),  # GQA (packed: each row its head's sink)
     "lse": ([300, 0, 21], 3, 4, 1, 32, True, dict(return_lse=True)),  # MQA, packed rows
-    "alibi": ([260, 0, 19], 2, 4, 2, 16, True, dict(alibi_slopes="H")),  # GQA (unpacked: slopes are per head)
+    "alibi": ([260, 0, 19], 2, 4, 2, 16, True, dict(alibi_slopes="H")),  # GQA (packed: each row its head's slope)
     "alibi_full": ([230, 7], 3, 2, 2, 32, False, dict(alibi_slopes="BH")),  # not causal: the bias both sides
     # (keys from a start: one past its length, one at 0, one in the first split's last block)
     "leftpad": ([260, 30, 19, 40], 2, 4, 2, 16, True, dict(cache_leftpad=[150, 35, 0, 5])),
