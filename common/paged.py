@@ -172,8 +172,8 @@ def paged_attention(
         plan.query = query if plan.query is None else query.view(plan.query)
         plan.key_cache, plan.value_cache, plan.block_table, plan.cache_seqlens = (
             key_cache, value_cache, block_table, cache_seqlens)
-        plan.sinks = _packed_rows(_sink_rows(sinks, plan.shape), plan.query)
-        plan.alibi = _packed_rows(_slope_rows(alibi_slopes, plan.shape), plan.query)
+        plan.sinks = planning.packed_rows(_sink_rows(sinks, plan.shape), plan.query)
+        plan.alibi = planning.packed_rows(_slope_rows(alibi_slopes, plan.shape), plan.query)
         plan.leftpad, plan.query_lengths = cache_leftpad, query_lengths
         return _launch(chosen, plan)
     B, H, Lq, D = _check_query(query)
@@ -234,15 +234,6 @@ def _slope_rows(slopes, shape):
         return None
     B, H, Lq, _ = shape
     return slopes.detach().expand(B, H)[:, :, None].expand(B, H, Lq)
-
-
-def _packed_rows(rows, query):
-    """Per-row values (B, H, Lq) as rows of ``query`` (B, H_kv, group * Lq, D) where its grouped
-    heads are packed (a copy of B * H * Lq floats where no view merges them); ``rows`` itself
-    otherwise (and None)."""
-    if rows is None or rows.shape == query.shape[:3]:
-        return rows
-    return rows.reshape(query.shape[:3])
 
 
 def paged_band(is_causal: bool, window, Lq: int) -> tuple[int, int] | None:
@@ -558,7 +549,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.sinks = _sink_rows(sinks, plan.shape)
     plan.alibi = _slope_rows(alibi_slopes, plan.shape)
     plan.leftpad, plan.query_lengths = leftpad, query_lengths
-    # (sinks and slopes are per query head: packed, each row reads its own, _packed_rows)
+    # (sinks and slopes are per query head: packed, each row reads its own, planning.packed_rows)
     if H != H_kv:
         try:  # each group's query heads as rows of its K/V head: K/V read once per group
             packed = query.view(B, H_kv, (H // H_kv) * Lq, D)
@@ -567,7 +558,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
         # (not where a packed head's rows would pass the 32-bit offsets within a head)
         if packed is not None and within_offsets(backend, packed):
             plan.query, plan.group = packed, 1
-            plan.sinks, plan.alibi = _packed_rows(plan.sinks, packed), _packed_rows(plan.alibi, packed)
+            plan.sinks, plan.alibi = (planning.packed_rows(rows, packed) for rows in (plan.sinks, plan.alibi))
     _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)

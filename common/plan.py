@@ -285,7 +285,7 @@ class ForwardPlan:
     band: tuple[int, int] | None = None  # row i sees keys i + band[0] .. i + band[1] (see band()); None: all
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
     softcap_kind: Softcap = Softcap.OFF
-    sinks: torch.Tensor | None = None  # (B, H, Lq) float32 view of the (H,) sink logits (stride 0 but H)
+    sinks: torch.Tensor | None = None  # float32 (H,) sink logits per row as the query's: (B, H, Lq) or packed
     row_bands: torch.Tensor | None = None  # per-row bands instead of band (common.varlen.row_bands)
     alibi: torch.Tensor | None = None  # ALiBi: (B, H) float32 slopes (a view); see alibi_shift
     alibi_shift: int = 0  # row i sits at position i + alibi_shift (Lk - Lq bottom-right, else 0)
@@ -479,11 +479,10 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         Lk = max(1, Lq + plan.band[1])
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
     # Dropout's mask is counted by (head, row): packed rows would change it.
-    # (Sinks are per query head: packed rows would mix them.)
+    # (Sinks are per row: packed, each row reads its own head's, packed_rows.)
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
     # (A running output is laid out by query head and row.) (ALiBi's bias: by query head and row.)
-    unpackable = (plan.dropout or plan.sinks is not None or plan.row_bands is not None or resume is not None
-                  or plan.alibi is not None)
+    unpackable = plan.dropout or plan.row_bands is not None or resume is not None or plan.alibi is not None
     packed = None if unpackable else planner.pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None and not within_offsets(backend, *packed):
         packed = None  # a packed head's rows would pass the 32-bit offsets within a head
@@ -491,10 +490,20 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed
         plan.group = 1
+        plan.sinks = packed_rows(plan.sinks, plan.query)
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.dot_precision = dot_precision(q.dtype)
     plan_launch(plan, backend, resume, allocate)
     return plan
+
+
+def packed_rows(rows, query):
+    """Per-row values (B, H, Lq) as the rows of ``query`` (B, H_kv, group * Lq, D) where its grouped
+    heads are packed (a copy of B * H * Lq floats where no view merges them); ``rows`` itself
+    otherwise (and None)."""
+    if rows is None or rows.shape == query.shape[:3]:
+        return rows
+    return rows.reshape(query.shape[:3])
 
 
 def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) -> None:

@@ -258,6 +258,24 @@ def test_sinks_forward_and_backward(backend, case):
         torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_sinks_keep_grouped_heads_packed(backend):
+    """A short-query call with sinks packs each group's query heads into rows of its K/V head (K/V
+    read once per group), each row reading its own head's sink logit; the same answer."""
+    from common.backends import get_backend
+    from common.plan import make_forward
+    from common.validation import check_call
+
+    q, k, v = _inputs(2, 4, 2, 3, 40, 32, 32, f32)
+    sinks = torch.randn(4, device=DEVICE)
+    call = check_call(get_backend(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=True, return_lse=False, sinks=sinks)
+    plan = make_forward(call, get_backend(backend), with_lse=False)
+    assert plan.query.shape == (2, 2, 6, 32) and plan.sinks.shape == (2, 2, 6)
+    out = attention(q, k, v, enable_gqa=True, sinks=sinks, backend=backend)
+    expected, _ = _sinks_reference(q, k, v, sinks, is_causal=False, alignment="top_left", window=None, softcap=None)
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=2e-4, atol=2e-4)
+
+
 def test_sinks_errors():
     q = torch.randn(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match=r"sinks must have shape \(2,\): one logit per query head"):
