@@ -1,13 +1,18 @@
 """Our kernels as attention implementations of Hugging Face transformers.
 
     import common.hf
-    common.hf.register()  # adds "triton" and "ninetoothed"
+    common.hf.register()  # adds "triton", "ninetoothed", "flash_triton" and "flash_ninetoothed"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="triton")
 
-Each name gets an attention function (``AttentionInterface``) and the mask
-builder that SDPA uses (``AttentionMaskInterface``): models hand us the same
-boolean (batch, 1, Lq, Lk) masks, or none plus ``is_causal``, that they hand
-SDPA. Grouped-query heads reach the kernel as they are (``enable_gqa``), never
+Each name gets an attention function (``AttentionInterface``) and a mask builder
+(``AttentionMaskInterface``). "triton" and "ninetoothed" take what SDPA takes: the
+same boolean (batch, 1, Lq, Lk) masks, or none plus ``is_causal``. "flash_triton"
+and "flash_ninetoothed" take what transformers hands FlashAttention: a (batch, Lk)
+padding mask or none, packed sequences by cumulative lengths (padding-free training,
+and continuous batching: transformers serves any implementation whose name holds
+"flash" through ``generate_batch``, each step's sequences packed, their keys read
+from its paged cache) or by position ids; causal and windows bottom-right.
+Grouped-query heads reach the kernel as they are (``enable_gqa``), never
 repeated. transformers is an optional dependency (``pip install -e ".[hf]"``).
 
 Models train through them too (the backends are differentiable), attention
@@ -21,9 +26,13 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from common.dispatch import attention
+from common.varlen import varlen_attention
 
 NAMES = ("triton", "ninetoothed")
+FLASH_NAMES = tuple(f"flash_{name}" for name in NAMES)  # (names without a version: see _flash_forward)
 
 
 def _attention_forward(backend, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -56,12 +65,136 @@ def _attention_forward(backend, module, query, key, value, attention_mask, dropo
     return out.transpose(1, 2).contiguous(), None
 
 
-def register(names=NAMES) -> tuple[str, ...]:
-    """Register our backends with transformers under ``names``; returns them."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+def _flash_forward(backend, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   sliding_window=None, softcap=None, is_causal=None, s_aux=None, position_ids=None,
+                   cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, block_table=None,
+                   **kwargs):
+    """One attention layer as transformers' flash_attention_forward computes it: query (B, H, Lq, D),
+    key/value (B, H_kv, Lk, D) -> ((B, Lq, H, Dv), None). The first of these that applies:
 
+    - ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 (N + 1,)) with ``max_length_q``/``max_length_k``:
+      B = 1 holds N packed sequences (continuous batching: each sequence's new queries and its
+      keys, cached ones first);
+    - ``attention_mask`` (B, Lk), 1 for a token, 0 for padding (a 4-D mask is refused): each row
+      attends to its sequence's tokens only, the query rows being the last Lq of the mask; padded
+      query rows give 0;
+    - ``position_ids`` (1, L) that start over: sequences packed without lengths;
+    - otherwise every row of the batch over all its keys.
+
+    Causal attention and ``sliding_window`` (keys within sliding_window - 1 of a row's position,
+    both sides where not causal) align bottom-right within each sequence, as FlashAttention's;
+    ``s_aux`` (or ``sinks``): attention sinks; ``softcap``; ``dropout``.
+
+    transformers calls FlashAttention's own ``flash_attn_with_kvcache`` (its decode step over a
+    block table) only for names carrying FlashAttention's version (flash_attention_2, _3) and
+    builds no block table for ours; one reaching here is refused."""
+    if block_table is not None:
+        raise ValueError(f"the {'flash_' + backend!r} attention implementation takes no block_table: "
+                         "transformers gathers the cached keys for it (its varlen path)")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"the {'flash_' + backend!r} attention implementation takes a (batch, key "
+                         f"length) padding mask, got one of shape {tuple(attention_mask.shape)} (the 4-D masks "
+                         f"are for {backend!r})")
+    is_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    B, H, Lq, _ = query.shape
+    Lk = key.shape[2]
+    window = None
+    if sliding_window is not None and Lk > sliding_window:  # (as transformers: a window wider than the keys is none)
+        window = (int(sliding_window) - 1, int(sliding_window) - 1)
+    features = dict(is_causal=is_causal, scale=scaling, enable_gqa=H != key.shape[1], backend=backend,
+                    alignment="bottom_right", window=window, softcap=softcap, dropout_p=float(dropout),
+                    sinks=s_aux if s_aux is not None else kwargs.get("sinks"))
+    if cu_seq_lens_q is None and attention_mask is None and position_ids is not None and B == 1 and 1 < Lq == Lk:
+        cu_seq_lens_q = cu_seq_lens_k = _packed_by_positions(position_ids)  # (None: one sequence)
+        max_length_q = max_length_k = Lq
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        if B != 1:
+            raise ValueError(f"packed sequences (cu_seq_lens_q) come as a batch of one, got a batch of {B}")
+        out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                               cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32), int(max_length_q),
+                               int(max_length_k), **features)
+        return out.unsqueeze(0), None
+    if attention_mask is not None:
+        return _unpadded(query, key, value, attention_mask.bool(), features), None
+    out = attention(query, key, value, **features)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_by_positions(position_ids):
+    """(N + 1,) int32 cumulative lengths of the sequences packed in ``position_ids`` (1, L): one
+    starts at the first token and at each position 0 (one host sync, as transformers' own); None
+    for one sequence."""
+    positions = position_ids[0]
+    first = torch.arange(positions.numel(), device=positions.device) == 0
+    starts = ((positions == 0) | first).nonzero().flatten()
+    if starts.numel() == 1:
+        return None
+    ends = torch.tensor([positions.numel()], device=positions.device)
+    return torch.cat([starts, ends]).to(torch.int32)
+
+
+def _unpadded(query, key, value, mask, features):
+    """Attention of a padded batch as packed sequences: sequence b's keys are its tokens
+    (mask[b]), its queries the tokens among the mask's last Lq; (B, Lq, H, Dv), padded rows 0."""
+    B, H, Lq, _ = query.shape
+    Lk = mask.shape[1]
+    key, value = key[:, :, :Lk], value[:, :, :Lk]  # (a static cache longer than the mask: its tail is unused)
+    q_mask = mask[:, -Lq:]
+    cu_k, cu_q = (torch.nn.functional.pad(m.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+                  for m in (mask, q_mask))
+    rows_k, rows_q = mask.flatten().nonzero().flatten(), q_mask.flatten().nonzero().flatten()
+    packed_k, packed_v = (x.transpose(1, 2).flatten(0, 1)[rows_k] for x in (key, value))
+    packed_q = query.transpose(1, 2).flatten(0, 1)[rows_q]
+    out = varlen_attention(packed_q, packed_k, packed_v, cu_q, cu_k, Lq, Lk, **features)
+    full = out.new_zeros(B * Lq, H, out.shape[2])
+    full[rows_q] = out
+    return full.view(B, Lq, H, out.shape[2])
+
+
+def register(names=NAMES) -> tuple[str, ...]:
+    """Register our backends with transformers under ``names`` (SDPA's calling convention) and,
+    for each, ``flash_<name>`` (FlashAttention's: the one continuous batching serves); returns
+    every name registered."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
+
+    registered = []
     for name in names:
         AttentionInterface.register(name, functools.partial(_attention_forward, name))
         AttentionMaskInterface.register(name, sdpa_mask)
-    return tuple(names)
+        AttentionInterface.register(f"flash_{name}", functools.partial(_flash_forward, name))
+        AttentionMaskInterface.register(f"flash_{name}", flash_attention_mask)
+        registered += [name, f"flash_{name}"]
+    _teach_flash_loader({f"flash_{name}": name for name in names})
+    return tuple(registered)
+
+
+def _teach_flash_loader(flash_names: dict) -> None:
+    """transformers (5.x) loads the functions of an implementation whose name holds "flash" when a
+    model takes it, from the flash-attn package or the kernels hub only, and refuses the name
+    otherwise: its loader (the private ``modeling_flash_attention_utils._lazy_imports``) is
+    wrapped to hand it our FlashAttention functions (``common.flash_attn_interface``, bound to
+    the backend) for ``flash_names`` and every other name to itself. Our attention function
+    (``_flash_forward``) is what runs; the loaded functions only answer transformers' checks
+    (no ``flash_attn_with_kvcache``: its decode step over a block table stays off, its varlen
+    path on). A transformers without that loader keeps its own checks (an error names them)."""
+    from transformers import modeling_flash_attention_utils as flash_utils
+
+    loader = getattr(flash_utils, "_lazy_imports", None)
+    if loader is None:
+        return
+    original = getattr(loader, "_original", loader)
+
+    def lazy_imports(implementation, *args, **kwargs):
+        backend = lazy_imports._names.get(implementation)
+        if backend is None:
+            return original(implementation, *args, **kwargs)
+        from common import flash_attn_interface as fa
+
+        return (functools.partial(fa.flash_attn_func, backend=backend),
+                functools.partial(fa.flash_attn_varlen_func, backend=backend), None, flash_utils._pad_input,
+                flash_utils._unpad_input)
+
+    lazy_imports._original = original
+    lazy_imports._names = {**getattr(loader, "_names", {}), **flash_names}
+    flash_utils._lazy_imports = lazy_imports

@@ -206,3 +206,100 @@ def test_gpt_oss_style_model_with_sinks_matches_eager(registered, backend, padde
             logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
     real = attention_mask.bool()
     torch.testing.assert_close(logits[backend][real], logits["eager"][real], rtol=2e-4, atol=2e-4)
+
+
+# FlashAttention's calling convention ("flash_<backend>"): padding masks, packed sequences and
+# transformers' continuous batching, which serves only implementations named "flash...".
+
+
+def test_flash_name_matches_sdpa(registered, backend, device):
+    """A left-padded batch (transformers hands a (batch, length) padding mask): the logits of its
+    tokens, then greedy generation from the cache (no mask: bottom-right causal), as SDPA's."""
+    input_ids, attention_mask = left_padded_batch(device)
+    logits, tokens = {}, {}
+    for implementation in (f"flash_{backend}", "sdpa"):
+        model = tiny_llama(torch.float32, device, implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            tokens[implementation] = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                                    max_new_tokens=4, do_sample=False, pad_token_id=0)
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[f"flash_{backend}"][real], logits["sdpa"][real], rtol=2e-4, atol=2e-4)
+    assert torch.equal(tokens[f"flash_{backend}"], tokens["sdpa"])
+
+
+def test_flash_name_packed_by_position_ids(registered, backend, device):
+    """Padding-free input: two sequences packed into one row, their position ids starting over,
+    each attending to its own tokens only (as each alone on SDPA)."""
+    torch.manual_seed(2)
+    first, second = torch.randint(1, 128, (1, 7), device=device), torch.randint(1, 128, (1, 5), device=device)
+    positions = torch.cat([torch.arange(7), torch.arange(5)])[None].to(device)
+    with torch.no_grad():
+        packed = tiny_llama(torch.float32, device, f"flash_{backend}")(
+            input_ids=torch.cat([first, second], 1), position_ids=positions).logits
+        sdpa = tiny_llama(torch.float32, device, "sdpa")
+        alone = torch.cat([sdpa(input_ids=first).logits, sdpa(input_ids=second).logits], 1)
+    torch.testing.assert_close(packed, alone, rtol=2e-4, atol=2e-4)
+
+
+def test_flash_name_sliding_window_matches_sdpa(registered, backend, device):
+    """Mistral's sliding window through the flash convention (the window ours to apply: no 4-D
+    mask), left-padded, as SDPA with transformers' windowed mask."""
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+    )
+    input_ids, attention_mask = left_padded_batch(device)
+    logits = {}
+    for implementation in (f"flash_{backend}", "sdpa"):
+        model = build(transformers.MistralForCausalLM, config, implementation, device)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[f"flash_{backend}"][real], logits["sdpa"][real], rtol=2e-4, atol=2e-4)
+
+
+def test_flash_forward_sinks_window_softcap(backend, device):
+    """The flash-convention function itself with gpt-oss's ``s_aux`` sinks, a sliding window and
+    soft-capping, bottom-right causal with more keys than queries, against float64 attention.
+    (transformers hands gpt-oss only the flash implementations its model lists, so no model test.)"""
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 5, 16, device=device)
+    k, v = (torch.randn(2, 2, 9, 16, device=device) for _ in range(2))
+    sinks = torch.randn(4, device=device)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = common.hf._flash_forward(backend, module, q, k, v, None, scaling=0.25, sliding_window=3, softcap=2.0,
+                                      s_aux=sinks)
+    qd, kd, vd = (x.double() for x in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))
+    scores = 2.0 * torch.tanh(qd @ kd.transpose(-1, -2) * 0.25 / 2.0)
+    position = torch.arange(5, device=device)[:, None] + 4  # bottom-right: row i at key i + Lk - Lq
+    offset = position - torch.arange(9, device=device)[None]
+    scores = scores.masked_fill((offset < 0) | (offset > 2), float("-inf"))  # causal, 2 keys back
+    sink = sinks.double()[None, :, None, None].expand(2, 4, 5, 1)
+    weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    torch.testing.assert_close(out.double(), (weights @ vd).transpose(1, 2), rtol=2e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="takes a \\(batch, key length\\) padding mask"):
+        common.hf._flash_forward(backend, module, q, k, v, torch.ones(2, 1, 5, 9, dtype=torch.bool, device=device))
+
+
+def test_continuous_batching_matches_generate(registered, backend, device, monkeypatch):
+    """transformers' continuous batching (``generate_batch``: prompts of different lengths packed
+    into each step, keys read from its paged cache) on flash_<backend> gives each prompt the
+    tokens that greedy ``generate`` on SDPA gives it alone, through our varlen kernels."""
+    if not hasattr(transformers.LlamaForCausalLM, "generate_batch"):
+        pytest.skip("this transformers has no continuous batching")
+    calls = []
+    monkeypatch.setattr(common.hf, "varlen_attention", lambda *a, **k: calls.append(1) or varlen(*a, **k))
+    varlen = __import__("common.varlen", fromlist=["varlen_attention"]).varlen_attention
+    prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 13)]
+    config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model = tiny_llama(torch.float32, device, f"flash_{backend}")
+    with torch.no_grad():
+        batch = model.generate_batch(inputs=prompts, generation_config=config)
+    assert calls, "continuous batching did not reach our kernels"
+    reference = tiny_llama(torch.float32, device, "sdpa")
+    for request, prompt in zip(sorted(batch), prompts):
+        with torch.no_grad():
+            alone = reference.generate(input_ids=torch.tensor([prompt], device=device), generation_config=config)
+        assert batch[request].generated_tokens == alone[0, len(prompt):].tolist(), request

@@ -1062,6 +1062,64 @@ def repeat_varlen_bwd():
         print(f"{backend} varlen float32 D 24: 100 backward calls, {differ} differ bitwise from the first", flush=True)
 
 
+def serving():
+    """Issue 45 item 4: transformers' continuous batching (generate_batch) on our backends
+    ("flash_triton", "flash_ninetoothed": its varlen path over its paged cache) against its own
+    "sdpa": random-weight Llama and Qwen3 (bf16), 16 prompts of 16-256 tokens, greedy, 32 new
+    tokens: the share of positions whose token matches SDPA's; then tokens per second of 64
+    concurrent requests (prompts of 128, 64 new tokens each), the three side by side."""
+    import time
+
+    import transformers
+
+    import common.hf
+
+    common.hf.register()
+    shapes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                  dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                       num_key_value_heads=4)),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                  dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=128)),
+    }
+    names = ["sdpa", "flash_triton", "flash_ninetoothed"]
+    print("transformers", transformers.__version__, flush=True)
+    for label, (config_class, model_class, sizes) in shapes.items():
+        config = config_class(vocab_size=8192, max_position_embeddings=4096, **sizes)
+        torch.manual_seed(0)
+        model = model_class(config).to("cuda", torch.bfloat16).eval()
+        generator = torch.Generator().manual_seed(1)
+        lengths = torch.randint(16, 257, (16,), generator=generator).tolist()
+        prompts = [torch.randint(1, 8192, (n,), generator=generator).tolist() for n in lengths]
+        bench_prompts = [torch.randint(1, 8192, (128,), generator=generator).tolist() for _ in range(64)]
+        greedy = transformers.GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        bench = transformers.GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        tokens, line = {}, [label]
+        for name in names:
+            model.set_attn_implementation(name)
+            try:
+                with torch.no_grad():
+                    out = model.generate_batch(inputs=prompts, generation_config=greedy)
+                    tokens[name] = [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.split("_")[1]))]
+                    model.generate_batch(inputs=bench_prompts[:8], generation_config=bench)  # warm-up
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    out = model.generate_batch(inputs=bench_prompts, generation_config=bench)
+                    torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - start
+            except Exception as error:  # noqa: BLE001 (one implementation's failure must not hide the others')
+                line.append(f"{name} failed: {type(error).__name__}: {str(error)[:300]}")
+                continue
+            generated = sum(len(r.generated_tokens) for r in out.values())
+            match = ""
+            if name != "sdpa" and "sdpa" in tokens:
+                pairs = [(a, b) for ours, ref in zip(tokens[name], tokens["sdpa"]) for a, b in zip(ours, ref)]
+                match = f", {sum(a == b for a, b in pairs) / len(pairs):.1%} of positions as sdpa"
+            line.append(f"{name}: {generated / elapsed:.0f} tokens/s{match}")
+        print("; ".join(line), flush=True)
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["regs", "host", "ops", "decode"]:
         globals()[name]()
