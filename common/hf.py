@@ -120,6 +120,35 @@ def _flash_forward(backend, module, query, key, value, attention_mask, dropout=0
     return out.transpose(1, 2).contiguous(), None
 
 
+def _paged_flash_forward(backend, module, query, key, value, attention_mask, cache=None, cu_seq_lens_q=None,
+                         cu_seq_lens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None, **kwargs):
+    """One attention layer of a continuous-batching step under the convention of older
+    transformers (5.17 among them: the implementation ``paged|flash_<backend>``, which its ``generate_batch`` takes
+    for ``flash_<backend>``): writes the step's keys and values into its paged ``cache`` and reads
+    back each sequence's keys (``cache.update``), then attends query (1, H, N, D), N packed rows,
+    causal bottom-right within each sequence (``cu_seq_lens_q``, ``cu_seq_lens_k``; per layer type
+    where a dict), within ``module.sliding_window`` where set; ``s_aux``: attention sinks.
+    Returns ((N, H, Dv), None), as FlashAttention's paged wrapper there."""
+    name = f"paged|flash_{backend}"
+    if cache is None:
+        raise ValueError(f"{name!r} was called without a paged attention cache: it serves continuous batching "
+                         f"(generate_batch); use 'flash_{backend}' or {backend!r} for a standard forward")
+    if block_table is not None:
+        raise ValueError(f"{name!r} takes no block_table: transformers gathers the cached keys for it")
+    window = getattr(module, "sliding_window", None) or None
+    layer_type = "full_attention" if window is None else "sliding_attention"
+    if isinstance(cu_seq_lens_k, dict):
+        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    out = varlen_attention(query[0].transpose(0, 1), key, value, cu_seq_lens_q.to(torch.int32),
+                           cu_seq_lens_k.to(torch.int32), int(max_seqlen_q), int(max_seqlen_k), True,
+                           module.scaling, enable_gqa=query.shape[1] != key.shape[1], backend=backend,
+                           alignment="bottom_right", window=None if window is None else (int(window) - 1, 0),
+                           sinks=kwargs.get("s_aux"))
+    return out, None
+
+
 def _packed_by_positions(position_ids):
     """(N + 1,) int32 cumulative lengths of the sequences packed in ``position_ids`` (1, L): one
     starts at the first token and at each position 0 (one host sync, as transformers' own); None
@@ -153,8 +182,9 @@ def _unpadded(query, key, value, mask, features):
 
 def register(names=NAMES) -> tuple[str, ...]:
     """Register our backends with transformers under ``names`` (SDPA's calling convention) and,
-    for each, ``flash_<name>`` (FlashAttention's: the one continuous batching serves); returns
-    every name registered."""
+    for each, ``flash_<name>`` (FlashAttention's: the one continuous batching serves) and
+    ``paged|flash_<name>`` (continuous batching's own in older transformers, 5.17 among them); returns every
+    name registered."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
@@ -164,8 +194,11 @@ def register(names=NAMES) -> tuple[str, ...]:
         AttentionMaskInterface.register(name, sdpa_mask)
         AttentionInterface.register(f"flash_{name}", functools.partial(_flash_forward, name))
         AttentionMaskInterface.register(f"flash_{name}", flash_attention_mask)
-        registered += [name, f"flash_{name}"]
-    _teach_flash_loader({f"flash_{name}": name for name in names})
+        # (older transformers, 5.17 among them, serve continuous batching through "paged|<name>")
+        AttentionInterface.register(f"paged|flash_{name}", functools.partial(_paged_flash_forward, name))
+        AttentionMaskInterface.register(f"paged|flash_{name}", flash_attention_mask)
+        registered += [name, f"flash_{name}", f"paged|flash_{name}"]
+    _teach_flash_loader({**{f"flash_{name}": name for name in names}, **{f"paged|flash_{name}": name for name in names}})
     return tuple(registered)
 
 

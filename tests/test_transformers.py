@@ -295,8 +295,10 @@ def test_continuous_batching_matches_generate(registered, backend, device, monke
     prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 13)]
     config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
     model = tiny_llama(torch.float32, device, f"flash_{backend}")
+    # (the cache sized here: transformers sizes it from free memory, which it may not read on a CPU)
+    sizes = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64)
     with torch.no_grad():
-        batch = model.generate_batch(inputs=prompts, generation_config=config)
+        batch = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=sizes)
     assert calls, "continuous batching did not reach our kernels"
     reference = tiny_llama(torch.float32, device, "sdpa")
     for request, prompt in zip(sorted(batch), prompts):
