@@ -198,7 +198,7 @@ def register(names=NAMES) -> tuple[str, ...]:
         AttentionInterface.register(f"paged|flash_{name}", functools.partial(_paged_flash_forward, name))
         AttentionMaskInterface.register(f"paged|flash_{name}", flash_attention_mask)
         registered += [name, f"flash_{name}", f"paged|flash_{name}"]
-    _teach_flash_loader({**{f"flash_{name}": name for name in names}, **{f"paged|flash_{name}": name for name in names}})
+    _teach_flash_loader({f"{prefix}flash_{name}": name for name in names for prefix in ("", "paged|")})
     return tuple(registered)
 
 
