@@ -113,6 +113,25 @@ def _row_band(lo_ptr, hi_ptr, rows, rows_ok, band_lo, band_hi, BANDED: tl.conste
 
 
 @triton.jit
+def _alibi_rows(slope_ptr, shift_ptr, stride_am, stride_as, rows, rows_ok, ALIBI: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """(slopes, shifts (M,)): ALiBi's slope, in base-2 units, and position shift of each of
+    ``rows`` (row r at position r + shift) from a head's row-strided slopes and the rows' shifts;
+    the slopes an (M, 1) column, or TRANSPOSED a (1, M) row (scores keys x rows); (0.0, 0)
+    without ALIBI. (Packed grouped heads and packed sequences give each row its own.)"""
+    slopes = 0.0
+    shifts = 0
+    if ALIBI:
+        slopes = tl.load(slope_ptr + rows.to(tl.int64) * stride_am, mask=rows_ok, other=0.0) * LOG2E
+        if TRANSPOSED:
+            slopes = slopes[None, :]
+        else:
+            slopes = slopes[:, None]
+        shifts = tl.load(shift_ptr + rows.to(tl.int64) * stride_as, mask=rows_ok, other=0)
+    return slopes, shifts
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, mask_ptrs,
@@ -198,18 +217,18 @@ def _attn_fwd_inner(
 # attention mask's tiles vectorised along it. (The backward kernels stay specialised: without
 # it, Lq, the dK/dV loop's length, made their masked steps longer.)
 @triton.jit(do_not_specialize=["kernel_merge", "NUM_SPLITS", "BLOCKS_PER_SPLIT", "stride_lz", "stride_lh",
-                               "stride_lm", "Lq", "M_BLOCKS", "alibi_shift"])
+                               "stride_lm", "Lq", "M_BLOCKS"])
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, SEED, SINK, SLOPES, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
+    Q, K, V, O, LSE, MASK, SEED, SINK, SLOPES, SHIFTS, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     stride_mz, stride_mh, stride_mm, stride_mn,
-    stride_sz, stride_sh, stride_sm, stride_az, stride_ah,
+    stride_sz, stride_sh, stride_sm, stride_az, stride_ah, stride_am, stride_as,
     stride_lz, stride_lh, stride_lm, stride_ls,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
-    softcap, kernel_merge, alibi_shift,
+    softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -265,9 +284,8 @@ def _attn_fwd(
               + offs_dv[None, :] * stride_vd)
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
-    alibi = 0.0
-    if ALIBI:  # the head's slope, once per program, in base-2 units
-        alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
+    alibi, alibi_shift = _alibi_rows(SLOPES + off_z * stride_az + off_h * stride_ah, SHIFTS, stride_am, stride_as,
+                                     offs_m, m_ok, ALIBI, False)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -496,7 +514,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK, SEED, SLOPES, ROW_LO, ROW_HI,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, MASK, SEED, SLOPES, SHIFTS, ROW_LO, ROW_HI,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -504,8 +522,8 @@ def _attn_bwd_dq(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
     stride_dlz, stride_dlh, stride_dlm,
-    stride_mz, stride_mh, stride_mm, stride_mn, stride_az, stride_ah,
-    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap, alibi_shift,
+    stride_mz, stride_mh, stride_mm, stride_mn, stride_az, stride_ah, stride_am, stride_as,
+    H, GROUP, Lq, Lk, scale, M_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -556,9 +574,8 @@ def _attn_bwd_dq(
     m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     qk_scale = scale * LOG2E
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
-    alibi = 0.0
-    if ALIBI:
-        alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
+    alibi, alibi_shift = _alibi_rows(SLOPES + off_z * stride_az + off_h * stride_ah, SHIFTS, stride_am, stride_as,
+                                     offs_m, m_ok, ALIBI, False)
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
@@ -603,7 +620,7 @@ def _attn_bwd_dkdv_inner(
     q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, row_lo_ptr, row_hi_ptr,
     stride_qm, stride_dom, stride_lm, stride_mm,
     offs_m, offs_kn, offs_d, offs_dv, lo, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
-    alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+    slope_ptr, shift_ptr, stride_am, stride_as, seed, head, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -631,7 +648,8 @@ def _attn_bwd_dkdv_inner(
         m2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|)
+            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|, the rows' slopes a (1, M) row)
+            alibi, alibi_shift = _alibi_rows(slope_ptr, shift_ptr, stride_am, stride_as, offs_qm, m_ok, ALIBI, True)
             qkT, capT = _scores(qkT, offs_kn, offs_qm + alibi_shift, qk_scale, cap_in, cap_out, alibi, 0, SOFTCAP,
                                 ALIBI)
             if MASKED and BANDED:
@@ -668,14 +686,14 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED, SLOPES, ROW_LO, ROW_HI, KEY_LO, KEY_HI,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, SEED, SLOPES, SHIFTS, ROW_LO, ROW_HI, KEY_LO, KEY_HI,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lz, stride_lh, stride_lm,
-    stride_mz, stride_mh, stride_mm, stride_mn, stride_az, stride_ah,
-    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap, alibi_shift,
+    stride_mz, stride_mh, stride_mm, stride_mn, stride_az, stride_ah, stride_am, stride_as,
+    H_KV, GROUP, Lq, Lk, scale, N_BLOCKS, dropout_p, dropout_scale, band_lo, band_hi, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -728,9 +746,7 @@ def _attn_bwd_dkdv(
                    + offs_dv[None, :] * stride_dod)
         lse_ptrs = LSE + off_z * stride_lz + off_h * stride_lh + offs_m.to(tl.int64) * stride_lm
         head = off_z * H_KV * GROUP + off_h  # in (B·H): the rows of DELTA, the dropout mask's head
-        alibi = 0.0
-        if ALIBI:  # query head g's slope
-            alibi = tl.load(SLOPES + off_z * stride_az + off_h * stride_ah) * LOG2E
+        slope_ptr = SLOPES + off_z * stride_az + off_h * stride_ah  # (query head g's; by row block in the loop)
         delta_ptrs = DELTA + head * Lq + offs_m
         mask_ptrs = (MASK + off_z * stride_mz + off_h * stride_mh + offs_m.to(tl.int64)[None, :] * stride_mm
                      + offs_kn.to(tl.int64)[:, None] * stride_mn)
@@ -738,7 +754,7 @@ def _attn_bwd_dkdv(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, lo, full_lo, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
-            alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+            slope_ptr, SHIFTS, stride_am, stride_as, seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
             SOFTCAP, ALIBI,
         )
@@ -746,7 +762,7 @@ def _attn_bwd_dkdv(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
-            alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+            slope_ptr, SHIFTS, stride_am, stride_as, seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
             SOFTCAP, ALIBI,
         )
@@ -754,7 +770,7 @@ def _attn_bwd_dkdv(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_ptrs, ROW_LO, ROW_HI,
             stride_qm, stride_dom, stride_lm, stride_mm,
             offs_m, offs_kn, offs_d, offs_dv, full_hi, hi, Lq, Lk, band_lo, band_hi, qk_scale, cap_in, cap_out,
-            alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+            slope_ptr, SHIFTS, stride_am, stride_as, seed, head, dropout_p, dropout_scale,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D, BLOCK_DV, BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT,
             SOFTCAP, ALIBI,
         )
