@@ -158,12 +158,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, backend)
     _check_dims(q=(q, 3), k=(k, 3), v=(v, 3))
-    _refuse(alibi_slopes=alibi_slopes, deterministic=deterministic)
-    is_causal, window, alignment = _mask(causal, window_size, None, None)
+    _refuse(deterministic=deterministic)
+    is_causal, window, alignment = _mask(causal, window_size, None, None, alibi_slopes is not None)
     with_lse = _wants_probs(return_attn_probs, dropout_p)
     result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                               softmax_scale, enable_gqa=True, backend=backend, return_lse=with_lse,
-                              alignment=alignment, window=window, softcap=_softcap(softcap), dropout_p=dropout_p)
+                              alignment=alignment, window=window, softcap=_softcap(softcap), dropout_p=dropout_p,
+                              alibi_slopes=alibi_slopes)
     if not with_lse:
         return result.contiguous()
     out, lse = result

@@ -95,9 +95,10 @@ def _scores(qk, rows, keys, qk_scale, cap_in, cap_out, alibi, alibi_shift,
 @triton.jit
 def _alibi_bias(rows, keys, slope, shift):
     """(M, N): ALiBi's bias -slope * |rows + shift - keys| for ``rows`` (M,) at positions rows + shift
-    and ``keys`` (N,) (|.| is symmetric: rows and keys swapped, it gives the transposed bias);
-    ``slope``: a scalar, or an (M, 1) column of per-row slopes (rows of packed heads), in the scores'
-    units (the kernels' base 2: the head's slope times log2(e))."""
+    (``shift`` a scalar or (M,)) and ``keys`` (N,) (|.| is symmetric: rows and keys swapped, it
+    gives the transposed bias); ``slope``: a scalar, or per-row slopes broadcast against (M, N) (an
+    (M, 1) column, or a (1, N) row for the transposed bias), in the scores' units (the kernels'
+    base 2: the head's slope times log2(e))."""
     return -slope * tl.abs((rows + shift)[:, None] - keys[None, :]).to(tl.float32)
 
 

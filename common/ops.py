@@ -95,13 +95,13 @@ def _quiet(backend):
 
 
 def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-          sinks=None, row_bands=None, alibi_slopes=None):
+          sinks=None, row_bands=None, alibi_slopes=None, alibi_shifts=None):
     left, right, bottom_right = band_spec
     window = None if left == right == -1 else (left, right)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False,
                 dropout_p=dropout_p, dropout_seed=dropout_seed, window=window, bottom_right=bool(bottom_right),
                 softcap=softcap if softcap > 0.0 else None, sinks=sinks, row_bands=row_bands,
-                alibi_slopes=alibi_slopes)
+                alibi_slopes=alibi_slopes, alibi_shifts=alibi_shifts)
 
 
 def extras(call: Call) -> tuple[list[int], float]:
@@ -132,11 +132,11 @@ def new_seed(device) -> torch.Tensor:
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 _FORWARD_SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float scale, "
                    "float dropout_p, Tensor? dropout_seed, int[] band_spec, float softcap, Tensor? sinks, "
-                   "Tensor? row_bands=None, Tensor? alibi_slopes=None) -> (Tensor, Tensor)")
+                   "Tensor? row_bands=None, Tensor? alibi_slopes=None, Tensor? alibi_shifts=None) -> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor out, "
                     "Tensor lse, Tensor? grad_lse, bool is_causal, float scale, float dropout_p, "
                     "Tensor? dropout_seed, int[] band_spec, float softcap, Tensor? row_bands=None, "
-                    "Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)")
+                    "Tensor? alibi_slopes=None, Tensor? alibi_shifts=None) -> (Tensor, Tensor, Tensor)")
 
 
 def _register(name: str):
@@ -152,25 +152,25 @@ def _register(name: str):
     backend = get_backend(name)
 
     def forward_impl(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     sinks, row_bands=None, alibi_slopes=None):
+                     sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None):
         call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     sinks, row_bands, alibi_slopes)
+                     sinks, row_bands, alibi_slopes, alibi_shifts)
         return forward(backend, call, with_lse=True)
 
     def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     sinks, row_bands=None, alibi_slopes=None):
+                     sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None):
         B, H, Lq, _ = query.shape
         return (query.new_empty((B, H, Lq, value.shape[3])),
                 query.new_empty((B, H, Lq), dtype=torch.float32))
 
     def backward_impl(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None):
+                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None, alibi_shifts=None):
         call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     row_bands=row_bands, alibi_slopes=alibi_slopes)
+                     row_bands=row_bands, alibi_slopes=alibi_slopes, alibi_shifts=alibi_shifts)
         return backward(backend, call, out, lse, grad_out, grad_lse)
 
     def backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None):
+                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None, alibi_shifts=None):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format))
@@ -188,10 +188,11 @@ def _register(name: str):
 
         @staticmethod
         def forward(ctx, query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                    sinks, row_bands=None, alibi_slopes=None):
+                    sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None):
             out, lse = forward_op(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec,
-                                  softcap, sinks, row_bands, alibi_slopes)
-            ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, sinks, row_bands, alibi_slopes)
+                                  softcap, sinks, row_bands, alibi_slopes, alibi_shifts)
+            ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, sinks, row_bands, alibi_slopes,
+                                  alibi_shifts)
             ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
             ctx.band_spec, ctx.softcap = band_spec, softcap
             # An output that takes no part in the loss gets None, not zeros: most
@@ -207,14 +208,15 @@ def _register(name: str):
                     f"gradients of gradients (double backward) through attention are not supported by the "
                     f"{name!r} backend; use backend='torch' for them"
                 )
-            query, key, value, attn_mask, out, lse, dropout_seed, sinks, row_bands, alibi_slopes = ctx.saved_tensors
+            (query, key, value, attn_mask, out, lse, dropout_seed, sinks, row_bands, alibi_slopes,
+             alibi_shifts) = ctx.saved_tensors
             if grad_out is None:  # only the lse takes part
                 grad_out = torch.zeros_like(out)
             dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                                      ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.band_spec,
-                                     ctx.softcap, row_bands, alibi_slopes)
+                                     ctx.softcap, row_bands, alibi_slopes, alibi_shifts)
             dsinks = sinks_grad(sinks, out, lse, grad_out, grad_lse) if ctx.needs_input_grad[10] else None
-            return dq, dk, dv, None, None, None, None, None, None, None, dsinks, None, None  # (slopes: none)
+            return dq, dk, dv, None, None, None, None, None, None, None, dsinks, None, None, None  # (slopes: none)
 
     return forward_op, backward_op, Attention
 

@@ -287,8 +287,10 @@ class ForwardPlan:
     softcap_kind: Softcap = Softcap.OFF
     sinks: torch.Tensor | None = None  # float32 (H,) sink logits per row as the query's: (B, H, Lq) or packed
     row_bands: torch.Tensor | None = None  # per-row bands instead of band (common.varlen.row_bands)
-    alibi: torch.Tensor | None = None  # ALiBi: (B, H) float32 slopes (a view); see alibi_shift
-    alibi_shift: int = 0  # row i sits at position i + alibi_shift (Lk - Lq bottom-right, else 0)
+    # ALiBi per row as the kernels' rows: float32 (B, H, Lq) slopes (views where they can be) and
+    # int32 (Lq,) position shifts, row i at position i + alibi_shift[i]
+    alibi: torch.Tensor | None = None
+    alibi_shift: torch.Tensor | None = None
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -358,7 +360,7 @@ class BackwardPlan:
     band: tuple[int, int] | None = None  # as the forward's
     row_bands: torch.Tensor | None = None  # as the forward's
     alibi: torch.Tensor | None = None  # as the forward's
-    alibi_shift: int = 0
+    alibi_shift: torch.Tensor | None = None
     softcap: float = 0.0
     softcap_kind: Softcap = Softcap.OFF
     config: BackwardConfig | None = None
@@ -436,18 +438,34 @@ def band_mask(band: tuple[int, int], Lq: int, Lk: int, device) -> torch.Tensor:
 
 
 def set_alibi(plan, call, Lq: int, Lk: int) -> None:
-    """A plan's ALiBi fields from a call: the (B, H) slopes and the rows' position shift
-    (the keys' length before a causal plan drops the keys no row sees)."""
-    if call.alibi_slopes is not None:
-        plan.alibi = call.alibi_slopes
-        plan.alibi_shift = Lk - Lq if call.bottom_right else 0
+    """A plan's ALiBi fields from a call: each row's slope and position shift (the call's own
+    per row, or the (B, H) slopes with the same shift for every row: Lk - Lq bottom-right,
+    the keys' length before a causal plan drops the keys no row sees)."""
+    if call.alibi_slopes is None:
+        return
+    if call.alibi_shifts is not None:
+        plan.alibi, plan.alibi_shift = call.alibi_slopes, call.alibi_shifts
+        return
+    B, H = call.alibi_slopes.shape
+    plan.alibi = call.alibi_slopes[:, :, None].expand(B, H, Lq)
+    shift = Lk - Lq if call.bottom_right else 0
+    plan.alibi_shift = torch.full((1,), shift, dtype=torch.int32, device=call.alibi_slopes.device).expand(Lq)
 
 
-def alibi_bias(slopes: torch.Tensor, shift: int, Lq: int, Lk: int) -> torch.Tensor:
-    """ALiBi's bias as a float32 (B, H, Lq, Lk) tensor: -slope * |i + shift - j| (SDPA's mask, the reference)."""
-    pos = torch.arange(Lq, device=slopes.device)[:, None] + shift
+def packed_shifts(shifts: torch.Tensor, group: int) -> torch.Tensor:
+    """Rows' position shifts (Lq,) for ``group`` heads packed into group * Lq rows: packed row
+    g * Lq + i is row i (at position i + shifts[i]), so its shift is shifts[i] - g * Lq."""
+    Lq = shifts.shape[0]
+    offsets = torch.arange(group, device=shifts.device, dtype=torch.int32)[:, None] * Lq
+    return (shifts[None, :] - offsets).flatten()
+
+
+def alibi_bias(slopes: torch.Tensor, shifts: torch.Tensor, Lk: int) -> torch.Tensor:
+    """ALiBi's bias as a float32 (B, H, Lq, Lk) tensor from each row's slope (B, H, Lq) and
+    position shift (Lq,): -slope * |i + shift_i - j| (SDPA's mask, the reference)."""
+    pos = torch.arange(shifts.shape[0], device=slopes.device)[:, None] + shifts[:, None]
     dist = (pos - torch.arange(Lk, device=slopes.device)[None, :]).abs().float()
-    return -slopes.float()[:, :, None, None] * dist
+    return -slopes.float()[..., None] * dist
 
 
 def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool = True) -> ForwardPlan:
@@ -481,8 +499,9 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
     # Dropout's mask is counted by (head, row): packed rows would change it.
     # (Sinks are per row: packed, each row reads its own head's, packed_rows.)
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
-    # (A running output is laid out by query head and row.) (ALiBi's bias: by query head and row.)
-    unpackable = plan.dropout or plan.row_bands is not None or resume is not None or plan.alibi is not None
+    # (A running output is laid out by query head and row.) (ALiBi: each packed row its own slope
+    # and shift.)
+    unpackable = plan.dropout or plan.row_bands is not None or resume is not None
     packed = None if unpackable else planner.pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None and not within_offsets(backend, *packed):
         packed = None  # a packed head's rows would pass the 32-bit offsets within a head
@@ -490,7 +509,9 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         # Each group's query heads as rows of one K/V head (views both ways).
         plan.query, plan.attn_mask = packed
         plan.group = 1
-        plan.sinks = packed_rows(plan.sinks, plan.query)
+        plan.sinks, plan.alibi = (packed_rows(rows, plan.query) for rows in (plan.sinks, plan.alibi))
+        if plan.alibi_shift is not None:
+            plan.alibi_shift = packed_shifts(plan.alibi_shift, H // H_kv)
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
     plan.dot_precision = dot_precision(q.dtype)
     plan_launch(plan, backend, resume, allocate)

@@ -35,7 +35,7 @@ def forward(plan):
     if plan.alibi is not None:
         # ALiBi's bias as an additive float32 mask, with the mask and band above folded in
         # (where(bool), or a sum); a None band means every row sees every key: no is_causal
-        bias = alibi_bias(plan.alibi, plan.alibi_shift, Lq, Lk)
+        bias = alibi_bias(plan.alibi, plan.alibi_shift, Lk)
         if attn_mask is None:
             attn_mask = bias
         elif attn_mask.dtype == torch.bool:

@@ -45,6 +45,9 @@ class Call:
     sinks: torch.Tensor | None = None  # (H,): a logit per query head in every row's softmax denominator
     row_bands: torch.Tensor | None = None  # packed sequences: per-row bands (common.varlen), B = 1
     alibi_slopes: torch.Tensor | None = None  # (B, H) float32 (a view; stride 0 over B for (H,) slopes), detached
+    # packed sequences (common.varlen): alibi_slopes per row, (B, H, Lq), and each row's position
+    # shift (Lq,) int32 (row i at position i + shift[i]); None: from bottom_right, the same for every row
+    alibi_shifts: torch.Tensor | None = None
 
 
 def check_call(

@@ -41,6 +41,7 @@ def varlen_attention(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """Attention over a packed batch of variable-length sequences, each on its own.
 
@@ -72,6 +73,9 @@ def varlen_attention(
             (row and key in the packed batch), so a seed gives the same mask again.
         sinks: None, or (H,): one logit per query head in every row's softmax, as for
             :func:`common.attention` (kernel backends; differentiable).
+        alibi_slopes: None, or float32 (H,) or (B, H) (per sequence) on the inputs' device: ALiBi,
+            the bias -slope * |position_i - j| on the score of row i and key j of a sequence,
+            position_i as ``alignment`` places it (FlashAttention's: bottom-right). Not differentiated.
 
     Returns:
         The output (total_q, H, Dv) in the inputs' dtype (a transposed view of
@@ -98,6 +102,10 @@ def varlen_attention(
     )
     _, H, total_q, _ = call.query.shape
     total_k = call.key.shape[2]
+    if alibi_slopes is not None:  # (each row its sequence's slope and position: per-row ALiBi)
+        call.alibi_slopes, call.alibi_shifts = alibi_rows(
+            _check_varlen_alibi(alibi_slopes, cu_q.numel() - 1, H, call.query.device), cu_q, cu_k, total_q, total_k,
+            bottom_right=call.bottom_right)
     bands = row_bands(cu_q, cu_k, total_q, total_k, is_causal=call.is_causal, window=call.window,
                       bottom_right=call.bottom_right)
     call.is_causal, call.window, call.bottom_right = False, None, False  # all in the bands now
@@ -109,7 +117,7 @@ def varlen_attention(
     if torch.compiler.is_compiling() or _needs_grad(call):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, None, False, call.scale,
                                                     call.dropout_p, call.dropout_seed, *ops.extras(call),
-                                                    call.sinks, call.row_bands)
+                                                    call.sinks, call.row_bands, call.alibi_slopes, call.alibi_shifts)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     out = out[0].transpose(0, 1)
@@ -146,11 +154,48 @@ def _padded_reference(backend, call, cu_q, cu_k, bands, max_q: int, max_k: int) 
                & (keys[:, None, :] >= first[:, :, None]) & (keys[:, None, :] <= last[:, :, None]))
     call.query, call.key, call.value = (t[:, index].transpose(0, 1) for t, index in ((q, rows), (k, keys), (v, keys)))
     call.attn_mask = allowed[:, None].expand(B, H, max_q, max_k)
+    if call.alibi_slopes is not None:  # the per-row bias in the padded layout, the band's -inf folded in
+        distance = (rows + call.alibi_shifts[rows])[:, :, None] - keys[:, None, :]  # (B, max_q, max_k)
+        bias = -call.alibi_slopes[0][:, rows].transpose(0, 1)[..., None] * distance.abs()[:, None].float()
+        call.attn_mask = bias.masked_fill(~call.attn_mask, float("-inf"))
+        call.alibi_slopes = call.alibi_shifts = None
     out, _ = ops.forward(backend, call, with_lse=False)  # (B, H, max_q, Dv)
     packed = torch.arange(total_q, device=device, dtype=torch.int32)
     seq = (torch.searchsorted(cu_q, packed, right=True) - 1).clamp_(0, B - 1)
     position = (packed - cu_q[seq]).clamp_(0, max_q - 1)
     return out[seq, :, position]  # (total_q, H, Dv)
+
+
+def _check_varlen_alibi(slopes, num_seqs: int, H: int, device) -> torch.Tensor:
+    """ALiBi's slopes of a packed batch: float32 (H,) or (num_seqs, H) on ``device``."""
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {str(slopes.dtype).removeprefix('torch.')}")
+    if tuple(slopes.shape) not in ((H,), (num_seqs, H)):
+        raise ValueError(f"alibi_slopes must have shape ({H},) or ({num_seqs}, {H}): one slope per query head, "
+                         f"or per sequence and query head, got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {slopes.device} but query is on {device}")
+    return slopes.detach()
+
+
+def alibi_rows(slopes, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, bottom_right: bool):
+    """ALiBi per packed row, as the kernels take it: each row's slope, float32 (1, H, total_q)
+    (its sequence's, a view where the slopes are per head), and its position shift, int32
+    (total_q,): row r of sequence b sits at packed key r + shift, its position in the
+    sequence's keys (bottom-right: Lk_b - Lq_b past its index among the queries). On the device."""
+    device = cu_seqlens_q.device
+    cu_q = cu_seqlens_q.long().clamp(0, total_q)
+    cu_k = cu_seqlens_k.long().clamp(0, total_k)
+    rows = torch.arange(total_q, device=device, dtype=torch.int32)
+    seq = (torch.searchsorted(cu_seqlens_q, rows, right=True) - 1).clamp_(0, max(cu_q.numel() - 2, 0))
+    shift = cu_k[seq] - cu_q[seq]
+    if bottom_right:
+        shift = shift + (cu_k[seq + 1] - cu_k[seq]) - (cu_q[seq + 1] - cu_q[seq])
+    H = slopes.shape[-1]
+    per_row = (slopes[:, None].expand(H, total_q) if slopes.ndim == 1 else slopes[seq].transpose(0, 1))[None]
+    return per_row, shift.to(torch.int32)
 
 
 def _check_packed(query, key, value) -> None:

@@ -214,12 +214,12 @@ def _band_args(plan, keys=False) -> tuple:
 
 
 def _alibi_args(plan) -> tuple:
-    """(slopes, alibi_shift) as ALIBI kernels read them (see _alibi_inputs): the (B, H) slopes as a
-    (B, H, Lq) view, and the rows' position shift; a stand-in and 0 otherwise."""
+    """(slopes, alibi_shift) as ALIBI kernels read them (see _alibi_inputs): each row's slope and
+    position shift as (B, H, Lq) views; stand-ins otherwise."""
     B, H, Lq = plan.query.shape[:3]
     if plan.alibi is None:
-        return _absent(plan.query, B, H, Lq), 0
-    return plan.alibi[:, :, None].expand(B, H, Lq), plan.alibi_shift
+        return _absent(plan.query, B, H, Lq), _absent(plan.query, B, H, Lq)
+    return plan.alibi, plan.alibi_shift.expand(B, H, Lq)
 
 
 def blocked_keys(plan) -> bool:

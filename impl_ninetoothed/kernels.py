@@ -18,8 +18,8 @@ blocks in three stages (the band's left edge masked, the blocks every row sees
 whole unmasked, the right edge and the ragged tail masked; causal, bottom-right
 and windowed calls are all bands), blocks outside the band never visited;
 packed variable-length sequences (``BANDED == ROW_BANDS``) give every row its
-own band, arranged like the log-sum-exp; soft-capping, ALiBi (its slopes a
-(B, H, Lq) view arranged like the sinks) and attention sinks as in the Triton kernel. Short
+own band, arranged like the log-sum-exp; soft-capping, ALiBi (each row's slope and
+position shift, (B, H, Lq) views arranged like the sinks) and attention sinks as in the Triton kernel. Short
 queries split the keys as the Triton kernel does: the arrangement tiles each
 K/V row once more into splits of ``blocks_per_split`` blocks, one program per
 split, and ``combine_arrangement`` + ``combine_application`` merge the
@@ -98,7 +98,8 @@ def arrangement(
     value_blocks_arranged = _key_blocks_row(value_blocks, query.shape[1], m_blocks, block_dv, num_splits)
     attn_mask_arranged = _last_first(_mask_row(attn_mask, block_m, block_n, blocks_per_split))
     sinks_arranged = _last_first(_row_slices(sinks, block_m))  # (B, H, Lq): stride 0 but over H
-    slopes_arranged = _last_first(_row_slices(slopes, block_m))  # (B, H, Lq): stride 0 over Lq
+    slopes_arranged = _last_first(_row_slices(slopes, block_m))  # (B, H, Lq), each row's slope
+    shifts_arranged = _last_first(_row_slices(alibi_shift, block_m))  # (B, H, Lq), each row's shift
     row_bands_arranged = [_last_first(_row_slices(x, block_m)) for x in (row_bands_lo, row_bands_hi)]
     if blocks_per_split is None:
         output_arranged = _last_first(_rows(output, block_m, block_dv))
@@ -107,6 +108,7 @@ def arrangement(
         query_arranged = _per_split(query_arranged, num_splits)
         sinks_arranged = _per_split(sinks_arranged, num_splits)
         slopes_arranged = _per_split(slopes_arranged, num_splits)
+        shifts_arranged = _per_split(shifts_arranged, num_splits)
         row_bands_arranged = [_per_split(x, num_splits) for x in row_bands_arranged]
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
@@ -119,7 +121,7 @@ def arrangement(
     return (
         query_arranged, key_arranged, value_arranged, key_blocks_arranged, value_blocks_arranged,
         attn_mask_arranged, scale, _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo,
-        band_hi, softcap, *row_bands_arranged, sinks_arranged, slopes_arranged, alibi_shift, output_arranged,
+        band_hi, softcap, *row_bands_arranged, sinks_arranged, slopes_arranged, shifts_arranged, output_arranged,
         lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
         RESUME, BLOCKED, ALIBI,
     )
@@ -127,7 +129,7 @@ def arrangement(
 
 def _attn_fwd_inner(
     acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, cap_in, cap_out,
-    alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
+    alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
     DROPOUT, SOFTCAP, ALIBI,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
@@ -144,7 +146,7 @@ def _attn_fwd_inner(
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
             # soft-capped (or scaled) and ALiBi's bias added, in base 2
-            qk, cap = _scores(qk, offs_m, key[j - first].offsets(-2), qk_scale, cap_in, cap_out, alibi, alibi_shift,
+            qk, cap = _scores(qk, offs_m, key[j - first].offsets(-2), qk_scale, cap_in, cap_out, alibi, shift,
                               SOFTCAP, ALIBI)
             if MASKED:
                 offs_n = key[j - first].offsets(-2)
@@ -203,8 +205,10 @@ def application(
     qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     alibi = 0.0
-    if ALIBI:  # the head's slope, once per program, in base-2 units (rows past the end read -inf)
-        alibi = ntl.max(slopes, 0) * LOG2E
+    shift = 0
+    if ALIBI:  # each row's slope (a column, in base-2 units) and position shift (row r at r + shift)
+        alibi = ntl.expand_dims(slopes, 1) * LOG2E  # (NineToothed reads x[:, None] as a tile index)
+        shift = alibi_shift
     seed = 0
     if DROPOUT:
         seed = ntl.sum(dropout_seed, 0)  # the (1,) tile, loaded once
@@ -244,7 +248,7 @@ def application(
     if BANDED:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
+            cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
             DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
         )
     if BLOCKED:
@@ -252,18 +256,18 @@ def application(
         # no per-key bounds check (an unsplit launch without dropout or ALiBi; the blocks count from 0).
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi,
-            qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, False,
+            qk_scale, cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False,
             NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False,
         )
     else:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
+            cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
             DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, row_lo, row_hi, qk_scale,
-        cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
+        cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
         DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
     )
 
@@ -346,14 +350,15 @@ def dq_arrangement(
         _last_first(_mask_row(attn_mask, block_m, block_n)),
         rows(out, block_dv), rows(grad_out, block_dv), rows(lse), rows(grad_lse), scale,
         _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
-        rows(row_bands_lo), rows(row_bands_hi), rows(slopes), alibi_shift, rows(delta_out), rows(grad_query, block_d),
+        rows(row_bands_lo), rows(row_bands_hi), rows(slopes), rows(alibi_shift), rows(delta_out),
+        rows(grad_query, block_d),
         BANDED, MASK_KIND, WITH_DLSE, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, ALIBI,
     )
 
 
 def _attn_bwd_dq_inner(
     dq, q, do, m2, delta, key, value, attn_mask, offs_m, lo, hi, band_lo, band_hi, qk_scale, cap_in, cap_out,
-    alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
+    alibi, shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT,
     SOFTCAP, ALIBI,
 ):
     """Add key blocks [lo, hi) to dq (unscaled). MASKED as in _attn_fwd_inner.
@@ -364,7 +369,7 @@ def _attn_bwd_dq_inner(
         v = value[j]
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            qk, cap = _scores(qk, offs_m, key[j].offsets(-2), qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP,
+            qk, cap = _scores(qk, offs_m, key[j].offsets(-2), qk_scale, cap_in, cap_out, alibi, shift, SOFTCAP,
                               ALIBI)
             if MASKED:
                 offs_n = key[j].offsets(-2)
@@ -416,8 +421,10 @@ def dq_application(
     qk_scale = scale * LOG2E
     cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
     alibi = 0.0
-    if ALIBI:
-        alibi = ntl.max(slopes, 0) * LOG2E
+    shift = 0
+    if ALIBI:  # (as the forward's)
+        alibi = ntl.expand_dims(slopes, 1) * LOG2E
+        shift = alibi_shift
     dq = ntl.zeros(grad_query.shape, dtype=ntl.float32)
 
     # In key blocks, as in the forward: the band's left edge [first, full_lo)
@@ -434,24 +441,24 @@ def dq_application(
     if BANDED:
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, key, value, attn_mask, offs_m, first, full_lo, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True,
+            cap_in, cap_out, alibi, shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True,
             DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
     if BLOCKED:  # the whole blocks from their own view, as in the forward (no dropout or ALiBi)
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi,
-            qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
+            qk_scale, cap_in, cap_out, alibi, shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND,
             False, DOT_PRECISION, DROPOUT, SOFTCAP, False,
         )
     else:
         dq = _attn_bwd_dq_inner(
             dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_lo, full_hi, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False,
+            cap_in, cap_out, alibi, shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False,
             DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
     dq = _attn_bwd_dq_inner(
         dq, q, do, m2, delta, key, value, attn_mask, offs_m, full_hi, end, row_lo, row_hi, qk_scale,
-        cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True,
+        cap_in, cap_out, alibi, shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, True,
         DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
     )
     grad_query = dq * scale  # noqa: F841 (a store)
@@ -486,7 +493,7 @@ def dkdv_arrangement(
         scale, _per_program(dropout_seed, key_arranged), dropout_p, dropout_scale, band_lo, band_hi, softcap,
         _group_rows(row_bands_lo, group, n_blocks, block_m), _group_rows(row_bands_hi, group, n_blocks, block_m),
         _row_slices(key_bands_lo, block_n), _row_slices(key_bands_hi, block_n),
-        _group_rows(slopes, group, n_blocks, block_m), alibi_shift,
+        _group_rows(slopes, group, n_blocks, block_m), _group_rows(alibi_shift, group, n_blocks, block_m),
         _rows(grad_key, block_n, block_d), _rows(grad_value, block_n, block_dv),
         BANDED, MASK_KIND, DOT_PRECISION, DROPOUT, SOFTCAP, BLOCKED, GROUP_OF_ONE, ALIBI,
     )
@@ -494,7 +501,7 @@ def dkdv_arrangement(
 
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, lo, hi, band_lo,
-    band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+    band_hi, qk_scale, cap_in, cap_out, slopes, alibi_shift, seed, head, dropout_p, dropout_scale,
     BANDED, MASK_KIND, MASKED, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
 ):
     """Add query blocks [lo, hi) of query head ``g`` of the group to (dk, dv)
@@ -508,9 +515,14 @@ def _attn_bwd_dkdv_inner(
         m2 = ntl.where(lse_i == float("-inf"), float("inf"), lse_i * LOG2E)
         qkT = ntl.dot(k, ntl.trans(q), input_precision=DOT_PRECISION)
         if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
-            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|)
-            qkT, capT = _scores(qkT, offs_kn, query[g, i].offsets(-2) + alibi_shift, qk_scale, cap_in, cap_out,
-                                alibi, 0, SOFTCAP, ALIBI)
+            # (keys x rows: ALiBi's |j - pos_i| = |pos_i - j|, the rows' slopes a (1, M) row)
+            alibi = 0.0
+            shift = 0
+            if ALIBI:
+                alibi = ntl.expand_dims(slopes[g, i], 0) * LOG2E
+                shift = alibi_shift[g, i]
+            qkT, capT = _scores(qkT, offs_kn, query[g, i].offsets(-2) + shift, qk_scale, cap_in, cap_out, alibi, 0,
+                                SOFTCAP, ALIBI)
             if MASKED and BANDED:
                 offs_qm = query[g, i].offsets(-2)
                 row_lo = band_lo
@@ -586,30 +598,27 @@ def dkdv_application(
         # query head g of this K/V head, in (B·H): the dropout mask's (NineToothed's inliner
         # mis-names a helper called inside an expression, so this is spelled out)
         head = key.offsets(0) * query.source.shape[1] + key.offsets(1) * query.shape[0] + g
-        alibi = 0.0
-        if ALIBI:  # query head g's slope (its first row tile always holds a row)
-            alibi = ntl.max(slopes[g, 0], 0) * LOG2E
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, lo, full_lo,
-            band_lo, band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+            band_lo, band_hi, qk_scale, cap_in, cap_out, slopes, alibi_shift, seed, head, dropout_p, dropout_scale,
             BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
         if BLOCKED:  # the whole row blocks from their own views (no dropout or ALiBi): see blocked_keys
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, query_blocks, grad_out_blocks, lse_blocks, delta_blocks, attn_mask, row_bands_lo,
-                row_bands_hi, g, offs_kn, full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, alibi,
+                row_bands_hi, g, offs_kn, full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, slopes,
                 alibi_shift, seed, head, dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT,
                 SOFTCAP, False,
             )
         else:
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn,
-                full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head,
+                full_lo, full_hi, band_lo, band_hi, qk_scale, cap_in, cap_out, slopes, alibi_shift, seed, head,
                 dropout_p, dropout_scale, BANDED, MASK_KIND, False, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
             )
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, query, grad_out, lse, delta, attn_mask, row_bands_lo, row_bands_hi, g, offs_kn, full_hi, hi,
-            band_lo, band_hi, qk_scale, cap_in, cap_out, alibi, alibi_shift, seed, head, dropout_p, dropout_scale,
+            band_lo, band_hi, qk_scale, cap_in, cap_out, slopes, alibi_shift, seed, head, dropout_p, dropout_scale,
             BANDED, MASK_KIND, True, DOT_PRECISION, DROPOUT, SOFTCAP, ALIBI,
         )
     grad_key = dk * scale  # noqa: F841 (a store)
@@ -685,9 +694,10 @@ def _band_inputs(query, key=None):
 
 
 def _alibi_inputs(query):
-    """slopes, ALiBi's (B, H, Lq) float32 view of the (B, H) slopes (stride 0 over Lq; rows past the
-    end read -inf, so a tile's max is its head's slope), and alibi_shift (a runtime int), read when ALIBI."""
-    return _rows_like(query, other=float("-inf")), Tensor(0)
+    """slopes, ALiBi's float32 slope of each row, and alibi_shift, each row's int32 position shift
+    (row r at position r + shift), both (B, H, Lq) like the log-sum-exp (views of the (B, H) slopes
+    and the (Lq,) shifts), read when ALIBI."""
+    return _rows_like(query, other=0), _rows_like(query, other=0)
 
 
 # What a split forward's launch changes with the split count, which its kernel is not to be

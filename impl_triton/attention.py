@@ -77,8 +77,11 @@ def _band_args(plan) -> tuple[int, int, float]:
 
 
 def _alibi_args(plan, unread) -> tuple:
-    """(SLOPES, stride_az, stride_ah): the ALIBI kernels' (B, H) slopes; ``unread`` where there are none."""
-    return (plan.alibi, *plan.alibi.stride()) if plan.alibi is not None else (unread, 0, 0)
+    """((SLOPES, SHIFTS), (stride_az, stride_ah, stride_am, stride_as)): the ALIBI kernels' per-row
+    slopes (B, H, Lq) and position shifts (Lq,); ``unread`` where there are none."""
+    if plan.alibi is None:
+        return (unread, unread), (0, 0, 0, 0)
+    return (plan.alibi, plan.alibi_shift), (*plan.alibi.stride(), *plan.alibi_shift.stride())
 
 
 def _row_band_args(plan, unread) -> tuple:
@@ -138,7 +141,7 @@ def _forward_launch(plan) -> tuple:
     seed = plan.seed if plan.seed is not None else out  # never read without DROPOUT
     sinks, sink_strides = (plan.sinks, plan.sinks.stride()) if plan.sinks is not None else (out, (0, 0, 0))
     row_lo, row_hi, _, _ = _row_band_args(plan, out)
-    slopes, *slope_strides = _alibi_args(plan, out)
+    alibi_tensors, slope_strides = _alibi_args(plan, out)
     # Split keys: the kernel merges them itself (the last program of each row block to finish),
     # or a launch of its own does (_merge_launch; the plan's Refinement, kernel_merges). Either way
     # the kernel is compiled with the ticket's code (kernel_merge is an argument): int32 counters.
@@ -146,11 +149,11 @@ def _forward_launch(plan) -> tuple:
     counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
     args = _fwd_launcher.positional((
-        q, k, v, o, lse, mask, seed, sinks, slopes, row_lo, row_hi, out, merged_lse,
+        q, k, v, o, lse, mask, seed, sinks, *alibi_tensors, row_lo, row_hi, out, merged_lse,
         counts if counts is not None else out,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *slope_strides, *lse_strides,
         H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
-        plan.dropout_scale, *_band_args(plan), int(kernel_merge), plan.alibi_shift,
+        plan.dropout_scale, *_band_args(plan), int(kernel_merge),
     ), dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
@@ -293,7 +296,7 @@ def backward(plan):
     dlse_strides = dlse.stride() if dlse is not None else (0, 0, 0)
     seed = plan.seed if plan.seed is not None else q  # never read without DROPOUT
     row_lo, row_hi, key_lo, key_hi = _row_band_args(plan, q)
-    slopes, *slope_strides = _alibi_args(plan, q)
+    alibi_tensors, slope_strides = _alibi_args(plan, q)
     common = dict(
         num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
@@ -304,21 +307,19 @@ def backward(plan):
     _dq_launcher(
         (m_blocks * B * H, 1, 1),
         q, k, v, plan.out, plan.grad_out, plan.lse, dlse if dlse is not None else plan.lse, plan.delta,
-        plan.grad_query, mask, seed, slopes, row_lo, row_hi,
+        plan.grad_query, mask, seed, *alibi_tensors, row_lo, row_hi,
         *q.stride(), *k.stride(), *v.stride(), *plan.out.stride(), *plan.grad_out.stride(), *plan.lse.stride(),
         *dlse_strides, *mask_strides, *slope_strides,
         H, plan.group, Lq, Lk, plan.scale, m_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
-        plan.alibi_shift,
         BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, WITH_DLSE=dlse is not None, **common,
     )
     _dkdv_launcher(
         (n_blocks * B * H_kv, 1, 1),
-        q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask, seed, slopes,
+        q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask, seed, *alibi_tensors,
         row_lo, row_hi, key_lo, key_hi,
         *q.stride(), *k.stride(), *v.stride(), *plan.grad_out.stride(), *plan.lse.stride(), *mask_strides,
         *slope_strides,
         H_kv, plan.group, Lq, Lk, plan.scale, n_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
-        plan.alibi_shift,
         BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common,
     )
     return plan.grad_query, plan.grad_key, plan.grad_value

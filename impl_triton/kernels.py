@@ -28,9 +28,10 @@ The Lq x Lk score matrix never exists outside registers.
   dK/dV pass), the stages taken over the block's rows.
 - SOFTCAP: scores become softcap * tanh(s / softcap) (``tanh.approx.f32`` for
   16-bit inputs on NVIDIA GPUs, else tanh from exp2: ``common.plan.Planner.softcap_kind``); the
-  backward multiplies ds by 1 - tanh^2. ALIBI: -slope * |pos_i - j| added to
-  the (capped) scores before any mask, the slope (SLOPES, (B, H) strided) read
-  once per program; it only lowers scores, so band skipping stays valid. SINKS: a per-head logit starts each
+  backward multiplies ds by 1 - tanh^2. ALIBI: -slope_i * |pos_i - j| added to
+  the (capped) scores before any mask, each row's slope and position i + shift_i read
+  from SLOPES ((B, H, Lq) strided) and SHIFTS ((Lq,) int32), so packed grouped heads and
+  packed sequences take it too; it only lowers scores, so band skipping stays valid. SINKS: a per-head logit starts each
   row's online softmax (m_i = sink, l_i = 1), so it joins the denominator with
   no value; the log-sum-exp includes it, and the backward needs nothing more.
 - Grouped-query attention reads key/value head ``h // GROUP``: no copies.

@@ -114,6 +114,22 @@ def test_alibi_with_split_keys(backend):
     _check((2, 4, 2, 3, 150, True, False, "bottom_right", None, None, None, f32), backend, splits=3)
 
 
+def test_alibi_keeps_grouped_heads_packed(backend):
+    """Short queries of grouped heads pack into rows of their K/V head (K/V read once per group),
+    each packed row with its own head's slope and its own position (bottom-right)."""
+    from common.backends import get_backend
+    from common.plan import make_forward
+    from common.validation import check_call
+
+    case = (2, 4, 2, 3, 40, True, False, "bottom_right", None, None, None, f32)
+    q, k, v, slopes, _ = _case_inputs(case)
+    call = check_call(get_backend(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=True, return_lse=False, alignment="bottom_right", alibi_slopes=slopes)
+    plan = make_forward(call, get_backend(backend), with_lse=False)
+    assert plan.query.shape[:3] == plan.alibi.shape == (2, 2, 6) and plan.alibi_shift.tolist() == [37] * 3 + [34] * 3
+    _check(case, backend)
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[6], CASES[7]], ids=[IDS[2], IDS[6], IDS[7]])
 def test_alibi_torch_backend(case):
     """The torch backend (SDPA with the bias as an additive mask) against the same reference."""

@@ -220,13 +220,47 @@ def test_varlen_packed_functions(backend):
     _close(out, _varlen_reference(q, *kv.unbind(1), lens, lens_k, causal=True)[0])
 
 
+@pytest.mark.parametrize("causal,window,per_seq", [(True, (-1, -1), False), (False, (-1, -1), True),
+                                                    (True, (3, -1), True)])
+def test_varlen_with_alibi(backend, causal, window, per_seq):
+    """ALiBi over packed sequences: each row biased from its position in its own sequence
+    (bottom-right, as FlashAttention's), the slopes per head or per sequence and head; the output,
+    its log-sum-exp and the gradients as each sequence alone in float64."""
+    lens_q, lens_k = [3, 0, 7, 4], [5, 2, 4, 9]
+    q = torch.randn(sum(lens_q), 4, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    slopes = torch.rand((4, 4) if per_seq else (4,), device=DEVICE) * 0.5 + 0.1
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k),
+                                            causal=causal, window_size=window, alibi_slopes=slopes,
+                                            return_attn_probs=True, backend=backend)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    outs, lses = [], []
+    cu_q, cu_k = _cu(lens_q).tolist(), _cu(lens_k).tolist()
+    for b in range(len(lens_q)):
+        one, one_lse = _reference(leaves[0][None, cu_q[b]:cu_q[b + 1]], leaves[1][None, cu_k[b]:cu_k[b + 1]],
+                                  leaves[2][None, cu_k[b]:cu_k[b + 1]], causal, window,
+                                  alibi_slopes=slopes[b] if per_seq else slopes)
+        outs.append(one[0])
+        lses.append(one_lse[0])
+    expected, expected_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    _close(out, expected)
+    torch.testing.assert_close(lse.double(), expected_lse.detach(), rtol=2e-4, atol=2e-4)
+    _check_grads(out, expected, (q, k, v), leaves)
+    if backend == "triton":  # (once) the torch backend: SDPA on the padded sequences, the bias as a mask
+        padded = fa.flash_attn_varlen_func(q.detach(), k.detach(), v.detach(), _cu(lens_q), _cu(lens_k),
+                                           max(lens_q), max(lens_k), causal=causal, window_size=window,
+                                           alibi_slopes=slopes, backend="torch")
+        _close(padded, expected.detach())
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\) or \(4, 4\)"):
+        fa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), 7, 9, alibi_slopes=slopes[:3],
+                                  backend=backend)
+
+
 def test_arguments_it_does_not_take_yet_are_refused():
-    """ALiBi in the dense varlen function (NotImplementedError); what block_table refuses; S_dmask with dropout."""
+    """What block_table refuses; S_dmask with dropout."""
     q, k, v = _inputs(1, 4, 4, 2, 2, 16)
     packed = q[0], k[0], v[0]
     cu = _cu([4])
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, alibi_slopes=torch.ones(2, device=DEVICE))
     pages = torch.randn(2, 16, 2, 16, device=DEVICE)
     table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="dropout_p must be 0 with block_table"):
