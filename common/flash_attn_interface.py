@@ -15,8 +15,7 @@ semantics:
   bound of 0). A row that sees no key gives 0 and a log-sum-exp of ``+inf``.
 - ``softcap``: anything > 0 soft-caps the scaled scores, ``softcap * tanh(s / softcap)``;
   0 (or less) is none.
-- ``alibi_slopes`` (the dense functions, ``flash_attn_with_kvcache``, and the varlen
-  function over a ``block_table``): float32, (nheads,) or (batch, nheads); adds
+- ``alibi_slopes`` (every function): float32, (nheads,) or (batch, nheads); adds
   ``-slope * |i + seqlen_k - seqlen_q - j|`` to the (soft-capped) score of query row i
   and key j. The slopes get no gradient (as FlashAttention's).
 - Grouped-query attention by the key/value heads alone: ``nheads`` a multiple of ``nheads_k``.
