@@ -36,7 +36,7 @@ from tests.cases import Case, check_grads, check_output, make_inputs, sdpa_kwarg
 from tests.conftest import DEVICE  # noqa: E402
 
 PROFILES = {
-    "cpu": dict(examples=14, shards=1, max_len=40, shrink=True),
+    "cpu": dict(examples=10, shards=1, max_len=40, shrink=True),
     "gpu": dict(examples=5, shards=6, max_len=300, shrink=False),
 }
 PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
