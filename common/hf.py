@@ -32,7 +32,6 @@ from common.dispatch import attention
 from common.varlen import varlen_attention
 
 NAMES = ("triton", "ninetoothed")
-FLASH_NAMES = tuple(f"flash_{name}" for name in NAMES)  # (names without a version: see _flash_forward)
 
 
 def _attention_forward(backend, module, query, key, value, attention_mask, dropout=0.0, scaling=None,
