@@ -289,9 +289,10 @@ def test_continuous_batching_matches_generate(registered, backend, device, monke
     tokens that greedy ``generate`` on SDPA gives it alone, through our varlen kernels."""
     if not hasattr(transformers.LlamaForCausalLM, "generate_batch"):
         pytest.skip("this transformers has no continuous batching")
+    from common.varlen import varlen_attention
+
     calls = []
-    monkeypatch.setattr(common.hf, "varlen_attention", lambda *a, **k: calls.append(1) or varlen(*a, **k))
-    varlen = __import__("common.varlen", fromlist=["varlen_attention"]).varlen_attention
+    monkeypatch.setattr(common.hf, "varlen_attention", lambda *a, **k: calls.append(1) or varlen_attention(*a, **k))
     prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 13)]
     config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
     model = tiny_llama(torch.float32, device, f"flash_{backend}")

@@ -274,14 +274,7 @@ def paged():
         dense = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
         line = [f"Lk={Lk}: contiguous {dense * 1e3:.0f} us ({kv_bytes / dense * 1e-9:.2f} TB/s)"]
         for page in [int(p) for p in os.environ.get("PROBE_PAGES", "1 16 64 128 256").split()]:
-            pages = Lk // page
-            table = torch.randperm(B * pages, device="cuda").view(B, pages).to(torch.int32)
-            caches = []
-            for x in (k, v):
-                cache = torch.empty(B * pages, page, H_kv, D, dtype=x.dtype, device="cuda")
-                cache[table.long()] = x.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4)
-                caches.append(cache)
-            lengths = torch.full((B,), Lk, dtype=torch.int32, device="cuda")
+            caches, table, lengths = _shuffled_pages(k, v, page)
             out = paged_attention(q, *caches, table, lengths, enable_gqa=True)
             torch.testing.assert_close(out, attention(q, k, v, enable_gqa=True), rtol=2e-2, atol=2e-2)
             for backend, variant in PAGED_VARIANTS:
@@ -298,6 +291,20 @@ def paged():
             t = _graph_time_ms(lambda: append_kv(*caches, table, start, new, new))
             line.append(f"append_kv page {page} {t * 1e3:.1f} us")
         print("; ".join(line), flush=True)
+
+
+def _shuffled_pages(k, v, page: int):
+    """Dense keys and values (B, H_kv, Lk, D) as paged caches of ``page`` keys in a shuffled table:
+    ([key_cache, value_cache], table (B, Lk / page) int32, lengths (B,) int32, all Lk)."""
+    B, H_kv, Lk, D = k.shape
+    pages = Lk // page
+    table = torch.randperm(B * pages, device=k.device).view(B, pages).to(torch.int32)
+    caches = []
+    for x in (k, v):
+        cache = torch.empty(B * pages, page, H_kv, D, dtype=x.dtype, device=x.device)
+        cache[table.long()] = x.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4)
+        caches.append(cache)
+    return caches, table, torch.full((B,), Lk, dtype=torch.int32, device=k.device)
 
 
 def paged_extras():
@@ -380,14 +387,7 @@ def paged_sweep():
             k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
             q = torch.randn(B, H, 1, D, dtype=torch.bfloat16, device="cuda")
             dense = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True))
-            pages = Lk // page
-            table = torch.randperm(B * pages, device="cuda").view(B, pages).to(torch.int32)
-            caches = []
-            for x in (k, v):
-                cache = torch.empty(B * pages, page, H_kv, D, dtype=x.dtype, device="cuda")
-                cache[table.long()] = x.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4)
-                caches.append(cache)
-            lengths = torch.full((B,), Lk, dtype=torch.int32, device="cuda")
+            caches, table, lengths = _shuffled_pages(k, v, page)
             for backend in ("triton", "ninetoothed"):
                 line = []
                 for variant in PAGED_SWEEP:
