@@ -28,6 +28,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import torch
+
 if TYPE_CHECKING:  # (importing common imports no triton and no backend)
     import torch
 
@@ -201,7 +203,10 @@ def resolve(name: str | None) -> Backend:
     return BACKENDS[DEFAULT]
 
 
+@torch.compiler.assume_constant_result
 def _interpreted(module: str) -> bool:
+    # A constant to torch.compile: its graphs never guard on sys.modules, which
+    # grows with every import (each import after warm-up would recompile).
     # Not imported yet, or still being imported by another thread (sys.modules
     # holds it before its body has run): the module will read the same switch.
     # (torch.compile cannot trace an import, so this never imports.)

@@ -306,3 +306,27 @@ def test_continuous_batching_matches_generate(registered, backend, device, monke
         with torch.no_grad():
             alone = reference.generate(input_ids=torch.tensor([prompt], device=device), generation_config=config)
         assert batch[request].generated_tokens == alone[0, len(prompt):].tolist(), request
+
+
+def test_static_cache_compiled_decoding_matches_sdpa(registered, backend, device):
+    """``generate`` over a static cache with the model's forward compiled whole (fullgraph; CUDA
+    graphs on the GPU, ``mode="reduce-overhead"``): the tokens SDPA gives, and a second call
+    replays what the first compiled (a recompile is an error; an import between the calls must
+    not invalidate a graph)."""
+    input_ids, attention_mask = left_padded_batch(device)
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                           cache_implementation="static")
+    with torch.no_grad():
+        expected = tiny_llama(torch.float32, device, "sdpa").generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    model = tiny_llama(torch.float32, device, backend)
+    compile_options = dict(mode="reduce-overhead") if device == "cuda" else dict(backend="aot_eager")
+    model.forward = torch.compile(model.forward, fullgraph=True, **compile_options)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        first = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        import json.tool  # noqa: F401 (a module imported after warm-up: sys.modules grows)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            again = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    assert torch.equal(first, expected)
+    assert torch.equal(again, expected)

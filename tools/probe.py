@@ -49,6 +49,10 @@ is written to the project.
   GPU): what the library adds to Triton's launches. Runs on a CPU (under the interpreter) too.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
+- serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
+  against sdpa: tokens as sdpa's, tokens per second of 64 requests.
+- static: generate over a static cache, the forward compiled with CUDA graphs (reduce-overhead),
+  sdpa / triton / ninetoothed: tokens per second, graph breaks, recompiles, tokens as sdpa's.
 """
 
 from __future__ import annotations
@@ -1118,6 +1122,62 @@ def serving():
                 match = f", {sum(a == b for a, b in pairs) / len(pairs):.1%} of positions as sdpa"
             line.append(f"{name}: {generated / elapsed:.0f} tokens/s{match}")
         print("; ".join(line), flush=True)
+
+
+def static():
+    """Issue 45 item 5: ``generate`` over a static cache with the forward compiled
+    (``mode="reduce-overhead"``: CUDA graphs), random-weight Llama (bf16, batch 8, prompts of 128,
+    128 new tokens, greedy) on "sdpa", "triton" and "ninetoothed" in one process: tokens per second
+    after warm-up, graph breaks, recompiles of the timed call (an error), tokens as sdpa's."""
+    import time
+
+    import transformers
+    from torch._dynamo.utils import counters
+
+    import common.hf
+
+    common.hf.register()
+    config = transformers.LlamaConfig(vocab_size=8192, max_position_embeddings=4096, hidden_size=1024,
+                                      intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                                      num_key_value_heads=4)
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, 8192, (8, 128), generator=generator).cuda()
+    greedy = transformers.GenerationConfig(max_new_tokens=128, do_sample=False, eos_token_id=-1, pad_token_id=0,
+                                           cache_implementation="static")
+    print("transformers", transformers.__version__, flush=True)
+    tokens, line = {}, []
+    for name in ("sdpa", "triton", "ninetoothed"):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+        model.set_attn_implementation(name)
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            with torch.no_grad():
+                start = time.perf_counter()
+                model.generate(input_ids=input_ids, generation_config=greedy)
+                torch.cuda.synchronize()
+                warm = time.perf_counter() - start
+                model.generate(input_ids=input_ids, generation_config=greedy)  # (cudagraph trees record on a 2nd run)
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    out = model.generate(input_ids=input_ids, generation_config=greedy)
+                    torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - start
+        except Exception as error:  # noqa: BLE001 (one implementation's failure must not hide the others')
+            line.append(f"{name} failed: {type(error).__name__}: {str(error)[:400]}")
+            continue
+        tokens[name] = out[:, input_ids.shape[1]:]
+        match = ""
+        if name != "sdpa" and "sdpa" in tokens:
+            match = f", {(tokens[name] == tokens['sdpa']).float().mean().item():.1%} of positions as sdpa"
+        breaks = sum(counters["graph_break"].values())
+        line.append(f"{name}: {tokens[name].numel() / elapsed:.0f} tokens/s (first call {warm:.1f} s, "
+                    f"{breaks} graph breaks, {counters['stats']['unique_graphs']} graphs){match}")
+    print("; ".join(line), flush=True)
 
 
 if __name__ == "__main__":
