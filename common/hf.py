@@ -29,6 +29,7 @@ import functools
 import torch
 
 from common.dispatch import attention
+from common.paged import paged_attention
 from common.varlen import varlen_attention
 
 NAMES = ("triton", "ninetoothed")
@@ -123,11 +124,15 @@ def _paged_flash_forward(backend, module, query, key, value, attention_mask, cac
                          cu_seq_lens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None, **kwargs):
     """One attention layer of a continuous-batching step under the convention of older
     transformers (5.17 among them: the implementation ``paged|flash_<backend>``, which its ``generate_batch`` takes
-    for ``flash_<backend>``): writes the step's keys and values into its paged ``cache`` and reads
-    back each sequence's keys (``cache.update``), then attends query (1, H, N, D), N packed rows,
-    causal bottom-right within each sequence (``cu_seq_lens_q``, ``cu_seq_lens_k``; per layer type
-    where a dict), within ``module.sliding_window`` where set; ``s_aux``: attention sinks.
-    Returns ((N, H, Dv), None), as FlashAttention's paged wrapper there."""
+    for ``flash_<backend>``): query (1, H, N, D) holds N packed rows of the step's sequences
+    (``cu_seq_lens_q``), key/value their new tokens, which are written into its paged ``cache``;
+    each sequence's keys are its cached ones then its new ones (``cu_seq_lens_k``; per layer type
+    where a dict), causal bottom-right, within ``module.sliding_window`` where set; ``s_aux``:
+    attention sinks. Returns ((N, H, Dv), None), as FlashAttention's paged wrapper there.
+
+    A full-attention layer reads the keys where they lie, through our paged kernel (the cache's
+    blocks are its pages); a sliding-window layer (whose cache is a rolling buffer), or a step
+    with no cached key, has transformers gather them (``cache.update``) for the varlen kernel."""
     name = f"paged|flash_{backend}"
     if cache is None:
         raise ValueError(f"{name!r} was called without a paged attention cache: it serves continuous batching "
@@ -138,14 +143,69 @@ def _paged_flash_forward(backend, module, query, key, value, attention_mask, cac
     layer_type = "full_attention" if window is None else "sliding_attention"
     if isinstance(cu_seq_lens_k, dict):
         cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
+    read_index, write_index = kwargs["read_index"], kwargs["write_index"]
+    sinks = kwargs.get("s_aux")
+    if window is None:
+        pages = _cache_pages(backend, module, cache, read_index, key)
+        if pages is not None:
+            cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                         read_index=[index[:0] for index in read_index], write_index=write_index)  # (writes only)
+            return _over_pages(backend, module, query, *pages, cu_seq_lens_q, cu_seq_lens_k, int(max_seqlen_q),
+                               int(max_seqlen_k), sinks), None
     key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
-                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+                              read_index=read_index, write_index=write_index)
     out = varlen_attention(query[0].transpose(0, 1), key, value, cu_seq_lens_q.to(torch.int32),
                            cu_seq_lens_k.to(torch.int32), int(max_seqlen_q), int(max_seqlen_k), True,
                            module.scaling, enable_gqa=query.shape[1] != key.shape[1], backend=backend,
                            alignment="bottom_right", window=None if window is None else (int(window) - 1, 0),
-                           sinks=kwargs.get("s_aux"))
+                           sinks=sinks)
     return out, None
+
+
+def _cache_pages(backend, module, cache, read_index, key):
+    """(key pages, value pages, the layer's read index, page size) of a full-attention layer's
+    cache, its blocks as pages (num_blocks, block_size, H_kv, D): for a step that reads cached keys,
+    from a cache laid out as transformers' PagedAttentionCache (5.17) is, in pages the backend
+    takes; else None."""
+    groups = getattr(cache, "layer_index_to_group_indices", None)
+    page = getattr(cache, "block_size", None)
+    if groups is None or not isinstance(page, int) or module.layer_idx not in groups:
+        return None
+    if backend == "ninetoothed" and page % 16:  # (its paged kernel takes pages of multiples of 16 keys)
+        return None
+    group, in_group = groups[module.layer_idx]
+    reads = read_index[group]
+    if reads.numel() == 0:  # (no cached key: the new ones are every key)
+        return None
+    key_cache, value_cache = cache.key_cache[in_group], cache.value_cache[in_group]
+    H_kv, D, Dv = key.shape[1], key_cache.shape[-1], value_cache.shape[-1]
+    return key_cache.view(-1, page, H_kv, D), value_cache.view(-1, page, H_kv, Dv), reads, page
+
+
+def _over_pages(backend, module, query, key_pages, value_pages, reads, page, cu_q, cu_k, max_q: int, max_k: int,
+                sinks):
+    """The packed rows of query (1, H, N, D) over their sequences' keys in the cache's pages ->
+    (N, H, Dv). Sequence b's key j lies at slot reads[cu_k[b] + j] of the cache (transformers
+    reads whole blocks in order), so its block table row is those slots of its pages' first keys,
+    divided by the page size; its queries, padded to max_q rows, are its last keys'. All on the
+    device (no host sync: the step may be a CUDA graph's capture, max_q and max_k its bounds)."""
+    _, H, N, _ = query.shape
+    device = query.device
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    query_lengths = (cu_q[1:] - cu_q[:-1]).to(torch.int32)
+    seqlens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    firsts = cu_k[:-1, None] + torch.arange(0, max(max_k, 1), page, device=device)
+    block_table = (reads[firsts.clamp(max=reads.numel() - 1)] // page).to(torch.int32)
+    rows = (cu_q[:-1, None] + torch.arange(max_q, device=device)).clamp(max=N - 1)  # (B, max_q): padding repeats
+    padded = query[0][:, rows].transpose(0, 1)  # (B, H, max_q, D)
+    out = paged_attention(padded, key_pages, value_pages, block_table, seqlens, True, module.scaling,
+                          enable_gqa=H != key_pages.shape[2], sinks=sinks, query_lengths=query_lengths,
+                          backend=backend)
+    # packed row n: sequence s (the last whose first row is at or before n), its row n - cu_q[s]
+    tokens = torch.arange(N, device=device)
+    seq = (torch.searchsorted(cu_q, tokens, right=True) - 1).clamp(0, cu_q.numel() - 2)
+    slot = seq * max_q + (tokens - cu_q[seq]).clamp(0, max_q - 1)
+    return out.transpose(1, 2).flatten(0, 1)[slot]
 
 
 def _packed_by_positions(position_ids):

@@ -135,6 +135,8 @@ def paged_application(
         key_start = ntl.sum(leftpad, 0)
         first = ntl.maximum(first, ntl.minimum(key_start, Lk) // TILE)
         end = ntl.maximum(end, first)
+    if QUERY_LENGTHS:  # a block of padding rows only reads no key (queries padded to a CUDA graph's bound)
+        end = ntl.where(ntl.max((rows_in_seq < new_tokens).to(ntl.int32), 0) > 0, end, first)
     key_end = ntl.minimum(Lk, end * TILE)
     for j in range(first, end, TILES_PER_STEP):
         # TILES_PER_STEP tiles an iteration, unrolled: their table entries and tiles are

@@ -109,6 +109,8 @@ def _paged_fwd(
         key_start = tl.load(LEFTPAD + off_z)
         first = tl.maximum(first, tl.minimum(key_start, Lk) // BLOCK_N)
         end = tl.maximum(end, first)
+    if QUERY_LENGTHS:  # a block of padding rows only reads no key (queries padded to a CUDA graph's bound)
+        end = tl.where(tl.max(row_ok.to(tl.int32), 0) > 0, end, first)
     table = TABLE + off_z * stride_tz
     k_base = K_CACHE + off_h_kv * stride_kh + offs_d[None, :] * stride_kd
     v_base = V_CACHE + off_h_kv * stride_vh + offs_dv[None, :] * stride_vd

@@ -203,3 +203,26 @@ def test_every_backend_module_keeps_the_contract():
             expected = list(inspect.signature(wanted).parameters)[1:]  # (less self)
             assert list(inspect.signature(getattr(module, member)).parameters) == expected, (name, member)
         assert isinstance(module.INTERPRETED, bool), name
+
+
+def test_compiled_graph_does_not_guard_on_imports(monkeypatch):
+    """A graph traced before the backend's module is imported (a model's first attention call
+    inside torch.compile) takes whether the backend is interpreted as a constant: later imports
+    (sys.modules growing) must not recompile it."""
+    import dataclasses
+    import sys
+    import types
+
+    spec = dataclasses.replace(BACKENDS["triton"], module="_backend_module_not_imported")
+
+    def scaled(x):
+        return x * (2 if spec.interpreted() else 3)
+
+    compiled = torch.compile(scaled, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    x = torch.ones(3)
+    first = compiled(x)
+    monkeypatch.setitem(sys.modules, "_imported_after_tracing", types.ModuleType("_imported_after_tracing"))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(x), first)
+    torch.testing.assert_close(first, scaled(x))

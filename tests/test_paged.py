@@ -519,6 +519,8 @@ FEATURES = {  # name -> (lens, Lq, H, H_kv, page, is_causal, keywords); the firs
     # (per-sequence queries: 3 of 3, none, 1, 2; MQA, packed rows; a window)
     "query_lengths": ([280, 9, 30, 3], 3, 4, 1, 16, True, dict(query_lengths=[3, 0, 1, 2], window=(40, 0),
                                                                 return_lse=True)),
+    # (queries padded far past their lengths, as to a CUDA graph's bound: blocks of padding rows only)
+    "query_padding": ([200, 20, 45], 40, 4, 2, 32, True, dict(query_lengths=[3, 0, 40], return_lse=True)),
     # (the first sequence's window misses the first split: its sink joins through a split with no key)
     "all": ([300, 0, 4, 47], 2, 4, 2, 16, True, dict(window=(150, 0), softcap=0.9, sinks=True, alibi_slopes="BH",
                                                      return_lse=True)),

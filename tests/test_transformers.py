@@ -3,6 +3,9 @@ runs a left-padded batch through our backends and matches the same model on SDPA
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -286,13 +289,19 @@ def test_flash_forward_sinks_window_softcap(backend, device):
 def test_continuous_batching_matches_generate(registered, backend, device, monkeypatch):
     """transformers' continuous batching (``generate_batch``: prompts of different lengths packed
     into each step, keys read from its paged cache) on flash_<backend> gives each prompt the
-    tokens that greedy ``generate`` on SDPA gives it alone, through our varlen kernels."""
+    tokens that greedy ``generate`` on SDPA gives it alone, through our varlen kernels and,
+    where transformers hands us its cache, our paged kernels over its blocks."""
     if not hasattr(transformers.LlamaForCausalLM, "generate_batch"):
         pytest.skip("this transformers has no continuous batching")
+    from common.paged import paged_attention
     from common.varlen import varlen_attention
 
-    calls = []
+    calls, paged_calls, paged_route = [], [], []
     monkeypatch.setattr(common.hf, "varlen_attention", lambda *a, **k: calls.append(1) or varlen_attention(*a, **k))
+    monkeypatch.setattr(common.hf, "paged_attention",
+                        lambda *a, **k: paged_calls.append(1) or paged_attention(*a, **k))
+    cache_pages = common.hf._cache_pages
+    monkeypatch.setattr(common.hf, "_cache_pages", lambda *a: paged_route.append(1) or cache_pages(*a))
     prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 13)]
     config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
     model = tiny_llama(torch.float32, device, f"flash_{backend}")
@@ -300,7 +309,9 @@ def test_continuous_batching_matches_generate(registered, backend, device, monke
     sizes = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64)
     with torch.no_grad():
         batch = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=sizes)
-    assert calls, "continuous batching did not reach our kernels"
+    assert calls or paged_calls, "continuous batching did not reach our kernels"
+    if paged_route:  # (transformers 5.17's "paged|flash_<name>": decoding steps read the keys in its pages)
+        assert paged_calls, "decoding steps did not reach our paged kernels"
     reference = tiny_llama(torch.float32, device, "sdpa")
     for request, prompt in zip(sorted(batch), prompts):
         with torch.no_grad():
@@ -308,24 +319,30 @@ def test_continuous_batching_matches_generate(registered, backend, device, monke
         assert batch[request].generated_tokens == alone[0, len(prompt):].tolist(), request
 
 
-def test_static_cache_compiled_decoding_matches_sdpa(registered, backend, device):
-    """``generate`` over a static cache with the model's forward compiled whole (fullgraph; CUDA
-    graphs on the GPU, ``mode="reduce-overhead"``): the tokens SDPA gives, and a second call
-    replays what the first compiled (a recompile is an error; an import between the calls must
-    not invalidate a graph)."""
+def test_static_cache_compiled_decoding_matches_sdpa(registered, backend, device, monkeypatch):
+    """``generate`` over a static cache, its decoding steps compiled whole by transformers
+    (``compile_config``: fullgraph; on the GPU its default, inductor with CUDA graphs,
+    ``mode="reduce-overhead"``): the tokens SDPA gives eagerly, and a second call replays what the
+    first compiled (a recompile is an error; an import between the calls must not invalidate a
+    graph)."""
     input_ids, attention_mask = left_padded_batch(device)
     config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0,
                                            cache_implementation="static")
     with torch.no_grad():
         expected = tiny_llama(torch.float32, device, "sdpa").generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, disable_compile=True)
+    if device == "cuda":
+        config.compile_config = transformers.CompileConfig(fullgraph=True)
+    else:  # (transformers compiles on accelerators only unless told; CUDA graphs need a GPU)
+        config.compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+        config.compile_config._compile_all_devices = True
     model = tiny_llama(torch.float32, device, backend)
-    compile_options = dict(mode="reduce-overhead") if device == "cuda" else dict(backend="aot_eager")
-    model.forward = torch.compile(model.forward, fullgraph=True, **compile_options)
     torch._dynamo.reset()
     with torch.no_grad():
         first = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        import json.tool  # noqa: F401 (a module imported after warm-up: sys.modules grows)
+        assert hasattr(model, "_compiled_call"), "transformers did not compile the decoding step"
+        # (a module imported after warm-up: sys.modules grows)
+        monkeypatch.setitem(sys.modules, "_imported_after_warm_up", types.ModuleType("_imported_after_warm_up"))
         with torch._dynamo.config.patch(error_on_recompile=True):
             again = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     assert torch.equal(first, expected)

@@ -1068,12 +1068,11 @@ def repeat_varlen_bwd():
 
 def serving():
     """Issue 45 item 4: transformers' continuous batching (generate_batch) on our backends
-    ("flash_triton", "flash_ninetoothed": its varlen path over its paged cache) against its own
-    "sdpa": random-weight Llama and Qwen3 (bf16), 16 prompts of 16-256 tokens, greedy, 32 new
-    tokens: the share of positions whose token matches SDPA's; then tokens per second of 64
-    concurrent requests (prompts of 128, 64 new tokens each), the three side by side."""
-    import time
-
+    ("flash_triton", "flash_ninetoothed": under transformers 5.17 its "paged|" route, decoding steps
+    over its paged cache through our paged kernels) against its own "sdpa": random-weight Llama and
+    Qwen3 (PROBE_MODELS, default both), 16 prompts of 16-256 tokens, greedy, 32 new tokens, in
+    float32: the share of positions whose token matches SDPA's; then, in bf16, tokens per second of
+    64 concurrent requests (prompts of 128, 64 new tokens each), the three side by side."""
     import transformers
 
     import common.hf
@@ -1089,10 +1088,9 @@ def serving():
     }
     names = ["sdpa", "flash_triton", "flash_ninetoothed"]
     print("transformers", transformers.__version__, flush=True)
-    for label, (config_class, model_class, sizes) in shapes.items():
+    for label in os.environ.get("PROBE_MODELS", "llama qwen3").split():
+        config_class, model_class, sizes = shapes[label]
         config = config_class(vocab_size=8192, max_position_embeddings=4096, **sizes)
-        torch.manual_seed(0)
-        model = model_class(config).to("cuda", torch.bfloat16).eval()
         generator = torch.Generator().manual_seed(1)
         lengths = torch.randint(16, 257, (16,), generator=generator).tolist()
         prompts = [torch.randint(1, 8192, (n,), generator=generator).tolist() for n in lengths]
@@ -1101,11 +1099,14 @@ def serving():
         bench = transformers.GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=-1, pad_token_id=0)
         tokens, line = {}, [label]
         for name in names:
+            torch.manual_seed(0)  # (the same float32 weights for each)
+            model = model_class(config).to("cuda").eval()
             model.set_attn_implementation(name)
             try:
                 with torch.no_grad():
                     out = model.generate_batch(inputs=prompts, generation_config=greedy)
                     tokens[name] = [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.split("_")[1]))]
+                    model.to(torch.bfloat16)
                     model.generate_batch(inputs=bench_prompts[:8], generation_config=bench)  # warm-up
                     torch.cuda.synchronize()
                     start = time.perf_counter()
@@ -1119,18 +1120,17 @@ def serving():
             match = ""
             if name != "sdpa" and "sdpa" in tokens:
                 pairs = [(a, b) for ours, ref in zip(tokens[name], tokens["sdpa"]) for a, b in zip(ours, ref)]
-                match = f", {sum(a == b for a, b in pairs) / len(pairs):.1%} of positions as sdpa"
-            line.append(f"{name}: {generated / elapsed:.0f} tokens/s{match}")
+                match = f", {sum(a == b for a, b in pairs) / len(pairs):.1%} of positions as sdpa (fp32)"
+            line.append(f"{name}: {generated / elapsed:.0f} tokens/s (bf16){match}")
         print("; ".join(line), flush=True)
 
 
 def static():
-    """Issue 45 item 5: ``generate`` over a static cache with the forward compiled
-    (``mode="reduce-overhead"``: CUDA graphs), random-weight Llama (bf16, batch 8, prompts of 128,
-    128 new tokens, greedy) on "sdpa", "triton" and "ninetoothed" in one process: tokens per second
-    after warm-up, graph breaks, recompiles of the timed call (an error), tokens as sdpa's."""
-    import time
-
+    """Issue 45 item 5: ``generate`` over a static cache, its decoding steps compiled by transformers
+    (fullgraph, inductor with CUDA graphs: ``mode="reduce-overhead"``), random-weight Llama (bf16,
+    batch 8, prompts of 128, 128 new tokens, greedy) on "sdpa", "triton" and "ninetoothed" in one
+    process: tokens per second after warm-up (and eager, compile disabled), graph breaks, recompiles
+    of the timed call (an error), tokens as sdpa's."""
     import transformers
     from torch._dynamo.utils import counters
 
@@ -1140,33 +1140,35 @@ def static():
     config = transformers.LlamaConfig(vocab_size=8192, max_position_embeddings=4096, hidden_size=1024,
                                       intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
                                       num_key_value_heads=4)
-    torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(1, 8192, (8, 128), generator=generator).cuda()
     greedy = transformers.GenerationConfig(max_new_tokens=128, do_sample=False, eos_token_id=-1, pad_token_id=0,
-                                           cache_implementation="static")
+                                           cache_implementation="static",
+                                           compile_config=transformers.CompileConfig(fullgraph=True))
     print("transformers", transformers.__version__, flush=True)
+
+    def timed(model, **options):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(input_ids=input_ids, generation_config=greedy, **options)
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
     tokens, line = {}, []
     for name in ("sdpa", "triton", "ninetoothed"):
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
         model.set_attn_implementation(name)
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         torch._dynamo.reset()
         counters.clear()
         try:
             with torch.no_grad():
-                start = time.perf_counter()
-                model.generate(input_ids=input_ids, generation_config=greedy)
-                torch.cuda.synchronize()
-                warm = time.perf_counter() - start
-                model.generate(input_ids=input_ids, generation_config=greedy)  # (cudagraph trees record on a 2nd run)
+                _, warm = timed(model)
+                timed(model)
                 with torch._dynamo.config.patch(error_on_recompile=True):
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    out = model.generate(input_ids=input_ids, generation_config=greedy)
-                    torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - start
+                    out, elapsed = timed(model)
+                timed(model, disable_compile=True)
+                _, eager = timed(model, disable_compile=True)
         except Exception as error:  # noqa: BLE001 (one implementation's failure must not hide the others')
             line.append(f"{name} failed: {type(error).__name__}: {str(error)[:400]}")
             continue
@@ -1175,10 +1177,10 @@ def static():
         if name != "sdpa" and "sdpa" in tokens:
             match = f", {(tokens[name] == tokens['sdpa']).float().mean().item():.1%} of positions as sdpa"
         breaks = sum(counters["graph_break"].values())
-        line.append(f"{name}: {tokens[name].numel() / elapsed:.0f} tokens/s (first call {warm:.1f} s, "
+        n = tokens[name].numel()
+        line.append(f"{name}: {n / elapsed:.0f} tokens/s compiled, {n / eager:.0f} eager (first call {warm:.1f} s, "
                     f"{breaks} graph breaks, {counters['stats']['unique_graphs']} graphs){match}")
     print("; ".join(line), flush=True)
-
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["regs", "host", "ops", "decode"]:
