@@ -17,6 +17,7 @@ import torch
 
 from common import ops
 from common.backends import resolve
+from common.configs import padded_head_dim
 from common.dispatch import _needs_grad
 from common.validation import check_call
 
@@ -56,10 +57,13 @@ def varlen_attention(
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on the inputs' device: 0, then
             the running totals of the sequences' lengths (empty sequences welcome);
             the last entries must be total_q and total_k.
-        max_seqlen_q, max_seqlen_k: ints >= 0, the longest sequence's lengths
-            (FlashAttention's signature; checked for type only: the kernels read
-            each row's keys from the cumulative lengths and need no maximum; the
-            "torch" backend pads to them and checks them, with a host sync).
+        max_seqlen_q, max_seqlen_k: ints >= 0, the longest sequence's lengths, or
+            bounds on them (FlashAttention's signature). The kernels read each row's keys
+            from the cumulative lengths; a batch of short query sequences (decoding) is laid
+            out per sequence, max_seqlen_q rows each, so that a row block walks one
+            sequence's keys: there a sequence longer than max_seqlen_q gives NaN in its rows
+            past it (no host sync checks it). The "torch" backend pads to both and checks
+            them, with a host sync.
         is_causal, alignment, window, softcap: as for :func:`common.attention`,
             per sequence: with "top_left" query row i of a sequence sits at
             position i, with "bottom_right" at i + Lk_b - Lq_b.
@@ -106,12 +110,16 @@ def varlen_attention(
         call.alibi_slopes, call.alibi_shifts = alibi_rows(
             _check_varlen_alibi(alibi_slopes, cu_q.numel() - 1, H, call.query.device), cu_q, cu_k, total_q, total_k,
             bottom_right=call.bottom_right)
+    rows_per_seq = _rows_per_sequence(chosen, call, cu_q.numel() - 1, max_seqlen_q) if chosen.kernels else None
     bands = row_bands(cu_q, cu_k, total_q, total_k, is_causal=call.is_causal, window=call.window,
-                      bottom_right=call.bottom_right)
+                      bottom_right=call.bottom_right, rows_per_seq=rows_per_seq)
     call.is_causal, call.window, call.bottom_right = False, None, False  # all in the bands now
     if not chosen.kernels:
         return _padded_reference(chosen, call, cu_q, cu_k, bands, max_seqlen_q, max_seqlen_k)
     call.row_bands = bands
+    if rows_per_seq is not None:  # each sequence's queries from a row block's start on
+        slots = cu_q[:-1].long()[:, None] + torch.arange(rows_per_seq, device=cu_q.device)
+        call.query = call.query[:, :, slots.flatten().clamp(max=total_q - 1)]
     if call.dropout_p > 0.0 and call.dropout_seed is None:
         call.dropout_seed = ops.new_seed(call.query.device)
     if torch.compiler.is_compiling() or _needs_grad(call):
@@ -120,8 +128,55 @@ def varlen_attention(
                                                     call.sinks, call.row_bands, call.alibi_slopes, call.alibi_shifts)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
-    out = out[0].transpose(0, 1)
-    return (out, lse[0]) if call.return_lse else out
+    out, lse = out[0], lse[0] if call.return_lse else None  # (H, rows, Dv), (H, rows)
+    if rows_per_seq is not None:
+        out, lse = _packed_rows(out, lse, cu_q, total_q, rows_per_seq)
+    out = out.transpose(0, 1)
+    return (out, lse) if call.return_lse else out
+
+
+# A packed batch whose sequences average fewer query rows than this runs per sequence (decoding,
+# speculative decoding, chunks of a few tokens: a row block of the packed layout would hold the rows of
+# several sequences and walk all of their keys) where each sequence's rows fit one row block, or the
+# padding stays within PADDING_LIMIT times the packed rows.
+SHORT_QUERIES = 64
+PADDING_LIMIT = 16
+
+
+def _rows_per_sequence(backend, call, num_seqs: int, max_seqlen_q: int) -> int | None:
+    """The kernels' query rows per sequence when a packed batch is laid out per sequence (its
+    queries from row b * rows, rows a multiple of the forward's row block, so that no row block
+    holds two sequences' rows and each walks only its own sequence's keys), or None to keep the
+    packed layout. Forward and backward, with every feature but dropout (its draws are counted by
+    packed position) and ALiBi (its per-row slopes and shifts are the packed rows')."""
+    total_q, total_k = call.query.shape[2], call.key.shape[2]
+    if (num_seqs < 2 or max_seqlen_q == 0 or total_q == 0 or total_q >= SHORT_QUERIES * num_seqs
+            or call.dropout_p > 0.0 or call.alibi_slopes is not None):
+        return None
+    rows = block_m = -(-max_seqlen_q // 16) * 16
+    if not torch.compiler.is_compiling():  # (the config table is not for a graph to read: there a row
+        # block may hold the rows of a few sequences, a multiple of 16 each)
+        block_d = max(padded_head_dim(call.query.shape[3]), padded_head_dim(call.value.shape[3]))
+        block_m = backend.configs.lookup(block_d, call.query.dtype, False, num_seqs * rows, total_k,
+                                         backend.interpreted()).block_m
+        rows = -(-max_seqlen_q // block_m) * block_m
+    # (a row block per sequence is what attending per sequence takes; past it, the padding is bounded)
+    return rows if rows <= max(block_m, 64) or num_seqs * rows <= PADDING_LIMIT * total_q else None
+
+
+def _packed_rows(out, lse, cu_q, total_q: int, rows_per_seq: int):
+    """The kernels' per-sequence rows (H, B * rows_per_seq, ...) back in packed order (H, total_q,
+    ...). A row past max_seqlen_q (a maximum below its sequence's length: nothing computed it) is
+    NaN, and its lse too: never a silent 0."""
+    packed = torch.arange(total_q, device=cu_q.device, dtype=torch.int32)
+    seq = (torch.searchsorted(cu_q, packed, right=True) - 1).clamp_(0, cu_q.numel() - 2)
+    index = packed - cu_q[seq]
+    computed = index < rows_per_seq
+    slot = seq * rows_per_seq + index.clamp(max=rows_per_seq - 1)
+    out = torch.where(computed[:, None], out[:, slot], float("nan"))
+    if lse is not None:
+        lse = torch.where(computed, lse[:, slot], float("nan"))
+    return out, lse
 
 
 def _padded_reference(backend, call, cu_q, cu_k, bands, max_q: int, max_k: int) -> torch.Tensor:
@@ -236,28 +291,37 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, query: torch.Tensor) -> torch
 
 
 def row_bands(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, is_causal: bool, window,
-              bottom_right: bool) -> torch.Tensor:
+              bottom_right: bool, rows_per_seq: int | None = None) -> torch.Tensor:
     """Each packed row's keys and each packed key's rows, as the kernels' ROW_BANDS take them:
-    int32 (2, total_q + total_k). Columns 0..total_q-1: row i sees keys i + [0][i] ..
-    i + [1][i]; columns total_q + j: key j is seen by rows j + [0][.] .. j + [1][.].
+    int32 (2, rows + total_k). Columns 0..rows-1: row i sees keys i + [0][i] ..
+    i + [1][i]; columns rows + j: key j is seen by rows j + [0][.] .. j + [1][.].
+    The rows are the packed queries (rows = total_q) or, with ``rows_per_seq``, the queries laid
+    out per sequence (rows = B * rows_per_seq, sequence b's from row b * rows_per_seq on, the
+    rows past its length padding that sees no key; see :func:`_rows_per_sequence`).
     Computed on the device (no host sync); lengths are clamped into the packed ranges."""
     device = cu_seqlens_q.device
     cu_q = cu_seqlens_q.long().clamp(0, total_q)
     cu_k = cu_seqlens_k.long().clamp(0, total_k)
     last_seq = max(cu_q.numel() - 2, 0)
+    n_rows = total_q if rows_per_seq is None else (cu_q.numel() - 1) * rows_per_seq
     left, right = window if window is not None else (-1, -1)
-    bands = torch.empty(2, total_q + total_k, dtype=torch.int32, device=device)
+    bands = torch.empty(2, n_rows + total_k, dtype=torch.int32, device=device)
 
-    def ends(index, cu):
-        # (searched in the caller's int32 lengths themselves: Inductor cannot lower a
-        # search in a slice of a computed tensor)
-        seq = (torch.searchsorted(cu, index, right=True) - 1).clamp_(0, last_seq)
+    def ends(seq):
         q0, q1, k0, k1 = cu_q[seq], cu_q[seq + 1], cu_k[seq], cu_k[seq + 1]
         shift = (k1 - k0) - (q1 - q0) if bottom_right else 0  # a row's position = its index in the sequence + shift
+        if rows_per_seq is not None:  # (the sequence's rows start at its slot)
+            q0, q1 = seq * rows_per_seq, seq * rows_per_seq + (q1 - q0)
         return q0, q1, k0, k1, shift
 
-    rows = torch.arange(total_q, device=device, dtype=torch.int32)
-    q0, q1, k0, k1, shift = ends(rows, cu_seqlens_q)
+    def sequence(index, cu):
+        # (searched in the caller's int32 lengths themselves: Inductor cannot lower a
+        # search in a slice of a computed tensor)
+        return (torch.searchsorted(cu, index, right=True) - 1).clamp_(0, last_seq)
+
+    rows = torch.arange(n_rows, device=device, dtype=torch.int32)
+    q0, q1, k0, k1, shift = ends(sequence(rows, cu_seqlens_q) if rows_per_seq is None
+                                 else (rows // rows_per_seq).long().clamp_(0, last_seq))
     key_of_row = k0 + rows - q0 + shift  # the key at the row's position
     first, last = k0, k1 - 1
     if left >= 0:
@@ -266,11 +330,13 @@ def row_bands(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, is_caus
         last = torch.minimum(last, key_of_row)
     if right >= 0:
         last = torch.minimum(last, key_of_row + right)
-    bands[0, :total_q] = first - rows
-    bands[1, :total_q] = last - rows
+    if rows_per_seq is not None:  # padding rows (past their sequence's queries) see no key
+        last = torch.where(rows < q1, last, first - 1)
+    bands[0, :n_rows] = first - rows
+    bands[1, :n_rows] = last - rows
 
     keys = torch.arange(total_k, device=device, dtype=torch.int32)
-    q0, q1, k0, k1, shift = ends(keys, cu_seqlens_k)
+    q0, q1, k0, k1, shift = ends(sequence(keys, cu_seqlens_k))
     row_of_key = q0 + keys - k0 - shift  # the row whose position is the key's
     first, last = q0, q1 - 1
     if is_causal:
@@ -279,6 +345,6 @@ def row_bands(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, is_caus
         first = torch.maximum(first, row_of_key - right)
     if left >= 0:
         last = torch.minimum(last, row_of_key + left)
-    bands[0, total_q:] = first - keys
-    bands[1, total_q:] = last - keys
+    bands[0, n_rows:] = first - keys
+    bands[1, n_rows:] = last - keys
     return bands

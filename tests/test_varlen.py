@@ -72,8 +72,20 @@ def _check_grads(out, expected, leaves, refs, tol):
         torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.fixture
+def layouts(monkeypatch):
+    """The layout each varlen call of the test took: the rows per sequence, or None (packed)."""
+    import common.varlen
+
+    taken, choose = [], common.varlen._rows_per_sequence
+    monkeypatch.setattr(common.varlen, "_rows_per_sequence", lambda *a: taken.append(choose(*a)) or taken[-1])
+    return taken
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_varlen_forward_and_backward(backend, case):
+def test_varlen_forward_and_backward(backend, case, layouts):
+    """Each case against every sequence alone; these short batches run laid out per sequence
+    (a row block per sequence's rows)."""
     _, _, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
     lens_q, lens_k, leaves, refs = _case_inputs(case, dtype)
     out, lse = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
@@ -87,6 +99,43 @@ def test_varlen_forward_and_backward(backend, case):
     assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
     torch.testing.assert_close(lse[seen].double(), expected_lse[seen].detach(), rtol=tol, atol=tol)
     _check_grads(out, expected, leaves, refs, tol)
+    assert layouts and layouts[0] is not None and layouts[0] % 16 == 0 and layouts[0] >= max(lens_q)
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=["case2", "case4"])
+def test_varlen_packed_layout(backend, case, monkeypatch, layouts):
+    """The packed layout (every row after the last, a row block holding several sequences' rows,
+    each row its own band), which long sequences take, on the short batches: the same results."""
+    import common.varlen
+
+    monkeypatch.setattr(common.varlen, "SHORT_QUERIES", 0)
+    _, _, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
+    lens_q, lens_k, leaves, refs = _case_inputs(case, dtype)
+    out, lse = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
+                                enable_gqa=H_kv < H, backend=backend, return_lse=True, alignment=alignment,
+                                window=window, softcap=softcap)
+    expected, expected_lse = _reference(*refs, lens_q, lens_k, is_causal, alignment, window, softcap)
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=2e-4, atol=2e-4)
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen)
+    _check_grads(out, expected, leaves, refs, 2e-4)
+    assert layouts == [None]
+
+
+def test_varlen_short_maximum_gives_nan(backend, layouts):
+    """Laid out per sequence, a sequence longer than max_seqlen_q (a wrong maximum: no host sync
+    checks it) gives NaN in its rows past the maximum, never a silent 0; the others are right."""
+    lens = [1, 150, 1, 2]  # (the second sequence longer than any row block)
+    q, k, v = (torch.randn(sum(lens), 2, 16, device=DEVICE) for _ in range(3))
+    out, lse = varlen_attention(q, k, v, _cu(lens), _cu(lens), 2, 150, True, backend=backend,
+                                alignment="bottom_right", return_lse=True)
+    rows = layouts[0]  # (max_seqlen_q rounded up to a row block)
+    assert rows is not None and rows < 150
+    past = torch.zeros(sum(lens), dtype=torch.bool, device=DEVICE)
+    past[1 + rows:151] = True  # the second sequence's rows past the layout's
+    assert out[past].isnan().all() and lse[:, past].isnan().all()
+    expected, _ = _reference(*(t.double() for t in (q, k, v)), lens, lens, True, "bottom_right", None, None)
+    torch.testing.assert_close(out[~past].double(), expected[~past], rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])

@@ -49,6 +49,8 @@ is written to the project.
   GPU): what the library adds to Triton's launches. Runs on a CPU (under the interpreter) too.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
+- varlen_decode: a decoding step as a packed batch (64 sequences, 1 or 4 queries each), laid out
+  per sequence against the packed layout, both backends, SDPA on the padded batch.
 - serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
   against sdpa: tokens as sdpa's, tokens per second of 64 requests.
 - static: generate over a static cache, the forward compiled with CUDA graphs (reduce-overhead),
@@ -1066,6 +1068,52 @@ def repeat_varlen_bwd():
         print(f"{backend} varlen float32 D 24: 100 backward calls, {differ} differ bitwise from the first", flush=True)
 
 
+def varlen_decode():
+    """A decoding step as a packed batch (transformers' continuous batching on flash names, and
+    flash_attn_varlen_func's decode): 64 sequences, one query each (and 4: speculative), keys
+    200-2000 each (a fixed draw), 32 query heads over 8, D 128, bf16, causal bottom-right.
+    varlen_attention laid out per sequence (the default here) against the packed layout
+    (SHORT_QUERIES = 0), and SDPA on the padded batch; GPU time and K/V bandwidth."""
+    import itertools
+
+    import common.varlen
+    from common import varlen_attention
+
+    lens_k = torch.randint(200, 2001, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    H, H_kv, D = 32, 8, 128
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32, device="cuda")
+    k, v = (torch.randn(sum(lens_k), H_kv, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    kv_bytes = 2 * k.numel() * k.element_size()
+    Lmax = max(lens_k)
+    padded_k, padded_v = (torch.zeros(64, H_kv, Lmax, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    for i, (a, b) in enumerate(zip(cu_k.tolist(), cu_k.tolist()[1:])):
+        padded_k[i, :, :b - a], padded_v[i, :, :b - a] = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+    real = torch.arange(Lmax, device="cuda")[None, :] < torch.tensor(lens_k, device="cuda")[:, None]
+    default = common.varlen.SHORT_QUERIES
+    with torch.no_grad():
+        for lq in (1, 4):
+            cu_q = torch.arange(0, 64 * lq + 1, lq, dtype=torch.int32, device="cuda")
+            q = torch.randn(64 * lq, H, D, dtype=torch.bfloat16, device="cuda")
+            line = [f"Lq {lq}"]
+            for backend in ("triton", "ninetoothed"):
+                for layout, short in (("per sequence", default), ("packed", 0)):
+                    common.varlen.SHORT_QUERIES = short
+                    try:
+                        ms = gpu_time_ms(lambda: varlen_attention(q, k, v, cu_q, cu_k, lq, Lmax, True, enable_gqa=True,
+                                                                  alignment="bottom_right", backend=backend))
+                    finally:
+                        common.varlen.SHORT_QUERIES = default
+                    line.append(f"{backend} {layout} {ms * 1e3:.0f} µs ({kv_bytes / ms * 1e-9:.2f} TB/s)")
+            pq = q.view(64, lq, H, D).transpose(1, 2)
+            mask = real[:, None, None, :] & (torch.arange(Lmax, device="cuda")[None, None, None, :]
+                                             <= (torch.tensor(lens_k, device="cuda")[:, None, None, None] - lq
+                                                 + torch.arange(lq, device="cuda")[None, None, :, None]))
+            ms = gpu_time_ms(lambda: F.scaled_dot_product_attention(pq, padded_k, padded_v, attn_mask=mask,
+                                                                    enable_gqa=True))
+            line.append(f"SDPA padded {ms * 1e3:.0f} µs")
+            print("; ".join(line), flush=True)
+
+
 def serving():
     """Issue 45 item 4: transformers' continuous batching (generate_batch) on our backends
     ("flash_triton", "flash_ninetoothed": under transformers 5.17 its "paged|" route, decoding steps
@@ -1129,8 +1177,9 @@ def static():
     """Issue 45 item 5: ``generate`` over a static cache, its decoding steps compiled by transformers
     (fullgraph, inductor with CUDA graphs: ``mode="reduce-overhead"``), random-weight Llama (bf16,
     batch 8, prompts of 128, 128 new tokens, greedy) on "sdpa", "triton" and "ninetoothed" in one
-    process: tokens per second after warm-up (and eager, compile disabled), graph breaks, recompiles
-    of the timed call (an error), tokens as sdpa's."""
+    process: tokens per second after warm-up (and eager, compile disabled), graph breaks, graphs
+    Inductor ran without CUDA graphs, recompiles of the timed call (an error), tokens as sdpa's (32
+    in float32 first, then the bf16 ones)."""
     import transformers
     from torch._dynamo.utils import counters
 
@@ -1154,15 +1203,21 @@ def static():
         torch.cuda.synchronize()
         return out, time.perf_counter() - start
 
-    tokens, line = {}, []
+    tokens, exact, line = {}, {}, []
     for name in ("sdpa", "triton", "ninetoothed"):
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+        model = transformers.LlamaForCausalLM(config).to("cuda").eval()
         model.set_attn_implementation(name)
         torch._dynamo.reset()
         counters.clear()
         try:
             with torch.no_grad():
+                # (tokens compared in float32, where a random-weight model's choices are not bf16's near ties)
+                exact[name] = model.generate(input_ids=input_ids, generation_config=greedy,
+                                             max_new_tokens=32)[:, input_ids.shape[1]:]
+                model.to(torch.bfloat16)
+                torch._dynamo.reset()
+                counters.clear()
                 _, warm = timed(model)
                 timed(model)
                 with torch._dynamo.config.patch(error_on_recompile=True):
@@ -1175,12 +1230,16 @@ def static():
         tokens[name] = out[:, input_ids.shape[1]:]
         match = ""
         if name != "sdpa" and "sdpa" in tokens:
-            match = f", {(tokens[name] == tokens['sdpa']).float().mean().item():.1%} of positions as sdpa"
+            match = (f", {(exact[name] == exact['sdpa']).float().mean().item():.1%} of positions as sdpa's "
+                     f"(float32), {(tokens[name] == tokens['sdpa']).float().mean().item():.1%} (bf16)")
         breaks = sum(counters["graph_break"].values())
+        skips = counters["inductor"]["cudagraph_skips"]  # (a graph Inductor runs without CUDA graphs)
         n = tokens[name].numel()
         line.append(f"{name}: {n / elapsed:.0f} tokens/s compiled, {n / eager:.0f} eager (first call {warm:.1f} s, "
-                    f"{breaks} graph breaks, {counters['stats']['unique_graphs']} graphs){match}")
+                    f"{breaks} graph breaks, {counters['stats']['unique_graphs']} graphs, {skips} CUDA-graph "
+                    f"skips){match}")
     print("; ".join(line), flush=True)
+
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["regs", "host", "ops", "decode"]:
