@@ -302,11 +302,12 @@ def test_continuous_batching_matches_generate(registered, backend, device, monke
                         lambda *a, **k: paged_calls.append(1) or paged_attention(*a, **k))
     cache_pages = common.hf._cache_pages
     monkeypatch.setattr(common.hf, "_cache_pages", lambda *a: paged_route.append(1) or cache_pages(*a))
-    prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 13)]
+    prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 13)]
     config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
     model = tiny_llama(torch.float32, device, f"flash_{backend}")
-    # (the cache sized here: transformers sizes it from free memory, which it may not read on a CPU)
-    sizes = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64)
+    # (the cache sized here: transformers sizes it from free memory, which it may not read on a CPU; steps
+    # of 8 tokens at most chunk the prompts' prefill, and blocks of 16 give a sequence two pages)
+    sizes = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=8, block_size=16)
     with torch.no_grad():
         batch = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=sizes)
     assert calls or paged_calls, "continuous batching did not reach our kernels"
