@@ -15,10 +15,12 @@ with S of tile j + 1) comes next, measured step by step.
 It serves the plain forward only: float16 or bfloat16, D = Dv in {64, 128, 256}, causal (either
 alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs whose strides
 TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
-kernel (``supports``).
+kernel (``serves``), and so does every plan unless ``ATTENTION_GLUON=1`` (``enabled``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -186,19 +188,37 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
 
 
-def supports(q, k, v, *, attn_mask=None, dropout_p=0.0, band=None, softcap=None, sinks=None, alibi=None) -> bool:
-    """Whether the Gluon forward serves a call: an sm_90 GPU, float16/bfloat16, D = Dv in
-    HEAD_DIMS, no mask, dropout, window, soft-capping, sinks or ALiBi, TMA-ready tensors."""
+def enabled() -> bool:
+    """The switch: ``ATTENTION_GLUON=1`` sends the plans it serves to this kernel (off until the H200
+    shows it faster; then on by default on sm_90, ``ATTENTION_GLUON=0`` forcing the ``tl`` kernel)."""
+    return os.environ.get("ATTENTION_GLUON", "0") == "1"
+
+
+def serves(plan) -> bool:
+    """Whether this kernel runs a ``common.plan.ForwardPlan``: an sm_90 GPU, float16/bfloat16, D = Dv
+    in HEAD_DIMS, heads not packed, no mask, dropout, soft-capping, sinks, ALiBi, packed sequences,
+    split or running result, a band with no left edge (causal, either alignment, or a right window
+    alone: row i sees keys up to i + band[1]), TMA-ready inputs."""
+    q, k, v = plan.query, plan.key, plan.value
     return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
-            and k.shape[-1] == q.shape[-1] == v.shape[-1]
-            and attn_mask is None and dropout_p == 0.0 and band is None and softcap is None and sinks is None
-            and alibi is None and all(_tma_ready(t) for t in (q, k, v)))
+            and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] == plan.shape[1]
+            and plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.sinks is None
+            and plan.row_bands is None and plan.alibi is None and not plan.split and not plan.resume
+            and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
+            and plan.out.stride(-1) == 1 and all(_tma_ready(t) for t in (q, k, v)))
+
+
+def forward_plan(plan):
+    """Run a plan this kernel serves (``serves``) into its buffers: ``(plan.out, plan.lse)``."""
+    forward(plan.query, plan.key, plan.value, plan.scale, None if plan.band is None else plan.band[1],
+            plan.with_lse, plan.out, plan.lse)
+    return plan.out, plan.lse
 
 
 def tile(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STAGES, num_warps) for a head dim: 128 rows over one warp group's 4
-    warps... (a first choice, to be measured and moved to the config table)."""
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps) for a head dim: 128 rows over two warp groups (a first
+    choice, to be measured and moved to the config table)."""
     return {64: (128, 128, 3, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}[head_dim]
 
 
@@ -214,8 +234,10 @@ def descriptors(q, k, v, block_m: int, block_n: int):
     return made
 
 
-def forward(q, k, v, scale: float, is_causal: bool, bottom_right: bool, with_lse: bool, out=None, lse=None):
-    """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32)."""
+def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None):
+    """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
+    ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
+    top-left; Lk - Lq: bottom-right)."""
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
     block_m, block_n, stages, num_warps = tile(D)
@@ -228,8 +250,8 @@ def forward(q, k, v, scale: float, is_causal: bool, bottom_right: bool, with_lse
     _gluon_attn_fwd[grid](
         q_desc, k_desc, v_desc, out, lse if with_lse else out,
         out.stride(0), out.stride(1), out.stride(2),
-        scale, H, H // H_kv, Lq, Lk, (Lk - Lq) if bottom_right else 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=is_causal, WITH_LSE=with_lse,
-        num_warps=num_warps,
+        scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
+        WITH_LSE=with_lse, num_warps=num_warps,
     )
     return (out, lse) if with_lse else out

@@ -1131,12 +1131,12 @@ def gluon():
             for causal in (False, True):
                 flops = 4 * B * H * L * L * D / (2 if causal else 1)
                 runs = {
-                    "gluon": lambda: ga.forward(q, k, v, D ** -0.5, causal, False, False),
+                    "gluon": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False),
                     "tl": lambda: attention(q, k, v, is_causal=causal, backend="triton"),
                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                 }
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
-                error = (ga.forward(q, k, v, D ** -0.5, causal, False, False).float()
+                error = (ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False).float()
                          - runs["tl"]().float()).abs().max().item()
                 print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: gluon {tflops['gluon']:.0f}, "
                       f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/sdpa "
