@@ -42,6 +42,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 HEAD_DIMS = (64, 128, 256)
+PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
 
 @gluon.jit
@@ -181,6 +182,132 @@ def _gluon_attn_fwd(
     gl.store(o_ptrs, out.to(dtype), mask=rows[:, None] < Lq)
 
 
+@gluon.jit
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: K and V tiles into the ring, tile t into slot t % STAGES once the
+    consumers released that slot's previous tile (its first round passes: a fresh barrier's
+    phase before 0 counts as complete)."""
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(slot), kv_bytes)
+        _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
+        _tma_load(v_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(q_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz, stride_oh,
+                 stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_hz, start_m, n_tiles,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr):
+    """The consumer warp groups (the default partition): the loop of ``_gluon_attn_fwd``, each slot
+    released to the producer (``kv_empty``) once P V of its tile is in."""
+    num_warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [off_z, off_h, start_m * BLOCK_M, 0], q_bar, q_smem)
+    qk_scale = scale * LOG2E
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    if n_tiles > 0:
+        mbarrier.wait(kv_ready.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, Lk, qk_scale, causal_shift, BLOCK_N, IS_CAUSAL,
+                                           col_s)
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j * BLOCK_N, Lk, qk_scale, causal_shift,
+                                               BLOCK_N, IS_CAUSAL, col_s)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        last = (n_tiles - 1) % STAGES
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
+        lse = (m_i + gl.log2(l_i)) * LN2
+        gl.store(Lse + off_hz.to(gl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+    l_i = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    cols = gl.arange(0, HEAD_DIM, layout=col_o)
+    o_ptrs = (Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+              + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
+    gl.store(o_ptrs, out.to(dtype), mask=rows[:, None] < Lq)
+
+
+@gluon.jit
+def _gluon_attn_fwd_ws(
+    q_desc, k_desc, v_desc, Out, Lse,
+    stride_oz, stride_oh, stride_om,
+    scale, H, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``_gluon_attn_fwd`` with FlashAttention-3's producer: one warp of its own issues the K/V
+    copies (``_ws_producer``) while the ``num_warps`` consumer warps (``_ws_consumer``) only wait
+    for tiles, multiply and run the softmax; slots go back through ``kv_empty``."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_m = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    off_h_kv = off_h // GROUP
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=1)
+    fence_async_shared()
+    hi = Lk
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, gl.maximum((start_m + 1) * BLOCK_M + causal_shift, 0))
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    gl.warp_specialize([
+        (_ws_consumer, (q_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz, stride_oh,
+                        stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_hz, start_m, n_tiles, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE)),
+        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
+                        STAGES)),
+    ], [1], [PRODUCER_REGS])
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_ready.index(s))
+        mbarrier.invalidate(kv_empty.index(s))
+
+
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether TMA can copy blocks of ``t`` (4-D, unit last stride, 16-byte aligned base and strides)."""
     size = t.element_size()
@@ -234,10 +361,11 @@ def descriptors(q, k, v, block_m: int, block_n: int):
     return made
 
 
-def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None):
+def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
+            specialized: bool = False):
     """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
-    top-left; Lk - Lq: bottom-right)."""
+    top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp."""
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
     block_m, block_n, stages, num_warps = tile(D)
@@ -247,11 +375,12 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     q_desc, k_desc, v_desc = descriptors(q, k, v, block_m, block_n)
     grid = (triton.cdiv(Lq, block_m), B * H)
-    _gluon_attn_fwd[grid](
-        q_desc, k_desc, v_desc, out, lse if with_lse else out,
-        out.stride(0), out.stride(1), out.stride(2),
-        scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
-        WITH_LSE=with_lse, num_warps=num_warps,
-    )
+    args = (q_desc, k_desc, v_desc, out, lse if with_lse else out, out.stride(0), out.stride(1), out.stride(2),
+            scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
+                WITH_LSE=with_lse, num_warps=num_warps)
+    if specialized:
+        _gluon_attn_fwd_ws[grid](*args, PRODUCER_REGS=PRODUCER_REGS, **meta)
+    else:
+        _gluon_attn_fwd[grid](*args, **meta)
     return (out, lse) if with_lse else out

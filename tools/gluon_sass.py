@@ -1,6 +1,6 @@
 """Compile the Gluon Hopper forward for sm_90 on a machine without a GPU, and say what it became.
 
-    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--out DIR]
+    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized] [--out DIR]
 
 Gluon kernels do not run under Triton's interpreter; compiling them for a named target needs no
 GPU (Triton ships ptxas and the disassembler), so on a CPU this checks that the kernel builds with
@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--specialized", action="store_true", help="the variant with a producer warp")
     parser.add_argument("--out", default="/tmp/gluon_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
 
@@ -59,10 +60,12 @@ def main(argv=None) -> int:
         block_m, block_n, stages, num_warps = ga.tile(D)
         q_desc, k_desc, v_desc = ga.descriptors(q, k, v, block_m, block_n)
         out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
-        kernel = ga._gluon_attn_fwd.warmup(
+        fn, extra = ((ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS)) if args.specialized
+                     else (ga._gluon_attn_fwd, {}))
+        kernel = fn.warmup(
             q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), 0.125, 8, 4, 1000, 1000, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,
-            num_warps=num_warps, grid=(1,))
+            num_warps=num_warps, grid=(1,), **extra)
         cubin = out_dir / f"gluon_fwd_d{D}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         for form in ("ttgir", "ptx"):
