@@ -15,6 +15,7 @@ import triton
 
 from common.interpret import apply_interpreter_fixes
 from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
+from impl_triton import gluon_attention
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
 
@@ -99,6 +100,8 @@ def forward(plan):
 
     Returns ``(plan.out, plan.lse)``, filled in.
     """
+    if gluon_attention.enabled() and gluon_attention.serves(plan):  # (sm_90: the Gluon kernel)
+        return gluon_attention.forward_plan(plan)
     _fwd_launcher.run(*_forward_launch(plan)[:5])
     if plan.split and not plan.refinement.kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, plan.value.shape[3], plan.lse))
@@ -172,6 +175,8 @@ def bind_forward(plan, keys: bool = False):
     a running result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`)."""
+    if gluon_attention.enabled() and gluon_attention.serves(plan):  # (each call through forward: the Gluon kernel)
+        return None
     grid, args, num_warps, num_stages, maxnreg, counts = _forward_launch(plan)
     prefix = _tensor_roles(plan, args, counts)
     if prefix is None:

@@ -49,6 +49,7 @@ is written to the project.
   GPU): what the library adds to Triton's launches. Runs on a CPU (under the interpreter) too.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
+- gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
 - varlen_decode: a decoding step as a packed batch (64 sequences, 1 or 4 queries each), laid out
   per sequence against the packed layout, both backends, SDPA on the padded batch.
 - serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
@@ -1112,6 +1113,38 @@ def varlen_decode():
                                                                     enable_gqa=True))
             line.append(f"SDPA padded {ms * 1e3:.0f} µs")
             print("; ".join(line), flush=True)
+
+
+def gluon():
+    """Issue 43: the Gluon Hopper forward (impl_triton.gluon_attention; both variants, one partition and
+    with a producer warp) against our tl kernel and SDPA's
+    default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16, B·L = 16k,
+    H·D = 2048 (D 64, 128) and D 256; and its largest error against the tl kernel's output."""
+    from triton.testing import do_bench
+
+    from impl_triton import gluon_attention as ga
+
+    shapes = [(16, 32, 1024, 64), (4, 32, 4096, 64), (1, 32, 16384, 64), (16, 16, 1024, 128), (4, 16, 4096, 128),
+              (1, 16, 16384, 128), (4, 8, 4096, 256)]
+    for dtype in (torch.bfloat16, torch.float16):
+        for B, H, L, D in shapes:
+            q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
+            for causal in (False, True):
+                flops = 4 * B * H * L * L * D / (2 if causal else 1)
+                runs = {
+                    "gluon": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False),
+                    "gluon_ws": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, specialized=True),
+                    "tl": lambda: attention(q, k, v, is_causal=causal, backend="triton"),
+                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                }
+                tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
+                reference = runs["tl"]().float()
+                error = max((runs[name]().float() - reference).abs().max().item() for name in ("gluon", "gluon_ws"))
+                print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: gluon {tflops['gluon']:.0f}, "
+                      f"gluon with a producer warp {tflops['gluon_ws']:.0f}, "
+                      f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/sdpa "
+                      f"{tflops['gluon'] / tflops['sdpa']:.2f}, gluon/tl {tflops['gluon'] / tflops['tl']:.2f}; "
+                      f"max |gluon - tl| {error:.1e} (both variants)", flush=True)
 
 
 def serving():

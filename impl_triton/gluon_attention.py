@@ -1,0 +1,386 @@
+"""The Hopper (sm_90) forward in Gluon: a kernel that owns its schedule.
+
+``triton.language`` leaves the schedule to the compiler (benchmarks/NOTES.md: everything it offers
+toward cuDNN's was built and measured); Gluon, Triton's lower-level DSL, exposes what FlashAttention-3
+is built from: explicit layouts, TMA copies completing on mbarriers, and asynchronous warp-group MMAs.
+
+This first kernel is the schedule's skeleton, one consumer warp group per program: Q is copied once
+by TMA, K and V tiles stream through a ring of ``STAGES`` shared-memory slots (the copy of tile
+j + STAGES - 1 is issued before tile j is used, into the slot tile j - 1 freed), S = Q K^T and
+O += P V run as asynchronous ``warpgroup_mma`` with P passed in registers, and the online softmax
+is the ``tl`` kernel's (names ``acc``, ``m_i``, ``l_i``, ``qk``, ``p``). What FlashAttention-3 adds
+on top (a producer warp, two consumer warp groups in ping-pong, the softmax of tile j overlapped
+with S of tile j + 1) comes next, measured step by step.
+
+It serves the plain forward only: float16 or bfloat16, D = Dv in {64, 128, 256}, causal (either
+alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs whose strides
+TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
+kernel (``serves``), and so does every plan unless ``ATTENTION_GLUON=1`` (``enabled``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+HEAD_DIMS = (64, 128, 256)
+PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, offs_m, start_n, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, col_layout: gl.constexpr):
+    """One key tile's online-softmax update (base 2): the scores masked (keys past Lk; causal),
+    the new row maxima, P (float32), the rescale factor of what came before, the new row sums."""
+    qk = qk * qk_scale
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_layout)
+    valid = offs_n[None, :] < Lk
+    if IS_CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+    qk = gl.where(valid, qk, float("-inf"))
+    m_ij = gl.maximum(m_i, gl.max(qk, 1))
+    m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
+    p = gl.exp2(qk - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_ij, l_i, alpha
+
+
+@gluon.jit
+def _gluon_attn_fwd(
+    q_desc, k_desc, v_desc, Out, Lse,
+    stride_oz, stride_oh, stride_om,
+    scale, H, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, num_warps: gl.constexpr,
+):
+    """One (batch, head, BLOCK_M-row block) program. Descriptors over (B, H, L, D) tensors, blocks
+    (1, 1, rows, D): rows past a head's length read as zeros (TMA's bounds are the tensor's), and
+    keys past Lk are masked. Causal: row i sees keys j <= i + causal_shift (0: top-left; Lk - Lq:
+    bottom-right). Out is (B, H, Lq, D) with a unit last stride; Lse (B, H, Lq) float32."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_m = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    off_h_kv = off_h // GROUP
+
+    # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
+    # warps, n the tile's width), P as O's A operand in registers
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_bars.index(s), count=1)
+    fence_async_shared()
+
+    # the key tiles this row block reaches
+    hi = Lk
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, gl.maximum((start_m + 1) * BLOCK_M + causal_shift, 0))
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [off_z, off_h, start_m * BLOCK_M, 0], q_bar, q_smem)
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for s in gl.static_range(STAGES):  # the ring's first tiles in flight
+        if s < n_tiles:
+            mbarrier.expect(kv_bars.index(s), kv_bytes)
+            _tma_load(k_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_bars.index(s),
+                                            k_smem.index(s))
+            _tma_load(v_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_bars.index(s),
+                                            v_smem.index(s))
+
+    qk_scale = scale * LOG2E
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+
+    # FlashAttention-3's overlap inside a warp group: while the tensor cores run S of tile j and
+    # P V of tile j - 1, the warps compute tile j's softmax as soon as its S is back (S_j issued
+    # first, so waiting for all but the newest group returns it); O is rescaled once P V of tile
+    # j - 1 is in, before P V of tile j is issued. The slot of tile j - 1 is refilled (tile
+    # j - 1 + STAGES) once that product has read it.
+    if n_tiles > 0:
+        mbarrier.wait(kv_bars.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, Lk, qk_scale, causal_shift, BLOCK_N, IS_CAUSAL,
+                                           col_s)
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(kv_bars.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j * BLOCK_N, Lk, qk_scale, causal_shift,
+                                               BLOCK_N, IS_CAUSAL, col_s)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            refill = j - 1 + STAGES
+            if refill < n_tiles:
+                mbarrier.expect(kv_bars.index(prev), kv_bytes)
+                _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(prev), k_smem.index(prev))
+                _tma_load(v_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(prev), v_smem.index(prev))
+        last = (n_tiles - 1) % STAGES
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_bars.index(s))
+
+    if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
+        lse = (m_i + gl.log2(l_i)) * LN2
+        gl.store(Lse + off_hz.to(gl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+    l_i = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    cols = gl.arange(0, HEAD_DIM, layout=col_o)
+    o_ptrs = (Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+              + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
+    gl.store(o_ptrs, out.to(dtype), mask=rows[:, None] < Lq)
+
+
+@gluon.jit
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: K and V tiles into the ring, tile t into slot t % STAGES once the
+    consumers released that slot's previous tile (its first round passes: a fresh barrier's
+    phase before 0 counts as complete)."""
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(slot), kv_bytes)
+        _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
+        _tma_load(v_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(q_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz, stride_oh,
+                 stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_hz, start_m, n_tiles,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr):
+    """The consumer warp groups (the default partition): the loop of ``_gluon_attn_fwd``, each slot
+    released to the producer (``kv_empty``) once P V of its tile is in."""
+    num_warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [off_z, off_h, start_m * BLOCK_M, 0], q_bar, q_smem)
+    qk_scale = scale * LOG2E
+    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    if n_tiles > 0:
+        mbarrier.wait(kv_ready.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, Lk, qk_scale, causal_shift, BLOCK_N, IS_CAUSAL,
+                                           col_s)
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                                v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j * BLOCK_N, Lk, qk_scale, causal_shift,
+                                               BLOCK_N, IS_CAUSAL, col_s)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        last = (n_tiles - 1) % STAGES
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
+        lse = (m_i + gl.log2(l_i)) * LN2
+        gl.store(Lse + off_hz.to(gl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
+    l_i = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    cols = gl.arange(0, HEAD_DIM, layout=col_o)
+    o_ptrs = (Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+              + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
+    gl.store(o_ptrs, out.to(dtype), mask=rows[:, None] < Lq)
+
+
+@gluon.jit
+def _gluon_attn_fwd_ws(
+    q_desc, k_desc, v_desc, Out, Lse,
+    stride_oz, stride_oh, stride_om,
+    scale, H, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``_gluon_attn_fwd`` with FlashAttention-3's producer: one warp of its own issues the K/V
+    copies (``_ws_producer``) while the ``num_warps`` consumer warps (``_ws_consumer``) only wait
+    for tiles, multiply and run the softmax; slots go back through ``kv_empty``."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_m = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    off_h_kv = off_h // GROUP
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=1)
+    fence_async_shared()
+    hi = Lk
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, gl.maximum((start_m + 1) * BLOCK_M + causal_shift, 0))
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    gl.warp_specialize([
+        (_ws_consumer, (q_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz, stride_oh,
+                        stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_hz, start_m, n_tiles, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE)),
+        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
+                        STAGES)),
+    ], [1], [PRODUCER_REGS])
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_ready.index(s))
+        mbarrier.invalidate(kv_empty.index(s))
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can copy blocks of ``t`` (4-D, unit last stride, 16-byte aligned base and strides)."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
+
+
+def enabled() -> bool:
+    """The switch: ``ATTENTION_GLUON=1`` sends the plans it serves to this kernel (off until the H200
+    shows it faster; then on by default on sm_90, ``ATTENTION_GLUON=0`` forcing the ``tl`` kernel)."""
+    return os.environ.get("ATTENTION_GLUON", "0") == "1"
+
+
+def serves(plan) -> bool:
+    """Whether this kernel runs a ``common.plan.ForwardPlan``: an sm_90 GPU, float16/bfloat16, D = Dv
+    in HEAD_DIMS, heads not packed, no mask, dropout, soft-capping, sinks, ALiBi, packed sequences,
+    split or running result, a band with no left edge (causal, either alignment, or a right window
+    alone: row i sees keys up to i + band[1]), TMA-ready inputs."""
+    q, k, v = plan.query, plan.key, plan.value
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
+            and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] == plan.shape[1]
+            and plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.sinks is None
+            and plan.row_bands is None and plan.alibi is None and not plan.split and not plan.resume
+            and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
+            and plan.out.stride(-1) == 1 and all(_tma_ready(t) for t in (q, k, v)))
+
+
+def forward_plan(plan):
+    """Run a plan this kernel serves (``serves``) into its buffers: ``(plan.out, plan.lse)``."""
+    forward(plan.query, plan.key, plan.value, plan.scale, None if plan.band is None else plan.band[1],
+            plan.with_lse, plan.out, plan.lse)
+    return plan.out, plan.lse
+
+
+def tile(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps) for a head dim: 128 rows over two warp groups (a first
+    choice, to be measured and moved to the config table)."""
+    return {64: (128, 128, 3, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}[head_dim]
+
+
+def descriptors(q, k, v, block_m: int, block_n: int):
+    """TMA descriptors of (B, H, L, D) q, k, v with (1, 1, rows, D) blocks."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[q.dtype]
+    D = q.shape[-1]
+    made = []
+    for t, rows in ((q, block_m), (k, block_n), (v, block_n)):
+        block = [1, 1, rows, D]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+        made.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
+    return made
+
+
+def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
+            specialized: bool = False):
+    """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
+    ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
+    top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp."""
+    B, H, Lq, D = q.shape
+    H_kv, Lk = k.shape[1], k.shape[2]
+    block_m, block_n, stages, num_warps = tile(D)
+    if out is None:
+        out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
+    if with_lse and lse is None:
+        lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+    q_desc, k_desc, v_desc = descriptors(q, k, v, block_m, block_n)
+    grid = (triton.cdiv(Lq, block_m), B * H)
+    args = (q_desc, k_desc, v_desc, out, lse if with_lse else out, out.stride(0), out.stride(1), out.stride(2),
+            scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
+                WITH_LSE=with_lse, num_warps=num_warps)
+    if specialized:
+        _gluon_attn_fwd_ws[grid](*args, PRODUCER_REGS=PRODUCER_REGS, **meta)
+    else:
+        _gluon_attn_fwd[grid](*args, **meta)
+    return (out, lse) if with_lse else out

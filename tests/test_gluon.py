@@ -1,0 +1,109 @@
+"""The Gluon Hopper forward (impl_triton.gluon_attention): on an sm_90 GPU against SDPA in float32;
+on any machine, compiled for sm_90 (Gluon does not run under Triton's interpreter)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("specialized", [False, True], ids=["one-partition", "producer-warp"])
+def test_compiles_for_sm90_with_the_overlap(specialized):
+    """Built for sm_90 with the installed Triton: warp-group MMAs, TMA copies, no spills, and the
+    loop waiting for a tile's S while the previous tile's P V is in flight."""
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal"]
+    result = subprocess.run(command + (["--specialized"] if specialized else []), capture_output=True, text=True,
+                            timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = re.search(r"D=128 .*", result.stdout).group(0)
+    fields = dict(item.split("=") for item in line.split())
+    assert int(fields["STACK"]) == 0 and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
+    assert fields["OVERLAP"] == "1", line
+
+
+CASES = [  # (B, H, H_kv, Lq, Lk)
+    (2, 4, 2, 300, 517),  # grouped heads, lengths off the tiles
+    (1, 8, 8, 1000, 1000),
+    (2, 2, 1, 700, 129),  # more queries than keys (causal top-left: rows with no key)
+]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}" for c in CASES])
+@pytest.mark.parametrize("specialized", [False, True], ids=["one-partition", "producer-warp"])
+def test_gluon_forward_matches_sdpa(D, dtype, causal, case, specialized):
+    from impl_triton import gluon_attention as ga
+
+    B, H, H_kv, Lq, Lk = case
+    q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(B, H_kv, Lk, D, device="cuda", dtype=dtype) for _ in range(2))
+    out = torch.full((B, H, Lq, D), float("nan"), device="cuda", dtype=dtype)  # poisoned: every row is written
+    lse = torch.full((B, H, Lq), float("nan"), device="cuda")
+    scale = 0.3
+    shift = None if causal is None else (Lk - Lq if causal == "bottom_right" else 0)
+    ga.forward(q, k, v, scale, shift, True, out=out, lse=lse, specialized=specialized)
+    qf, kf, vf = (t.float().repeat_interleave(H // t.shape[1], 1) if t is not q else t.float() for t in (q, k, v))
+    s = qf @ kf.transpose(-1, -2) * scale
+    if causal is not None:
+        keep = torch.arange(Lk, device="cuda")[None, :] <= torch.arange(Lq, device="cuda")[:, None] + shift
+        s = s.masked_fill(~keep, float("-inf"))
+    expected_lse = torch.logsumexp(s, -1)
+    expected = (torch.softmax(s, -1).nan_to_num(0.0) @ vf)
+    tolerance = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
+    torch.testing.assert_close(lse[seen], expected_lse[seen], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+def test_attention_takes_the_gluon_path_when_switched_on(monkeypatch):
+    """With ATTENTION_GLUON=1, attention() on the triton backend runs the plans the Gluon kernel
+    serves through it (every call: none is bound to the tl kernel) and the rest through the tl kernel."""
+    from common import attention
+    from common.reuse import PLANS
+    from impl_triton import gluon_attention as ga
+
+    monkeypatch.setenv("ATTENTION_GLUON", "1")
+    PLANS.clear()
+    taken = []
+    run = ga.forward_plan
+    monkeypatch.setattr(ga, "forward_plan", lambda plan: taken.append(plan.query.shape) or run(plan))
+    q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        out = attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
+    assert len(taken) == 3
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                                 enable_gqa=True)
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+    mask = torch.rand(1024, 1024, device="cuda") > 0.1
+    attention(q, k, v, attn_mask=mask, enable_gqa=True, backend="triton")  # (a mask: the tl kernel)
+    assert len(taken) == 3
+
+
+def test_switched_on_without_hopper_runs_the_tl_kernel(monkeypatch, device):
+    """ATTENTION_GLUON=1 where the Gluon kernel cannot run (no sm_90 GPU, the interpreter): the tl
+    kernel, the same answer."""
+    if ON_HOPPER:
+        pytest.skip("on an sm_90 GPU the switch takes the Gluon kernel (the test above)")
+    from common import attention
+    from impl_triton import gluon_attention as ga
+
+    monkeypatch.setenv("ATTENTION_GLUON", "1")
+    monkeypatch.setattr(ga, "forward_plan", lambda plan: pytest.fail("the Gluon kernel ran off sm_90"))
+    q, k, v = (torch.randn(1, 2, 33, 64, device=device, dtype=torch.float16) for _ in range(3))
+    out = attention(q, k, v, is_causal=True, backend="triton")
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)

@@ -1,0 +1,86 @@
+"""Compile the Gluon Hopper forward for sm_90 on a machine without a GPU, and say what it became.
+
+    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized] [--out DIR]
+
+Gluon kernels do not run under Triton's interpreter; compiling them for a named target needs no
+GPU (Triton ships ptxas and the disassembler), so on a CPU this checks that the kernel builds with
+the installed Triton and reads what the H200 would run: registers, stack (spills), shared memory,
+and the tensor-core, TMA and wait instructions (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the loop waits
+for S of a tile while P V of the one before is still in flight, FlashAttention-3's overlap). One
+line per head dim: ``D=<d> REG=<n> STACK=<n> SMEM=<n> HGMMA=<n> UTMALDG=<n> OVERLAP=<0|1>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from common.interpret import _StandInDriver  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--specialized", action="store_true", help="the variant with a producer warp")
+    parser.add_argument("--out", default="/tmp/gluon_sass", help="where the TTGIR, PTX and SASS go")
+    args = parser.parse_args(argv)
+
+    class TargetDriver(_StandInDriver):
+        backend = "cuda"
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    triton.runtime.driver.set_active(TargetDriver())
+    import impl_triton.gluon_attention as ga
+
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    dtype = getattr(torch, args.dtype)
+    for D in args.dims:
+        q = torch.randn(2, 8, 1000, D, dtype=dtype)
+        k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
+        block_m, block_n, stages, num_warps = ga.tile(D)
+        q_desc, k_desc, v_desc = ga.descriptors(q, k, v, block_m, block_n)
+        out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
+        fn, extra = ((ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS)) if args.specialized
+                     else (ga._gluon_attn_fwd, {}))
+        kernel = fn.warmup(
+            q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), 0.125, 8, 4, 1000, 1000, 0,
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,
+            num_warps=num_warps, grid=(1,), **extra)
+        cubin = out_dir / f"gluon_fwd_d{D}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        for form in ("ttgir", "ptx"):
+            (out_dir / f"gluon_fwd_d{D}.{form}").write_text(kernel.asm[form])
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+        (out_dir / f"gluon_fwd_d{D}.sass").write_text(sass)
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True).stdout
+        regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
+        overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
+        print(f"D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
+              f"HGMMA={len(re.findall(r'HGMMA', sass))} UTMALDG={len(re.findall(r'UTMALDG', sass))} "
+              f"OVERLAP={overlap}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
