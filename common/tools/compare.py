@@ -176,6 +176,57 @@ def code_section() -> tuple[str, dict]:
     return "\n".join(lines), totals
 
 
+# The same forward at three levels of abstraction: (level, its backend's modules or its own module, its
+# forward's functions, what the author decides there that the level above decides for them).
+LEVELS = [
+    ("tensor-oriented: NineToothed", "ninetoothed", KERNEL_FUNCTIONS["ninetoothed"]["forward"],
+     "how each tensor is tiled and which tiles a program gets (the arrangement), and the loop over them; "
+     "the code generator writes every offset, pointer and mask, and Triton's compiler the schedule"),
+    ("block-oriented: `triton.language`", "triton", KERNEL_FUNCTIONS["triton"]["forward"],
+     "every offset, pointer, mask and loop bound, block by block; the compiler chooses the layouts, the "
+     "shared memory, the copies' pipelining and when each product waits"),
+    ("warp-group-oriented: Gluon (sm_90)", "impl_triton.gluon_attention",
+     ["_softmax_step", "_gluon_attn_fwd", "_ws_producer", "_ws_consumer", "_gluon_attn_fwd_ws"],
+     "the register layouts of S, O and P, the shared-memory ring and its barriers, each TMA copy, when each "
+     "asynchronous warp-group MMA is issued and waited for, and which warps copy and which compute"),
+]
+SCHEDULE_CALLS = ("allocate_shared_memory", "init", "expect", "wait", "arrive", "invalidate", "warpgroup_mma",
+                  "warpgroup_mma_wait", "warp_specialize", "fence_async_shared", "_tma_load", "convert_layout")
+
+
+def levels_section() -> str:
+    """The forward at the three levels: lines, hand-written index expressions, the schedule's explicit
+    operations (shared memory, barriers, copies, asynchronous MMAs and their waits, layout conversions),
+    and what the author decides at each level."""
+    import ast
+    import importlib
+
+    out = ["## One forward at three levels", "",
+           "The same FlashAttention forward (online softmax over key tiles) written three times. Counted as above; "
+           "schedule operations are the calls that place data and order work by hand (shared-memory allocations, "
+           "barrier init/expect/wait/arrive, TMA copies, asynchronous MMAs and their waits, warp specialisation, "
+           "layout conversions).", "",
+           "| level | forward lines | index expressions | schedule operations | what the author decides |",
+           "|---|---|---|---|---|"]
+    for label, module, names, decides in LEVELS:
+        source = (_module_source(module) if module in KERNEL_MODULES
+                  else inspect.getsource(importlib.import_module(module)))
+        metrics = function_metrics(source, names)
+        tree = ast.parse(source)
+        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+        schedule = sum(1 for f in functions for n in ast.walk(f) if isinstance(n, ast.Call)
+                       and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in SCHEDULE_CALLS)
+        out.append(f"| {label} | {sum(f.code_lines for f in metrics)} | "
+                   f"{sum((f.index for f in metrics), IndexCounts()).total} | {schedule} | {decides} |")
+    out += ["", "Not like for like: the first two forwards carry every feature (masks, dropout, windows, "
+            "soft-capping, sinks, ALiBi, split keys and their merge); the Gluon one serves the plain forward "
+            "(float16/bfloat16, D = Dv 64/128/256, causal or not, grouped heads, the log-sum-exp), written twice "
+            "(one partition, and with a producer warp), and is switched on by `ATTENTION_GLUON=1`; its speed beside the "
+            "other two levels is `tools/probe.py gluon` on an sm_90 GPU (benchmarks/NOTES.md), not yet in the "
+            "benchmark's tables. NineToothed compiles to `triton.language`, so it cannot reach this level."]
+    return "\n".join(out)
+
+
 def _selected_functions(source: str, names):
     """The top-level functions of ``source`` named in ``names``, or (``names`` None) its ``@triton.jit`` ones."""
     import ast
@@ -448,6 +499,7 @@ def main(args) -> int:
         "the same names: `impl_triton/kernels.py` and `impl_ninetoothed/kernels.py`.",
         narrative,
         code,
+        levels_section(),
         generated_section(files),
         gpu_section(gpu),
         speed,
