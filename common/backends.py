@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:  # (importing common imports no triton and no backend)
-    import torch
-
     from common.paged import PagedPlan
     from common.plan import BackwardPlan, ForwardPlan
 
