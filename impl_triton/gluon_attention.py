@@ -362,13 +362,14 @@ def descriptors(q, k, v, block_m: int, block_n: int):
 
 
 def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
-            specialized: bool = False):
+            specialized: bool = False, config: tuple[int, int, int, int] | None = None):
     """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
-    top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp."""
+    top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp. ``config``:
+    (BLOCK_M, BLOCK_N, STAGES, num_warps) instead of ``tile``'s (a probe's sweep)."""
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
-    block_m, block_n, stages, num_warps = tile(D)
+    block_m, block_n, stages, num_warps = config or tile(D)
     if out is None:
         out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
     if with_lse and lse is None:

@@ -1,6 +1,7 @@
 """Compile the Gluon Hopper forward for sm_90 on a machine without a GPU, and say what it became.
 
-    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized] [--out DIR]
+    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized]
+        [--config BLOCK_M BLOCK_N STAGES WARPS] [--out DIR]
 
 Gluon kernels do not run under Triton's interpreter; compiling them for a named target needs no
 GPU (Triton ships ptxas and the disassembler), so on a CPU this checks that the kernel builds with
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--specialized", action="store_true", help="the variant with a producer warp")
+    parser.add_argument("--config", nargs=4, type=int, metavar=("BLOCK_M", "BLOCK_N", "STAGES", "WARPS"),
+                        help="a tile instead of gluon_attention.tile's")
     parser.add_argument("--out", default="/tmp/gluon_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
 
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
     for D in args.dims:
         q = torch.randn(2, 8, 1000, D, dtype=dtype)
         k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
-        block_m, block_n, stages, num_warps = ga.tile(D)
+        block_m, block_n, stages, num_warps = args.config or ga.tile(D)
         q_desc, k_desc, v_desc = ga.descriptors(q, k, v, block_m, block_n)
         out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
         fn, extra = ((ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS)) if args.specialized

@@ -50,6 +50,7 @@ is written to the project.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 - gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
+- gluon_tiles: the Gluon forward's tiles swept at L 4096 (both variants), SDPA beside.
 - varlen_decode: a decoding step as a packed batch (64 sequences, 1 or 4 queries each), laid out
   per sequence against the packed layout, both backends, SDPA on the padded batch.
 - serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
@@ -1067,6 +1068,35 @@ def repeat_varlen_bwd():
         differ = sum(any(not torch.equal(a, b) for a, b in zip(first, grads()))
                      for _ in range(0 if os.environ.get("RACE_ONLY") else 100))
         print(f"{backend} varlen float32 D 24: 100 backward calls, {differ} differ bitwise from the first", flush=True)
+
+
+def gluon_tiles():
+    """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; both variants) at the benchmark's
+    L 4096 shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit
+    says why."""
+    from triton.testing import do_bench
+
+    from impl_triton import gluon_attention as ga
+
+    candidates = {64: [(128, 64, 2, 4), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 3, 8), (128, 128, 4, 8),
+                       (64, 128, 3, 4)],
+                  128: [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 2, 4), (64, 128, 2, 4),
+                        (128, 128, 3, 8)]}
+    for (B, H, L, D) in ((4, 32, 4096, 64), (4, 16, 4096, 128)):
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            flops = 4 * B * H * L * L * D / (2 if causal else 1)
+            sdpa = flops / do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) * 1e-9
+            line = [f"({B}, {H}, {L}, {D}) causal={causal}: sdpa {sdpa:.0f}"]
+            for config in candidates[D]:
+                for specialized in (False, True):
+                    try:
+                        ms = do_bench(lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False,
+                                                         specialized=specialized, config=config))
+                        line.append(f"{config}{' ws' if specialized else ''} {flops / ms * 1e-9:.0f}")
+                    except Exception as error:  # noqa: BLE001 (a tile that does not build: the others still run)
+                        line.append(f"{config}{' ws' if specialized else ''} {type(error).__name__}")
+            print("; ".join(line), flush=True)
 
 
 def varlen_decode():
