@@ -286,6 +286,32 @@ def wrap_interpreter_cast(wrap) -> bool:
     return _wrap_once(InterpreterBuilder, "cast_impl", wrap)
 
 
+def wrap_interpreter_fp8_cast(wrap) -> bool:
+    """``InterpreterBuilder.create_fp_to_fp(self, src, dst_type, rounding_mode)``: a float conversion
+    to or from an 8-bit float under the interpreter (``.to()``), on ``TensorHandle``s (8-bit floats
+    held as uint8 bit patterns). Checked: triton 3.9."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    return _wrap_once(InterpreterBuilder, "create_fp_to_fp", wrap)
+
+
+def interpreter_fp8_cast(values, src, dst):
+    """The interpreter's own :func:`wrap_interpreter_fp8_cast` conversion (round to nearest) of the
+    NumPy array ``values`` (holding ``tl`` type ``src``) to ``tl`` type ``dst``: the result's data."""
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import _ir
+
+    return interpreter.interpreter_builder.create_fp_to_fp(interpreter.TensorHandle(values, src), dst,
+                                                           _ir.ROUNDING_MODE.RTNE).data
+
+
+def interpreter_rounding_to_nearest(rounding_mode) -> bool:
+    """Whether ``create_fp_to_fp``'s ``rounding_mode`` rounds to nearest (RTNE, or None: the default)."""
+    from triton.runtime.interpreter import _ir
+
+    return rounding_mode is None or rounding_mode == _ir.ROUNDING_MODE.RTNE
+
+
 def interpreter_cast(values, src, dst):
     """The interpreter's own conversion of the NumPy array ``values`` (holding ``tl`` type ``src``)
     to ``tl`` type ``dst``: the data of the ``TensorHandle`` that ``cast_impl`` returns."""

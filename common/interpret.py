@@ -6,8 +6,8 @@ us: before ``impl_triton`` is imported, or before ``ninetoothed.make`` runs).
 :func:`use_interpreter_if_no_gpu` sets it on machines without a CUDA device.
 
 Three fixes make the interpreter run our kernels, all for reasons outside our
-code, a fourth makes it faster, and a fifth and a sixth make it type integers and
-round bfloat16 as a compiled kernel does. :func:`apply_interpreter_fixes` applies
+code, a fourth makes it faster, and a fifth, a sixth and a seventh make it type
+integers and round bfloat16 and float8 as a compiled kernel does. :func:`apply_interpreter_fixes` applies
 them; it is a no-op unless the interpreter is on, so a GPU run never sees them.
 Each reaches the interpreter through ``common.compat``.
 
@@ -48,6 +48,13 @@ Each reaches the interpreter through ``common.compat``.
    GPU does, with inf and NaN kept, where the installed interpreter does not
    already (checked by converting a few values once). Its float16 conversions
    (NumPy's) round correctly already.
+7. A GPU converts float32, float16 and bfloat16 to float8_e4m3fn rounding to nearest, ties
+   to even, and saturating to +-448 (``cvt.rn.satfinite``); Triton's interpreter (3.9) adds
+   the rounding bit without carrying it into the exponent (1.998 gives 1.0, not 2.0) and lets
+   values past 448 become NaN. Its float8 -> wider conversions read e4m3's NaN as 480. The FP8
+   forward rounds probabilities to e4m3 (``p.to(v.dtype)``), so we convert as the GPU does, by
+   way of torch's float8_e4m3fn (which rounds to nearest even), where the installed
+   interpreter does not already (checked by converting a few values once).
 """
 
 from __future__ import annotations
@@ -144,6 +151,7 @@ def apply_interpreter_fixes() -> bool:
     _without_overflow_checks(compat.interpreter_builder())
     _annotated_integers()
     _bf16_rounding()
+    _e4m3_rounding()
     return True
 
 
@@ -239,3 +247,76 @@ def _bf16_rounding() -> None:
         return cast
 
     compat.wrap_interpreter_cast(rounded)
+
+
+def e4m3_bits(values):
+    """float32 ``values`` (a NumPy array) as float8_e4m3fn bit patterns (uint8), rounded to
+    nearest, ties to even, saturated to +-448 as a GPU converts them (a NaN stays a NaN)."""
+    import numpy as np
+    import torch
+
+    values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return values.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def _as_float32(data, dtype):
+    """The NumPy array ``data`` of ``tl`` type ``dtype`` (float32, float16, bfloat16 bit patterns,
+    float8_e4m3fn bit patterns) as float32 values."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    if dtype == tl.bfloat16:
+        return (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype == tl.float8e4nv:
+        e4m3 = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8)).view(torch.float8_e4m3fn)
+        return e4m3.float().numpy()
+    return np.asarray(data, dtype=np.float32)
+
+
+_E4M3_PROBE = (1.998, -1.998, 0.0038, 500.0, -1000.0, 0.3125, 0.34375)  # carry, subnormal, saturation, ties
+
+
+def _interpreter_rounds_e4m3(cast=None) -> bool:
+    """Whether ``cast`` (float32 NumPy array -> float8_e4m3fn bit patterns; by default this Triton's
+    interpreter's conversion) already converts as :func:`e4m3_bits` does."""
+    import numpy as np
+    import triton.language as tl
+
+    if cast is None:
+        def cast(values):
+            return compat.interpreter_fp8_cast(values, tl.float32, tl.float8e4nv)
+
+    probe = np.array(_E4M3_PROBE, dtype=np.float32)
+    return bool(np.array_equal(np.asarray(cast(probe)).view(np.uint8), e4m3_bits(probe)))
+
+
+def _e4m3_rounding() -> None:
+    """Fix 7: the interpreter's conversions to float8_e4m3fn (from float32, float16 or bfloat16,
+    rounding to nearest) round to nearest even and saturate (:func:`e4m3_bits`), and its
+    conversions from it keep NaN, where the installed version does not already."""
+    if _interpreter_rounds_e4m3():
+        return
+    import numpy as np
+    import triton.language as tl
+
+    wider = (tl.float32, tl.float16, tl.bfloat16)
+
+    def rounded(create_fp_to_fp):
+        @functools.wraps(create_fp_to_fp)
+        def cast(self, src, dst_type, rounding_mode):
+            source, target = src.dtype.scalar, dst_type.scalar
+            if target == tl.float8e4nv and source in wider and compat.interpreter_rounding_to_nearest(rounding_mode):
+                values = _as_float32(src.data, source)
+                return compat.interpreter_handle(e4m3_bits(values).reshape(np.shape(src.data)), tl.float8e4nv)
+            if source == tl.float8e4nv and target in wider:
+                values = _as_float32(src.data, source).reshape(np.shape(src.data))
+                if target == tl.bfloat16:
+                    return compat.interpreter_handle(bf16_bits(values).reshape(values.shape), tl.bfloat16)
+                return compat.interpreter_handle(values.astype(np.float16 if target == tl.float16 else np.float32),
+                                                 target)
+            return create_fp_to_fp(self, src, dst_type, rounding_mode)
+
+        return cast
+
+    compat.wrap_interpreter_fp8_cast(rounded)

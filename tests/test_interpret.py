@@ -146,3 +146,55 @@ def test_bf16_rounding_applies_only_where_the_interpreter_truncates():
     assert interpret._interpreter_rounds_bf16(truncating) is False
     assert interpret._interpreter_rounds_bf16(interpret.bf16_bits) is True
     assert interpret._interpreter_rounds_bf16() is True
+
+
+def test_e4m3_conversions_match_torch():
+    """Fix 7: float32, float16 and bfloat16 -> float8_e4m3fn under the interpreter round to
+    nearest even and saturate to +-448, as a GPU's cvt.rn.satfinite does (torch's conversion after
+    a clamp), bit for bit; and e4m3 -> float32 keeps NaN."""
+    import triton
+    import triton.language as tl
+
+    apply_interpreter_fixes()
+
+    @triton.jit
+    def convert(X, Y, W, n, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        x = tl.load(X + r, mask=r < n)
+        y = x.to(tl.float8e4nv)
+        tl.store(Y + r, y.to(tl.bfloat16).to(tl.float32), mask=r < n)
+        tl.store(W + r, x.to(tl.bfloat16).to(tl.float8e4nv).to(tl.float16).to(tl.float32), mask=r < n)
+
+    x = torch.cat([torch.linspace(-520.0, 520.0, 4001), torch.linspace(-0.02, 0.02, 801),
+                   torch.tensor([1.998, 0.3125, 0.34375, 2.0**-10, 3 * 2.0**-11])])
+    y, w = torch.empty_like(x), torch.empty_like(x)
+    convert[(1,)](x, y, w, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(y, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert torch.equal(w, x.bfloat16().float().clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert y[-5].item() == 2.0  # 1.998, which the unfixed interpreter made 1.0
+
+    @triton.jit
+    def widen(X, Y, n, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        tl.store(Y + r, tl.load(X + r, mask=r < n).to(tl.float32), mask=r < n)
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = torch.empty(256)
+    widen[(1,)](codes, out, 256, BLOCK=256)
+    assert torch.equal(out.isnan(), codes.float().isnan())
+    assert torch.equal(out[~out.isnan()], codes.float()[~out.isnan()])
+
+
+def test_e4m3_rounding_applies_only_where_the_interpreter_misrounds():
+    import numpy as np
+
+    from common import interpret
+
+    apply_interpreter_fixes()
+
+    def truncating(values):
+        return interpret.e4m3_bits(np.trunc(np.asarray(values, dtype=np.float32) * 8) / 8)
+
+    assert interpret._interpreter_rounds_e4m3(truncating) is False
+    assert interpret._interpreter_rounds_e4m3(interpret.e4m3_bits) is True
+    assert interpret._interpreter_rounds_e4m3() is True
