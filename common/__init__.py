@@ -7,6 +7,7 @@ computes, forward and backward, on the backend of your choice;
 ``ring_attention`` spreads one sequence over the ranks of a process group;
 ``varlen_attention`` attends within each sequence of a packed batch;
 ``paged_attention`` and ``append_kv`` read and write a paged KV cache;
+``quantize_fp8`` makes float8_e4m3fn inputs and their descales for ``attention``;
 ``common.flash_attn_interface`` offers FlashAttention 2's functions, signatures and layout.
 
 The names are imported on first use (``from common import attention`` or ``common.attention``),
@@ -23,6 +24,7 @@ _PUBLIC = {
     "attention_backward": "common.dispatch",
     "append_kv": "common.paged",
     "paged_attention": "common.paged",
+    "quantize_fp8": "common.fp8",
     "plan_attention": "common.reuse",
     "ring_attention": "common.ring",
     "shard_sequence": "common.ring",

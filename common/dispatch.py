@@ -17,7 +17,7 @@ import torch
 from common import ops
 from common.backends import resolve
 from common.reuse import PLANS, AttentionPlan, layout_of
-from common.validation import check_backward, check_call
+from common.validation import FP8_DTYPES, check_backward, check_call
 
 
 def attention(
@@ -38,6 +38,10 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -48,7 +52,9 @@ def attention(
 
     Args:
         query: (B, H, Lq, D) or (H, Lq, D); float16, bfloat16 or float32; any strides.
-        key: (B, H_kv, Lk, D) or (H_kv, Lk, D); same dtype and device as query.
+            Or float8_e4m3fn (forward only; see q_descale).
+        key: (B, H_kv, Lk, D) or (H_kv, Lk, D); same dtype and device as query (FP8: key
+            and value float8_e4m3fn with a float8_e4m3fn, float16 or bfloat16 query).
         value: (B, H_kv, Lk, Dv) or (H_kv, Lk, Dv); Dv may differ from D.
             The kernel backends take head dims 16 <= D, Dv <= 256.
         is_causal: mask with SDPA's top-left alignment, ``ones(Lq, Lk).tril(0)``:
@@ -103,28 +109,45 @@ def attention(
             (a masked score stays masked). The slopes get no gradient (as in
             FlashAttention): a slopes tensor that requires grad is used as a
             constant.
+        q_descale, k_descale, v_descale: FP8 inputs' descales (FlashAttention-3's
+            convention): None (1), or a float32 tensor (B, H_kv) ((H_kv,) for 3-D
+            inputs) on the query's device; an input's real value is its stored
+            value times the descale of its batch and key/value head (a query head
+            takes its group's). Only for float8_e4m3fn inputs. Scores are the
+            float32 sums of the FP8 products times scale · q_descale · k_descale;
+            for the P·V product the probabilities are rounded to e4m3 where the
+            query is FP8 too (FlashAttention-3's choice; ``Planner.fp8_pv``), and
+            values are widened to the query's dtype where it is 16-bit; the
+            output is multiplied by v_descale. Forward only: an input that
+            requires grad is an error. The kernel backends read the descales on
+            the GPU (no host sync); "torch" dequantizes and calls SDPA.
+        out_dtype: the output's dtype for an FP8 query: torch.bfloat16 (None) or
+            torch.float16. Otherwise None or the query's dtype.
 
     Returns:
-        The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype; with
-        ``return_lse=True`` the pair ``(output, lse)``.
+        The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype (an FP8 query's:
+        out_dtype); with ``return_lse=True`` the pair ``(output, lse)``.
 
     Raises:
         TypeError, ValueError: for bad input, before any kernel launches.
     """
     if (attn_mask is None and dropout_seed is None and window is None and softcap is None and sinks is None
-            and alibi_slopes is None and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"):
+            and alibi_slopes is None and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"
+            and q_descale is None and k_descale is None and v_descale is None and out_dtype is None):
         again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
         if again is not None:
             return again
     return full_attention(query, key, value, is_causal, scale, attn_mask=attn_mask, dropout_p=dropout_p,
                           enable_gqa=enable_gqa, backend=backend, return_lse=return_lse, dropout_seed=dropout_seed,
                           alignment=alignment, window=window, softcap=softcap, sinks=sinks,
-                          alibi_slopes=alibi_slopes)
+                          alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                          out_dtype=out_dtype)
 
 
 def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=None, dropout_p=0.0,
                    enable_gqa=False, backend=None, return_lse=False, dropout_seed=None, alignment="top_left",
-                   window=None, softcap=None, sinks=None, alibi_slopes=None):
+                   window=None, softcap=None, sinks=None, alibi_slopes=None, q_descale=None, k_descale=None,
+                   v_descale=None, out_dtype=None):
     """:func:`attention` without a kept plan: validated, planned and launched afresh (through
     the backend's operator where autograd or ``torch.compile`` watches)."""
     chosen = resolve(backend)
@@ -133,10 +156,17 @@ def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
         alignment=alignment, window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+        fp8=(q_descale, k_descale, v_descale, out_dtype),
     )
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
-    if chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
+    if call.descales is not None and chosen.kernels and torch.compiler.is_compiling():
+        # forward only (validated): the operator itself, without autograd's Function
+        out, lse = ops.OPS[chosen.name][0](call.query, call.key, call.value, call.attn_mask, call.is_causal,
+                                           call.scale, call.dropout_p, call.dropout_seed, *ops.extras(call),
+                                           call.sinks, None, call.alibi_slopes, None, *call.descales,
+                                           call.out_dtype)
+    elif chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
                                                     call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
                                                     *ops.extras(call), call.sinks, None, call.alibi_slopes)
@@ -229,7 +259,9 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
     plan = PLANS.get(layout)
     if plan is None:
         call = check_call(chosen, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=is_causal,
-                          scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
+                          scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, fp8=(None, None, None, None))
+        if call.descales is not None:  # FP8 inputs: planned afresh each call, so far
+            return None
         plan = AttentionPlan(chosen, call, layout, dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                                         return_lse=return_lse, backend=chosen.name))
         PLANS.put(layout, plan)
@@ -238,10 +270,11 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
 
 def _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse) -> bool:
     """Plain tensors and arguments of exact types: not subclasses, nor values whose validation
-    may fail on a type that compares equal (True for 1.0, 1 for True)."""
+    may fail on a type that compares equal (True for 1.0, 1 for True); no FP8 keys (planned
+    afresh each call, so far)."""
     return (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
-            and type(is_causal) is bool and type(enable_gqa) is bool and type(return_lse) is bool
-            and (scale is None or type(scale) is float))
+            and key.dtype not in FP8_DTYPES and type(is_causal) is bool and type(enable_gqa) is bool
+            and type(return_lse) is bool and (scale is None or type(scale) is float))
 
 
 def _needs_grad(call) -> bool:

@@ -27,6 +27,8 @@ from common import plan as _plan
 LOG2E = tl.constexpr(_plan.LOG2E)
 UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
+WIDEN_F16 = tl.constexpr(int(_plan.Widen.FLOAT16))
+WIDEN_BF16 = tl.constexpr(int(_plan.Widen.BFLOAT16))
 
 
 @triton.jit
@@ -135,4 +137,15 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
 
 
 # What impl_ninetoothed puts in each generated module under the interpreter.
-JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages)
+@triton.jit
+def _widen(x, WIDEN: triton.language.constexpr):
+    """An FP8 tile widened for a 16-bit product (``common.plan.Widen``: to float16 or bfloat16,
+    both exact for e4m3 values), or as it is (Widen.NONE: an FP8 product)."""
+    if WIDEN == WIDEN_F16:
+        x = x.to(tl.float16)
+    elif WIDEN == WIDEN_BF16:
+        x = x.to(tl.bfloat16)
+    return x
+
+
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen)

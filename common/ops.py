@@ -21,7 +21,7 @@ import torch
 
 from common import plan as planning
 from common.backends import BACKENDS, get_backend
-from common.validation import Call
+from common.validation import FP8_DTYPES, Call
 
 NAMESPACE = "twin_attention"
 
@@ -34,7 +34,7 @@ def forward(backend, call: Call, with_lse: bool):
     if B * H * Lq == 0 or Lk == 0:
         # Nothing to launch. With no keys at all SDPA returns zeros (and the
         # log-sum-exp of an empty set is -inf).
-        out = q.new_zeros((B, H, Lq, Dv))
+        out = q.new_zeros((B, H, Lq, Dv), dtype=call.output_dtype)
         lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if with_lse else None
         return out, lse
     with _on_device(q.device):
@@ -95,13 +95,22 @@ def _quiet(backend):
 
 
 def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-          sinks=None, row_bands=None, alibi_slopes=None, alibi_shifts=None):
+          sinks=None, row_bands=None, alibi_slopes=None, alibi_shifts=None, descales=None, out_dtype=None):
     left, right, bottom_right = band_spec
     window = None if left == right == -1 else (left, right)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False,
                 dropout_p=dropout_p, dropout_seed=dropout_seed, window=window, bottom_right=bool(bottom_right),
                 softcap=softcap if softcap > 0.0 else None, sinks=sinks, row_bands=row_bands,
-                alibi_slopes=alibi_slopes, alibi_shifts=alibi_shifts)
+                alibi_slopes=alibi_slopes, alibi_shifts=alibi_shifts,
+                descales=descales if key.dtype in FP8_DTYPES else None, out_dtype=out_dtype)
+
+
+def fp8_output_dtype(query: torch.Tensor, out_dtype) -> torch.dtype:
+    """The output's dtype of a forward of ``query``: ``out_dtype`` where given, bfloat16 for an
+    FP8 query, else the query's (``common.validation._check_fp8``)."""
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if query.dtype in FP8_DTYPES else query.dtype
 
 
 def extras(call: Call) -> tuple[list[int], float]:
@@ -132,7 +141,9 @@ def new_seed(device) -> torch.Tensor:
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 _FORWARD_SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float scale, "
                    "float dropout_p, Tensor? dropout_seed, int[] band_spec, float softcap, Tensor? sinks, "
-                   "Tensor? row_bands=None, Tensor? alibi_slopes=None, Tensor? alibi_shifts=None) -> (Tensor, Tensor)")
+                   "Tensor? row_bands=None, Tensor? alibi_slopes=None, Tensor? alibi_shifts=None, "
+                   "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None, "
+                   "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor out, "
                     "Tensor lse, Tensor? grad_lse, bool is_causal, float scale, float dropout_p, "
                     "Tensor? dropout_seed, int[] band_spec, float softcap, Tensor? row_bands=None, "
@@ -152,15 +163,18 @@ def _register(name: str):
     backend = get_backend(name)
 
     def forward_impl(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None):
+                     sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None, q_descale=None, k_descale=None,
+                     v_descale=None, out_dtype=None):
         call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     sinks, row_bands, alibi_slopes, alibi_shifts)
+                     sinks, row_bands, alibi_slopes, alibi_shifts, (q_descale, k_descale, v_descale),
+                     fp8_output_dtype(query, out_dtype))
         return forward(backend, call, with_lse=True)
 
     def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None):
+                     sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None, q_descale=None, k_descale=None,
+                     v_descale=None, out_dtype=None):
         B, H, Lq, _ = query.shape
-        return (query.new_empty((B, H, Lq, value.shape[3])),
+        return (query.new_empty((B, H, Lq, value.shape[3]), dtype=fp8_output_dtype(query, out_dtype)),
                 query.new_empty((B, H, Lq), dtype=torch.float32))
 
     def backward_impl(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,

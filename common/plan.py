@@ -76,6 +76,18 @@ class Softcap(enum.IntEnum):
     APPROX = 2  # the GPU's tanh.approx.f32 (NVIDIA, sm_75+): one special-function op where EXP2 takes two
 
 
+class Widen(enum.IntEnum):
+    """What the kernels widen FP8 key or value tiles to after loading them: their WIDEN_K, WIDEN_V."""
+
+    NONE = 0  # kept in e4m3: an FP8 product on the tensor cores
+    FLOAT16 = 1
+    BFLOAT16 = 2
+
+
+def widen_to(dtype: torch.dtype) -> Widen:
+    return Widen.BFLOAT16 if dtype == torch.bfloat16 else Widen.FLOAT16
+
+
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
 MAX_GRID_AXIS = 65535
 # Under the interpreter there are no SMs; pretend there are a few, so that the
@@ -130,6 +142,10 @@ class Planner:
     num_splits: int | None = None
     sms: int | None = None
     tanh_approx: bool | None = None
+    # FP8 query, keys and values: the P·V product in e4m3 (the probabilities rounded to e4m3, as
+    # FlashAttention-3 does: the tensor cores' FP8 rate), or, False, with the values widened to
+    # float16 and the probabilities kept in float16 (2^-11 relative rounding instead of 2^-4).
+    fp8_pv: bool = True
 
     def __post_init__(self):
         if self.num_splits is not None and (type(self.num_splits) is not int or self.num_splits < 1):
@@ -291,6 +307,12 @@ class ForwardPlan:
     # int32 (Lq,) position shifts, row i at position i + alibi_shift[i]
     alibi: torch.Tensor | None = None
     alibi_shift: torch.Tensor | None = None
+    # FP8 inputs: (q, k, v) descales, float32 (B, H_kv) (views; None for 1), read per K/V head;
+    # None: no FP8 input. The kernels widen FP8 key and value tiles to widen_k, widen_v.
+    descales: tuple | None = None
+    widen_k: Widen = Widen.NONE
+    widen_v: Widen = Widen.NONE
+    out_dtype: torch.dtype | None = None  # the output's dtype (None: the query's)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
     block_d: int = 0  # head dims padded to a power of two >= 16
@@ -486,6 +508,9 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
     plan.row_bands = call.row_bands
     set_alibi(plan, call, Lq, Lk)
     plan.planner = planner = current_planner()
+    plan.out_dtype = call.out_dtype
+    if call.descales is not None:
+        set_fp8(plan, call, planner)
     if not backend.kernels:
         return plan
     plan.softcap_kind = planner.softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
@@ -516,6 +541,24 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
     plan.dot_precision = dot_precision(q.dtype)
     plan_launch(plan, backend, resume, allocate)
     return plan
+
+
+def set_fp8(plan, call, planner: Planner) -> None:
+    """A plan's FP8 fields from a call with FP8 inputs: the descales (a ones view for each one
+    not given: the kernels read all three), and what key and value tiles are widened to (to a
+    16-bit query's dtype; values to float16 where the planner keeps P·V out of e4m3)."""
+    B, H_kv = call.key.shape[:2]
+    plan.descales = tuple(d if d is not None else _one(call.key.device).expand(B, H_kv) for d in call.descales)
+    if call.query.dtype in (torch.float16, torch.bfloat16):  # FP8 keys and values under a 16-bit query
+        plan.widen_k = plan.widen_v = widen_to(call.query.dtype)
+    elif not planner.fp8_pv:
+        plan.widen_v = Widen.FLOAT16
+
+
+@functools.lru_cache(maxsize=16)
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1 on ``device``, (1, 1): the descale not given (made once, not a launch a call)."""
+    return torch.ones((1, 1), dtype=torch.float32, device=device)
 
 
 def packed_rows(rows, query):
@@ -555,7 +598,7 @@ def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) 
     kv_bytes = plan.key.numel() * plan.key.element_size() + plan.value.numel() * plan.value.element_size()
     backend.load().refine_forward(plan, kv_bytes)
     if allocate:
-        allocate_outputs(plan, q.dtype, q.device)
+        allocate_outputs(plan, plan.out_dtype or q.dtype, q.device)
 
 
 def allocate_outputs(plan: ForwardPlan, dtype: torch.dtype, device) -> None:

@@ -19,6 +19,12 @@ import torch
 from common.backends import BACKENDS, BACKWARD, LSE, OFFSETS64, SINKS, SOFTCAP, Backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# 8-bit floats :func:`common.attention` takes (forward only): query, key and value in e4m3, or a
+# 16-bit query with e4m3 keys and values; the real value is the stored one times its descale.
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_QUERY_OUT_DTYPES = (torch.bfloat16, torch.float16)  # an FP8 query's output: bfloat16 unless asked
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                  "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
 # A backend without 64-bit offsets throughout (NineToothed's generated code indexes
 # within one batch and head with 32-bit integers) must see each tensor's part for one
 # batch and head span fewer elements than this (:func:`slice_span`).
@@ -48,21 +54,33 @@ class Call:
     # packed sequences (common.varlen): alibi_slopes per row, (B, H, Lq), and each row's position
     # shift (Lq,) int32 (row i at position i + shift[i]); None: from bottom_right, the same for every row
     alibi_shifts: torch.Tensor | None = None
+    # FP8 inputs: (q_descale, k_descale, v_descale), each a float32 (B, H_kv) tensor or None for 1;
+    # None: no FP8 input. out_dtype: the output's dtype (None: the query's).
+    descales: tuple | None = None
+    out_dtype: torch.dtype | None = None
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        return self.out_dtype if self.out_dtype is not None else self.query.dtype
 
 
 def check_call(
     backend: Backend,
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
-    alignment="top_left", window=None, softcap=None, sinks=None, alibi_slopes=None,
+    alignment="top_left", window=None, softcap=None, sinks=None, alibi_slopes=None, fp8=None,
 ) -> Call:
-    """Check one call of :func:`common.attention`; return it in 4-D form."""
+    """Check one call of :func:`common.attention`; return it in 4-D form.
+
+    ``fp8``: None where the entry point takes no FP8 input (an FP8 tensor is then an error), else
+    the call's ``(q_descale, k_descale, v_descale, out_dtype)``."""
     _check_types(query, key, value)
+    fp8_inputs = _check_fp8_dtypes(query, key, value, fp8 is not None)
     is_causal = _check_flag("is_causal", is_causal)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)
     return_lse = _check_flag("return_lse", return_lse)
     dropout_p = _check_dropout_p(dropout_p)
-    device = _check_like_query(query, key, value)
+    device = _check_like_query(query, key, value, fp8_inputs)
     unbatched = query.ndim == 3
     if unbatched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -70,9 +88,12 @@ def check_call(
     Lk = key.shape[2]
     _check_shapes(backend, query.shape, key.shape, value.shape, enable_gqa)
     scale = _check_scale(scale, D)
+    descales, out_dtype = None, None
+    if fp8 is not None:
+        descales, out_dtype = _check_fp8(fp8, query, key, value, unbatched, fp8_inputs)
     if attn_mask is not None:
         attn_mask, is_causal, alignment = _check_attn_mask(attn_mask, query, is_causal, alignment,
-                                                           (B, H, Lq, Lk), unbatched)
+                                                           (B, H, Lq, Lk), unbatched, out_dtype or query.dtype)
     _check_capabilities(backend, query, key, value, attn_mask, return_lse)
     if not backend.supports(OFFSETS64):
         _check_offsets(backend, query=query, key=key, value=value, attn_mask=attn_mask,
@@ -90,7 +111,8 @@ def check_call(
     if alibi_slopes is not None:
         alibi_slopes = _check_alibi(alibi_slopes, B, H, device)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
-                window, bottom_right, softcap, sinks, alibi_slopes=alibi_slopes)
+                window, bottom_right, softcap, sinks, alibi_slopes=alibi_slopes, descales=descales,
+                out_dtype=out_dtype)
 
 
 # -- scalars ------------------------------------------------------------------------------
@@ -148,9 +170,9 @@ def _check_types(query, key, value) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _check_like_query(query, key, value) -> torch.device:
+def _check_like_query(query, key, value, fp8_inputs: bool = False) -> torch.device:
     """query 4-D or 3-D in a supported dtype; key and value with its dims, dtype and
-    device. Returns the device."""
+    device (``fp8_inputs``: dtypes checked by :func:`_check_fp8_dtypes`). Returns the device."""
     ndim = query.ndim
     if ndim != 4 and ndim != 3:
         raise ValueError(
@@ -161,11 +183,11 @@ def _check_like_query(query, key, value) -> torch.device:
         if t.ndim != ndim:
             raise ValueError(f"{name} must have as many dims as query ({ndim}), got shape {tuple(t.shape)}")
     dtype = query.dtype
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in SUPPORTED_DTYPES and not fp8_inputs:
         raise TypeError(f"query has dtype {_dtype_name(dtype)}; supported: "
                         + ", ".join(map(_dtype_name, SUPPORTED_DTYPES)))
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != dtype:
+        if t.dtype != dtype and not fp8_inputs:
             raise TypeError(
                 f"{name} has dtype {_dtype_name(t.dtype)} but query has {_dtype_name(dtype)}: "
                 "query, key and value must share one dtype"
@@ -215,6 +237,77 @@ def _check_head_dims(backend: Backend, D: int, Dv: int) -> None:
                 f"{name} head dim {d} is not supported by the {backend.name!r} backend: "
                 f"expected {low} <= head_dim <= {high}"
             )
+
+
+# -- FP8 inputs -----------------------------------------------------------------------------
+
+def _check_fp8_dtypes(query, key, value, accepted: bool) -> bool:
+    """Whether the call has FP8 inputs: query, key and value in float8_e4m3fn, or a float16 or
+    bfloat16 query with float8_e4m3fn keys and values. Any other 8-bit float, or FP8 where the
+    entry point takes none (``accepted`` False), is a TypeError."""
+    dtypes = (("query", query.dtype), ("key", key.dtype), ("value", value.dtype))
+    if not any(dtype in _FLOAT8 for _, dtype in dtypes):
+        return False
+    for name, dtype in dtypes:
+        if dtype in _FLOAT8 and dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} has dtype {_dtype_name(dtype)}; the only 8-bit float taken is float8_e4m3fn")
+    if not accepted:
+        raise TypeError(f"FP8 inputs (query, key, value: {', '.join(_dtype_name(d) for _, d in dtypes)}) are taken "
+                        "by attention() alone so far; this function takes float16, bfloat16 or float32")
+    if key.dtype not in FP8_DTYPES or value.dtype not in FP8_DTYPES:
+        raise TypeError(f"with FP8 inputs key and value must both be float8_e4m3fn, got key {_dtype_name(key.dtype)} "
+                        f"and value {_dtype_name(value.dtype)}")
+    if query.dtype not in FP8_DTYPES + (torch.float16, torch.bfloat16):
+        raise TypeError(f"with float8_e4m3fn keys and values query must be float8_e4m3fn, float16 or bfloat16, "
+                        f"got {_dtype_name(query.dtype)}")
+    return True
+
+
+def _check_fp8(fp8, query, key, value, unbatched: bool, fp8_inputs: bool):
+    """``(descales, out_dtype)`` of a call that may take FP8 inputs: ``fp8`` is its
+    ``(q_descale, k_descale, v_descale, out_dtype)``. Descales: None (1) or float32 tensors
+    (B, H_kv) ((H_kv,) for 3-D inputs) on the query's device, returned (B, H_kv), only for FP8
+    tensors; forward only (nothing may need a gradient). descales is None without FP8 inputs."""
+    *given, out_dtype = fp8
+    B, H_kv = key.shape[0], key.shape[1]
+    names = ("q_descale", "k_descale", "v_descale")
+    descales = []
+    for name, input_name, t, d in zip(names, ("query", "key", "value"), (query, key, value), given):
+        if d is None:
+            descales.append(None)
+            continue
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(d).__name__}")
+        if t.dtype not in FP8_DTYPES:
+            raise ValueError(f"{name} was given but {input_name} is {_dtype_name(t.dtype)}: "
+                             "descales go with float8_e4m3fn inputs")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got {_dtype_name(d.dtype)}")
+        shape = (H_kv,) if unbatched else (B, H_kv)
+        if tuple(d.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (one descale per batch and key/value head, "
+                             f"FlashAttention-3's convention), got {tuple(d.shape)}")
+        if d.device != query.device:
+            raise ValueError(f"{name} is on {d.device} but query is on {query.device}")
+        if d.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad, but FP8 attention is forward-only: descales get no gradient")
+        descales.append(d.unsqueeze(0) if unbatched else d)
+    if query.dtype in FP8_DTYPES:
+        if out_dtype is None:
+            out_dtype = torch.bfloat16
+        elif out_dtype not in FP8_QUERY_OUT_DTYPES:
+            raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16 for an FP8 query, got {out_dtype}")
+    elif out_dtype is not None and out_dtype != query.dtype:
+        raise ValueError(f"out_dtype={out_dtype} was given for a {_dtype_name(query.dtype)} query, whose output has "
+                         "its dtype: out_dtype chooses the output of an FP8 query only")
+    if not fp8_inputs:
+        return None, None
+    if torch.is_grad_enabled():
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.requires_grad:
+                raise ValueError(f"{name} requires grad, but attention with FP8 inputs is forward-only; "
+                                 "run it under torch.no_grad() or detach the inputs")
+    return tuple(descales), out_dtype
 
 
 # -- what the backend can do --------------------------------------------------------------
@@ -271,13 +364,15 @@ def _check_kernel_device(backend: Backend, device: torch.device) -> None:
 
 # -- attn_mask ----------------------------------------------------------------------------
 
-def _check_attn_mask(attn_mask, query, is_causal: bool, alignment, full_shape, unbatched: bool):
+def _check_attn_mask(attn_mask, query, is_causal: bool, alignment, full_shape, unbatched: bool, float_dtype=None):
     """``(mask, is_causal, alignment)``: a mask tensor as a (B, H, Lq, Lk) view, or a
-    CausalBias as the causal flag and alignment it means (and no mask)."""
+    CausalBias as the causal flag and alignment it means (and no mask). A floating mask is
+    float32 or ``float_dtype`` (the output's dtype; None: the query's)."""
     if _is_causal_bias(attn_mask):
         is_causal, alignment = _from_causal_bias(attn_mask, is_causal, alignment, *full_shape[2:])
         return None, is_causal, alignment
-    return _check_mask(attn_mask, query, is_causal, full_shape, unbatched), is_causal, alignment
+    return (_check_mask(attn_mask, query, is_causal, full_shape, unbatched, float_dtype or query.dtype),
+            is_causal, alignment)
 
 
 def _is_causal_bias(attn_mask) -> bool:
@@ -306,16 +401,17 @@ def _from_causal_bias(bias, is_causal, alignment, Lq: int, Lk: int) -> tuple[boo
     return True, implied
 
 
-def _check_mask(attn_mask, query, is_causal, full_shape, unbatched) -> torch.Tensor:
+def _check_mask(attn_mask, query, is_causal, full_shape, unbatched, float_dtype) -> torch.Tensor:
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if is_causal:
         # SDPA's math backend: "Explicit attn_mask should not be set when is_causal=True"
         raise ValueError("attn_mask must be None when is_causal=True (SDPA rejects the pair too)")
-    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+    if attn_mask.dtype not in (torch.bool, torch.float32, float_dtype):
+        like = "the query's" if float_dtype == query.dtype else "the output's"
         raise TypeError(
             f"attn_mask has dtype {_dtype_name(attn_mask.dtype)}; expected bool (True = take part) "
-            f"or a floating mask to add, in float32 or the query's dtype ({_dtype_name(query.dtype)})"
+            f"or a floating mask to add, in float32 or {like} dtype ({_dtype_name(float_dtype)})"
         )
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")

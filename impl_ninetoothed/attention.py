@@ -262,13 +262,22 @@ def _attention_launch(plan) -> tuple:
     inputs = (q, plan.key, plan.value, _row_blocks(plan.key, config.block_n, blocked),
               _row_blocks(plan.value, config.block_n, blocked), attn_mask, plan.scale, *_dropout_args(plan),
               *_band_args(plan), plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq),
-              *_alibi_args(plan), o, lse)
+              *_alibi_args(plan), *_descale_args(plan), o, lse)
     return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan), DROPOUT=plan.dropout,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume, BLOCKED=blocked,
-        ALIBI=plan.alibi is not None,
+        ALIBI=plan.alibi is not None, DESCALE=plan.descales is not None, WIDEN_K=int(plan.widen_k),
+        WIDEN_V=int(plan.widen_v),
     )
+
+
+def _descale_args(plan) -> tuple:
+    """The DESCALE kernel's (B, H_kv) descales of query, key and value; stand-ins without FP8 inputs."""
+    if plan.descales is not None:
+        return plan.descales
+    stand_in = _absent(plan.out, *plan.key.shape[:2])
+    return stand_in, stand_in, stand_in
 
 
 def _split_kind(plan) -> int:

@@ -45,8 +45,17 @@ import ninetoothed.language as ntl
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
-from common.jit_helpers import _alibi_bias, _cap_factors, _dropout_keep, _in_band, _key_stages, _scores, _tanh
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap
+from common.jit_helpers import (
+    _alibi_bias,
+    _cap_factors,
+    _dropout_keep,
+    _in_band,
+    _key_stages,
+    _scores,
+    _tanh,
+    _widen,
+)
+from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, Widen
 from impl_ninetoothed.tiles import (
     _group_row_blocks,
     _group_rows,
@@ -54,6 +63,7 @@ from impl_ninetoothed.tiles import (
     _key_row,
     _last_first,
     _mask_row,
+    _per_kv_head,
     _per_program,
     _per_split,
     _row_slices,
@@ -66,7 +76,8 @@ TANH_APPROX = int(Softcap.APPROX)
 _SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed copies them with _scores)
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
-                        UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX,
+                        UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX, WIDEN_F16=int(Widen.FLOAT16),
+                        WIDEN_BF16=int(Widen.BFLOAT16),
                         ROW_BANDS=ROW_BANDS, ONE_STAGE=ONE_STAGE)
 
 
@@ -74,8 +85,10 @@ KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MA
 
 def arrangement(
     query, key, value, key_blocks, value_blocks, attn_mask, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, slopes, alibi_shift, output, lse,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, slopes, alibi_shift, q_descale, k_descale,
+    v_descale, output, lse,
     BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED, ALIBI,
+    DESCALE, WIDEN_K, WIDEN_V,
     block_m, block_n, block_d, block_dv, split=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
@@ -101,6 +114,9 @@ def arrangement(
     slopes_arranged = _last_first(_row_slices(slopes, block_m))  # (B, H, Lq), each row's slope
     shifts_arranged = _last_first(_row_slices(alibi_shift, block_m))  # (B, H, Lq), each row's shift
     row_bands_arranged = [_last_first(_row_slices(x, block_m)) for x in (row_bands_lo, row_bands_hi)]
+    # FP8: each program's K/V head's descales, (1,) tiles of the (B, H_kv) tensors
+    descales_arranged = [_per_kv_head(x, query.shape[1], m_blocks, num_splits)
+                         for x in (q_descale, k_descale, v_descale)]
     if blocks_per_split is None:
         output_arranged = _last_first(_rows(output, block_m, block_dv))
         lse_arranged = _last_first(_row_slices(lse, block_m))
@@ -121,16 +137,16 @@ def arrangement(
     return (
         query_arranged, key_arranged, value_arranged, key_blocks_arranged, value_blocks_arranged,
         attn_mask_arranged, scale, _per_program(dropout_seed, query_arranged), dropout_p, dropout_scale, band_lo,
-        band_hi, softcap, *row_bands_arranged, sinks_arranged, slopes_arranged, shifts_arranged, output_arranged,
-        lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS,
-        RESUME, BLOCKED, ALIBI,
+        band_hi, softcap, *row_bands_arranged, sinks_arranged, slopes_arranged, shifts_arranged, *descales_arranged,
+        output_arranged, lse_arranged, BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT,
+        SOFTCAP, SINKS, RESUME, BLOCKED, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
     )
 
 
 def _attn_fwd_inner(
     acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, cap_in, cap_out,
     alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
-    DROPOUT, SOFTCAP, ALIBI,
+    DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
@@ -139,12 +155,15 @@ def _attn_fwd_inner(
     past Lk or, when BANDED, outside a row's band (row i sees keys i + band_lo
     .. i + band_hi); mask them. Unmasked blocks
     skip every comparison. DROPOUT: the row sums take every probability, the
-    output only the kept ones.
+    output only the kept ones. DESCALE (FP8 inputs): qk_scale holds the descales,
+    whose sign no constant knows, so scores are scaled before their maximum is taken;
+    WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
     """
     for j in range(lo, hi):
         k = key[j - first]
+        k = _widen(k, WIDEN_K)
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or DESCALE:
             # soft-capped (or scaled) and ALiBi's bias added, in base 2
             qk, cap = _scores(qk, offs_m, key[j - first].offsets(-2), qk_scale, cap_in, cap_out, alibi, shift,
                               SOFTCAP, ALIBI)
@@ -189,21 +208,29 @@ def _attn_fwd_inner(
             keep = _dropout_keep(seed, head, offs_m, offs_n, dropout_p)
             p = ntl.where(keep, p, 0.0)
         v = value[j - first]
-        acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        v = _widen(v, WIDEN_V)
+        acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
         m_i = m_ij
     return acc, l_i, m_i
 
 
 def application(
     query, key, value, key_blocks, value_blocks, attn_mask, scale, dropout_seed, dropout_p, dropout_scale,
-    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, slopes, alibi_shift, output, lse,
+    band_lo, band_hi, softcap, row_bands_lo, row_bands_hi, sinks, slopes, alibi_shift, q_descale, k_descale,
+    v_descale, output, lse,
     BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED, ALIBI,
+    DESCALE, WIDEN_K, WIDEN_V,
 ):
     q = query
     offs_m = query.offsets(-2)
     head = query.offsets(0) * query.source.shape[1] + query.offsets(1)  # in (B·H): the dropout mask's
-    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
-    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    score_scale = scale
+    out_scale = 1.0
+    if DESCALE:  # real values are the stored ones times their descales ((1,) tiles, loaded once)
+        score_scale = scale * ntl.sum(q_descale, 0) * ntl.sum(k_descale, 0)
+        out_scale = ntl.sum(v_descale, 0)
+    qk_scale = score_scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)
     alibi = 0.0
     shift = 0
     if ALIBI:  # each row's slope (a column, in base-2 units) and position shift (row r at r + shift)
@@ -249,7 +276,7 @@ def application(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
         )
     if BLOCKED:
         # The whole blocks from their own view, whose block size is a constant: their loads carry
@@ -257,18 +284,18 @@ def application(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi,
             qk_scale, cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False,
-            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False, DESCALE, WIDEN_K, WIDEN_V,
         )
     else:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, row_lo, row_hi, qk_scale,
         cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
+        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
     )
 
     if WITH_LSE:
@@ -280,10 +307,12 @@ def application(
         # key, or a split none of whose keys it sees; resumed, no key so far)
         # has acc = 0 and l_i = 0: SDPA returns 0.
         l_i = ntl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_i[:, None]
     if DROPOUT:
-        output = acc / l_i[:, None] * dropout_scale  # noqa: F841 (a store)
-    else:
-        output = acc / l_i[:, None]  # noqa: F841 (a store)
+        o = o * dropout_scale
+    if DESCALE:
+        o = o * out_scale
+    output = o  # noqa: F841 (a store)
 
 
 def combine_arrangement(o_part, lse_part, output, lse, WITH_LSE, block_r, block_s, block_dv):
@@ -657,11 +686,12 @@ def _attention_inputs(head_dim, head_dim_v):
 
     Out-of-range elements must read as 0 (padded head dims enter the dot
     products; past-the-end keys and values meet p = 0, and 0 * garbage may be
-    NaN); NineToothed leaves them undefined unless told.
+    NaN); NineToothed leaves them undefined unless told. (0.0, a float: Triton converts no
+    integer to an 8-bit float, and FP8 inputs take these loads too.)
     """
-    query = Tensor(shape=(None, None, None, head_dim), other=0)
-    key = Tensor(shape=(None, None, None, head_dim), other=0)
-    value = _like(key.shape[:3], head_dim_v, other=0)
+    query = Tensor(shape=(None, None, None, head_dim), other=0.0)
+    key = Tensor(shape=(None, None, None, head_dim), other=0.0)
+    value = _like(key.shape[:3], head_dim_v, other=0.0)
     attn_mask = _rows_like(query, key.shape[2], other=0)
     return query, key, value, attn_mask
 
@@ -670,8 +700,8 @@ def _key_blocks_inputs(key, head_dim, head_dim_v, block_n):
     """The keys' and values' whole blocks, (B, H_kv, Lk // BLOCK_N, BLOCK_N, D | Dv) (see
     ``blocked_keys``): the block size a constant of the kernel, so that loads of them check no
     key against the keys' length; (B, H_kv) the keys', the block count one symbol of both."""
-    key_blocks = _like(key.shape[:2], None, block_n, head_dim, other=0)
-    return key_blocks, _like(key_blocks.shape[:3], block_n, head_dim_v, other=0)
+    key_blocks = _like(key.shape[:2], None, block_n, head_dim, other=0.0)
+    return key_blocks, _like(key_blocks.shape[:3], block_n, head_dim_v, other=0.0)
 
 
 def _dropout_inputs():
@@ -730,9 +760,10 @@ def premake(head_dim, head_dim_v, block_m, block_n, split=False):
         *_band_inputs(query),
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         *_alibi_inputs(query),
+        *(_like(key.shape[:2]) for _ in range(3)),  # FP8 descales (B, H_kv) of query, key and value
         output, lse,
         *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP",
-                 "SINKS", "RESUME", "BLOCKED", "ALIBI"),
+                 "SINKS", "RESUME", "BLOCKED", "ALIBI", "DESCALE", "WIDEN_K", "WIDEN_V"),
     )
     return arrangement_, application, tensors
 

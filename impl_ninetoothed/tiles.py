@@ -58,6 +58,19 @@ def _key_blocks_row(x, heads, m_blocks, block_d, num_splits=None):
     return arranged
 
 
+def _per_kv_head(x, heads, m_blocks, num_splits=None):
+    """(B, H_kv), a value per K/V head -> per program of (B, heads, m_blocks[, S]), the (1,) tile
+    of the K/V head its query head reads (h // GROUP), repeated by broadcasting as :func:`_key_row`."""
+    group = heads // x.shape[1]
+    arranged = x.tile((1, 1))  # (B, H_kv)
+    arranged = arranged.unsqueeze(2).unsqueeze(3)
+    arranged = arranged.expand((-1, -1, group, m_blocks)).flatten(1, 3)
+    if num_splits is not None:
+        arranged = arranged.unsqueeze(2).expand((-1, -1, num_splits))
+    arranged.dtype = arranged.dtype.squeeze(0)
+    return arranged
+
+
 def _group_row_blocks(x, group, n_blocks, block_d=None):
     """(B, H, Lq // BLOCK_M, BLOCK_M[, D]), the rows' whole blocks as a dimension of their own
     (a view) -> per program of (B, H_kv, n_blocks), the (GROUP, Lq // BLOCK_M) tiles of

@@ -151,18 +151,21 @@ def _forward_launch(plan) -> tuple:
     kernel_merge = plan.refinement.kernel_merge
     counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
+    descales = plan.descales if plan.descales is not None else (out, out, out)  # never read without DESCALE
+    descale_strides = [s for d in plan.descales for s in d.stride()] if plan.descales is not None else (0,) * 6
     args = _fwd_launcher.positional((
         q, k, v, o, lse, mask, seed, sinks, *alibi_tensors, row_lo, row_hi, out, merged_lse,
-        counts if counts is not None else out,
+        counts if counts is not None else out, *descales,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *mask_strides, *sink_strides, *slope_strides, *lse_strides,
-        H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split, plan.dropout_p,
-        plan.dropout_scale, *_band_args(plan), int(kernel_merge),
+        *descale_strides, H, plan.group, Lq, Lk, plan.scale, plan.m_blocks, plan.num_splits, plan.blocks_per_split,
+        plan.dropout_p, plan.dropout_scale, *_band_args(plan), int(kernel_merge),
     ), dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
         RESUME=plan.resume, MERGE_LSE=plan.with_lse, ALIBI=plan.alibi is not None,
+        DESCALE=plan.descales is not None, WIDEN_K=int(plan.widen_k), WIDEN_V=int(plan.widen_v),
     ))
     grid = (plan.m_blocks * B * H, plan.num_splits, 1)
     return grid, args, config.num_warps, config.num_stages, config.maxnreg, counts

@@ -323,7 +323,7 @@ def enabled() -> bool:
 
 def serves(plan) -> bool:
     """Whether this kernel runs a ``common.plan.ForwardPlan``: an sm_90 GPU, float16/bfloat16, D = Dv
-    in HEAD_DIMS, heads not packed, no mask, dropout, soft-capping, sinks, ALiBi, packed sequences,
+    in HEAD_DIMS, heads not packed, no FP8 input, mask, dropout, soft-capping, sinks, ALiBi, packed sequences,
     split or running result, a band with no left edge (causal, either alignment, or a right window
     alone: row i sees keys up to i + band[1]), TMA-ready inputs."""
     q, k, v = plan.query, plan.key, plan.value
@@ -332,7 +332,7 @@ def serves(plan) -> bool:
             and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] == plan.shape[1]
             and plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.sinks is None
             and plan.row_bands is None and plan.alibi is None and not plan.split and not plan.resume
-            and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
+            and plan.descales is None and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
             and plan.out.stride(-1) == 1 and all(_tma_ready(t) for t in (q, k, v)))
 
 

@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 
 from common import plan as _plan
-from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _scores
+from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _scores, _widen
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
@@ -143,13 +143,16 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DESCALE: tl.constexpr, WIDEN_K: tl.constexpr,
+    WIDEN_V: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
     MASKED: the blocks may hold keys past Lk or, when BANDED, outside a row's
     band (row i sees keys i + band_lo .. i + band_hi); mask them. Unmasked blocks skip every comparison. DROPOUT: the
-    row sums take every probability, the output only the kept ones.
+    row sums take every probability, the output only the kept ones. DESCALE (FP8 inputs):
+    qk_scale holds the descales, whose sign no constant knows, so scores are scaled before
+    their maximum is taken; WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
     """
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
@@ -158,8 +161,9 @@ def _attn_fwd_inner(
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+        k = _widen(k, WIDEN_K)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or DESCALE:
             # soft-capped (or scaled) and ALiBi's bias added, in base 2
             qk, cap = _scores(qk, offs_m, offs_kn, qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP, ALIBI)
             if MASKED:
@@ -202,7 +206,8 @@ def _attn_fwd_inner(
             keep = _dropout_keep(seed, off_hz, offs_m, offs_kn, dropout_p)
             p = tl.where(keep, p, 0.0)
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        v = _widen(v, WIDEN_V)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -220,7 +225,8 @@ def _attn_fwd_inner(
 @triton.jit(do_not_specialize=["kernel_merge", "NUM_SPLITS", "BLOCKS_PER_SPLIT", "stride_lz", "stride_lh",
                                "stride_lm", "Lq", "M_BLOCKS"])
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, SEED, SINK, SLOPES, SHIFTS, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS,
+    Q, K, V, O, LSE, MASK, SEED, SINK, SLOPES, SHIFTS, ROW_LO, ROW_HI, OUT, LSE_OUT, COUNTS, Q_DESCALE, K_DESCALE,
+    V_DESCALE,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -228,6 +234,7 @@ def _attn_fwd(
     stride_mz, stride_mh, stride_mm, stride_mn,
     stride_sz, stride_sh, stride_sm, stride_az, stride_ah, stride_am, stride_as,
     stride_lz, stride_lh, stride_lm, stride_ls,
+    stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
     softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -236,7 +243,8 @@ def _attn_fwd(
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, WITH_LSE: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, RESUME: tl.constexpr,
-    MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
+    MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr, DESCALE: tl.constexpr, WIDEN_K: tl.constexpr,
+    WIDEN_V: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head), against the key
     blocks of one split (all of them unless SPLIT).
@@ -254,6 +262,8 @@ def _attn_fwd(
     over other keys), which these keys are folded into, in place: the running
     output is the state acc = O, m_i = LSE (base 2), l_i = 1; a row at -inf has
     seen no key yet and starts afresh.
+    DESCALE: FP8 inputs; Q_DESCALE, K_DESCALE, V_DESCALE (B, H_kv; strides) hold each K/V
+    head's descales: the scores' scale takes the first two, the output the third.
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -283,8 +293,14 @@ def _attn_fwd(
               + offs_d[None, :] * stride_kd)
     v_ptrs = (V + off_z * stride_vz + off_h_kv * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vn
               + offs_dv[None, :] * stride_vd)
-    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
-    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    score_scale = scale
+    out_scale = 1.0
+    if DESCALE:  # real values are the stored ones times their descales (one of each, loaded once)
+        score_scale = (scale * tl.load(Q_DESCALE + off_z * stride_qdz + off_h_kv * stride_qdh)
+                       * tl.load(K_DESCALE + off_z * stride_kdz + off_h_kv * stride_kdh))
+        out_scale = tl.load(V_DESCALE + off_z * stride_vdz + off_h_kv * stride_vdh)
+    qk_scale = score_scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)
     alibi, alibi_shift = _alibi_rows(SLOPES + off_z * stride_az + off_h * stride_ah, SHIFTS, stride_am, stride_as,
                                      offs_m, m_ok, ALIBI, False)
     seed = 0
@@ -322,19 +338,19 @@ def _attn_fwd(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
             offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-            MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
+            MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-        MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
+        MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
     )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-        MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI,
+        MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
     )
 
     if WITH_LSE:
@@ -350,6 +366,8 @@ def _attn_fwd(
     o = acc / l_i[:, None]
     if DROPOUT:
         o = o * dropout_scale
+    if DESCALE:
+        o = o * out_scale
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     if SPLIT:
         if kernel_merge != 0:  # (otherwise _merge_kernel's launch merges them; a runtime switch: one kernel)

@@ -50,7 +50,7 @@ def qkv(device):
 def test_available_backends():
     assert available_backends() == ("triton", "ninetoothed", "torch")
     assert common.__all__ == ["append_kv", "attention", "attention_backward", "available_backends",
-                              "paged_attention", "plan_attention", "ring_attention", "shard_sequence",
+                              "paged_attention", "plan_attention", "quantize_fp8", "ring_attention", "shard_sequence",
                               "unshard_sequence", "use_backend", "varlen_attention"]
 
 

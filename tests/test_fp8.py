@@ -1,0 +1,293 @@
+"""FP8 inputs to attention(): float8_e4m3fn query, key and value with FlashAttention-3's descales,
+or a 16-bit query with FP8 keys and values (decoding from an FP8 cache). Forward only.
+
+Accuracy: against float64 attention of the dequantized inputs (stored value x descale), with a
+bound from what the kernels round. The scores are float32 sums of exact FP8 products; what
+rounds is each probability on its way into the P·V product (to e4m3 when the values are FP8 and
+the query too, else to the 16-bit type the values are widened to) and the output. A probability
+p <= 1 (taken against a running maximum, so the online softmax's rescaling only shrinks its error)
+rounds with a relative error of at most u (half an ulp: 2^-4 for e4m3, 2^-8 for bfloat16, 2^-11
+for float16) where normal, an absolute one of at most a (half the subnormal spacing: 2^-10 for
+e4m3) below e4m3's smallest normal 2^-6; the row sum (at least 1, its maximum's term) takes the
+unrounded ones. So row i's output moves by at most
+    v_descale * (u * sum_j P_ij |v_j| + a * sum_(j visible) |v_j|),
+P the exact normalised probabilities, plus the output's own rounding and float32's (tiny) error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from common import attention, quantize_fp8
+from common.fp8 import dequantize_fp8
+from common.plan import current_planner, force_splits, use_planner
+from common.reference import reference, reference_probs
+
+from .conftest import DEVICE
+
+E4M3 = (2.0**-4, 2.0**-10)  # (u, a): relative rounding of a normal value, absolute of a subnormal one
+HALF_UNIT = {torch.bfloat16: (2.0**-8, 0.0), torch.float16: (2.0**-11, 2.0**-25)}
+FP32_SLACK = 1e-5  # float32 sums of products, exp2, the scale's product, relative to v's largest
+
+
+def _inputs(B, H, H_kv, Lq, Lk, D, Dv, query_dtype=torch.float8_e4m3fn):
+    """(q, k, v, q_descale, k_descale, v_descale, real q, k, v): fresh random inputs in FP8 (a
+    16-bit query as it is) with per-(batch, K/V head) descales, and their float64 real values."""
+    q = torch.randn(B, H, Lq, D, device=DEVICE) * 2.0
+    k = torch.randn(B, H_kv, Lk, D, device=DEVICE) * 3.0
+    v = torch.randn(B, H_kv, Lk, Dv, device=DEVICE)
+    k8, kd = quantize_fp8(k)
+    v8, vd = quantize_fp8(v)
+    if query_dtype == torch.float8_e4m3fn:
+        q8, qd = quantize_fp8(q, heads=H_kv)
+        q_real = dequantize_fp8(q8, qd, torch.float64)
+    else:
+        q8, qd = q.to(query_dtype), None
+        q_real = q8.double()
+    return q8, k8, v8, qd, kd, vd, q_real, dequantize_fp8(k8, kd, torch.float64), dequantize_fp8(v8, vd, torch.float64)
+
+
+def _bound(probs, v_real, out_ref, out_dtype, pv_rounding):
+    """The bound of the module docstring, per output element: probs (B, H, Lq, Lk) normalised
+    float64 probabilities, v_real (B, H_kv, Lk, Dv) the real values (descales included)."""
+    u, a = pv_rounding
+    H, H_kv = probs.shape[1], v_real.shape[1]
+    v_abs = v_real.abs().repeat_interleave(H // H_kv, dim=1)
+    visible = (probs > 0).to(torch.float64)
+    moved = u * probs @ v_abs + a * visible @ v_abs
+    u_out = HALF_UNIT[out_dtype][0]
+    return (1 + u_out) * moved + u_out * out_ref.abs() + FP32_SLACK * v_abs.amax()
+
+
+def _pv_rounding(query_dtype, fp8_pv=True):
+    if query_dtype == torch.float8_e4m3fn:
+        return E4M3 if fp8_pv else HALF_UNIT[torch.float16]
+    return HALF_UNIT[query_dtype]
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16],
+                         ids=["fp8", "bf16_query", "fp16_query"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 37, 53, 32, 32), (2, 2, 2, 16, 16, 64, 48)],
+                         ids=["gqa_ragged", "dv48"])
+def test_fp8_matches_float64_of_dequantized(backend, query_dtype, is_causal, shape):
+    B, H, H_kv, Lq, Lk, D, Dv = shape
+    q, k, v, qd, kd, vd, q_real, k_real, v_real = _inputs(B, H, H_kv, Lq, Lk, D, Dv, query_dtype)
+    out = attention(q, k, v, is_causal=is_causal, enable_gqa=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                    backend=backend)
+    out_dtype = torch.bfloat16 if query_dtype == torch.float8_e4m3fn else query_dtype
+    assert out.dtype == out_dtype and out.shape == (B, H, Lq, Dv)
+    expected = reference(q_real, k_real, v_real, is_causal=is_causal, enable_gqa=True)
+    probs = reference_probs(q_real, k_real, is_causal=is_causal)
+    bound = _bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype))
+    error = (out.double() - expected).abs()
+    assert torch.isfinite(out).all()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, max excess {(error - bound).max():.3g}"
+
+
+@pytest.mark.parametrize("fp8_pv", [True, False], ids=["pv_e4m3", "pv_fp16"])
+def test_fp8_probabilities_rounding_choice(backend, fp8_pv):
+    """Planner.fp8_pv: P·V in e4m3 (FlashAttention-3's) or with the values widened to float16;
+    the second's bound is 2^7 times tighter, and it must meet it."""
+    q, k, v, qd, kd, vd, q_real, k_real, v_real = _inputs(1, 2, 2, 24, 70, 32, 32)
+    with use_planner(dataclasses.replace(current_planner(), fp8_pv=fp8_pv)):
+        out = attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, backend=backend, out_dtype=torch.float16)
+    assert out.dtype == torch.float16
+    expected = reference(q_real, k_real, v_real)
+    bound = _bound(reference_probs(q_real, k_real), v_real, expected, torch.float16,
+                   _pv_rounding(torch.float8_e4m3fn, fp8_pv))
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+# Features that combine with FP8: compared with the same call on the dequantized inputs in float32
+# (the same backend, the same features, nothing rounded to e4m3), within the bound with every
+# probability at most 1 and summing to at most 1: v_descale * max|v| * (u + Lk * a).
+FEATURES = {
+    "bool_mask": lambda B, H, Lq, Lk: dict(attn_mask=torch.rand(B, 1, Lq, Lk, device=DEVICE) > 0.3),
+    "float_mask": lambda B, H, Lq, Lk: dict(attn_mask=torch.randn(B, H, Lq, Lk, device=DEVICE)),
+    "window_bottom_right": lambda B, H, Lq, Lk: dict(is_causal=True, window=(9, 0), alignment="bottom_right"),
+    "softcap": lambda B, H, Lq, Lk: dict(softcap=3.0),
+    "sinks": lambda B, H, Lq, Lk: dict(sinks=torch.randn(H, device=DEVICE)),
+    "alibi": lambda B, H, Lq, Lk: dict(alibi_slopes=torch.rand(H, device=DEVICE) * 0.3, is_causal=True),
+    "negative_scale": lambda B, H, Lq, Lk: dict(scale=-0.2),
+    "dropout": lambda B, H, Lq, Lk: dict(dropout_p=0.2, dropout_seed=torch.tensor([7], device=DEVICE)),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_fp8_combines_with_features(backend, feature):
+    B, H, H_kv, Lq, Lk, D = 1, 4, 2, 19, 45, 32
+    q, k, v, qd, kd, vd, q_real, k_real, v_real = _inputs(B, H, H_kv, Lq, Lk, D, D)
+    kwargs = FEATURES[feature](B, H, Lq, Lk)
+    out, lse = attention(q, k, v, enable_gqa=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True,
+                         backend=backend, **kwargs)
+    real = [t.float() for t in (q_real, k_real, v_real)]
+    mask = kwargs.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        kwargs["attn_mask"] = mask.float()
+    expected, expected_lse = attention(*real, enable_gqa=True, return_lse=True, backend=backend, **kwargs)
+    u, a = E4M3
+    v_max = v_real.abs().amax().float() / (1 - kwargs.get("dropout_p", 0.0))  # (kept weights scaled up)
+    bound = v_max * (u + Lk * a) + HALF_UNIT[torch.bfloat16][0] * expected.abs() + 1e-4 * v_max
+    assert ((out.float() - expected).abs() <= bound).all()
+    # the log-sum-exp takes no rounded probability: float32's error alone
+    finite = torch.isfinite(expected_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert torch.allclose(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_decode_with_split_keys(backend, splits):
+    """A 16-bit query row against an FP8 cache (decoding), the keys split across programs or not."""
+    q, k, v, _, kd, vd, q_real, k_real, v_real = _inputs(2, 8, 2, 1, 200, 64, 64, torch.bfloat16)
+    with force_splits(splits):
+        out = attention(q, k, v, enable_gqa=True, k_descale=kd, v_descale=vd, backend=backend)
+    expected = reference(q_real, k_real, v_real, enable_gqa=True)
+    bound = _bound(reference_probs(q_real, k_real), v_real, expected, torch.bfloat16, HALF_UNIT[torch.bfloat16])
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+def test_fp8_backends_agree_and_descales_default_to_one(backend):
+    """Without descales each is 1 (the stored values are the real ones); unbatched 3-D inputs
+    take (H_kv,) descales; both kernels compute the same algorithm, to the bit or nearly."""
+    q = (torch.randn(3, 11, 16, device=DEVICE)).to(torch.float8_e4m3fn)
+    k = (torch.randn(3, 29, 16, device=DEVICE)).to(torch.float8_e4m3fn)
+    v = (torch.randn(3, 29, 16, device=DEVICE)).to(torch.float8_e4m3fn)
+    out = attention(q, k, v, backend=backend)
+    ones = torch.ones(3, device=DEVICE)
+    assert torch.equal(out, attention(q, k, v, q_descale=ones, k_descale=ones, v_descale=ones, backend=backend))
+    twice = attention(q, k, v, v_descale=2 * ones, backend=backend)
+    assert torch.equal(twice, (2 * out.float()).to(out.dtype))  # a power of two: exact
+    other = attention(q, k, v, backend="triton" if backend == "ninetoothed" else "ninetoothed")
+    assert (out.float() - other.float()).abs().max() <= 2.0**-8 * out.float().abs().max()
+    reference_out = attention(q, k, v, backend="torch")
+    assert reference_out.dtype == torch.bfloat16
+
+
+def test_fp8_outliers_stay_near_bf16(backend):
+    """Real-looking activations: keys with a few outlier channels (as LLM keys have), quantized per
+    (batch, head). Stated distance: the FP8 output's RMS error against the bf16 inputs' output is
+    at most 8% of that output's RMS (e4m3 rounds each input by up to 2^-4 relative, the
+    probabilities by as much again), and no element is off by more than a quarter of v's largest."""
+    B, H, L, D = 1, 2, 64, 64
+    q = torch.randn(B, H, L, D, device=DEVICE)
+    k = torch.randn(B, H, L, D, device=DEVICE)
+    k[..., [3, 40]] *= 12.0  # outlier channels
+    q[..., [3, 40]] *= 0.5
+    v = torch.randn(B, H, L, D, device=DEVICE)
+    bf16 = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True, backend=backend).float()
+    (q8, qd), (k8, kd), (v8, vd) = quantize_fp8(q), quantize_fp8(k), quantize_fp8(v)
+    fp8 = attention(q8, k8, v8, is_causal=True, q_descale=qd, k_descale=kd, v_descale=vd, backend=backend).float()
+    rms = (fp8 - bf16).pow(2).mean().sqrt() / bf16.pow(2).mean().sqrt()
+    assert rms <= 0.08, f"relative RMS error {rms:.3f}"
+    assert (fp8 - bf16).abs().max() <= 0.25 * v.abs().max()
+
+
+def test_quantize_fp8_round_trip():
+    x = torch.randn(2, 6, 5, 8, device=DEVICE) * 10
+    x8, d = quantize_fp8(x, heads=3)
+    assert x8.dtype == torch.float8_e4m3fn and d.shape == (2, 3) and d.dtype == torch.float32
+    back = dequantize_fp8(x8, d)
+    # each group's largest magnitude maps to 448 exactly; every value within half an e4m3 ulp
+    assert torch.allclose(back.abs().reshape(2, 3, -1).amax(-1), x.abs().reshape(2, 3, -1).amax(-1), rtol=1e-6)
+    assert ((back - x).abs() <= 2.0**-4 * x.abs() + 2.0**-10 * d.repeat_interleave(2, 1)[..., None, None]).all()
+    with pytest.raises(ValueError, match="heads must be a positive int dividing H = 6"):
+        quantize_fp8(x, heads=4)
+
+
+# -- bad input: clear errors before any launch -----------------------------------------------
+
+def _fp8(*shape):
+    return torch.randn(*shape, device=DEVICE).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("e5m2", TypeError, "the only 8-bit float taken is float8_e4m3fn"),
+    ("float32_query", TypeError, "query must be float8_e4m3fn, float16 or bfloat16"),
+    ("fp8_query_16bit_keys", TypeError, "key and value must both be float8_e4m3fn"),
+    ("mixed_key_value", TypeError, "key and value must both be float8_e4m3fn"),
+    ("descale_shape", ValueError, r"k_descale must have shape \(2, 2\)"),
+    ("descale_dtype", TypeError, "v_descale must be a float32 tensor"),
+    ("descale_not_tensor", TypeError, "q_descale must be a torch.Tensor or None"),
+    ("descale_for_16bit", ValueError, "q_descale was given but query is bfloat16"),
+    ("out_dtype_fp8_query", ValueError, "out_dtype must be torch.bfloat16 or torch.float16"),
+    ("out_dtype_16bit_query", ValueError, "out_dtype chooses the output of an FP8 query only"),
+    ("requires_grad", ValueError, "query requires grad, but attention with FP8 inputs is forward-only"),
+    ("fp8_mask", TypeError, r"float32 or the output's dtype \(bfloat16\)"),
+])
+def test_fp8_errors(backend, case, error, message):
+    q, k, v = _fp8(2, 4, 8, 16), _fp8(2, 2, 8, 16), _fp8(2, 2, 8, 16)
+    d = torch.ones(2, 2, device=DEVICE)
+    kwargs = dict(enable_gqa=True, backend=backend)
+    if case == "e5m2":
+        k = k.float().to(torch.float8_e5m2)
+    elif case == "float32_query":
+        q = q.float()
+    elif case == "fp8_query_16bit_keys":
+        k, v = k.bfloat16(), v.bfloat16()
+    elif case == "mixed_key_value":
+        v = v.bfloat16()
+    elif case == "descale_shape":
+        kwargs["k_descale"] = torch.ones(2, 4, device=DEVICE)
+    elif case == "descale_dtype":
+        kwargs["v_descale"] = d.double()
+    elif case == "descale_not_tensor":
+        kwargs["q_descale"] = 1.0
+    elif case == "descale_for_16bit":
+        q = q.bfloat16()
+        kwargs["q_descale"] = d
+    elif case == "out_dtype_fp8_query":
+        kwargs["out_dtype"] = torch.float32
+    elif case == "out_dtype_16bit_query":
+        q = q.bfloat16()
+        kwargs["out_dtype"] = torch.float16
+    elif case == "requires_grad":
+        q = q.bfloat16().requires_grad_()
+    elif case == "fp8_mask":
+        kwargs["attn_mask"] = _fp8(8, 8)
+    with pytest.raises(error, match=message):
+        attention(q, k, v, **kwargs)
+
+
+def test_fp8_elsewhere_is_a_clear_error():
+    """Entry points that take no FP8 yet say so (varlen, paged, the backward)."""
+    from common import attention_backward, paged_attention, varlen_attention
+
+    q, k, v = _fp8(5, 2, 16), _fp8(5, 2, 16), _fp8(5, 2, 16)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="taken by attention\\(\\) alone so far"):
+        varlen_attention(q, k, v, cu, cu, 5, 5)
+    with pytest.raises(TypeError):
+        paged_attention(torch.randn(1, 2, 1, 16, device=DEVICE).bfloat16(), _fp8(2, 2, 16, 16), _fp8(2, 2, 16, 16),
+                        torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+                        torch.ones(1, dtype=torch.int32, device=DEVICE))
+    b = (_fp8(1, 2, 4, 16), _fp8(1, 2, 4, 16), _fp8(1, 2, 4, 16))
+    grads = torch.randn(1, 2, 4, 16, device=DEVICE).bfloat16()
+    with pytest.raises(TypeError, match="taken by attention\\(\\) alone so far"):
+        attention_backward(grads, *b, grads, torch.zeros(1, 2, 4, device=DEVICE))
+
+
+def test_fp8_through_the_operator_and_compile(backend):
+    """torch.library's checks of the forward operator given FP8 inputs and descales, and one
+    torch.compile graph (fullgraph) of an FP8 call: the output's dtype is the fake's too."""
+    from common.ops import OPS
+
+    forward_op = OPS[backend][0]
+    q, k, v, qd, kd, vd, *_ = _inputs(1, 4, 2, 9, 21, 16, 16)
+    args = (q, k, v, None, True, 0.25, 0.0, None, [-1, -1, 0], 0.0, None, None, None, None, qd, kd, vd,
+            torch.float16)
+    torch.library.opcheck(forward_op, args, test_utils=("test_faketensor",))  # (test_schema multiplies FP8 tensors)
+    out, lse = forward_op(*args)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+
+    def call(q, k, v, qd, kd, vd):
+        return attention(q, k, v, is_causal=True, enable_gqa=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                         backend=backend)
+
+    compiled = torch.compile(call, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    got = compiled(q, k, v, qd, kd, vd)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, call(q, k, v, qd, kd, vd))
