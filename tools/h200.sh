@@ -4,6 +4,7 @@
 # stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
 #         gluon (the Gluon forward's tests and probe)
+#         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
 #         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
@@ -53,6 +54,8 @@ for stage in "$@"; do
     # and SDPA; the whole suite through it: ATTENTION_GLUON=1 bash tools/h200.sh test1 rest
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
+    fp8) timeout 240 python3 -m pytest tests/test_fp8.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/fp8_tests.log"
+         timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
     bench-bwd) timeout 420 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -60 "$OUT/bench_bwd.log" ;;

@@ -55,6 +55,10 @@ is written to the project.
   per sequence against the packed layout, both backends, SDPA on the padded batch.
 - serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
   against sdpa: tokens as sdpa's, tokens per second of 64 requests.
+- fp8: FP8 inputs (issue 44): the prefill forward (B·L 16k, H·D 2048, L 4k and 16k, D 64 and 128, causal
+  and not) in e4m3 (P·V in e4m3, in float16, and with V column-major) against our bf16 forward and SDPA's,
+  TFLOP/s; decode from an FP8 cache (bf16 query; B 8, 32 heads over 8, D 128, Lk 16k and 64k) against
+  the bf16 cache, TB/s of cache read (graph replay); both backends.
 - static: generate over a static cache, the forward compiled with CUDA graphs (reduce-overhead),
   sdpa / triton / ninetoothed: tokens per second, graph breaks, recompiles, tokens as sdpa's.
 """
@@ -708,6 +712,49 @@ def bandwidth():
                          ("ninetoothed", lambda: attention(q, k, v, enable_gqa=True, backend="ninetoothed"))):
             ms = _graph_time_ms(fn, replays=20)
             line.append(f"{name} {ms * 1e3:.0f} us ({gb / ms:.2f} TB/s)")
+        print("  ".join(line), flush=True)
+
+
+def fp8():
+    from common import quantize_fp8
+
+    def fwd_tflops(fn, B, H, L, D, causal):
+        ms = gpu_time_ms(fn)
+        return attention_flops(B, H, L, L, D, causal=causal) / ms / 1e9
+
+    pv16 = dataclasses.replace(plan.current_planner(), fp8_pv=False)
+    for D in (64, 128):
+        H = 2048 // D
+        for L in (4096, 16384):
+            B = 16384 // L
+            x = [torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t) for t in x)
+            v8_cols = v8.transpose(2, 3).contiguous().transpose(2, 3)  # column-major V (K-major for the P·V MMA)
+            for causal in (False, True):
+                sdpa = fwd_tflops(lambda: F.scaled_dot_product_attention(*x, is_causal=causal), B, H, L, D, causal)
+                line = [f"D={D} L={L} {'causal' if causal else 'full'}: sdpa bf16 {sdpa:.0f}"]
+                for backend in ("triton", "ninetoothed"):
+                    bf16 = fwd_tflops(lambda: attention(*x, is_causal=causal, backend=backend), B, H, L, D, causal)
+                    kw = dict(is_causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, backend=backend)
+                    e4m3 = fwd_tflops(lambda: attention(q8, k8, v8, **kw), B, H, L, D, causal)
+                    cols = fwd_tflops(lambda: attention(q8, k8, v8_cols, **kw), B, H, L, D, causal)
+                    with plan.use_planner(pv16):
+                        wide = fwd_tflops(lambda: attention(q8, k8, v8, **kw), B, H, L, D, causal)
+                    line.append(f"{backend}: bf16 {bf16:.0f} fp8 {e4m3:.0f} ({e4m3 / bf16:.2f}x ours, "
+                                f"{e4m3 / sdpa:.2f}x sdpa) fp8 V col-major {cols:.0f} fp8 P·V fp16 {wide:.0f}")
+                print("  ".join(line), flush=True)
+    for Lk in (16384, 65536):
+        q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(8, 8, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
+        line = [f"decode Lk={Lk}:"]
+        for backend in ("triton", "ninetoothed"):
+            bf16 = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+            e4m3 = _graph_time_ms(lambda: attention(q, k8, v8, enable_gqa=True, k_descale=kd, v_descale=vd,
+                                                    backend=backend), replays=20)
+            gb16, gb8 = 2 * k.numel() * 2 / 1e9, 2 * k.numel() / 1e9
+            line.append(f"{backend}: bf16 {bf16 * 1e3:.0f} us ({gb16 / bf16:.2f} TB/s) fp8 {e4m3 * 1e3:.0f} us "
+                        f"({gb8 / e4m3:.2f} TB/s, {bf16 / e4m3:.2f}x)")
         print("  ".join(line), flush=True)
 
 

@@ -89,6 +89,7 @@ FEATURE_TABLE = [
     ("B·H > 65535", "yes (one grid axis)", "yes", "yes"),
     ("backward pass (autograd, torch.compile), deterministic", "yes", "yes", "yes"),
     ("attention_backward() building block", "yes", "yes", "no"),
+    ("FP8 inputs (float8_e4m3fn, FlashAttention-3's descales; forward)", "yes", "yes", "yes (dequantized)"),
     ("runs on a CPU", "Triton's interpreter", "Triton's interpreter", "yes"),
 ]
 
