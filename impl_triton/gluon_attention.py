@@ -4,13 +4,13 @@
 toward cuDNN's was built and measured); Gluon, Triton's lower-level DSL, exposes what FlashAttention-3
 is built from: explicit layouts, TMA copies completing on mbarriers, and asynchronous warp-group MMAs.
 
-This first kernel is the schedule's skeleton, one consumer warp group per program: Q is copied once
-by TMA, K and V tiles stream through a ring of ``STAGES`` shared-memory slots (the copy of tile
-j + STAGES - 1 is issued before tile j is used, into the slot tile j - 1 freed), S = Q K^T and
-O += P V run as asynchronous ``warpgroup_mma`` with P passed in registers, and the online softmax
-is the ``tl`` kernel's (names ``acc``, ``m_i``, ``l_i``, ``qk``, ``p``). What FlashAttention-3 adds
-on top (a producer warp, two consumer warp groups in ping-pong, the softmax of tile j overlapped
-with S of tile j + 1) comes next, measured step by step.
+Two kernels share the consumer warps' loop (``_consume``): Q is copied once by TMA, K and V tiles
+stream through a ring of ``STAGES`` shared-memory slots, S = Q K^T and O += P V run as asynchronous
+``warpgroup_mma`` with P passed in registers, the softmax of tile j overlapping S of tile j + 1
+(FlashAttention-3's in-warp-group overlap), and the online softmax is the ``tl`` kernel's (names
+``acc``, ``m_i``, ``l_i``, ``qk``, ``p``). ``_gluon_attn_fwd``'s warps refill the ring themselves;
+``_gluon_attn_fwd_ws`` gives that to a producer warp of its own (``warp_specialize``). FlashAttention-3's
+two consumer warp groups in ping-pong are not built yet.
 
 It serves the plain forward only: float16 or bfloat16, D = Dv in {64, 128, 256}, causal (either
 alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs whose strides
@@ -75,14 +75,58 @@ def _gluon_attn_fwd(
     """One (batch, head, BLOCK_M-row block) program. Descriptors over (B, H, L, D) tensors, blocks
     (1, 1, rows, D): rows past a head's length read as zeros (TMA's bounds are the tensor's), and
     keys past Lk are masked. Causal: row i sees keys j <= i + causal_shift (0: top-left; Lk - Lq:
-    bottom-right). Out is (B, H, Lq, D) with a unit last stride; Lse (B, H, Lq) float32."""
+    bottom-right). Out is (B, H, Lq, D) with a unit last stride; Lse (B, H, Lq) float32. Its warps
+    fill the K/V ring themselves (``_consume`` with PRODUCER False)."""
     dtype: gl.constexpr = q_desc.dtype
     start_m = gl.program_id(0)
     off_hz = gl.program_id(1)
     off_z = off_hz // H
     off_h = off_hz % H
     off_h_kv = off_h // GROUP
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_bars.index(s), count=1)
+    fence_async_shared()
+    n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, Out, Lse, stride_oz,
+             stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m, n_tiles,
+             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False)
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_bars.index(s))
 
+
+@gluon.jit
+def _key_tiles(Lk, start_m, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """How many key tiles a row block reaches (causal: up to its last row's last key)."""
+    hi = Lk
+    if IS_CAUSAL:
+        hi = gl.minimum(Lk, gl.maximum((start_m + 1) * BLOCK_M + causal_shift, 0))
+    return gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz,
+             stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m, n_tiles,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+             IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr):
+    """The consumer warps' work, both kernels': Q by TMA, the online softmax over the K/V ring's
+    tiles (slot t % STAGES, ready on ``kv_ready``), the output and log-sum-exp stored. PRODUCER: a
+    producer warp fills the ring (``_ws_producer``), and a slot goes back to it on ``kv_empty`` once
+    P V of its tile is in; otherwise these warps fill it themselves, the next tile of a slot
+    issued into it as soon as its tile has been read.
+
+    FlashAttention-3's overlap inside a warp group: while the tensor cores run S of tile j and
+    P V of tile j - 1, the warps compute tile j's softmax as soon as its S is back (S_j issued
+    first, so waiting for all but the newest group returns it); O is rescaled once P V of tile
+    j - 1 is in, before P V of tile j is issued."""
+    num_warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_desc.dtype
     # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
     # warps, n the tile's width), P as O's A operand in registers
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -95,32 +139,15 @@ def _gluon_attn_fwd(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_bars.index(s), count=1)
-    fence_async_shared()
-
-    # the key tiles this row block reaches
-    hi = Lk
-    if IS_CAUSAL:
-        hi = gl.minimum(Lk, gl.maximum((start_m + 1) * BLOCK_M + causal_shift, 0))
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [off_z, off_h, start_m * BLOCK_M, 0], q_bar, q_smem)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-    for s in gl.static_range(STAGES):  # the ring's first tiles in flight
-        if s < n_tiles:
-            mbarrier.expect(kv_bars.index(s), kv_bytes)
-            _tma_load(k_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_bars.index(s),
-                                            k_smem.index(s))
-            _tma_load(v_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_bars.index(s),
-                                            v_smem.index(s))
+    if not PRODUCER:
+        for s in gl.static_range(STAGES):  # the ring's first tiles in flight
+            if s < n_tiles:
+                mbarrier.expect(kv_ready.index(s), kv_bytes)
+                _tma_load(k_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
+                _tma_load(v_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
 
     qk_scale = scale * LOG2E
     offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
@@ -130,14 +157,8 @@ def _gluon_attn_fwd(
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
-
-    # FlashAttention-3's overlap inside a warp group: while the tensor cores run S of tile j and
-    # P V of tile j - 1, the warps compute tile j's softmax as soon as its S is back (S_j issued
-    # first, so waiting for all but the newest group returns it); O is rescaled once P V of tile
-    # j - 1 is in, before P V of tile j is issued. The slot of tile j - 1 is refilled (tile
-    # j - 1 + STAGES) once that product has read it.
     if n_tiles > 0:
-        mbarrier.wait(kv_bars.index(0), 0)
+        mbarrier.wait(kv_ready.index(0), 0)
         qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
@@ -146,7 +167,7 @@ def _gluon_attn_fwd(
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
-            mbarrier.wait(kv_bars.index(slot), (j // STAGES) & 1)
+            mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
             qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
@@ -155,20 +176,18 @@ def _gluon_attn_fwd(
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j * BLOCK_N, Lk, qk_scale, causal_shift,
                                                BLOCK_N, IS_CAUSAL, col_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if PRODUCER:
+                mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             refill = j - 1 + STAGES
-            if refill < n_tiles:
-                mbarrier.expect(kv_bars.index(prev), kv_bytes)
-                _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(prev), k_smem.index(prev))
-                _tma_load(v_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(prev), v_smem.index(prev))
+            if not PRODUCER and refill < n_tiles:  # (tile j - 1's slot, read by both products)
+                mbarrier.expect(kv_ready.index(prev), kv_bytes)
+                _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_ready.index(prev), k_smem.index(prev))
+                _tma_load(v_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_ready.index(prev), v_smem.index(prev))
         last = (n_tiles - 1) % STAGES
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
                             acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-
-    mbarrier.invalidate(q_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_bars.index(s))
 
     if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
         lse = (m_i + gl.log2(l_i)) * LN2
@@ -198,72 +217,6 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_
 
 
 @gluon.jit
-def _ws_consumer(q_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz, stride_oh,
-                 stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_hz, start_m, n_tiles,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr):
-    """The consumer warp groups (the default partition): the loop of ``_gluon_attn_fwd``, each slot
-    released to the producer (``kv_empty``) once P V of its tile is in."""
-    num_warps: gl.constexpr = gl.num_warps()
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [off_z, off_h, start_m * BLOCK_M, 0], q_bar, q_smem)
-    qk_scale = scale * LOG2E
-    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM])
-    if n_tiles > 0:
-        mbarrier.wait(kv_ready.index(0), 0)
-        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                           is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, Lk, qk_scale, causal_shift, BLOCK_N, IS_CAUSAL,
-                                           col_s)
-        for j in range(1, n_tiles):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
-                               use_acc=False, is_async=True)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                                v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j * BLOCK_N, Lk, qk_scale, causal_shift,
-                                               BLOCK_N, IS_CAUSAL, col_s)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        last = (n_tiles - 1) % STAGES
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
-                            acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
-        lse = (m_i + gl.log2(l_i)) * LN2
-        gl.store(Lse + off_hz.to(gl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
-    l_i = gl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-    cols = gl.arange(0, HEAD_DIM, layout=col_o)
-    o_ptrs = (Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
-              + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
-    gl.store(o_ptrs, out.to(dtype), mask=rows[:, None] < Lq)
-
-
-@gluon.jit
 def _gluon_attn_fwd_ws(
     q_desc, k_desc, v_desc, Out, Lse,
     stride_oz, stride_oh, stride_om,
@@ -272,8 +225,9 @@ def _gluon_attn_fwd_ws(
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_gluon_attn_fwd`` with FlashAttention-3's producer: one warp of its own issues the K/V
-    copies (``_ws_producer``) while the ``num_warps`` consumer warps (``_ws_consumer``) only wait
-    for tiles, multiply and run the softmax; slots go back through ``kv_empty``."""
+    copies (``_ws_producer``) while the ``num_warps`` consumer warps (``_consume`` with PRODUCER,
+    the default partition) only wait for tiles, multiply and run the softmax; slots go back through
+    ``kv_empty``."""
     dtype: gl.constexpr = q_desc.dtype
     start_m = gl.program_id(0)
     off_hz = gl.program_id(1)
@@ -291,14 +245,11 @@ def _gluon_attn_fwd_ws(
         mbarrier.init(kv_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=1)
     fence_async_shared()
-    hi = Lk
-    if IS_CAUSAL:
-        hi = gl.minimum(Lk, gl.maximum((start_m + 1) * BLOCK_M + causal_shift, 0))
-    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     gl.warp_specialize([
-        (_ws_consumer, (q_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz, stride_oh,
-                        stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_hz, start_m, n_tiles, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE)),
+        (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz,
+                    stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m,
+                    n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
                         STAGES)),
     ], [1], [PRODUCER_REGS])

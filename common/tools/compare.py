@@ -187,7 +187,7 @@ LEVELS = [
      "every offset, pointer, mask and loop bound, block by block; the compiler chooses the layouts, the "
      "shared memory, the copies' pipelining and when each product waits"),
     ("warp-group-oriented: Gluon (sm_90)", "impl_triton.gluon_attention",
-     ["_softmax_step", "_gluon_attn_fwd", "_ws_producer", "_ws_consumer", "_gluon_attn_fwd_ws"],
+     ["_softmax_step", "_gluon_attn_fwd", "_key_tiles", "_consume", "_ws_producer", "_gluon_attn_fwd_ws"],
      "the register layouts of S, O and P, the shared-memory ring and its barriers, each TMA copy, when each "
      "asynchronous warp-group MMA is issued and waited for, and which warps copy and which compute"),
 ]
