@@ -21,7 +21,7 @@ import torch
 
 from common import plan as planning
 from common.backends import BACKENDS, get_backend
-from common.validation import FP8_DTYPES, Call
+from common.validation import FP8_DTYPES, Call, output_dtype
 
 NAMESPACE = "twin_attention"
 
@@ -105,13 +105,6 @@ def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_see
                 descales=descales if key.dtype in FP8_DTYPES else None, out_dtype=out_dtype)
 
 
-def fp8_output_dtype(query: torch.Tensor, out_dtype) -> torch.dtype:
-    """The output's dtype of a forward of ``query``: ``out_dtype`` where given, bfloat16 for an
-    FP8 query, else the query's (``common.validation._check_fp8``)."""
-    if out_dtype is not None:
-        return out_dtype
-    return torch.bfloat16 if query.dtype in FP8_DTYPES else query.dtype
-
 
 def extras(call: Call) -> tuple[list[int], float]:
     """A call's window, alignment and soft-capping as the operators take them:
@@ -167,14 +160,14 @@ def _register(name: str):
                      v_descale=None, out_dtype=None):
         call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
                      sinks, row_bands, alibi_slopes, alibi_shifts, (q_descale, k_descale, v_descale),
-                     fp8_output_dtype(query, out_dtype))
+                     output_dtype(query.dtype, out_dtype))
         return forward(backend, call, with_lse=True)
 
     def forward_fake(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
                      sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None, q_descale=None, k_descale=None,
                      v_descale=None, out_dtype=None):
         B, H, Lq, _ = query.shape
-        return (query.new_empty((B, H, Lq, value.shape[3]), dtype=fp8_output_dtype(query, out_dtype)),
+        return (query.new_empty((B, H, Lq, value.shape[3]), dtype=output_dtype(query.dtype, out_dtype)),
                 query.new_empty((B, H, Lq), dtype=torch.float32))
 
     def backward_impl(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,

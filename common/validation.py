@@ -61,7 +61,14 @@ class Call:
 
     @property
     def output_dtype(self) -> torch.dtype:
-        return self.out_dtype if self.out_dtype is not None else self.query.dtype
+        return output_dtype(self.query.dtype, self.out_dtype)
+
+
+def output_dtype(query_dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.dtype:
+    """A forward's output dtype: ``out_dtype`` where given, bfloat16 for an FP8 query, else the query's."""
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if query_dtype in FP8_DTYPES else query_dtype
 
 
 def check_call(
@@ -293,9 +300,8 @@ def _check_fp8(fp8, query, key, value, unbatched: bool, fp8_inputs: bool):
             raise ValueError(f"{name} requires grad, but FP8 attention is forward-only: descales get no gradient")
         descales.append(d.unsqueeze(0) if unbatched else d)
     if query.dtype in FP8_DTYPES:
-        if out_dtype is None:
-            out_dtype = torch.bfloat16
-        elif out_dtype not in FP8_QUERY_OUT_DTYPES:
+        out_dtype = output_dtype(query.dtype, out_dtype)
+        if out_dtype not in FP8_QUERY_OUT_DTYPES:
             raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16 for an FP8 query, got {out_dtype}")
     elif out_dtype is not None and out_dtype != query.dtype:
         raise ValueError(f"out_dtype={out_dtype} was given for a {_dtype_name(query.dtype)} query, whose output has "

@@ -86,6 +86,24 @@ def layouts(monkeypatch):
 def test_varlen_forward_and_backward(backend, case, layouts):
     """Each case against every sequence alone; these short batches run laid out per sequence
     (a row block per sequence's rows)."""
+    lens_q = _check_case(backend, case)
+    assert layouts and layouts[0] is not None and layouts[0] % 16 == 0 and layouts[0] >= max(lens_q)
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=["case2", "case4"])
+def test_varlen_packed_layout(backend, case, monkeypatch, layouts):
+    """The packed layout (every row after the last, a row block holding several sequences' rows,
+    each row its own band), which long sequences take, on the short batches: the same results."""
+    import common.varlen
+
+    monkeypatch.setattr(common.varlen, "SHORT_QUERIES", 0)
+    _check_case(backend, case)
+    assert layouts == [None]
+
+
+def _check_case(backend, case):
+    """Run one case through varlen_attention (output, log-sum-exp, gradients) against every
+    sequence alone; returns its query lengths."""
     _, _, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
     lens_q, lens_k, leaves, refs = _case_inputs(case, dtype)
     out, lse = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
@@ -99,27 +117,7 @@ def test_varlen_forward_and_backward(backend, case, layouts):
     assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
     torch.testing.assert_close(lse[seen].double(), expected_lse[seen].detach(), rtol=tol, atol=tol)
     _check_grads(out, expected, leaves, refs, tol)
-    assert layouts and layouts[0] is not None and layouts[0] % 16 == 0 and layouts[0] >= max(lens_q)
-
-
-@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=["case2", "case4"])
-def test_varlen_packed_layout(backend, case, monkeypatch, layouts):
-    """The packed layout (every row after the last, a row block holding several sequences' rows,
-    each row its own band), which long sequences take, on the short batches: the same results."""
-    import common.varlen
-
-    monkeypatch.setattr(common.varlen, "SHORT_QUERIES", 0)
-    _, _, H, H_kv, D, Dv, is_causal, alignment, window, softcap, dtype = case
-    lens_q, lens_k, leaves, refs = _case_inputs(case, dtype)
-    out, lse = varlen_attention(*leaves, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), is_causal,
-                                enable_gqa=H_kv < H, backend=backend, return_lse=True, alignment=alignment,
-                                window=window, softcap=softcap)
-    expected, expected_lse = _reference(*refs, lens_q, lens_k, is_causal, alignment, window, softcap)
-    torch.testing.assert_close(out.double(), expected.detach(), rtol=2e-4, atol=2e-4)
-    seen = expected_lse.isfinite()
-    assert torch.equal(lse.isfinite(), seen)
-    _check_grads(out, expected, leaves, refs, 2e-4)
-    assert layouts == [None]
+    return lens_q
 
 
 def test_varlen_short_maximum_gives_nan(backend, layouts):

@@ -44,6 +44,24 @@ from common.interpret import _StandInDriver  # noqa: E402
 INSTRUCTIONS = r"HGMMA[.\w]*|HMMA[.\w]*|LDGSTS[.\w]*|UTMALDG[.\w]*|LDG[.\w]*|STG[.\w]*|ATOMG[.\w]*|RED[.\w]*|BAR[.\w]*"
 
 
+NVIDIA_TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm, cuobjdump
+
+
+def disassemble(kernel, out: pathlib.Path, name: str) -> tuple[str, str]:
+    """``(sass, usage)`` of a compiled kernel: its cubin, TTGIR, PTX and SASS written to ``out`` as
+    ``name``.*, and cuobjdump's resource usage (``REG:``, ``STACK:``, ...)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cubin = out / f"{name}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    for form in ("ttgir", "ptx"):
+        (out / f"{name}.{form}").write_text(kernel.asm[form])
+    sass = subprocess.run([str(NVIDIA_TOOLS / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+    (out / f"{name}.sass").write_text(sass)
+    usage = subprocess.run([str(NVIDIA_TOOLS / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                           capture_output=True, text=True).stdout
+    return sass, usage
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("backend", choices=["triton", "ninetoothed"])
@@ -112,17 +130,9 @@ def main(argv=None) -> int:
             backend.load().forward(plan)
 
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    tools = NVIDIA_TOOLS
     for name, kernel in compiled.items():
-        cubin = out / f"{name}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        for form in ("ttgir", "ptx"):
-            (out / f"{name}.{form}").write_text(kernel.asm[form])
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
-        (out / f"{name}.sass").write_text(sass)
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True).stdout
+        sass, usage = disassemble(kernel, out, name)
         regs = re.search(r"REG:(\d+)", usage)
         # ptxas spills to the stack frame (STACK), not to LOCAL (which stays 0 for our kernels)
         stack = re.search(r"STACK:(\d+)", usage)

@@ -17,7 +17,6 @@ import argparse
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
@@ -27,6 +26,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from cpu_sass import disassemble  # noqa: E402
+
 from common.interpret import _StandInDriver  # noqa: E402
 
 
@@ -54,8 +56,6 @@ def main(argv=None) -> int:
     import impl_triton.gluon_attention as ga
 
     out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     dtype = getattr(torch, args.dtype)
     for D in args.dims:
         q = torch.randn(2, 8, 1000, D, dtype=dtype)
@@ -69,14 +69,7 @@ def main(argv=None) -> int:
             q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), 0.125, 8, 4, 1000, 1000, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,
             num_warps=num_warps, grid=(1,), **extra)
-        cubin = out_dir / f"gluon_fwd_d{D}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        for form in ("ttgir", "ptx"):
-            (out_dir / f"gluon_fwd_d{D}.{form}").write_text(kernel.asm[form])
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
-        (out_dir / f"gluon_fwd_d{D}.sass").write_text(sass)
-        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True).stdout
+        sass, usage = disassemble(kernel, out_dir, f"gluon_fwd_d{D}")
         regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
         overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
         print(f"D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
