@@ -85,6 +85,9 @@ BACKWARD_DEFAULTS = {
 # an additive mask's tiles in flight too (common.launch also drops pipeline stages where a
 # configuration does not fit).
 FLOAT32_DEFAULTS = {**DEFAULTS, 128: Config(64, 32, 4, 3)}
+# An FP8 (e4m3) query, keys and values: tiles of half the bytes, at the tensor cores' FP8 rate;
+# 128 keys a step ran fastest at D 64 and 128 on the H200 (benchmarks/NOTES.md, issue 44).
+FP8_DEFAULTS = {**DEFAULTS, 64: Config(128, 128, 4, 3), 128: Config(128, 128, 8, 3)}
 FLOAT32_BACKWARD_DEFAULTS = {
     **BACKWARD_DEFAULTS,
     128: BackwardConfig(32, 128, 128, 32, 4, 3),
@@ -125,7 +128,8 @@ def default_config(block_d: int, q_len: int, dtype: torch.dtype = torch.float16)
     Short queries (decoding, a few speculative tokens) get the smallest row
     tile that holds them: their programs stream keys and values, and rows
     past Lq would only burn tensor-core time. float32 tiles take twice the
-    shared memory: at D = 128 they take half the keys per step.
+    shared memory: at D = 128 they take half the keys per step; FP8 tiles
+    half, and take twice the keys at D 64 and 128.
     """
     wide = dtype == torch.float32 and block_d == 128
     if q_len <= 64:
@@ -135,7 +139,9 @@ def default_config(block_d: int, q_len: int, dtype: torch.dtype = torch.float16)
         if block_d <= 128:
             return Config(block_m, 32 if wide else 64, 4, 3)
         return Config(block_m, 32, 4, 2)
-    return FLOAT32_DEFAULTS[block_d] if dtype == torch.float32 else DEFAULTS[block_d]
+    if dtype == torch.float32:
+        return FLOAT32_DEFAULTS[block_d]
+    return FP8_DEFAULTS[block_d] if dtype == torch.float8_e4m3fn else DEFAULTS[block_d]
 
 
 def interpreter_config(block_d: int, q_len: int, k_len: int) -> Config:

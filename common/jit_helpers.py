@@ -28,7 +28,6 @@ LOG2E = tl.constexpr(_plan.LOG2E)
 UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 WIDEN_F16 = tl.constexpr(int(_plan.Widen.FLOAT16))
-WIDEN_BF16 = tl.constexpr(int(_plan.Widen.BFLOAT16))
 
 
 @triton.jit
@@ -139,13 +138,29 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
 # What impl_ninetoothed puts in each generated module under the interpreter.
 @triton.jit
 def _widen(x, WIDEN: triton.language.constexpr):
-    """An FP8 tile widened for a 16-bit product (``common.plan.Widen``: to float16 or bfloat16,
-    both exact for e4m3 values), or as it is (Widen.NONE: an FP8 product)."""
+    """An FP8 tile widened for a 16-bit product (``common.plan.Widen``: to float16, exact for
+    e4m3 values), or as it is (Widen.NONE: an FP8 product)."""
     if WIDEN == WIDEN_F16:
         x = x.to(tl.float16)
-    elif WIDEN == WIDEN_BF16:
-        x = x.to(tl.bfloat16)
     return x
 
 
-JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen)
+@triton.jit
+def _narrow_query(q, score_scale, WIDEN: triton.language.constexpr):
+    """``(q, score_scale)`` for products with keys widened to float16 (WIDEN_F16): a bfloat16 query
+    tile as float16 times 2^-e, e the power of two that brings its largest magnitude into [2^14, 2^15)
+    (float16's range, whose 11 significant bits hold bfloat16's 8: exact, but for elements under
+    2^-38 of the largest), and score_scale times 2^e; any other tile as it is."""
+    if WIDEN == WIDEN_F16:
+        if q.dtype == tl.bfloat16:
+            big = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+            e = ((big.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141  # 141: float32's bias 127 + 14
+            e = tl.minimum(tl.maximum(e, -110), 114)  # (a zero tile: -141; inf or NaN: 114)
+            shrink = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e exactly
+            q = (q.to(tl.float32) * shrink).to(tl.float16)
+            score_scale = score_scale / shrink
+    return q, score_scale
+
+
+JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
+               _narrow_query)

@@ -77,15 +77,13 @@ class Softcap(enum.IntEnum):
 
 
 class Widen(enum.IntEnum):
-    """What the kernels widen FP8 key or value tiles to after loading them: their WIDEN_K, WIDEN_V."""
+    """What the kernels widen FP8 key or value tiles to after loading them: their WIDEN_K, WIDEN_V.
+    Never bfloat16: e4m3 -> float16 is one conversion per pair of values on NVIDIA GPUs, -> bfloat16
+    several (it held an FP8 cache's decode to the 16-bit cache's speed); a bfloat16 query is narrowed
+    to float16 instead (``common.jit_helpers._narrow_query``)."""
 
     NONE = 0  # kept in e4m3: an FP8 product on the tensor cores
     FLOAT16 = 1
-    BFLOAT16 = 2
-
-
-def widen_to(dtype: torch.dtype) -> Widen:
-    return Widen.BFLOAT16 if dtype == torch.bfloat16 else Widen.FLOAT16
 
 
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
@@ -146,6 +144,11 @@ class Planner:
     # FlashAttention-3 does: the tensor cores' FP8 rate), or, False, with the values widened to
     # float16 and the probabilities kept in float16 (2^-11 relative rounding instead of 2^-4).
     fp8_pv: bool = True
+    # FP8 values in an e4m3 P·V product are read by the tensor cores along the keys: row-major
+    # (each key's Dv contiguous) the kernels transpose every tile in shared memory. From
+    # fp8_v_columns_rows query rows per K/V head on, the plan copies V to column-major (keys
+    # contiguous) first: one pass over V, which that many rows' products outweigh.
+    fp8_v_columns_rows: int = 256
 
     def __post_init__(self):
         if self.num_splits is not None and (type(self.num_splits) is not int or self.num_splits < 1):
@@ -202,6 +205,13 @@ class Planner:
                 and device.type == "cuda" and programs > self.shallow_programs_per_sm * self.sm_count(device)):
             return dataclasses.replace(config, num_stages=2, maxnreg=self.shallow_max_registers)
         return config
+
+    def fp8_values(self, value: torch.Tensor, rows: int) -> torch.Tensor:
+        """FP8 values (B, H_kv, Lk, Dv) for an e4m3 P·V product read by ``rows`` query rows per
+        K/V head: column-major where that many rows pay for the copy (see fp8_v_columns_rows)."""
+        if value.dtype != torch.float8_e4m3fn or rows < self.fp8_v_columns_rows or value.stride(2) == 1:
+            return value
+        return value.transpose(2, 3).contiguous().transpose(2, 3)
 
     def pack_gqa(self, query, H_kv: int, attn_mask, banded: bool):
         """``(query, attn_mask)`` with each group's query heads packed into rows, or None.
@@ -521,6 +531,8 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         # Dropping them (views) keeps split launches from planning work for them.
         Lk = max(1, Lq + plan.band[1])
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
+    if plan.descales is not None and plan.widen_v == Widen.NONE:
+        plan.value = planner.fp8_values(plan.value, Lq * (H // H_kv))
     # Dropout's mask is counted by (head, row): packed rows would change it.
     # (Sinks are per row: packed, each row reads its own head's, packed_rows.)
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
@@ -538,6 +550,8 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         if plan.alibi_shift is not None:
             plan.alibi_shift = packed_shifts(plan.alibi_shift, H // H_kv)
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    if plan.descales is not None and plan.widen_k == Widen.NONE:
+        plan.block_d = max(plan.block_d, 32)  # an e4m3 MMA sums 32 products at least (zeros pad the rest)
     plan.dot_precision = dot_precision(q.dtype)
     plan_launch(plan, backend, resume, allocate)
     return plan
@@ -546,11 +560,11 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
 def set_fp8(plan, call, planner: Planner) -> None:
     """A plan's FP8 fields from a call with FP8 inputs: the descales (a ones view for each one
     not given: the kernels read all three), and what key and value tiles are widened to (to a
-    16-bit query's dtype; values to float16 where the planner keeps P·V out of e4m3)."""
+    16-bit query, float16 (see Widen); values to float16 where the planner keeps P·V out of e4m3)."""
     B, H_kv = call.key.shape[:2]
     plan.descales = tuple(d if d is not None else _one(call.key.device).expand(B, H_kv) for d in call.descales)
     if call.query.dtype in (torch.float16, torch.bfloat16):  # FP8 keys and values under a 16-bit query
-        plan.widen_k = plan.widen_v = widen_to(call.query.dtype)
+        plan.widen_k = plan.widen_v = Widen.FLOAT16
     elif not planner.fp8_pv:
         plan.widen_v = Widen.FLOAT16
 

@@ -51,6 +51,7 @@ from common.jit_helpers import (
     _dropout_keep,
     _in_band,
     _key_stages,
+    _narrow_query,
     _scores,
     _tanh,
     _widen,
@@ -77,7 +78,6 @@ _SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX, WIDEN_F16=int(Widen.FLOAT16),
-                        WIDEN_BF16=int(Widen.BFLOAT16),
                         ROW_BANDS=ROW_BANDS, ONE_STAGE=ONE_STAGE)
 
 
@@ -229,6 +229,7 @@ def application(
     if DESCALE:  # real values are the stored ones times their descales ((1,) tiles, loaded once)
         score_scale = scale * ntl.sum(q_descale, 0) * ntl.sum(k_descale, 0)
         out_scale = ntl.sum(v_descale, 0)
+        q, score_scale = _narrow_query(q, score_scale, WIDEN_K)  # (a bfloat16 query on float16-widened keys)
     qk_scale = score_scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)
     alibi = 0.0

@@ -100,7 +100,7 @@ def forward(plan):
 
     Returns ``(plan.out, plan.lse)``, filled in.
     """
-    if gluon_attention.enabled() and gluon_attention.serves(plan):  # (sm_90: the Gluon kernel)
+    if gluon_attention.chooses(plan):  # (sm_90: the Gluon kernel)
         return gluon_attention.forward_plan(plan)
     _fwd_launcher.run(*_forward_launch(plan)[:5])
     if plan.split and not plan.refinement.kernel_merge:
@@ -178,7 +178,7 @@ def bind_forward(plan, keys: bool = False):
     a running result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`)."""
-    if gluon_attention.enabled() and gluon_attention.serves(plan):  # (each call through forward: the Gluon kernel)
+    if gluon_attention.chooses(plan):  # (each call through forward: the Gluon kernel)
         return None
     grid, args, num_warps, num_stages, maxnreg, counts = _forward_launch(plan)
     prefix = _tensor_roles(plan, args, counts)

@@ -15,7 +15,8 @@ two consumer warp groups in ping-pong are not built yet.
 It serves the plain forward only: float16 or bfloat16, D = Dv in {64, 128, 256}, causal (either
 alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs whose strides
 TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
-kernel (``serves``), and so does every plan unless ``ATTENTION_GLUON=1`` (``enabled``).
+kernel (``serves``); of what it serves, the Triton backend sends it the head dims where it is faster
+(``chooses``: D 256 by default; ``ATTENTION_GLUON=1`` every plan it serves, ``0`` none).
 """
 
 from __future__ import annotations
@@ -266,10 +267,20 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
 
 
-def enabled() -> bool:
-    """The switch: ``ATTENTION_GLUON=1`` sends the plans it serves to this kernel (off until the H200
-    shows it faster; then on by default on sm_90, ``ATTENTION_GLUON=0`` forcing the ``tl`` kernel)."""
-    return os.environ.get("ATTENTION_GLUON", "0") == "1"
+# The head dims where this kernel is the default on sm_90: where the H200 measured it (with its producer
+# warp) faster than the tl kernel (benchmarks/NOTES.md). ATTENTION_GLUON=1 sends it every plan it serves
+# (the rest of its head dims too), ATTENTION_GLUON=0 none (the tl kernel everywhere: benchmarks, compare).
+DEFAULT_HEAD_DIMS = (256,)
+
+
+def chooses(plan) -> bool:
+    """Whether the Triton backend runs ``plan`` (a ``common.plan.ForwardPlan``) on this kernel."""
+    switch = os.environ.get("ATTENTION_GLUON", "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"ATTENTION_GLUON must be 0, 1 or unset, got {switch!r}")
+    if switch == "0" or not serves(plan):
+        return False
+    return switch == "1" or plan.query.shape[-1] in DEFAULT_HEAD_DIMS
 
 
 def serves(plan) -> bool:
@@ -290,7 +301,7 @@ def serves(plan) -> bool:
 def forward_plan(plan):
     """Run a plan this kernel serves (``serves``) into its buffers: ``(plan.out, plan.lse)``."""
     forward(plan.query, plan.key, plan.value, plan.scale, None if plan.band is None else plan.band[1],
-            plan.with_lse, plan.out, plan.lse)
+            plan.with_lse, plan.out, plan.lse, specialized=True)
     return plan.out, plan.lse
 
 

@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 
 from common import plan as _plan
-from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _scores, _widen
+from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _narrow_query, _scores, _widen
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
@@ -299,6 +299,7 @@ def _attn_fwd(
         score_scale = (scale * tl.load(Q_DESCALE + off_z * stride_qdz + off_h_kv * stride_qdh)
                        * tl.load(K_DESCALE + off_z * stride_kdz + off_h_kv * stride_kdh))
         out_scale = tl.load(V_DESCALE + off_z * stride_vdz + off_h_kv * stride_vdh)
+        q, score_scale = _narrow_query(q, score_scale, WIDEN_K)  # (a bfloat16 query on float16-widened keys)
     qk_scale = score_scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)
     alibi, alibi_shift = _alibi_rows(SLOPES + off_z * stride_az + off_h * stride_ah, SHIFTS, stride_am, stride_as,

@@ -93,6 +93,41 @@ def test_attention_takes_the_gluon_path_when_switched_on(monkeypatch):
     assert len(taken) == 3
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("switch", ["", "0"], ids=["default", "forced-off"])
+def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
+    """Unset, the switch sends the head dims where the Gluon kernel measured faster (D 256, at the
+    benchmark's shape) to it and D 128 to the tl kernel; ATTENTION_GLUON=0 sends both to the tl kernel.
+    Both answers match SDPA."""
+    from common import attention
+    from common.reuse import PLANS
+    from impl_triton import gluon_attention as ga
+
+    monkeypatch.setenv("ATTENTION_GLUON", switch)
+    PLANS.clear()
+    taken = []
+    run = ga.forward_plan
+    monkeypatch.setattr(ga, "forward_plan", lambda plan: taken.append(plan.query.shape[-1]) or run(plan))
+    for B, H, L, D in ((4, 8, 4096, 256), (4, 16, 4096, 128)):
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            out = attention(q, k, v, is_causal=causal, backend="triton")
+            expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                        is_causal=causal)
+            torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+    assert taken == ([256, 256] if switch == "" else [])
+
+
+def test_switch_takes_0_1_or_nothing(monkeypatch, device):
+    """A misspelt switch is a clear error before any launch, not a silent default."""
+    from common import attention
+
+    monkeypatch.setenv("ATTENTION_GLUON", "yes")
+    q = torch.randn(1, 2, 8, 64, device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="ATTENTION_GLUON"):
+        attention(q, q, q, backend="triton")
+
+
 def test_switched_on_without_hopper_runs_the_tl_kernel(monkeypatch, device):
     """ATTENTION_GLUON=1 where the Gluon kernel cannot run (no sm_90 GPU, the interpreter): the tl
     kernel, the same answer."""

@@ -5,6 +5,7 @@
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
 #         gluon (the Gluon forward's tests and probe)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA)
+#         gluon-fp8 (both stages' tests side by side, then both probes)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
 #         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
@@ -56,6 +57,17 @@ for stage in "$@"; do
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     fp8) timeout 240 python3 -m pytest tests/test_fp8.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/fp8_tests.log"
          timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
+    # Gluon's and FP8's tests side by side, then their probes one after the other (one call)
+    gluon-fp8) (timeout 200 python3 -m pytest tests/test_gluon.py -q -n 6 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/gluon_tests.log") &
+               timeout 200 python3 -m pytest tests/test_fp8.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/fp8_tests.log"; wait
+               cat "$OUT/gluon_tests.log" "$OUT/fp8_tests.log"
+               timeout 170 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log"
+               timeout 190 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
+    # FP8's tests beside the default path's (Gluon at D 256: its tests and the suite's D 256 cases), then the FP8 probe
+    fp8-d256) (timeout 200 python3 -m pytest tests -k "256 or default_path or switch" -q -n 6 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/d256_tests.log") &
+              timeout 200 python3 -m pytest tests/test_fp8.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/fp8_tests.log"; wait
+              cat "$OUT/d256_tests.log" "$OUT/fp8_tests.log"
+              timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
     bench-bwd) timeout 420 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -60 "$OUT/bench_bwd.log" ;;
