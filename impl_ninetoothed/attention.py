@@ -19,6 +19,7 @@ import triton.language as tl
 
 from common import compat
 from common.codecache import number_tensors_from_zero, use_private_cache
+from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.jit_helpers import JIT_HELPERS
 from common.launch import (
@@ -255,7 +256,8 @@ def _attention_launch(plan) -> tuple:
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split,
+    block_d = plan.block_d if plan.block_d != padded_head_dim(D) else None  # (the kernel's name unchanged)
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
                    wide=_wide(q, plan.key, plan.value, plan.attn_mask, o, lse))
     blocked = blocked_keys(plan)

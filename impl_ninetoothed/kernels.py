@@ -743,10 +743,12 @@ _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).in
 _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("stride", _LSE_PART, 0))
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, split=False):
-    """The forward; with ``split``, its split-KV variant (see ``arrangement``)."""
+def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None):
+    """The forward; with ``split``, its split-KV variant (see ``arrangement``). ``block_d``: the
+    head dim's tile where the plan widens it past ``padded_head_dim`` (an e4m3 Q·K product: 32)."""
     arrangement_ = functools.partial(
-        arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
+        arrangement, block_m=block_m, block_n=block_n,
+        block_d=block_d if block_d is not None else padded_head_dim(head_dim),
         block_dv=padded_head_dim(head_dim_v), split=split,
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)

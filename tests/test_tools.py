@@ -509,6 +509,22 @@ def test_cpu_sass_compiles_a_call_for_hopper_without_a_gpu(backend, tmp_path):
     assert step and int(step.group(1)) > 0, result.stdout
 
 
+@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+def test_fp8_kernels_compile_for_hopper(backend, tmp_path):
+    """An FP8 call at D 16 compiles for sm_90: Triton's e4m3 dot takes K >= 32 only (a check the
+    interpreter does not make), and the plan pads the head dim to it."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, "1", "3", "3", "11", "29",
+                             "16", "--fp8", "all", "--out", str(tmp_path)], capture_output=True, text=True,
+                            timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "registers" in result.stdout and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
+
+
 def test_cpu_sass_reads_the_loops_of_tensor_core_products():
     """tools/cpu_sass.py's loop report: a label to the last branch back to it, instructions
     counted by opcode (predicates and modifiers dropped); loops without MMAs and forward branches

@@ -8,7 +8,7 @@ this finds what differs between two kernels, or what a change did to one, before
 instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--backward] [--tile N ...] [--capability 90] [--out DIR]
+        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
@@ -73,6 +73,8 @@ def main(argv=None) -> int:
                         help="the tile instead of the table's: BLOCK_M BLOCK_N WARPS STAGES [MAXNREG] (forward), "
                              "BLOCK_M1 BLOCK_N1 BLOCK_M2 BLOCK_N2 WARPS STAGES (--backward)")
     parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
+    parser.add_argument("--fp8", choices=["all", "kv"], help="float8_e4m3fn query, keys and values (all), or keys "
+                        "and values under a --dtype query (kv); with descales")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
@@ -110,9 +112,16 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     q = torch.randn(B, H, Lq, D, dtype=dtype)
     k, v = (torch.randn(B, H_kv, Lk, D, dtype=dtype) for _ in range(2))
+    fp8 = None
+    if args.fp8:
+        e4m3 = torch.float8_e4m3fn
+        k, v = k.to(e4m3), v.to(e4m3)
+        q = q.to(e4m3) if args.fp8 == "all" else q
+        ones = torch.ones(B, H_kv)
+        fp8 = (ones if args.fp8 == "all" else None, ones, ones, None)
     backend = resolve(args.backend)
     call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
-                                 scale=None, enable_gqa=H_kv != H, return_lse=False)
+                                 scale=None, enable_gqa=H_kv != H, return_lse=False, fp8=fp8)
     from common.configs import BackwardConfig, Config, override
     from common.plan import make_backward
 
