@@ -177,6 +177,9 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     sequences' query and key lengths, the rows gathered back (all on the device: no host sync)."""
     _check_dims(q=(q, 3), k=(k_cache, 4), v=(v_cache, 4))
     _refuse(deterministic=deterministic)
+    for name, t in (("k", k_cache), ("v", v_cache)):  # (FlashAttention 2's pages: q's dtype; no FP8 cache)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} (the paged cache) must have q's dtype {q.dtype}, got {t.dtype}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise ValueError(f"dropout_p must be 0 with block_table: a paged cache is read at inference, forward only "
                          f"(got {dropout_p!r})")
@@ -600,4 +603,4 @@ def _check_paged(chosen, query, key_cache, value_cache, table, seqlens, new, fea
     if leftpad is not None:
         paged._check_lengths("cache_leftpad", leftpad, B, query)
     if new is not None:
-        paged._check_append(chosen, key_cache, value_cache, table, seqlens, *new, False)
+        paged._check_append(chosen, key_cache, value_cache, table, seqlens, *new, False, (None, None))

@@ -162,5 +162,14 @@ def _narrow_query(q, score_scale, WIDEN: triton.language.constexpr):
     return q, score_scale
 
 
+@triton.jit
+def _to_e4m3(x, descale):
+    """x / descale (correctly rounded) as float8_e4m3fn: rounded to nearest even, saturated at
+    +-448 (infinities too), NaN kept (``common.quantize_fp8``'s rule)."""
+    x = tl.math.div_rn(x.to(tl.float32), descale)
+    x = tl.where(x == x, tl.minimum(tl.maximum(x, -448.0), 448.0), x)
+    return x.to(tl.float8e4nv)
+
+
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
-               _narrow_query)
+               _narrow_query, _to_e4m3)

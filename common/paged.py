@@ -12,7 +12,9 @@ grouped-query heads packed into rows (sinks and ALiBi slopes then read per row).
 path's features, in both kernels: a window around each row's position (the key blocks
 outside a row block's windows never visited), soft-capped scores, attention sinks (the
 first split's), ALiBi (FlashAttention's bias, from each row's position in its sequence)
-and the log-sum-exp (the merged one, with split pages).
+and the log-sum-exp (the merged one, with split pages). FP8 caches (float8_e4m3fn with a
+descale per sequence and K/V head) under a 16-bit query: pages widened to float16 as they are
+read; ``append_kv`` quantizes 16-bit new tokens into them as it writes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from common.ops import _on_device, _quiet
 from common.outputs import allocator, partials
 from common.reuse import PlanCache
 from common.validation import (
+    _FLOAT8,
+    FP8_DTYPES,
     OFFSET_LIMIT,
     SUPPORTED_DTYPES,
     _check_alibi,
@@ -68,6 +72,9 @@ class PagedPlan:
     leftpad: torch.Tensor | None = None  # (B,) int32: sequence b's keys start at leftpad[b] (None: at 0)
     query_lengths: torch.Tensor | None = None  # (B,) int32: sequence b's first query_lengths[b] rows (None: Lq)
     with_lse: bool = False  # the caller gets the log-sum-exp
+    # FP8 caches (float8_e4m3fn under a 16-bit query): the float32 (B, H_kv) key and value
+    # descales (ones where not given); the kernels widen pages to float16 (planning.Widen)
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None
     config: Config | None = None
     block_d: int = 0
     block_dv: int = 0
@@ -106,6 +113,8 @@ def paged_attention(
     cache_leftpad: torch.Tensor | None = None,
     query_lengths: torch.Tensor | None = None,
     return_lse: bool = False,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = False,
 ):
@@ -115,7 +124,8 @@ def paged_attention(
         query: (B, H, Lq, D): each sequence's newest Lq tokens, whose keys and values
             are already in the cache; float16, bfloat16 or float32.
         key_cache: (num_pages, page_size, H_kv, D); value_cache: (num_pages,
-            page_size, H_kv, Dv); query's dtype and device. Any page size >= 1 on the
+            page_size, H_kv, Dv); query's dtype and device, or both float8_e4m3fn under a
+            float16 or bfloat16 query (an FP8 cache: see k_descale). Any page size >= 1 on the
             "triton" and "torch" backends, multiples of 16 on "ninetoothed".
         block_table: int32 (B, max_pages): sequence b's keys j live in page
             block_table[b, j // page_size], slot j % page_size.
@@ -146,6 +156,11 @@ def paged_attention(
             (FlashAttention's varlen queries over a paged cache).
         return_lse: also return the log-sum-exp (natural log) of each row's scaled,
             soft-capped, biased, masked scores (and its sink), float32 (B, H, Lq).
+        k_descale, v_descale: with FP8 caches, None (1) or float32 (B, H_kv) on query's device:
+            a cached key's (value's) real value is its stored one times the descale of its
+            sequence and K/V head (FlashAttention-3's convention). The kernels widen the pages
+            to float16 (exact; a bfloat16 query is narrowed to float16 times a power of two,
+            as attention() does) and keep the probabilities in float16; the output has query's dtype.
         backend: "triton", "ninetoothed" or "torch" (the reference: the pages gathered
             into a dense batch for SDPA, the lengths and window as a boolean mask; no
             softcap, no sinks).
@@ -165,7 +180,7 @@ def paged_attention(
     chosen = resolve(backend)
     layout = _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                      enable_gqa, validate, (window, softcap, sinks, alibi_slopes, cache_leftpad, query_lengths,
-                                            return_lse))
+                                            return_lse, k_descale, v_descale))
     template = _templates.get(layout) if layout is not None else None
     if template is not None:  # validated and planned before: launch
         plan = PagedPlan(*template)
@@ -175,9 +190,12 @@ def paged_attention(
         plan.sinks = planning.packed_rows(_sink_rows(sinks, plan.shape), plan.query)
         plan.alibi = planning.packed_rows(_slope_rows(alibi_slopes, plan.shape), plan.query)
         plan.leftpad, plan.query_lengths = cache_leftpad, query_lengths
+        if plan.descales is not None:
+            plan.descales = _cache_descales(k_descale, v_descale, key_cache, plan.shape[0])
         return _launch(chosen, plan)
     B, H, Lq, D = _check_query(query)
-    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, query, chosen)
+    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, query, chosen, fp8=True)
+    descales = _check_cache_descales(k_descale, v_descale, key_cache, B, query)
     _check_table(block_table, cache_seqlens, B, query)
     is_causal = _check_flag("is_causal", is_causal)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)
@@ -199,10 +217,10 @@ def paged_attention(
     if not chosen.kernels:
         return _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                                 window=window, alibi_slopes=alibi_slopes, leftpad=cache_leftpad,
-                                query_lengths=query_lengths, with_lse=return_lse)
+                                query_lengths=query_lengths, with_lse=return_lse, descales=descales)
     plan = _make_plan(chosen, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale,
                       window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, leftpad=cache_leftpad,
-                      query_lengths=query_lengths, with_lse=return_lse)
+                      query_lengths=query_lengths, with_lse=return_lse, descales=descales)
     if layout is not None:
         _templates.put(layout, _template_of(plan, query))
     return _launch(chosen, plan)
@@ -278,18 +296,21 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
             features, query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
 
 
-def _feature_key(window, softcap, sinks, alibi_slopes, cache_leftpad, query_lengths, return_lse):
-    """(window, softcap, the sinks', the slopes', the left padding's and the query lengths'
-    (shape, dtype, device) or None, return_lse) for the template's key, or None where one of
-    them is unusual (its checks must run)."""
+def _feature_key(window, softcap, sinks, alibi_slopes, cache_leftpad, query_lengths, return_lse, k_descale,
+                 v_descale):
+    """(window, softcap, the sinks', the slopes', the left padding's, the query lengths' and the
+    descales' (shape, dtype, device) or None, return_lse) for the template's key, or None where
+    one of them is unusual (its checks must run)."""
     if window is not None and not (type(window) is tuple and len(window) == 2
                                    and all(type(n) is int and n >= -1 for n in window)):
         return None
     if softcap is not None and not (type(softcap) is float and 0.0 < softcap < math.inf):
         return None
-    tensors = (sinks, alibi_slopes, cache_leftpad, query_lengths)
+    tensors = (sinks, alibi_slopes, cache_leftpad, query_lengths, k_descale, v_descale)
     if any(t is not None and type(t) is not torch.Tensor for t in tensors) or type(return_lse) is not bool:
         return None
+    if any(t is not None and t.requires_grad for t in (k_descale, v_descale)):
+        return None  # (its check says so)
     return window, softcap, *(None if t is None else (t.shape, t.dtype, t.device) for t in tensors), return_lse
 
 
@@ -325,6 +346,8 @@ def append_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = False,
 ) -> torch.Tensor:
@@ -337,7 +360,12 @@ def append_kv(
 
     Args:
         key_cache, value_cache, block_table, cache_seqlens: as for :func:`paged_attention`.
-        key: (B, H_kv, L_new, D); value: (B, H_kv, L_new, Dv); the caches' dtype and device.
+        key: (B, H_kv, L_new, D); value: (B, H_kv, L_new, Dv); the caches' dtype and device,
+            or float16/bfloat16 into float8_e4m3fn caches: each element is divided by its
+            sequence and head's descale and rounded to e4m3 (to nearest even, saturated at
+            +-448, as ``quantize_fp8``) in the same launch as the write.
+        k_descale, v_descale: with FP8 caches, None (1) or float32 (B, H_kv) on key's device
+            (as for :func:`paged_attention`: the cache's real value is the stored one times it).
         backend: "triton" or "ninetoothed" (one kernel), or "torch" (indexed assignment; it
             reads the positions back to the host).
         validate: check with a host sync that every new token has a page in the table
@@ -349,36 +377,40 @@ def append_kv(
     """
     chosen = resolve(backend)
     tensors = (key, value, key_cache, value_cache, block_table, cache_seqlens)
+    descales = (k_descale, v_descale)
     layout = None
-    if all(type(t) is torch.Tensor for t in tensors) and validate is False and chosen.kernels:
-        layout = (chosen.name, chosen.interpreted(), *((t.shape, t.dtype, t.device) for t in tensors))
+    if (all(type(t) is torch.Tensor for t in tensors) and validate is False and chosen.kernels
+            and all(d is None or (type(d) is torch.Tensor and not d.requires_grad) for d in descales)):
+        layout = (chosen.name, chosen.interpreted(),
+                  *(None if t is None else (t.shape, t.dtype, t.device) for t in tensors + descales))
         if layout in _appends:  # checked before (nothing it checks depends on the data)
             B, _, L_new, D = key.shape
             if B * key.shape[1] * L_new:
-                _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value)
+                fp8 = _cache_descales(k_descale, v_descale, key_cache, B) if key_cache.dtype in FP8_DTYPES else None
+                _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, fp8)
             return cache_seqlens + L_new
-    _check_append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, validate)
+    fp8 = _check_append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, validate, descales)
     if layout is not None:
         _appends.put(layout, True)
     B, H_kv, L_new, _ = key.shape
     if B * H_kv * L_new == 0:
         return cache_seqlens + L_new
     if not chosen.kernels:
-        _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value)
+        _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value, fp8)
     else:
-        _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value)
+        _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, fp8)
     return cache_seqlens + L_new
 
 
 _appends = PlanCache()  # the layouts append_kv has checked -> True (see _templates below)
 
 
-def _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value) -> None:
+def _append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, descales) -> None:
     L_new, D, Dv = key.shape[2], key.shape[3], value.shape[3]
     with _on_device(key.device), _quiet(chosen):
         chosen.load().append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value,
                                 block_m=min(64, max(16, next_power_of_2(L_new))),
-                                block_d=padded_head_dim(D), block_dv=padded_head_dim(Dv))
+                                block_d=padded_head_dim(D), block_dv=padded_head_dim(Dv), descales=descales)
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -394,11 +426,15 @@ def _check_query(query):
     return query.shape
 
 
-def _check_caches(key_cache, value_cache, like, backend, new_tokens=False):
-    """(num_pages, page_size, H_kv, Dv) of two caches that fit ``like`` (the query, or the new keys)."""
+def _check_caches(key_cache, value_cache, like, backend, new_tokens=False, fp8=False):
+    """(num_pages, page_size, H_kv, Dv) of two caches that fit ``like`` (the query, or the new keys);
+    ``fp8``: both may be float8_e4m3fn under a float16 or bfloat16 ``like``."""
     like_name = "key" if new_tokens else "query"
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check_cache(name, t, like, like_name)
+        _check_cache(name, t, like, like_name, fp8)
+    if fp8 and (key_cache.dtype in FP8_DTYPES) != (value_cache.dtype in FP8_DTYPES):
+        raise TypeError(f"key_cache and value_cache must both be float8_e4m3fn or neither, got "
+                        f"{_dtype_name(key_cache.dtype)} and {_dtype_name(value_cache.dtype)}")
     if like.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {_dtype_name(like.dtype)} is not supported; supported: "
                         + ", ".join(map(_dtype_name, SUPPORTED_DTYPES)))
@@ -413,18 +449,60 @@ def _check_caches(key_cache, value_cache, like, backend, new_tokens=False):
     return num_pages, page, H_kv, value_cache.shape[3]
 
 
-def _check_cache(name, cache, like, like_name):
-    """One cache: a 4-D tensor of ``like``'s dtype and device."""
+def _check_cache(name, cache, like, like_name, fp8=False):
+    """One cache: a 4-D tensor of ``like``'s dtype (``fp8``: or float8_e4m3fn under a 16-bit
+    ``like``) and device."""
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
     if cache.ndim != 4:
         raise ValueError(f"{name} must be 4-D (num_pages, page_size, kv_heads, head_dim), "
                          f"got shape {tuple(cache.shape)}")
-    if cache.dtype != like.dtype:
+    if fp8 and cache.dtype in FP8_DTYPES:
+        if like.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} is float8_e4m3fn: an FP8 cache takes a float16 or bfloat16 {like_name}, got "
+                            f"{_dtype_name(like.dtype)}")
+    elif cache.dtype in _FLOAT8:
+        raise TypeError(f"{name} has dtype {_dtype_name(cache.dtype)}; "
+                        + ("the only 8-bit float taken is float8_e4m3fn" if fp8 else
+                           "this function takes no FP8 cache so far (paged_attention and append_kv take "
+                           "float8_e4m3fn ones)"))
+    elif cache.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {_dtype_name(cache.dtype)} but {like_name} has "
                         f"{_dtype_name(like.dtype)}: they must share one dtype")
     if cache.device != like.device:
         raise ValueError(f"{name} is on {cache.device} but {like_name} is on {like.device}")
+
+
+def _check_cache_descales(k_descale, v_descale, key_cache, B, like):
+    """The (key, value) descales of FP8 caches, float32 (B, H_kv) each (ones where None), or None
+    for 16-bit caches (where giving one is an error)."""
+    H_kv = key_cache.shape[2]
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is None:
+            continue
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(d).__name__}")
+        if key_cache.dtype not in FP8_DTYPES:
+            raise ValueError(f"{name} was given but the caches are {_dtype_name(key_cache.dtype)}: descales go "
+                             "with float8_e4m3fn caches")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got {_dtype_name(d.dtype)}")
+        if tuple(d.shape) != (B, H_kv):
+            raise ValueError(f"{name} must have shape {(B, H_kv)} (one descale per sequence and key/value head), "
+                             f"got {tuple(d.shape)}")
+        if d.device != like.device:
+            raise ValueError(f"{name} is on {d.device} but the caches are on {like.device}")
+        if d.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad, but paged attention is forward-only: descales get no gradient")
+    if key_cache.dtype not in FP8_DTYPES:
+        return None
+    return _cache_descales(k_descale, v_descale, key_cache, B)
+
+
+def _cache_descales(k_descale, v_descale, key_cache, B):
+    """Checked descales of FP8 caches, a ones view (B, H_kv) for each not given (the kernels read both)."""
+    shape = (B, key_cache.shape[2])
+    return tuple(d if d is not None else planning._one(key_cache.device).expand(shape) for d in (k_descale, v_descale))
 
 
 def _check_kernel_caches(backend, key_cache, value_cache, like):
@@ -453,14 +531,18 @@ def _check_cache_offsets(backend, **tensors):
                              f"32-bit offsets and takes fewer than {OFFSET_LIMIT}")
 
 
-def _check_append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, validate):
-    """Every argument of :func:`append_kv`; with validate=True the table's contents too."""
+def _check_append(chosen, key_cache, value_cache, block_table, cache_seqlens, key, value, validate, descales):
+    """Every argument of :func:`append_kv`; with validate=True the table's contents too. Returns
+    the FP8 caches' (key, value) descales (see :func:`_check_cache_descales`), or None."""
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 4:
             raise ValueError(f"{name} must be 4-D (batch, kv_heads, new_tokens, head_dim), got shape {tuple(t.shape)}")
-    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, key, chosen, new_tokens=True)
+    num_pages, page, H_kv, Dv = _check_caches(key_cache, value_cache, key, chosen, new_tokens=True, fp8=True)
+    if value.dtype != key.dtype or value.device != key.device:
+        raise TypeError(f"value ({_dtype_name(value.dtype)} on {value.device}) must share key's dtype and device "
+                        f"({_dtype_name(key.dtype)} on {key.device})")
     B, _, L_new, _ = key.shape
     if key.shape[1] != H_kv or key.shape[3] != key_cache.shape[3]:
         raise ValueError(f"key must be (B, {H_kv}, L_new, {key_cache.shape[3]}) to match key_cache, "
@@ -469,8 +551,10 @@ def _check_append(chosen, key_cache, value_cache, block_table, cache_seqlens, ke
         raise ValueError(f"value must be {(B, H_kv, L_new, Dv)} to match key and value_cache, "
                          f"got {tuple(value.shape)}")
     _check_table(block_table, cache_seqlens, B, key)
+    fp8 = _check_cache_descales(*descales, key_cache, B, key)
     if _check_flag("validate", validate):
         _validate_contents(block_table, cache_seqlens + L_new, num_pages, page)
+    return fp8
 
 
 def _check_table(block_table, cache_seqlens, B, like):
@@ -539,7 +623,7 @@ def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int
 
 def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *,
                window=None, softcap=None, sinks=None, alibi_slopes=None, leftpad=None, query_lengths=None,
-               with_lse=False) -> PagedPlan:
+               with_lse=False, descales=None) -> PagedPlan:
     B, H, Lq, D = query.shape
     H_kv, page, Dv = key_cache.shape[2], key_cache.shape[1], value_cache.shape[3]
     plan = PagedPlan(query, key_cache, value_cache, block_table, cache_seqlens, scale, is_causal, H // H_kv, Lq,
@@ -549,6 +633,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
     plan.sinks = _sink_rows(sinks, plan.shape)
     plan.alibi = _slope_rows(alibi_slopes, plan.shape)
     plan.leftpad, plan.query_lengths = leftpad, query_lengths
+    plan.descales = descales
     # (sinks and slopes are per query head: packed, each row reads its own, planning.packed_rows)
     if H != H_kv:
         try:  # each group's query heads as rows of its K/V head: K/V read once per group
@@ -600,14 +685,19 @@ def _window_unsplit(plan: PagedPlan, planner, programs: int, device) -> bool:
 
 
 def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, is_causal, scale, *, window=None,
-                     alibi_slopes=None, leftpad=None, query_lengths=None, with_lse=False):
+                     alibi_slopes=None, leftpad=None, query_lengths=None, with_lse=False, descales=None):
     """SDPA on the pages gathered into a dense batch, the sequences' lengths, causality and
     window as a boolean mask (ALiBi's bias added as a float one: -inf where not allowed);
-    with_lse: also the log-sum-exp, from the scores in float32."""
+    with_lse: also the log-sum-exp, from the scores in float32. FP8 caches (``descales``): the
+    pages dequantized to float32, SDPA in float32, the output in query's dtype."""
     B, H, Lq, _ = query.shape
     num_pages, page, H_kv, _ = key_cache.shape
     pages = block_table.long().clamp(0, num_pages - 1)
     k, v = (cache[pages].flatten(1, 2).transpose(1, 2) for cache in (key_cache, value_cache))  # (B, H_kv, Lk, D)
+    out_dtype = query.dtype
+    if descales is not None:
+        k, v = (t.float() * d[:, :, None, None] for t, d in zip((k, v), descales))
+        query = query.float()
     positions = torch.arange(k.shape[2], device=query.device)
     lengths = cache_seqlens.long()
     allowed = positions[None, :] < lengths[:, None]
@@ -629,15 +719,18 @@ def _paged_reference(query, key_cache, value_cache, block_table, cache_seqlens, 
         bias = -alibi_slopes[:, :, None, None] * offset.abs()[:, None].float()
         mask = bias.masked_fill(~allowed, float("-inf")).to(query.dtype)
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=H != H_kv)
-    out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0, not NaN
+    out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0).to(out_dtype)  # rows with no key: 0, not NaN
     if not with_lse:
         return out
     scores = query.float() @ k.float().repeat_interleave(H // H_kv, 1).transpose(-1, -2) * scale + bias
     return out, scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # (-inf: no key)
 
 
-def _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value):
+def _append_reference(key_cache, value_cache, block_table, cache_seqlens, key, value, descales=None):
     B, _, L_new, _ = key.shape
+    if descales is not None:  # (quantize_fp8's rule: divided, saturated at +-448, rounded to nearest even)
+        key, value = ((t.float() / d[:, :, None, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                      for t, d in zip((key, value), descales))
     num_pages, page = key_cache.shape[:2]
     positions = cache_seqlens.long()[:, None] + torch.arange(L_new, device=key.device)[None, :]  # (B, L_new)
     fits = (positions >= 0) & (positions < block_table.shape[1] * page)

@@ -260,7 +260,8 @@ def _check_fp8_dtypes(query, key, value, accepted: bool) -> bool:
             raise TypeError(f"{name} has dtype {_dtype_name(dtype)}; the only 8-bit float taken is float8_e4m3fn")
     if not accepted:
         raise TypeError(f"FP8 inputs (query, key, value: {', '.join(_dtype_name(d) for _, d in dtypes)}) are taken "
-                        "by attention() alone so far; this function takes float16, bfloat16 or float32")
+                        "by attention() (and FP8 caches by paged_attention() and append_kv()) so far; this function "
+                        "takes float16, bfloat16 or float32")
     if key.dtype not in FP8_DTYPES or value.dtype not in FP8_DTYPES:
         raise TypeError(f"with FP8 inputs key and value must both be float8_e4m3fn, got key {_dtype_name(key.dtype)} "
                         f"and value {_dtype_name(value.dtype)}")

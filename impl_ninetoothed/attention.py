@@ -31,6 +31,7 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
+from common.plan import Widen
 from common.validation import OFFSET_LIMIT
 from impl_ninetoothed.kernels import (
     _COMBINE_SPLIT_COUNT_ARGS,
@@ -551,11 +552,13 @@ def paged_forward(plan):
         kc.shape[0],
         *(plan.band if plan.band is not None else (0, 0)), plan.softcap,
         plan.sinks if plan.sinks is not None else _absent(out, B, H, Lq),
-        plan.alibi if plan.alibi is not None else _absent(out, B, H, Lq), o, lse,
+        plan.alibi if plan.alibi is not None else _absent(out, B, H, Lq),
+        *(plan.descales if plan.descales is not None else (_absent(out, B, kc.shape[2]),) * 2), o, lse,
         BANDED=plan.band is not None, WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
-        QUERY_LENGTHS=plan.query_lengths is not None,
+        QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
+        WIDEN=int(Widen.FLOAT16 if plan.descales is not None else Widen.NONE),
     )
     if plan.split:
         merge = plan.merge
@@ -568,12 +571,15 @@ def paged_forward(plan):
 
 
 def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int, block_d: int,
-              block_dv: int):
+              block_dv: int, descales=None):
     """Write key and value (B, H_kv, L_new, D | Dv) into the paged caches, in one launch
-    (one program per token: see append_arrangement; block sizes as the Triton kernel's API)."""
+    (one program per token: see append_arrangement; block sizes as the Triton kernel's API;
+    ``descales``: FP8 caches' (B, H_kv) key and value descales, the new tokens quantized)."""
     D, Dv = key.shape[3], value.shape[3]
+    stand_ins = descales if descales is not None else (_absent(key, *key.shape[:2]),) * 2
     _make(premake_append, D, Dv, num_warps=4, num_stages=1, wide=_wide(key, value, key_cache, value_cache))(
-        key, value, key_cache, value_cache, block_table, cache_seqlens, key_cache.shape[0])
+        key, value, key_cache, value_cache, block_table, cache_seqlens, key_cache.shape[0], *stand_ins,
+        QUANTIZE=descales is not None)
 
 
 def rotary(x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:

@@ -13,10 +13,19 @@ import triton
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
-from common.jit_helpers import _alibi_bias, _cap_factors, _in_band, _key_stages, _tanh
+from common.jit_helpers import (
+    _alibi_bias,
+    _cap_factors,
+    _in_band,
+    _key_stages,
+    _narrow_query,
+    _tanh,
+    _to_e4m3,
+    _widen,
+)
 from common.plan import LN2, LOG2E
 from impl_ninetoothed.kernels import TANH_APPROX, _flags, _like, _rows_like
-from impl_ninetoothed.tiles import _per_split, _row_slices, _rows
+from impl_ninetoothed.tiles import _per_kv_head, _per_split, _row_slices, _rows
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
@@ -40,8 +49,8 @@ def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
 
 def paged_arrangement(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
-    band_lo, band_hi, softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP,
-    SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS,
+    band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
+    SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
     block_m, tile, block_d, block_dv, pages_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
@@ -49,7 +58,8 @@ def paged_arrangement(
     (its split's part), (1,) tiles each; the sequence's length, first key and query count; all pages of the
     caches,
     in tiles of ``tile`` keys (a power of two from 16 that divides the page size); its rows' sink
-    logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp)."""
+    logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp); its K/V head's descales
+    ((B, H_kv) -> a (1,) tile each, as the dense forward's ``_per_kv_head``)."""
     query_arranged = _rows(query, block_m, block_d)
     batch, heads, m_blocks = query_arranged.shape
     split = pages_per_split is not None
@@ -65,6 +75,7 @@ def paged_arrangement(
     new_tokens = query_lengths.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, m_blocks))
     sinks_arranged = _row_slices(sinks, block_m)
     slopes_arranged = _row_slices(slopes, block_m)
+    descales = [_per_kv_head(x, heads, m_blocks, num_splits) for x in (k_descale, v_descale)]
     if split:
         query_arranged = _per_split(query_arranged, num_splits)
         seqlens = _per_split(seqlens, num_splits)
@@ -83,23 +94,24 @@ def paged_arrangement(
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, tile, block_d, num_splits),
         _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, starts, new_tokens,
-        scale, lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, output_arranged,
-        lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED,
-        QUERY_LENGTHS,
+        scale, lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, *descales,
+        output_arranged, lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
+        LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
     )
 
 
 def paged_application(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
-    band_lo, band_hi, softcap, sinks, slopes, output, lse, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP,
-    SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS,
+    band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
+    SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
     an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton
     kernel gathers one BLOCK_N tile of keys), as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
-    tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED and QUERY_LENGTHS as there; a page entry
+    tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE and WIDEN as
+    there; a page entry
     outside the cache
     is clamped into it, a length past the table to the table. Tile t of the sequence is tile
     t % per_page of its page t // per_page."""
@@ -114,8 +126,14 @@ def paged_application(
     if QUERY_LENGTHS:  # (rows past a sequence's queries are padding)
         new_tokens = ntl.sum(query_lengths, 0)
     last_key = Lk - new_tokens + rows_in_seq  # the key at each row's position
-    qk_scale = scale * LOG2E
-    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    score_scale = scale
+    out_scale = 1.0
+    if DESCALE:  # real values are the stored ones times their descales ((1,) tiles, loaded once)
+        score_scale = scale * ntl.sum(k_descale, 0)
+        out_scale = ntl.sum(v_descale, 0)
+        q, score_scale = _narrow_query(q, score_scale, WIDEN)  # (a bfloat16 query on float16-widened keys)
+    qk_scale = score_scale * LOG2E
+    cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)
     acc = ntl.zeros(output.shape, dtype=ntl.float32)
     l_i = ntl.zeros((query.shape[0],), dtype=ntl.float32)
     m_i = ntl.full((query.shape[0],), float("-inf"), dtype=ntl.float32)
@@ -147,7 +165,7 @@ def paged_application(
             page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
             offs_kn = (j + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
             key_ok = (offs_kn < key_end) & (offs_kn >= key_start)
-            k = key_cache[page, t % per_page]
+            k = _widen(key_cache[page, t % per_page], WIDEN)
             qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
                 qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
@@ -167,18 +185,22 @@ def paged_application(
             alpha = ntl.exp2(m_i - m_sub)
             l_i = l_i * alpha + ntl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = ntl.where(key_ok[:, None], value_cache[page, t % per_page], 0.0)  # slots past the length: any bits
+            # (slots past the length: any bits)
+            v = ntl.where(key_ok[:, None], _widen(value_cache[page, t % per_page], WIDEN), 0.0)
             acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             m_i = m_ij
 
     if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
         lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)
     l_i = ntl.where(l_i == 0.0, 1.0, l_i)  # no key (an empty sequence, or a split past its end): 0
-    output = acc / l_i[:, None]  # noqa: F841 (a store)
+    o = acc / l_i[:, None]
+    if DESCALE:
+        o = o * out_scale
+    output = o  # noqa: F841 (a store)
 
 
-def append_arrangement(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages, block_d,
-                       block_dv):
+def append_arrangement(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages, k_descale,
+                       v_descale, QUANTIZE, block_d, block_dv):
     """One program per (batch, K/V head, new token): its key and value rows, every slot of
     its head in the caches as a (num_pages, PAGE) array of (D,) tiles (the program stores
     into one by index: where a token goes is data), its sequence's block table row and
@@ -204,14 +226,20 @@ def append_arrangement(key, value, key_cache, value_cache, block_table, cache_se
     table.dtype = table.dtype.squeeze(0)
     table = table.unsqueeze(1).unsqueeze(2).expand((-1, heads, new_tokens))
     seqlens = cache_seqlens.tile((1,)).unsqueeze(1).unsqueeze(2).expand((-1, heads, new_tokens))
+    descales = []
+    for x in (k_descale, v_descale):  # (B, H_kv) -> per program its sequence and head's (1,) tile
+        arranged = x.tile((1, 1)).unsqueeze(2).expand((-1, -1, new_tokens))
+        arranged.dtype = arranged.dtype.squeeze(0)
+        descales.append(arranged)
     return (rows(key, block_d), rows(value, block_dv), slots(key_cache, block_d), slots(value_cache, block_dv), table,
-            seqlens, num_pages)
+            seqlens, num_pages, *descales, QUANTIZE)
 
 
-def append_application(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages):
+def append_application(key, value, key_cache, value_cache, block_table, cache_seqlens, num_pages, k_descale,
+                       v_descale, QUANTIZE):
     """Token i of sequence z to position cache_seqlens[z] + i of its pages, as ``_append_kv``
     of the Triton kernel: not written when that position is past the table or its page
-    entry lies outside the cache."""
+    entry lies outside the cache; QUANTIZE, divided by its descales and rounded to e4m3."""
     PAGE = key_cache.shape[1]
     max_pages = block_table.shape[0]
     pos = ntl.sum(cache_seqlens, 0) + key.offsets(2)  # this program's token: its offset along L_new
@@ -219,8 +247,12 @@ def append_application(key, value, key_cache, value_cache, block_table, cache_se
     entry = ntl.minimum(ntl.maximum(pos // PAGE, 0), max_pages - 1)
     page = ntl.sum(block_table[entry], 0)
     if fits & (page >= 0) & (page < num_pages):
-        key_cache[page, pos % PAGE] = key
-        value_cache[page, pos % PAGE] = value
+        if QUANTIZE:
+            key_cache[page, pos % PAGE] = _to_e4m3(key, ntl.sum(k_descale, 0))
+            value_cache[page, pos % PAGE] = _to_e4m3(value, ntl.sum(v_descale, 0))
+        else:
+            key_cache[page, pos % PAGE] = key
+            value_cache[page, pos % PAGE] = value
 
 
 def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
@@ -231,12 +263,13 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         block_dv=padded_head_dim(head_dim_v), pages_per_split=pages_per_split,
     )
     split = pages_per_split is not None
-    query = Tensor(shape=(None, None, None, head_dim), other=0)
-    key_cache = Tensor(shape=(None, None, None, head_dim), other=0)  # (num_pages, PAGE, H_kv, D)
+    # (fills 0.0, a float: Triton converts no integer to an 8-bit float, and FP8 caches take these loads)
+    query = Tensor(shape=(None, None, None, head_dim), other=0.0)
+    key_cache = Tensor(shape=(None, None, None, head_dim), other=0.0)  # (num_pages, PAGE, H_kv, D)
     output = _rows_like(query, *((None,) if split else ()), head_dim_v)
     tensors = (
         query, key_cache,
-        _like(key_cache.shape[:3], head_dim_v, other=0),  # value_cache
+        _like(key_cache.shape[:3], head_dim_v, other=0.0),  # value_cache
         _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
         _like(query.shape[:1]),  # cache_seqlens (B,) int32
         _like(query.shape[:1]),  # leftpad (B,) int32
@@ -245,10 +278,11 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         Tensor(0), Tensor(0), Tensor(0),  # band_lo, band_hi, softcap
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         _rows_like(query, other=0),  # slopes, (B, H, Lq) float32: each row's head's slope
+        *(_like(query.shape[:1], key_cache.shape[2]) for _ in range(2)),  # FP8 descales (B, H_kv) of key and value
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
         *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS", "ALIBI",
-                 "LEFTPADDED", "QUERY_LENGTHS"),
+                 "LEFTPADDED", "QUERY_LENGTHS", "DESCALE", "WIDEN"),
     )
     return arrangement_, paged_application, tensors
 
@@ -267,6 +301,8 @@ def premake_append(head_dim, head_dim_v):
         _like(key.shape[:1], None, other=-1),  # block_table (B, max_pages) int32
         _like(key.shape[:1]),  # cache_seqlens (B,) int32
         Tensor(0),  # num_pages
+        *(_like(key.shape[:2]) for _ in range(2)),  # FP8 caches' descales (B, H_kv) of key and value
+        *_flags("QUANTIZE"),
     )
     return arrangement_, append_application, tensors
 

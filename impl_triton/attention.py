@@ -15,6 +15,7 @@ import triton
 
 from common.interpret import apply_interpreter_fixes
 from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
+from common.plan import Widen
 from impl_triton import gluon_attention
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
@@ -351,12 +352,15 @@ def paged_forward(plan):
     kernel_merge = plan.refinement.kernel_merge
     counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else out
     merged_lse = plan.lse if plan.split and plan.with_lse else out  # never written without MERGE_LSE
+    k_descale, v_descale = plan.descales if plan.descales is not None else (out, out)
+    descale_strides = (*k_descale.stride(), *v_descale.stride()) if plan.descales is not None else (0, 0, 0, 0)
     _paged_launcher(
         (plan.m_blocks * B * H, plan.num_splits, 1),
         q, kc, vc, plan.block_table, plan.cache_seqlens, plan.leftpad if plan.leftpad is not None else out,
-        plan.query_lengths if plan.query_lengths is not None else out, sinks, slopes, o, lse, out, merged_lse, counts,
+        plan.query_lengths if plan.query_lengths is not None else out, sinks, slopes, k_descale, v_descale, o, lse,
+        out, merged_lse, counts,
         *q.stride(), *kc.stride(), *vc.stride(), *plan.block_table.stride(), *sink_strides, *slope_strides,
-        *o_strides,
+        *descale_strides, *o_strides,
         H, plan.group, Lq, plan.lq_seq, kc.shape[0], plan.block_table.shape[1], plan.scale, plan.m_blocks,
         plan.num_splits, plan.blocks_per_split * (plan.split_block // config.block_n), *_band_args(plan),
         int(kernel_merge),
@@ -366,7 +370,8 @@ def paged_forward(plan):
         WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, MERGE_LSE=plan.split and plan.with_lse,
         ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
-        QUERY_LENGTHS=plan.query_lengths is not None,
+        QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
+        WIDEN=int(Widen.FLOAT16 if plan.descales is not None else Widen.NONE),
     )
     if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))
@@ -374,18 +379,21 @@ def paged_forward(plan):
 
 
 def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int, block_d: int,
-              block_dv: int):
-    """Write key and value (B, H_kv, L_new, D | Dv) into the paged caches, in one launch."""
+              block_dv: int, descales=None):
+    """Write key and value (B, H_kv, L_new, D | Dv) into the paged caches, in one launch
+    (``descales``: FP8 caches' (B, H_kv) key and value descales, the new tokens quantized)."""
     B, H_kv, L_new, D = key.shape
     Dv = value.shape[3]
+    k_descale, v_descale = descales if descales is not None else (key, key)
+    descale_strides = (*k_descale.stride(), *v_descale.stride()) if descales is not None else (0, 0, 0, 0)
     _append_launcher(
         (B * H_kv, -(-L_new // block_m), 1),
-        key, value, key_cache, value_cache, block_table, cache_seqlens,
+        key, value, key_cache, value_cache, block_table, cache_seqlens, k_descale, v_descale,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(),
-        H_kv, L_new, key_cache.shape[0], block_table.shape[1],
+        *descale_strides, H_kv, L_new, key_cache.shape[0], block_table.shape[1],
         num_warps=4, num_stages=1,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=block_m, PAGE=key_cache.shape[1],
-        BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, QUANTIZE=descales is not None,
     )
 
 

@@ -13,20 +13,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from common.jit_helpers import TANH_APPROX, _alibi_bias, _cap_factors, _in_band, _key_stages, _tanh
+from common.jit_helpers import (
+    TANH_APPROX,
+    _alibi_bias,
+    _cap_factors,
+    _in_band,
+    _key_stages,
+    _narrow_query,
+    _tanh,
+    _to_e4m3,
+    _widen,
+)
 from impl_triton.kernels import LN2, LOG2E, _last_split_merges
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["kernel_merge"])
 def _paged_fwd(
-    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, LEFTPAD, QLENS, SINK, SLOPES, O, LSE, OUT, LSE_OUT, COUNTS,
+    Q, K_CACHE, V_CACHE, TABLE, SEQLENS, LEFTPAD, QLENS, SINK, SLOPES, K_DESCALE, V_DESCALE, O, LSE, OUT, LSE_OUT,
+    COUNTS,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tz, stride_tb,
     stride_sz, stride_sh, stride_sm,
     stride_az, stride_ah, stride_am,
+    stride_kdz, stride_kdh, stride_vdz, stride_vdh,
     stride_oz, stride_oh, stride_om, stride_os, stride_od,
     H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, band_lo, band_hi,
     softcap, kernel_merge,
@@ -34,7 +46,7 @@ def _paged_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
-    LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr,
+    LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr, DESCALE: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
@@ -57,6 +69,9 @@ def _paged_fwd(
     at LEFTPAD[z] (the blocks before it not visited; the rows' positions unchanged).
     QUERY_LENGTHS: sequence z has QLENS[z] queries, rows r % LQ_SEQ < QLENS[z], at positions
     SEQLENS[z] - QLENS[z] + r % LQ_SEQ; its other rows see no key (output 0).
+    DESCALE: FP8 caches; K_DESCALE, V_DESCALE (B, H_kv; strides) hold each sequence and K/V
+    head's descales (the scores' scale takes the key's, the output the value's), and WIDEN
+    widens each FP8 tile for a float16 product (a bfloat16 query narrowed to float16: as _attn_fwd).
     WITH_LSE: the log-sum-exp (natural log) of each row into LSE, (B, H, Lq) or, SPLIT,
     the partials' (B, H, Lq, NUM_SPLITS), contiguous. SPLIT: O and LSE are the float32
     partials that the last program of each row block merges into OUT and, MERGE_LSE,
@@ -86,8 +101,14 @@ def _paged_fwd(
         new_tokens = tl.load(QLENS + off_z)
         row_ok = offs_m % LQ_SEQ < new_tokens
     last_key = Lk - new_tokens + offs_m % LQ_SEQ  # the key at each row's position
-    qk_scale = scale * LOG2E
-    cap_in, cap_out = _cap_factors(scale, softcap, SOFTCAP)
+    score_scale = scale
+    out_scale = 1.0
+    if DESCALE:  # real values are the stored ones times their descales (one of each, loaded once)
+        score_scale = scale * tl.load(K_DESCALE + off_z * stride_kdz + off_h_kv * stride_kdh)
+        out_scale = tl.load(V_DESCALE + off_z * stride_vdz + off_h_kv * stride_vdh)
+        q, score_scale = _narrow_query(q, score_scale, WIDEN)  # (a bfloat16 query on float16-widened keys)
+    qk_scale = score_scale * LOG2E
+    cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -123,6 +144,7 @@ def _paged_fwd(
         slot = (offs_kn % PAGE).to(tl.int64)
         k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None], mask=key_ok[:, None] & d_ok[None, :],
                     other=0.0)
+        k = _widen(k, WIDEN)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
             qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
@@ -144,6 +166,7 @@ def _paged_fwd(
         acc = acc * alpha[:, None]
         v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None], mask=key_ok[:, None] & dv_ok[None, :],
                     other=0.0)
+        v = _widen(v, WIDEN)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
 
@@ -152,6 +175,8 @@ def _paged_fwd(
         tl.store(LSE + (off_hz.to(tl.int64) * Lq + offs_m) * NUM_SPLITS + split, lse, mask=m_ok)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # no key (an empty sequence, or a split past its end): 0
     o = acc / l_i[:, None]
+    if DESCALE:
+        o = o * out_scale
     o_ptrs = (O + off_z * stride_oz + off_h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + split * stride_os
               + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
@@ -163,21 +188,23 @@ def _paged_fwd(
 
 @triton.jit
 def _append_kv(
-    K_NEW, V_NEW, K_CACHE, V_CACHE, TABLE, SEQLENS,
+    K_NEW, V_NEW, K_CACHE, V_CACHE, TABLE, SEQLENS, K_DESCALE, V_DESCALE,
     stride_nz, stride_nh, stride_nm, stride_nd,
     stride_wz, stride_wh, stride_wm, stride_wd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tz, stride_tb,
+    stride_kdz, stride_kdh, stride_vdz, stride_vdh,
     H_KV, L_NEW, NUM_PAGES, MAX_PAGES,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, QUANTIZE: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one (batch, K/V head), keys and values, into
     their slots: token i of sequence z goes to position SEQLENS[z] + i, that is slot
     (SEQLENS[z] + i) % PAGE of page TABLE[z, (SEQLENS[z] + i) // PAGE]. Tokens whose
     position falls past the table, or whose page entry is outside the cache, are not
-    written."""
+    written. QUANTIZE: FP8 caches; each element is divided by its sequence and head's descale
+    (K_DESCALE, V_DESCALE (B, H_kv; strides)) and rounded to e4m3 (``_to_e4m3``) as it is written."""
     off_zh = tl.program_id(0)
     off_z = (off_zh // H_KV).to(tl.int64)
     off_h = (off_zh % H_KV).to(tl.int64)
@@ -194,10 +221,14 @@ def _append_kv(
     rows_v = page * stride_vb + slot * stride_vs + off_h * stride_vh
     k = tl.load(K_NEW + off_z * stride_nz + off_h * stride_nh + offs_m.to(tl.int64)[:, None] * stride_nm
                 + offs_d[None, :] * stride_nd, mask=slot_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    if QUANTIZE:
+        k = _to_e4m3(k, tl.load(K_DESCALE + off_z * stride_kdz + off_h * stride_kdh))
     tl.store(K_CACHE + rows_k[:, None] + offs_d[None, :] * stride_kd, k,
              mask=slot_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
     v = tl.load(V_NEW + off_z * stride_wz + off_h * stride_wh + offs_m.to(tl.int64)[:, None] * stride_wm
                 + offs_dv[None, :] * stride_wd, mask=slot_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+    if QUANTIZE:
+        v = _to_e4m3(v, tl.load(V_DESCALE + off_z * stride_vdz + off_h * stride_vdh))
     tl.store(V_CACHE + rows_v[:, None] + offs_dv[None, :] * stride_vd, v,
              mask=slot_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
 

@@ -29,7 +29,7 @@ import torch
 from common import attention, quantize_fp8
 from common.fp8 import dequantize_fp8
 from common.plan import current_planner, force_splits, use_planner
-from common.reference import reference, reference_probs
+from common.reference import reference, reference_lse, reference_probs
 
 from .conftest import DEVICE
 
@@ -310,20 +310,16 @@ def test_fp8_errors(backend, case, error, message):
 
 
 def test_fp8_elsewhere_is_a_clear_error():
-    """Entry points that take no FP8 yet say so (varlen, paged, the backward)."""
-    from common import attention_backward, paged_attention, varlen_attention
+    """Entry points that take no FP8 yet say so (varlen, the backward)."""
+    from common import attention_backward, varlen_attention
 
     q, k, v = _fp8(5, 2, 16), _fp8(5, 2, 16), _fp8(5, 2, 16)
     cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(TypeError, match="taken by attention\\(\\) alone so far"):
+    with pytest.raises(TypeError, match="taken by attention\\(\\) .* so far"):
         varlen_attention(q, k, v, cu, cu, 5, 5)
-    with pytest.raises(TypeError):
-        paged_attention(torch.randn(1, 2, 1, 16, device=DEVICE).bfloat16(), _fp8(2, 2, 16, 16), _fp8(2, 2, 16, 16),
-                        torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
-                        torch.ones(1, dtype=torch.int32, device=DEVICE))
     b = (_fp8(1, 2, 4, 16), _fp8(1, 2, 4, 16), _fp8(1, 2, 4, 16))
     grads = torch.randn(1, 2, 4, 16, device=DEVICE).bfloat16()
-    with pytest.raises(TypeError, match="taken by attention\\(\\) alone so far"):
+    with pytest.raises(TypeError, match="taken by attention\\(\\) .* so far"):
         attention_backward(grads, *b, grads, torch.zeros(1, 2, 4, device=DEVICE))
 
 
@@ -348,3 +344,140 @@ def test_fp8_through_the_operator_and_compile(backend):
     got = compiled(q, k, v, qd, kd, vd)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, call(q, k, v, qd, kd, vd))
+
+
+# -- a paged FP8 cache (paged_attention) -------------------------------------------------------
+
+def _fp8_pages(B, H_kv, D, page, max_pages, spare=3):
+    """FP8 caches of pages of ``page`` keys, each sequence's max_pages pages in a shuffled table
+    (unused pages hold other values), its keys and values quantized per (sequence, K/V head);
+    and their real values, float64 (B, H_kv, max_pages * page, D)."""
+    num_pages = B * max_pages + spare
+    L = max_pages * page
+    table = torch.randperm(num_pages, device=DEVICE)[:B * max_pages].view(B, max_pages).to(torch.int32)
+    caches, descales, reals = [], [], []
+    for magnitude in (3.0, 1.0):
+        x8, d = quantize_fp8(torch.randn(B, H_kv, L, D, device=DEVICE) * magnitude)
+        cache = torch.randn(num_pages, page, H_kv, D, device=DEVICE) * 5  # (pages no sequence uses)
+        cache[table.long()] = x8.float().view(B, H_kv, max_pages, page, D).permute(0, 2, 3, 1, 4)
+        caches.append(cache.to(torch.float8_e4m3fn))  # (exact: the written values are e4m3's)
+        descales.append(d)
+        reals.append(dequantize_fp8(x8, d, torch.float64))
+    return (*caches, table, *descales, *reals)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_fp8_cache(backend, query_dtype, splits):
+    """New tokens (3 a sequence, causal, bottom-right) over FP8 caches, grouped-query heads packed:
+    within the bound of float64 attention of the dequantized pages (keys and values widened to
+    float16, the probabilities in float16), split or not; the torch backend (dequantized, SDPA)
+    within it too; the log-sum-exp within float32's error."""
+    from common import paged_attention
+
+    lens, Lq, H, H_kv, D, page = [37, 70, 5], 3, 4, 2, 32, 16
+    B = len(lens)
+    key_cache, value_cache, table, kd, vd, k_real, v_real = _fp8_pages(B, H_kv, D, page, max_pages=5)
+    q = (torch.randn(B, H, Lq, D, device=DEVICE) * 2).to(query_dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(is_causal=True, enable_gqa=True, k_descale=kd, v_descale=vd, return_lse=True)
+    with force_splits(splits):
+        out, lse = paged_attention(q, key_cache, value_cache, table, seqlens, backend=backend, **kw)
+    torch_out = paged_attention(q, key_cache, value_cache, table, seqlens, backend="torch", **kw)[0]
+    assert out.dtype == query_dtype and out.shape == (B, H, Lq, D)
+    for b, n in enumerate(lens):
+        qb, kb, vb = q[b:b + 1].double(), k_real[b:b + 1, :, :n], v_real[b:b + 1, :, :n]
+        seen = torch.arange(n, device=DEVICE)[None, :] <= torch.arange(Lq, device=DEVICE)[:, None] + n - Lq
+        expected = reference(qb, kb, vb, attn_mask=seen, enable_gqa=True)
+        probs = reference_probs(qb, kb.repeat_interleave(H // H_kv, 1), attn_mask=seen)
+        bound = _bound(probs, vb, expected, query_dtype, HALF_UNIT[torch.float16])
+        for result in (out, torch_out):
+            assert ((result[b:b + 1].double() - expected).abs() <= bound).all()
+        expected_lse = reference_lse(qb, kb.repeat_interleave(H // H_kv, 1), attn_mask=seen)
+        torch.testing.assert_close(lse[b:b + 1].double(), expected_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_paged_fp8_through_a_kept_plan(backend):
+    """A decode loop's second call of a layout takes the kept plan: the descales (given or not)
+    are the call's own, not the first call's."""
+    from common import paged_attention
+
+    key_cache, value_cache, table, kd, vd, *_ = _fp8_pages(2, 2, 16, 16, max_pages=3)
+    q = torch.randn(2, 2, 1, 16, device=DEVICE).bfloat16()
+    seqlens = torch.tensor([40, 9], dtype=torch.int32, device=DEVICE)
+    first = paged_attention(q, key_cache, value_cache, table, seqlens, k_descale=kd, v_descale=vd, backend=backend)
+    again = paged_attention(q, key_cache, value_cache, table, seqlens, k_descale=kd, v_descale=2 * vd,
+                            backend=backend)
+    assert torch.equal(again, (2 * first.float()).to(first.dtype))  # a power of two: exact
+    ones = paged_attention(q, key_cache, value_cache, table, seqlens, backend=backend)
+    assert torch.equal(ones, paged_attention(q, key_cache, value_cache, table, seqlens, backend=backend,
+                                             k_descale=torch.ones_like(kd), v_descale=torch.ones_like(vd)))
+
+
+def test_paged_fp8_errors():
+    """FP8 caches with an FP8 or float32 query, one cache in FP8 and one not, float8_e5m2 caches,
+    descales of the wrong shape or dtype or for 16-bit caches, FP8 caches in append_kv: clear
+    errors before any launch."""
+    from common import append_kv, paged_attention
+
+    key_cache, value_cache, table, kd, vd, *_ = _fp8_pages(1, 2, 16, 16, max_pages=2)
+    q = torch.randn(1, 2, 1, 16, device=DEVICE).bfloat16()
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="query"):
+        paged_attention(q.to(torch.float8_e4m3fn), key_cache, value_cache, table, lens)
+    with pytest.raises(TypeError, match="float16 or bfloat16 query"):
+        paged_attention(q.float(), key_cache, value_cache, table, lens)
+    with pytest.raises(TypeError, match="both be float8_e4m3fn or neither"):
+        paged_attention(q, key_cache, value_cache.bfloat16(), table, lens)
+    with pytest.raises(TypeError, match="float8_e5m2"):
+        paged_attention(q, key_cache.to(torch.float8_e5m2), value_cache.to(torch.float8_e5m2), table, lens)
+    with pytest.raises(ValueError, match="k_descale must have shape"):
+        paged_attention(q, key_cache, value_cache, table, lens, k_descale=kd[0])
+    with pytest.raises(TypeError, match="v_descale must be a float32"):
+        paged_attention(q, key_cache, value_cache, table, lens, v_descale=vd.double())
+    with pytest.raises(ValueError, match="descales go with float8_e4m3fn caches"):
+        paged_attention(q, key_cache.bfloat16(), value_cache.bfloat16(), table, lens, k_descale=kd)
+    with pytest.raises(TypeError, match="FP8 cache takes a float16 or bfloat16 key"):
+        append_kv(key_cache, value_cache, table, lens, q.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="descales go with float8_e4m3fn caches"):
+        append_kv(key_cache.bfloat16(), value_cache.bfloat16(), table, lens, q, q, v_descale=vd)
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):  # (FlashAttention 2's call: no FP8)
+        from common.flash_attn_interface import flash_attn_with_kvcache
+
+        flash_attn_with_kvcache(q.transpose(1, 2), key_cache, value_cache, cache_seqlens=lens, block_table=table)
+    with pytest.raises(TypeError, match="must have q's dtype"):
+        from common.flash_attn_interface import flash_attn_varlen_func
+
+        cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (1, 20))
+        flash_attn_varlen_func(q[0].transpose(0, 1), key_cache, value_cache, cu_q, cu_k, 1, 20, block_table=table)
+
+
+@pytest.mark.parametrize("chosen", ["triton", "ninetoothed", "torch"])
+def test_append_kv_quantizes_into_fp8_caches(chosen):
+    """16-bit new keys and values into FP8 caches: each element divided by its sequence and
+    head's descale, rounded to e4m3 and saturated at +-448 (values past it included), in its
+    slot; every other slot as it was. Bitwise quantize_fp8's rule."""
+    from common import append_kv
+
+    B, H_kv, D, page = 2, 2, 16, 16
+    key_cache, value_cache, table, kd, vd, *_ = _fp8_pages(B, H_kv, D, page, max_pages=3)
+    before = [c.clone() for c in (key_cache, value_cache)]
+    lens = torch.tensor([13, 30], dtype=torch.int32, device=DEVICE)
+    L_new = 5  # (the first sequence's cross a page boundary)
+    key = torch.randn(B, H_kv, L_new, D, device=DEVICE).bfloat16() * 300
+    value = torch.randn(B, H_kv, L_new, D, device=DEVICE).bfloat16()
+    new_lens = append_kv(key_cache, value_cache, table, lens, key, value, k_descale=kd, v_descale=vd,
+                         backend=chosen)
+    assert torch.equal(new_lens, lens + L_new)
+    written = torch.zeros_like(key_cache, dtype=torch.bool)
+    for b in range(B):
+        for i in range(L_new):
+            pos = int(lens[b]) + i
+            slot = (int(table[b, pos // page]), pos % page)
+            written[slot] = True
+            for cache, new, d in ((key_cache, key, kd), (value_cache, value, vd)):
+                expected = (new[b, :, i].float() / d[b][:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                assert torch.equal(cache[slot].view(torch.uint8), expected.view(torch.uint8))
+    assert (key.float().abs() / kd[:, :, None, None] > 448).any()  # (saturation taken)
+    for cache, old in zip((key_cache, value_cache), before):
+        assert torch.equal(cache.view(torch.uint8)[~written], old.view(torch.uint8)[~written])

@@ -510,19 +510,24 @@ def test_cpu_sass_compiles_a_call_for_hopper_without_a_gpu(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
-def test_fp8_kernels_compile_for_hopper(backend, tmp_path):
-    """An FP8 call at D 16 compiles for sm_90: Triton's e4m3 dot takes K >= 32 only (a check the
-    interpreter does not make), and the plan pads the head dim to it."""
+@pytest.mark.parametrize("call", [["1", "3", "3", "11", "29", "16", "--fp8", "all"],
+                                  ["2", "4", "2", "1", "40", "32", "--fp8", "kv", "--paged", "16"]],
+                         ids=["fp8_d16", "fp8_paged"])
+def test_fp8_kernels_compile_for_hopper(backend, call, tmp_path):
+    """FP8 calls compile for sm_90: at D 16 (Triton's e4m3 dot takes K >= 32 only, a check the
+    interpreter does not make, and the plan pads the head dim to it), and a bfloat16 query over
+    FP8 pages with append_kv quantizing into them."""
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, "1", "3", "3", "11", "29",
-                             "16", "--fp8", "all", "--out", str(tmp_path)], capture_output=True, text=True,
-                            timeout=600, cwd=root)
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, *call,
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "registers" in result.stdout and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
+    if "--paged" in call:
+        assert "append" in result.stdout  # (the quantizing append compiled too)
 
 
 def test_cpu_sass_reads_the_loops_of_tensor_core_products():

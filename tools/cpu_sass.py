@@ -8,7 +8,7 @@ this finds what differs between two kernels, or what a change did to one, before
 instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--capability 90] [--out DIR]
+        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
     parser.add_argument("--fp8", choices=["all", "kv"], help="float8_e4m3fn query, keys and values (all), or keys "
                         "and values under a --dtype query (kv); with descales")
+    parser.add_argument("--paged", type=int, metavar="PAGE", help="paged_attention and append_kv over caches of "
+                        "pages of PAGE keys holding the keys and values (with --fp8 kv: FP8 caches)")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
@@ -107,6 +109,9 @@ def main(argv=None) -> int:
 
     launch.CachedLauncher.launch = compile_only
     validation._check_kernel_device = lambda *a: None  # CPU tensors, planned as if on the GPU
+    import common.paged as paged
+
+    paged._check_kernel_device = validation._check_kernel_device
 
     B, H, H_kv, Lq, Lk, D = args.shape
     dtype = getattr(torch, args.dtype)
@@ -120,6 +125,8 @@ def main(argv=None) -> int:
         ones = torch.ones(B, H_kv)
         fp8 = (ones if args.fp8 == "all" else None, ones, ones, None)
     backend = resolve(args.backend)
+    if args.paged:
+        return _paged(args, backend, q, k, v, fp8, compiled)
     call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
                                  scale=None, enable_gqa=H_kv != H, return_lse=False, fp8=fp8)
     from common.configs import BackwardConfig, Config, override
@@ -138,6 +145,37 @@ def main(argv=None) -> int:
                   f"kernels' query {tuple(plan.query.shape)}")
             backend.load().forward(plan)
 
+    return _report(args, compiled)
+
+
+def _paged(args, backend, q, k, v, fp8, compiled) -> int:
+    """--paged: the call's keys and values as caches of pages (in order), a decode or chunk of
+    new tokens over them by paged_attention, then append_kv of the query's rows' worth of new
+    keys and values (16-bit ones, quantized, into FP8 caches)."""
+    from common.paged import append_kv, paged_attention
+    from common.plan import force_splits
+
+    B, H_kv, Lk, D = k.shape
+    page = args.paged
+    pages = -(-Lk // page)
+    caches = []
+    for x in (k, v):
+        padded = torch.zeros(B, H_kv, pages * page, D).to(x.dtype)
+        padded[:, :, :Lk] = x
+        caches.append(padded.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4).reshape(B * pages, page, H_kv, D))
+    table = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
+    lengths = torch.full((B,), Lk, dtype=torch.int32)
+    descales = {} if fp8 is None else dict(k_descale=fp8[1], v_descale=fp8[2])
+    with force_splits(args.splits):
+        paged_attention(q, *caches, table, lengths, is_causal=args.causal, enable_gqa=q.shape[1] != H_kv,
+                        backend=backend.name, **descales)
+    new = torch.randn(B, H_kv, q.shape[2], D, dtype=q.dtype)
+    append_kv(*caches, table, lengths - q.shape[2], new, new, backend=backend.name, **descales)
+    return _report(args, compiled)
+
+
+def _report(args, compiled) -> int:
+    """Each compiled kernel's registers, spills, shared memory and instructions (see the module)."""
     out = pathlib.Path(args.out)
     tools = NVIDIA_TOOLS
     for name, kernel in compiled.items():

@@ -719,8 +719,8 @@ def fp8():
     """Issue 44's targets: the FP8 forward (B·L = 16k, H·D = 2048, D 64 and 128, L 4k and 16k) against our
     bf16 forward and SDPA's, V as given (row-major: the plan copies it column-major) and given column-major;
     tiles swept at L 4k; then decode (B 8, 32 query heads over 8, D 128) from an FP8 cache by CUDA-graph
-    replay, with 1, 2 and 4 times the table's keys per step, and under a float16 query."""
-    from common import quantize_fp8
+    replay, bf16 and fp16 queries, contiguous and in pages of 16 and 64."""
+    from common import paged_attention, quantize_fp8
 
     def fwd_tflops(fn, B, H, L, D, causal):
         ms = gpu_time_ms(fn)
@@ -765,13 +765,22 @@ def fp8():
         for backend in ("triton", "ninetoothed"):
             bf16 = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
             line.append(f"{backend}: bf16 {bf16 * 1e3:.0f} us ({gb16 / bf16:.2f} TB/s)")
-            for factor in (1, 2, 4):
-                for query in (q, q.half()):
-                    with plan.use_planner(dataclasses.replace(plan.current_planner(), fp8_key_factor=factor)):
-                        e4m3 = _graph_time_ms(lambda: attention(query, k8, v8, enable_gqa=True, k_descale=kd,
-                                                                v_descale=vd, backend=backend), replays=20)
-                    line.append(f"fp8 x{factor}{' fp16 q' if query.dtype == torch.float16 else ''} "
-                                f"{e4m3 * 1e3:.0f} us ({gb8 / e4m3:.2f} TB/s, {bf16 / e4m3:.2f}x)")
+            for query in (q, q.half()):
+                e4m3 = _graph_time_ms(lambda: attention(query, k8, v8, enable_gqa=True, k_descale=kd, v_descale=vd,
+                                                        backend=backend), replays=20)
+                line.append(f"fp8{' fp16 q' if query.dtype == torch.float16 else ''} "
+                            f"{e4m3 * 1e3:.0f} us ({gb8 / e4m3:.2f} TB/s, {bf16 / e4m3:.2f}x)")
+            for page in (16, 64):  # the same caches in pages (a shuffled table)
+                caches, table, lengths = _shuffled_pages(k, v, page)
+                paged16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                                 backend=backend), replays=20)
+                caches8, table, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
+                caches8 = [c.view(torch.float8_e4m3fn) for c in caches8]
+                paged8 = _graph_time_ms(lambda: paged_attention(q, *caches8, table, lengths, enable_gqa=True,
+                                                                k_descale=kd, v_descale=vd, backend=backend),
+                                        replays=20)
+                line.append(f"pages of {page}: bf16 {paged16 * 1e3:.0f} us fp8 {paged8 * 1e3:.0f} us "
+                            f"({gb8 / paged8:.2f} TB/s, {paged16 / paged8:.2f}x)")
         print("  ".join(line), flush=True)
 
 
