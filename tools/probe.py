@@ -784,6 +784,365 @@ def fp8():
         print("  ".join(line), flush=True)
 
 
+def split_sweep():
+    """The split decode shapes below 3.5 TB/s (or below SDPA) in `bandwidth`: kernel time (graph
+    replay) and K/V bandwidth under other tiles, warps, stages and programs-per-SM targets, both
+    backends, against the shipped choice and SDPA (bf16, D = 128)."""
+    shapes = [(1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 16, 16384), (1, 32, 32, 1, 32768)]
+    if os.environ.get("SWEEP_SHAPES"):  # e.g. "64:32:8:1:4096 8:32:8:1:16384" (B:H:H_kv:Lq:Lk)
+        shapes = [tuple(map(int, shape.split(":"))) for shape in os.environ["SWEEP_SHAPES"].split()]
+    for B, H, H_kv, Lq, Lk in shapes:
+        q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        rows = max(16, min(64, Lq * H // H_kv))
+
+        def tbs(backend):
+            return gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+
+        sdpa = gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20)
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk}: sdpa {sdpa:.2f} triton {tbs('triton'):.2f} "
+                f"ninetoothed {tbs('ninetoothed'):.2f} TB/s;"]
+        results = []
+        for block_n, warps, stages in [(64, 4, 3), (64, 4, 4), (64, 4, 2), (128, 4, 3), (128, 4, 2), (64, 8, 3),
+                                       (128, 8, 3), (32, 4, 4)]:
+            with override(Config(rows, block_n, warps, stages)):
+                for per_sm in (1, 2, 4, 8):
+                    with _programs_per_sm(per_sm):
+                        results.append((tbs("triton"), f"{block_n}/{warps}w/{stages}s/x{per_sm}"))
+        results.sort(reverse=True)
+        line.append("triton best: " + ", ".join(f"{name} {t:.2f}" for t, name in results[:6]))
+        line.append("worst: " + ", ".join(f"{name} {t:.2f}" for t, name in results[-3:]))
+        nt = []
+        for per_sm in (1, 2, 4, 8):
+            with _programs_per_sm(per_sm):
+                nt.append(f"x{per_sm} {tbs('ninetoothed'):.2f}")
+        line.append("ninetoothed (shipped tile): " + ", ".join(nt))
+        print("  ".join(line), flush=True)
+
+
+def merge_steps():
+    """The merge launch (both backends' loop over splits, ``Planner.merge_splits`` a step): decode
+    kernel time (graph replay, bf16, D 128) under steps of 2-32 splits, NineToothed as planned
+    and the Triton kernel with its own merge turned off (its merge launch every call), each
+    output checked against SDPA; the shipped plan first."""
+    from common.reuse import PLANS
+
+    shapes = [(8, 32, 8, 16, 16384), (1, 32, 8, 16, 65536), (1, 32, 8, 1, 65536), (8, 32, 8, 1, 16384),
+              (1, 32, 32, 1, 32768), (4, 32, 8, 1, 3000)]
+    if os.environ.get("SWEEP_SHAPES"):  # as split_sweep's
+        shapes = [tuple(map(int, shape.split(":"))) for shape in os.environ["SWEEP_SHAPES"].split()]
+    for B, H, H_kv, Lq, Lk in shapes:
+        q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        sdpa = gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20)
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk}: sdpa {sdpa:.2f};"]
+        for backend in ("ninetoothed", "triton"):
+            parts = []
+            for step in (None, 2, 4, 8, 16, 32):  # (None: as shipped)
+                planner = plan.current_planner()
+                if step is not None:
+                    planner = dataclasses.replace(planner, merge_splits=step, kernel_merge_max=0,
+                                                  kernel_merge_min_bytes=0)
+                PLANS.clear()  # (plans keep their merge: each variant plans afresh)
+                with plan.use_planner(planner):
+                    error = (attention(q, k, v, enable_gqa=True, backend=backend).float() - ref.float()).abs().max()
+                    ms = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+                PLANS.clear()
+                wrong = "" if error < 2e-2 else f" (WRONG: {error:.3f} from SDPA)"
+                parts.append(f"{'shipped' if step is None else step} {gb / ms:.2f}{wrong}")
+            line.append(f"{backend}, splits a step: {', '.join(parts)} TB/s;")
+        print("  ".join(line), flush=True)
+
+
+def stages():
+    """Unsplit decode launches of many short-row programs (``common.plan.shallow_stages``): the
+    shipped choice against 3 and 2 stages forced, both backends, kernel time by graph replay and
+    K/V bandwidth (bf16, D 64 and 128), with SDPA's; the programs per SM of each launch."""
+    shapes = [(64, 32, 8, 1, 4096, 128), (40, 32, 8, 1, 8192, 128), (128, 32, 8, 1, 2048, 128),
+              (16, 32, 32, 1, 4096, 128), (8, 32, 32, 1, 8192, 128), (34, 32, 8, 1, 8192, 128),
+              (64, 32, 8, 4, 4096, 128), (64, 32, 8, 1, 4096, 64), (16, 32, 32, 1, 8192, 64)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for B, H, H_kv, Lq, Lk, D in shapes:
+        q = torch.randn(B, H, Lq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        sdpa = gb / _graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), replays=20)
+        rows, block_n = max(16, Lq * H // H_kv), 64 if D > 64 else 128  # (common.configs.default_config)
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk} D={D} ({B * H_kv / sms:.2f} programs/SM): sdpa {sdpa:.2f}"]
+        for backend in ("triton", "ninetoothed"):
+            def tbs():
+                return gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+            shipped = tbs()
+            with override(Config(rows, block_n, 4, 3)):
+                three = tbs()
+            with override(Config(rows, block_n, 4, 2)):
+                two = tbs()
+            line.append(f"{backend} shipped {shipped:.2f} 3s {three:.2f} 2s {two:.2f}")
+        print("  ".join(line), flush=True)
+
+
+def maxnreg():
+    """The `stages` shapes at D 128 (3 and 2 stages) and the D 64 forward (L 4k and 16k), with every
+    kernel this process compiles capped at $PROBE_MAXNREG registers (Triton's ``maxnreg`` launch
+    option; our launch path passes a config's, which the plan sets for many-program decode only:
+    here every compile is capped, by wrapping ``CachedLauncher._compile_fitting``, and the decode
+    shapes run forced configs, which carry none); run once per cap and once without (a process each:
+    compiled kernels are cached per process). The decode shapes run uncapped and at caps up to
+    128, the forward uncapped and at caps from 160. Compiled by triton 3.6 on the CPU,
+    NineToothed's D 128 decode kernel takes 143 registers with 2 stages (3 programs an SM), 123
+    capped at 128 (4); its D 64 causal forward at 64 x 64 tiles 188 (2 an SM), 168 capped at 168
+    (3); ours at 128 x 64 / 4 warps 232 (2 an SM), 168 capped (3)."""
+    from common import launch
+
+    cap = int(os.environ.get("PROBE_MAXNREG", "0"))
+    if cap:
+        def capped(self, grid, args, num_warps, num_stages, maxnreg=None):
+            return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, maxnreg=cap)
+        launch.CachedLauncher._compile_fitting = capped
+    print(f"maxnreg {cap or 'none'}:", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    decode = [(64, 32, 8, 1, 4096), (16, 32, 32, 1, 4096), (64, 32, 8, 4, 4096), (128, 32, 8, 1, 2048),
+              (40, 32, 8, 1, 8192)]
+    for B, H, H_kv, Lq, Lk in decode if cap <= 128 else ():  # (a decode tile's registers: 126-145)
+        q = torch.randn(B, H, Lq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gb = 2 * k.numel() * k.element_size() / 1e9
+        line = [f"B={B} H={H}/{H_kv} Lq={Lq} Lk={Lk} ({B * H_kv / sms:.2f} programs/SM):"]
+        for backend in ("triton", "ninetoothed"):
+            def tbs():
+                return gb / _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+            times = []
+            for stages in (3, 2):
+                with override(Config(max(16, Lq * H // H_kv), 64, 4, stages)):
+                    out = attention(q, k, v, enable_gqa=True, backend=backend)
+                    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
+                    times.append(f"{stages}s {tbs():.2f}{bad}")
+            line.append(f"{backend} " + " ".join(times))
+        print("  ".join(line), flush=True)
+    # The D 64 forward: NineToothed's worst against ours (causal, L 4096, 0.78x) runs its table's 64 x 64
+    # tile at 188 registers (2 programs an SM; ours at that tile 151: 3), 168 capped at 168; ours at
+    # 128 x 64 / 4 warps takes 232 (2 an SM), 168 capped (3 an SM), neither spilling: a third program
+    # an SM to overlap one's exponentials with another's products, if the cap costs less than that.
+    for causal in (True, False) if cap == 0 or cap >= 160 else ():  # (a forward tile's: 151-254)
+        for L in (4096, 16384):
+            B, H, D = 16384 // L, 32, 64
+            q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+            flops = 4 * B * H * L * L * D / (2 if causal else 1)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            sdpa = gpu_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+            line = [f"forward B={B} H={H} L={L} D={D} causal={causal}: sdpa {flops / sdpa / 1e9:.0f}"]
+            for backend in ("triton", "ninetoothed"):
+                for config in (None, Config(64, 64, 4, 3), Config(128, 64, 4, 3)):
+                    with (override(config) if config else contextlib.nullcontext()):
+                        out = attention(q, k, v, is_causal=causal, backend=backend)
+                        bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
+                        t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend=backend))
+                    name = "table" if config is None else "/".join(map(str, dataclasses.astuple(config)))
+                    line.append(f"{backend} {name} {flops / t / 1e9:.0f}{bad}")
+            print("  ".join(line), flush=True)
+
+
+def fwd_tiles():
+    """NineToothed's D 64 forward under its table's tile and the others its tune tries (64 x 64
+    capped at 168 registers too: 3 programs an SM, as the Triton kernel's 64 x 64 tile), fp16 and
+    bf16 (the table is tuned in fp16 and used for both), causal or not, L 1024 and 4096, beside
+    Triton's table (B·L = 16384, 32 heads; TFLOP/s)."""
+    shipped = resolve("ninetoothed").configs
+    for dtype in (torch.float16, torch.bfloat16):
+        for causal in (True, False):
+            for L in (1024, 4096):
+                B, H, D = 16384 // L, 32, 64
+                q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device="cuda") for _ in range(3))
+                flops = 4 * B * H * L * L * D / (2 if causal else 1)
+                ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                table = dataclasses.astuple(shipped.lookup(D, dtype, causal, L, L, False))
+                t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend="triton"))
+                line = [f"{str(dtype)[6:]} causal={causal} L={L}: triton {flops / t / 1e9:.0f}  nt table {table}"]
+                for config in (None, Config(64, 64, 4, 3), Config(64, 64, 4, 3, 168), Config(128, 64, 4, 3),
+                               Config(128, 64, 4, 4), Config(128, 64, 8, 3), Config(128, 128, 8, 3)):
+                    with (override(config) if config else contextlib.nullcontext()):
+                        out = attention(q, k, v, is_causal=causal, backend="ninetoothed")
+                        bad = "" if (out.float() - ref.float()).abs().max().item() < 0.05 else " WRONG"
+                        t = gpu_time_ms(lambda: attention(q, k, v, is_causal=causal, backend="ninetoothed"))
+                    name = "table" if config is None else "/".join(str(x) for x in dataclasses.astuple(config) if x)
+                    line.append(f"{name} {flops / t / 1e9:.0f}{bad}")
+                print("  ".join(line), flush=True)
+
+
+def bwd_tune():
+    import datetime
+    import json
+    import os
+    import pathlib
+
+    import triton
+
+    from common import attention_backward
+    from common.configs import BackwardConfig, ConfigTable, key
+    from common.tools.tune import BACKWARD_CANDIDATES, _inputs, tune_one
+
+    nt = resolve("ninetoothed").configs
+    entries = dict(nt.entries)
+    f16 = torch.float16
+    # BWD_TUNE_KEYS="128:full:1024 128:causal:16384" limits the keys (D:full|causal:L); default: all twelve
+    wanted = os.environ.get("BWD_TUNE_KEYS", "").split()
+    for D in (64, 128):
+        for causal in (False, True):
+            for L in (1024, 4096, 16384):
+                if wanted and f"{D}:{'causal' if causal else 'full'}:{L}" not in wanted:
+                    continue
+                q, k, v = _inputs(D, L, f16)
+                out, lse = attention(q, k, v, is_causal=causal, backend="triton", return_lse=True)
+                grad_out = torch.randn_like(out)
+
+                def time_of(backend):
+                    return gpu_time_ms(lambda: attention_backward(grad_out, q, k, v, out, lse, is_causal=causal,
+                                                                  backend=backend))
+                triton_ms = time_of("triton")
+                before = nt.lookup_backward(D, f16, causal, L, L, False)
+                before_ms = time_of("ninetoothed")
+                best, times = tune_one("ninetoothed", D, f16, causal, L, backward=True, verbose=False)
+                failed = [c for c in BACKWARD_CANDIDATES[D] if BackwardConfig(*c) not in times]
+                ranked = ", ".join(f"{dataclasses.astuple(c)} {t * 1e3:.0f}" for c, t in
+                                   sorted(times.items(), key=lambda kv: kv[1]))
+                print(f"D={D} causal={causal} L={L}: triton {triton_ms * 1e3:.0f}us  ninetoothed shipped "
+                      f"{dataclasses.astuple(before)} {before_ms * 1e3:.0f}us ({triton_ms / before_ms:.2f}x triton)  "
+                      f"best {dataclasses.astuple(best)} {times[best] * 1e3:.0f}us ({triton_ms / times[best]:.2f}x)"
+                      f"  all: {ranked}  failed: {failed}", flush=True)
+                if times[best] < 0.98 * before_ms:  # a gain past do_bench's run-to-run noise
+                    for dtype in (torch.float16, torch.bfloat16):
+                        entries[key(D, dtype, causal, L, True)] = best
+    meta = dict(nt.meta, gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+    out_dir = os.environ.get("OUT", "/tmp")
+    ConfigTable.write(pathlib.Path(out_dir) / "nt_configs.json", entries, meta)
+    print(json.dumps({k: list(dataclasses.astuple(v)) for k, v in entries.items() if k.startswith("bwd")}))
+
+
+def gqa_bwd():
+    """Grouped-query backward against MHA's at the same FLOPs (32 query heads over 8 K/V heads
+    against 32 over 32), causal, fp16: both backends loop over a K/V head's query heads in their
+    dK/dV pass (the Triton kernel's group loop spilled 464 bytes at D 128, sm_90), so GQA running
+    slower per FLOP than MHA is that loop's cost. SDPA's backward (enable_gqa) beside them."""
+    from common import attention_backward
+
+    f16 = torch.float16
+    for D in (64, 128):
+        for L in (1024, 4096):
+            B = 16384 // L
+            flops = 2.5 * attention_flops(B, 32, L, L, D, causal=True)  # (the backward: 2.5 forwards)
+            line = [f"D={D} L={L} causal:"]
+            for H_kv in (32, 8):
+                q = torch.randn(B, 32, L, D, dtype=f16, device="cuda")
+                k, v = (torch.randn(B, H_kv, L, D, dtype=f16, device="cuda") for _ in range(2))
+                grad_out = torch.randn_like(q)
+                for backend in ("triton", "ninetoothed"):
+                    out, lse = attention(q, k, v, is_causal=True, enable_gqa=H_kv != 32, backend=backend,
+                                         return_lse=True)
+                    ms = gpu_time_ms(lambda: attention_backward(grad_out, q, k, v, out, lse, is_causal=True,
+                                                                enable_gqa=H_kv != 32, backend=backend))
+                    line.append(f"{backend} {'MHA' if H_kv == 32 else 'GQA'} {ms * 1e3:.0f}us "
+                                f"({flops / ms / 1e9:.0f} TFLOP/s)")
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                sdpa_out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=H_kv != 32)
+                ms = gpu_time_ms(lambda: torch.autograd.grad(sdpa_out, leaves, grad_out, retain_graph=True))
+                line.append(f"sdpa {'MHA' if H_kv == 32 else 'GQA'} {ms * 1e3:.0f}us")
+            print("  ".join(line), flush=True)
+
+
+def host_python():
+    import common.launch as launch
+    import common.ops as ops
+    import common.reuse as reuse
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    # a split step, D 128: B 1, 32 query heads over 8 K/V heads on a GPU; 4 over 1 on a CPU, where the
+    # interpreter's two pretended SMs split that
+    B, H, H_kv = (1, 32, 8) if on_gpu else (1, 4, 1)
+    for backend in ("triton", "ninetoothed"):
+        q = torch.randn(B, H, 1, 128, dtype=torch.float16, device=device)
+        k, v = (torch.randn(B, H_kv, 3000, 128, dtype=torch.float16, device=device) for _ in range(2))
+
+        def grow(k, v):
+            new = torch.randn(B, H_kv, 1, 128, dtype=torch.float16, device=device)
+            return torch.cat([k, new], 2), torch.cat([v, new], 2)
+        for _ in range(3):  # plan, bind, the first growing launch: real launches
+            k, v = grow(k, v)
+            attention(q, k, v, enable_gqa=True, backend=backend)
+        caches = []
+        for _ in range(200):
+            k, v = grow(k, v)
+            caches.append((k, v))
+        launches = [0]
+        saved = launch.BoundKernel.launch_new, launch.BoundKernel.run_compiled, ops._quiet, reuse._quiet_interpreter
+
+        def stub(self, args, key_or_kernel):  # (a bound launch calls one of the two, with its arguments built)
+            launches[0] += 1
+        launch.BoundKernel.launch_new = launch.BoundKernel.run_compiled = stub
+        ops._quiet = lambda backend: contextlib.nullcontext()  # a GPU runs no NumPy: nothing to quiet
+        reuse._quiet_interpreter = contextlib.nullcontext
+        try:
+            loops = []
+            for _ in range(6):
+                start = time.perf_counter()
+                for k_, v_ in caches:
+                    attention(q, k_, v_, enable_gqa=True, backend=backend)
+                loops.append((time.perf_counter() - start) / len(caches) * 1e6)
+        finally:
+            launch.BoundKernel.launch_new, launch.BoundKernel.run_compiled, ops._quiet, reuse._quiet_interpreter = saved
+        loops = sorted(loops[1:])  # (the first loop warms up)
+        print(f"{backend}: our Python per decode step {loops[2]:.1f} us (loops {', '.join(f'{t:.1f}' for t in loops)});"
+              f" stubbed launches per step {launches[0] / 6 / len(caches):.2f}", flush=True)
+
+
+def repeat_bwd():
+    """Whether the backward is bitwise the same over repeated calls: racecheck reports write-write hazards
+    in NineToothed's dQ kernel where replicated lanes of delta's row sum meet in shared memory (see
+    benchmarks/NOTES.md, "compute-sanitizer"); 100 backward calls of each shape, every dq, dk, dv compared
+    bit for bit with the first. RACE_ONLY=1: one call of sanitize's small case only (for racecheck)."""
+    cases = [(2, 3, 17, 33, 40, True), (2, 8, 1000, 1000, 64, True), (1, 4, 300, 700, 128, False)]
+    for B, H, Lq, Lk, D, causal in cases[:1] if os.environ.get("RACE_ONLY") else cases:
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.float16, requires_grad=True)
+                   for L in (Lq, Lk, Lk))
+        grad = torch.randn(B, H, Lq, D, device="cuda", dtype=torch.float16)
+        for backend in ("triton", "ninetoothed"):
+            def grads():
+                out = attention(q, k, v, is_causal=causal, backend=backend)
+                return torch.autograd.grad(out, (q, k, v), grad)
+            first = grads()
+            differ = 0
+            for _ in range(0 if os.environ.get("RACE_ONLY") else 100):
+                differ += any(not torch.equal(a, b) for a, b in zip(first, grads()))
+            print(f"{backend} ({B},{H},{Lq}x{Lk},{D}){' causal' if causal else ''}: 100 backward calls, "
+                  f"{differ} differ bitwise from the first", flush=True)
+
+
+def repeat_varlen_bwd():
+    """repeat_bwd for tools/sanitize.py's packed sequences (float32, D 24, causal, GQA), where
+    racecheck found the write-write hazards: 100 backward calls compared bit for bit with the first."""
+    from common import varlen_attention
+    from tests.test_varlen import _cu
+
+    lens_q, lens_k = [5, 0, 33, 70, 1], [9, 3, 33, 64, 1]
+    q = torch.randn(sum(lens_q), 4, 24, device="cuda", requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 24, device="cuda", requires_grad=True) for _ in range(2))
+    grad = torch.randn_like(q)
+    for backend in ("ninetoothed",) if os.environ.get("RACE_ONLY") else ("triton", "ninetoothed"):
+        def grads():
+            out = varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), 70, 64, True, enable_gqa=True,
+                                   backend=backend, alignment="bottom_right")
+            return torch.autograd.grad(out, (q, k, v), grad)
+        first = grads()
+        differ = sum(any(not torch.equal(a, b) for a, b in zip(first, grads()))
+                     for _ in range(0 if os.environ.get("RACE_ONLY") else 100))
+        print(f"{backend} varlen float32 D 24: 100 backward calls, {differ} differ bitwise from the first", flush=True)
+
+
 def gluon_tiles():
     """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; both variants) at the benchmark's
     L 4096 shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit
