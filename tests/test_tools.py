@@ -559,3 +559,17 @@ def test_cpu_sass_reads_the_loops_of_tensor_core_products():
         "        /*0080*/                   EXIT ;",
     ])
     assert cpu_sass.mma_loops(sass) == [(".L_x_1", 4, [("FMUL", 2), ("HGMMA", 1), ("BRA", 1)])]
+
+
+def test_every_probe_the_docstring_lists_exists():
+    """tools/probe.py runs its probes by name: each one its docstring lists is a function of the
+    module (an edit that drops one is caught here, not on the GPU)."""
+    import ast
+    import pathlib
+    import re
+
+    source = (pathlib.Path(__file__).resolve().parents[1] / "tools" / "probe.py").read_text()
+    tree = ast.parse(source)
+    functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    listed = re.findall(r"^- (\w+):", ast.get_docstring(tree), flags=re.MULTILINE)
+    assert len(listed) > 20 and set(listed) <= functions, sorted(set(listed) - functions)

@@ -56,9 +56,10 @@ is written to the project.
 - serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
   against sdpa: tokens as sdpa's, tokens per second of 64 requests.
 - fp8: FP8 inputs (issue 44): the prefill forward (B·L 16k, H·D 2048, L 4k and 16k, D 64 and 128, causal
-  and not) in e4m3 (P·V in e4m3, in float16, and with V column-major) against our bf16 forward and SDPA's,
-  TFLOP/s; decode from an FP8 cache (bf16 query; B 8, 32 heads over 8, D 128, Lk 16k and 64k) against
-  the bf16 cache, TB/s of cache read (graph replay); both backends.
+  and not) in e4m3 (V as given, copied column-major by the plan, and given column-major; tiles swept at
+  L 4k) against our bf16 forward and SDPA's, TFLOP/s; decode from an FP8 cache (bf16 and fp16 queries;
+  B 8, 32 heads over 8, D 128, Lk 16k and 64k; contiguous and in pages of 16 and 64) against the bf16
+  cache, TB/s of cache read (graph replay); both backends.
 - static: generate over a static cache, the forward compiled with CUDA graphs (reduce-overhead),
   sdpa / triton / ninetoothed: tokens per second, graph breaks, recompiles, tokens as sdpa's.
 """
