@@ -119,8 +119,9 @@ class KernelBackendModule(BackendModule, Protocol):
         ``plan.with_lse``, its log-sum-exp into ``plan.lse``; return ``(plan.out, plan.lse)``."""
 
     def append_kv(self, key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int,
-                  block_d: int, block_dv: int) -> None:
-        """Write ``key`` and ``value`` (B, H_kv, L_new, D | Dv) into their slots of the paged caches."""
+                  block_d: int, block_dv: int, descales=None) -> None:
+        """Write ``key`` and ``value`` (B, H_kv, L_new, D | Dv) into their slots of the paged caches
+        (``descales``: FP8 caches' float32 (B, H_kv) key and value descales, the new tokens quantized)."""
 
     def rotary(self, x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
         """The rotary embedding: pairs ``x1``, ``x2`` (B, L, H, R/2 strided views) rotated by the
