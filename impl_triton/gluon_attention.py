@@ -278,9 +278,9 @@ def chooses(plan) -> bool:
     switch = os.environ.get("ATTENTION_GLUON", "")
     if switch not in ("", "0", "1"):
         raise ValueError(f"ATTENTION_GLUON must be 0, 1 or unset, got {switch!r}")
-    if switch == "0" or not serves(plan):
-        return False
-    return switch == "1" or plan.query.shape[-1] in DEFAULT_HEAD_DIMS
+    if switch == "0" or (switch == "" and plan.query.shape[-1] not in DEFAULT_HEAD_DIMS):
+        return False  # (before serves(): a call's host time asks the device nothing it need not)
+    return serves(plan)
 
 
 def serves(plan) -> bool:
