@@ -55,7 +55,7 @@ for stage in "$@"; do
     # and SDPA; the whole suite through it: ATTENTION_GLUON=1 bash tools/h200.sh test1 rest
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
-    fp8) timeout 240 python3 -m pytest tests/test_fp8.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/fp8_tests.log"
+    fp8) timeout 240 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 8 -p no:cacheprovider --tb=short -rfEP 2>&1 | grep -v "^$" | tail -40 | tee "$OUT/fp8_tests.log"
          timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
     # Gluon's and FP8's tests side by side, then their probes one after the other (one call)
     gluon-fp8) (timeout 200 python3 -m pytest tests/test_gluon.py -q -n 6 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/gluon_tests.log") &
