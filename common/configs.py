@@ -86,8 +86,8 @@ BACKWARD_DEFAULTS = {
 # configuration does not fit).
 FLOAT32_DEFAULTS = {**DEFAULTS, 128: Config(64, 32, 4, 3)}
 # An FP8 (e4m3) query, keys and values: tiles of half the bytes, at the tensor cores' FP8 rate;
-# at D 128, 128 keys a step ran fastest on the H200 (benchmarks/NOTES.md, issue 44). (At D 64 the
-# same gained 9% without a mask, lost 2% causal, and spills: the 16-bit tile stays.)
+# at D 128, 128 keys a step ran fastest on the H200; at D 64 that tile spills and the 16-bit one
+# stays (benchmarks/NOTES.md, issue 44).
 FP8_DEFAULTS = {**DEFAULTS, 128: Config(128, 128, 8, 3)}
 FLOAT32_BACKWARD_DEFAULTS = {
     **BACKWARD_DEFAULTS,

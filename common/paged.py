@@ -37,6 +37,7 @@ from common.validation import (
     OFFSET_LIMIT,
     SUPPORTED_DTYPES,
     _check_alibi,
+    _check_descale,
     _check_flag,
     _check_kernel_device,
     _check_real,
@@ -485,15 +486,7 @@ def _check_cache_descales(k_descale, v_descale, key_cache, B, like):
         if key_cache.dtype not in FP8_DTYPES:
             raise ValueError(f"{name} was given but the caches are {_dtype_name(key_cache.dtype)}: descales go "
                              "with float8_e4m3fn caches")
-        if d.dtype != torch.float32:
-            raise TypeError(f"{name} must be a float32 tensor, got {_dtype_name(d.dtype)}")
-        if tuple(d.shape) != (B, H_kv):
-            raise ValueError(f"{name} must have shape {(B, H_kv)} (one descale per sequence and key/value head), "
-                             f"got {tuple(d.shape)}")
-        if d.device != like.device:
-            raise ValueError(f"{name} is on {d.device} but the caches are on {like.device}")
-        if d.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{name} requires grad, but paged attention is forward-only: descales get no gradient")
+        _check_descale(name, d, (B, H_kv), "sequence", like.device, "the caches")
     if key_cache.dtype not in FP8_DTYPES:
         return None
     return _cache_descales(k_descale, v_descale, key_cache, B)

@@ -79,8 +79,8 @@ class Softcap(enum.IntEnum):
 class Widen(enum.IntEnum):
     """What the kernels widen FP8 key or value tiles to after loading them: their WIDEN_K, WIDEN_V.
     Never bfloat16: e4m3 -> float16 is one conversion per pair of values on NVIDIA GPUs, -> bfloat16
-    several (it held an FP8 cache's decode to the 16-bit cache's speed); a bfloat16 query is narrowed
-    to float16 instead (``common.jit_helpers._narrow_query``)."""
+    several, and a memory-bound decode must not spend its time converting; a bfloat16 query is
+    narrowed to float16 instead (``common.jit_helpers._narrow_query``)."""
 
     NONE = 0  # kept in e4m3: an FP8 product on the tensor cores
     FLOAT16 = 1

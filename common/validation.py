@@ -271,6 +271,21 @@ def _check_fp8_dtypes(query, key, value, accepted: bool) -> bool:
     return True
 
 
+def _check_descale(name, d, shape, per: str, device, device_owner: str) -> None:
+    """One given descale tensor: float32 of ``shape`` (one per ``per`` and key/value head,
+    FlashAttention-3's convention) on ``device`` (``device_owner``'s), needing no gradient (FP8
+    attention is forward-only)."""
+    if d.dtype != torch.float32:
+        raise TypeError(f"{name} must be a float32 tensor, got {_dtype_name(d.dtype)}")
+    if tuple(d.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} (one descale per {per} and key/value head, "
+                         f"FlashAttention-3's convention), got {tuple(d.shape)}")
+    if d.device != device:
+        raise ValueError(f"{name} is on {d.device} but {device_owner} is on {device}")
+    if d.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but FP8 attention is forward-only: descales get no gradient")
+
+
 def _check_fp8(fp8, query, key, value, unbatched: bool, fp8_inputs: bool):
     """``(descales, out_dtype)`` of a call that may take FP8 inputs: ``fp8`` is its
     ``(q_descale, k_descale, v_descale, out_dtype)``. Descales: None (1) or float32 tensors
@@ -289,16 +304,7 @@ def _check_fp8(fp8, query, key, value, unbatched: bool, fp8_inputs: bool):
         if t.dtype not in FP8_DTYPES:
             raise ValueError(f"{name} was given but {input_name} is {_dtype_name(t.dtype)}: "
                              "descales go with float8_e4m3fn inputs")
-        if d.dtype != torch.float32:
-            raise TypeError(f"{name} must be a float32 tensor, got {_dtype_name(d.dtype)}")
-        shape = (H_kv,) if unbatched else (B, H_kv)
-        if tuple(d.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (one descale per batch and key/value head, "
-                             f"FlashAttention-3's convention), got {tuple(d.shape)}")
-        if d.device != query.device:
-            raise ValueError(f"{name} is on {d.device} but query is on {query.device}")
-        if d.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{name} requires grad, but FP8 attention is forward-only: descales get no gradient")
+        _check_descale(name, d, (H_kv,) if unbatched else (B, H_kv), "batch", query.device, "query")
         descales.append(d.unsqueeze(0) if unbatched else d)
     if query.dtype in FP8_DTYPES:
         out_dtype = output_dtype(query.dtype, out_dtype)
