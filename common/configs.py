@@ -123,23 +123,27 @@ def key(block_d: int, dtype: torch.dtype, is_causal: bool, bucket: int, backward
     return "bwd-" + name if backward else name
 
 
-def default_config(block_d: int, q_len: int, dtype: torch.dtype = torch.float16) -> Config:
-    """The forward configuration where the table has no entry.
+def default_config(block_d: int, q_len: int, dtype: torch.dtype = torch.float16,
+                   kv_dtype: torch.dtype | None = None) -> Config:
+    """The forward configuration where the table has no entry (``dtype`` the query's,
+    ``kv_dtype`` the keys' and values' where it differs).
 
     Short queries (decoding, a few speculative tokens) get the smallest row
     tile that holds them: their programs stream keys and values, and rows
-    past Lq would only burn tensor-core time. float32 tiles take twice the
-    shared memory: at D = 128 they take half the keys per step; FP8 tiles
-    half, and take twice the keys at D 128.
+    past Lq would only burn tensor-core time; FP8 keys and values take half
+    the bytes a key, so such a program takes twice the keys a step. float32
+    tiles take twice the shared memory: at D = 128 they take half the keys
+    per step; FP8 tiles half, and take twice the keys at D 128.
     """
     wide = dtype == torch.float32 and block_d == 128
     if q_len <= 64:
         block_m = min(64, max(16, next_power_of_2(q_len)))
+        keys = 2 if (kv_dtype or dtype) == torch.float8_e4m3fn else 1
         if block_d <= 64:
-            return Config(block_m, 128, 4, 3)
+            return Config(block_m, 128 * keys, 4, 3)
         if block_d <= 128:
-            return Config(block_m, 32 if wide else 64, 4, 3)
-        return Config(block_m, 32, 4, 2)
+            return Config(block_m, (32 if wide else 64) * keys, 4, 3)
+        return Config(block_m, 32 * keys, 4, 2)
     if dtype == torch.float32:
         return FLOAT32_DEFAULTS[block_d]
     return FP8_DEFAULTS[block_d] if dtype == torch.float8_e4m3fn else DEFAULTS[block_d]
@@ -187,12 +191,14 @@ class ConfigTable:
         path.write_text(json.dumps(data, indent=1) + "\n")
 
     def lookup(self, block_d: int, dtype: torch.dtype, is_causal: bool, q_len: int, k_len: int,
-               interpreted: bool) -> Config:
-        """The forward configuration for a call (an override, inside :func:`override`)."""
+               interpreted: bool, kv_dtype: torch.dtype | None = None) -> Config:
+        """The forward configuration for a call (an override, inside :func:`override`); ``dtype``
+        the query's, ``kv_dtype`` the keys' and values' where it differs (an FP8 cache)."""
         forced = _override.get()
         if forced is not None:
             return forced
-        return self._lookup(block_d, dtype, is_causal, length_key(q_len), length_key(k_len), interpreted)
+        return self._lookup(block_d, dtype, is_causal, length_key(q_len), length_key(k_len), interpreted,
+                            kv_dtype)
 
     def lookup_backward(self, block_d: int, dtype: torch.dtype, is_causal: bool, q_len: int, k_len: int,
                         interpreted: bool) -> BackwardConfig:
@@ -203,11 +209,11 @@ class ConfigTable:
         return self._lookup_backward(block_d, dtype, is_causal, length_key(q_len), length_key(k_len), interpreted)
 
     @functools.lru_cache(maxsize=512)  # noqa: B019 - one table per backend, alive for the process
-    def _lookup(self, block_d, dtype, is_causal, q_key, k_key, interpreted) -> Config:
+    def _lookup(self, block_d, dtype, is_causal, q_key, k_key, interpreted, kv_dtype) -> Config:
         if interpreted:
             return interpreter_config(block_d, q_key, k_key)
         config = self.entries.get(key(block_d, dtype, is_causal, length_bucket(q_key)))
-        return config if config is not None else default_config(block_d, q_key, dtype)
+        return config if config is not None else default_config(block_d, q_key, dtype, kv_dtype)
 
     @functools.lru_cache(maxsize=512)  # noqa: B019 - one table per backend, alive for the process
     def _lookup_backward(self, block_d, dtype, is_causal, q_key, k_key, interpreted) -> BackwardConfig:

@@ -603,13 +603,16 @@ PAGED_STAGE_BYTES = 160 * 1024
 PAGED_MAX_STAGES = {"triton": 5, "ninetoothed": 6}
 
 
-def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int, dtype: torch.dtype) -> Config:
-    """The paged kernel's configuration: the dense decode path's tiles for these rows, and
-    as many pipeline stages as fit PAGED_STAGE_BYTES. The key step (BLOCK_N) is the dense
-    path's whatever the page size: a step is part of a page, one page, or several pages
-    (gathered key by key in the Triton kernel, unrolled tile by tile in NineToothed's)."""
-    config = default_config(max(block_d, block_dv), min(rows, 64), dtype)
-    per_stage = config.block_n * (block_d + block_dv) * dtype.itemsize
+def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int, dtype: torch.dtype,
+                 cache_dtype: torch.dtype | None = None) -> Config:
+    """The paged kernel's configuration (``dtype`` the query's, ``cache_dtype`` the caches'):
+    the dense decode path's tiles for these rows, and as many pipeline stages as fit
+    PAGED_STAGE_BYTES. The key step (BLOCK_N) is the dense path's whatever the page size: a step
+    is part of a page, one page, or several pages (gathered key by key in the Triton kernel,
+    unrolled tile by tile in NineToothed's)."""
+    cache_dtype = cache_dtype or dtype
+    config = default_config(max(block_d, block_dv), min(rows, 64), dtype, cache_dtype)
+    per_stage = config.block_n * (block_d + block_dv) * cache_dtype.itemsize
     stages = max(2, min(PAGED_MAX_STAGES.get(backend, 3), PAGED_STAGE_BYTES // per_stage))
     return Config(config.block_m, config.block_n, config.num_warps, stages)
 
@@ -639,7 +642,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
             plan.sinks, plan.alibi = (planning.packed_rows(rows, packed) for rows in (plan.sinks, plan.alibi))
     _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
-    plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype)
+    plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype, key_cache.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
     # A split holds whole pages (NineToothed's kernel takes its part of the table as a tile)

@@ -593,7 +593,7 @@ def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) 
     Lk, Dv = plan.key.shape[2], plan.value.shape[3]
     interpreted = backend.interpreted()
     config = plan.config = backend.configs.lookup(
-        max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted)
+        max(plan.block_d, plan.block_dv), q.dtype, plan.is_causal, Lqp, Lk, interpreted, plan.key.dtype)
     plan.m_blocks = -(-Lqp // config.block_m)  # (not triton.cdiv: a call into triton costs host time)
     plan.num_splits, plan.blocks_per_split = planner.splits(plan.m_blocks * B * Hp, Lk, config.block_n, q.device,
                                                             config.block_m)

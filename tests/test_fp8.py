@@ -72,7 +72,7 @@ def _bound(probs, v_real, out_ref, out_dtype, pv_rounding, score_error=0.0):
     H, H_kv = probs.shape[1], v_real.shape[1]
     v_abs = v_real.abs().repeat_interleave(H // H_kv, dim=1)
     visible = (probs > 0).to(torch.float64)
-    u = u + torch.expm1(2 * torch.as_tensor(score_error, dtype=torch.float64))[..., None]
+    u = u + torch.expm1(2 * torch.as_tensor(score_error, dtype=torch.float64, device=probs.device))[..., None]
     moved = u * (probs @ v_abs) + a * visible @ v_abs
     u_out = HALF_UNIT[out_dtype][0]
     return (1 + u_out) * moved + u_out * out_ref.abs() + FP32_SLACK * v_abs.amax()
