@@ -36,8 +36,8 @@ def quantize_fp8(x: torch.Tensor, heads: int | None = None) -> tuple[torch.Tenso
     heads = H if heads is None else heads
     if type(heads) is not int or heads < 1 or H % heads:
         raise ValueError(f"heads must be a positive int dividing H = {H}, got {heads!r}")
-    groups = x.float().reshape(B, heads, -1)
-    amax = groups.abs().amax(dim=-1)
+    groups = x.float().reshape(B, heads, (H // heads) * L * D)
+    amax = groups.abs().amax(dim=-1) if groups.shape[-1] else groups.new_zeros(B, heads)  # (empty: descale 1)
     descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     x_fp8 = (groups / descale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return x_fp8.reshape(B, H, L, D), descale

@@ -317,8 +317,9 @@ class ForwardPlan:
     # int32 (Lq,) position shifts, row i at position i + alibi_shift[i]
     alibi: torch.Tensor | None = None
     alibi_shift: torch.Tensor | None = None
-    # FP8 inputs: (q, k, v) descales, float32 (B, H_kv) (views; None for 1), read per K/V head;
-    # None: no FP8 input. The kernels widen FP8 key and value tiles to widen_k, widen_v.
+    # FP8 inputs: (q, k, v) descales, float32 (B, H_kv) (views; None for 1), read per K/V head,
+    # or (B, H, Lq) per query head and row (packed sequences, each row its sequence's: see
+    # descale_kind); None: no FP8 input. The kernels widen FP8 key and value tiles to widen_k, widen_v.
     descales: tuple | None = None
     widen_k: Widen = Widen.NONE
     widen_v: Widen = Widen.NONE
@@ -354,6 +355,14 @@ class ForwardPlan:
     def banded(self) -> int:
         """The kernels' BANDED: 0 (every row sees every key), 1 (band), ROW_BANDS."""
         return ROW_BANDS if self.row_bands is not None else int(self.band is not None)
+
+    @property
+    def descale_kind(self) -> int:
+        """The kernels' DESCALE: 0 (no FP8 input), 1 (a descale per batch and K/V head),
+        DESCALE_ROWS (per query head and row)."""
+        if self.descales is None:
+            return 0
+        return DESCALE_ROWS if self.descales[0].ndim == 3 else 1
 
     @property
     def kernel_lse(self) -> bool:
@@ -435,6 +444,7 @@ def _has_tanh_approx(device: torch.device) -> bool:
 
 UNBOUNDED = 2**30  # a band edge no position reaches (lengths stay below it; int32 sums stay in range)
 ROW_BANDS = 2  # BANDED for per-row bands: packed variable-length sequences (common.varlen)
+DESCALE_ROWS = 2  # DESCALE for per-row descales: packed FP8 sequences (common.varlen)
 
 
 def band(is_causal: bool, window, bottom_right: bool, Lq: int, Lk: int) -> tuple[int, int] | None:
@@ -538,7 +548,7 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
     # (A running output is laid out by query head and row.) (ALiBi: each packed row its own slope
     # and shift.)
-    unpackable = plan.dropout or plan.row_bands is not None or resume is not None
+    unpackable = plan.dropout or plan.row_bands is not None or resume is not None or plan.descale_kind == DESCALE_ROWS
     packed = None if unpackable else planner.pack_gqa(q, H_kv, mask, plan.band is not None)
     if packed is not None and not within_offsets(backend, *packed):
         packed = None  # a packed head's rows would pass the 32-bit offsets within a head
@@ -559,10 +569,13 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
 
 def set_fp8(plan, call, planner: Planner) -> None:
     """A plan's FP8 fields from a call with FP8 inputs: the descales (a ones view for each one
-    not given: the kernels read all three), and what key and value tiles are widened to (to a
-    16-bit query, float16 (see Widen); values to float16 where the planner keeps P·V out of e4m3)."""
-    B, H_kv = call.key.shape[:2]
-    plan.descales = tuple(d if d is not None else _one(call.key.device).expand(B, H_kv) for d in call.descales)
+    not given: the kernels read all three; per row where one given is, (B, H, Lq)), and what key
+    and value tiles are widened to (to a 16-bit query, float16 (see Widen); values to float16
+    where the planner keeps P·V out of e4m3)."""
+    per_row = any(d is not None and d.ndim == 3 for d in call.descales)
+    shape = call.query.shape[:3] if per_row else call.key.shape[:2]
+    one = _one(call.key.device)
+    plan.descales = tuple(d if d is not None else one.view((1,) * len(shape)).expand(shape) for d in call.descales)
     if call.query.dtype in (torch.float16, torch.bfloat16):  # FP8 keys and values under a 16-bit query
         plan.widen_k = plan.widen_v = Widen.FLOAT16
     elif not planner.fp8_pv:

@@ -75,12 +75,13 @@ def check_call(
     backend: Backend,
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
-    alignment="top_left", window=None, softcap=None, sinks=None, alibi_slopes=None, fp8=None,
+    alignment="top_left", window=None, softcap=None, sinks=None, alibi_slopes=None, fp8=None, sequences=None,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form.
 
     ``fp8``: None where the entry point takes no FP8 input (an FP8 tensor is then an error), else
-    the call's ``(q_descale, k_descale, v_descale, out_dtype)``."""
+    the call's ``(q_descale, k_descale, v_descale, out_dtype)``. ``sequences``: a packed batch's
+    sequence count (``common.varlen``), whose descales are (sequences, H_kv), one per sequence."""
     _check_types(query, key, value)
     fp8_inputs = _check_fp8_dtypes(query, key, value, fp8 is not None)
     is_causal = _check_flag("is_causal", is_causal)
@@ -97,7 +98,7 @@ def check_call(
     scale = _check_scale(scale, D)
     descales, out_dtype = None, None
     if fp8 is not None:
-        descales, out_dtype = _check_fp8(fp8, query, key, value, unbatched, fp8_inputs)
+        descales, out_dtype = _check_fp8(fp8, query, key, value, unbatched, fp8_inputs, sequences)
     if attn_mask is not None:
         attn_mask, is_causal, alignment = _check_attn_mask(attn_mask, query, is_causal, alignment,
                                                            (B, H, Lq, Lk), unbatched, out_dtype or query.dtype)
@@ -286,11 +287,12 @@ def _check_descale(name, d, shape, per: str, device, device_owner: str) -> None:
         raise ValueError(f"{name} requires grad, but FP8 attention is forward-only: descales get no gradient")
 
 
-def _check_fp8(fp8, query, key, value, unbatched: bool, fp8_inputs: bool):
+def _check_fp8(fp8, query, key, value, unbatched: bool, fp8_inputs: bool, sequences: int | None = None):
     """``(descales, out_dtype)`` of a call that may take FP8 inputs: ``fp8`` is its
     ``(q_descale, k_descale, v_descale, out_dtype)``. Descales: None (1) or float32 tensors
-    (B, H_kv) ((H_kv,) for 3-D inputs) on the query's device, returned (B, H_kv), only for FP8
-    tensors; forward only (nothing may need a gradient). descales is None without FP8 inputs."""
+    (B, H_kv) ((H_kv,) for 3-D inputs; (sequences, H_kv) for a packed batch) on the query's
+    device, returned as given but 2-D, only for FP8 tensors; forward only (nothing may need a
+    gradient). descales is None without FP8 inputs."""
     *given, out_dtype = fp8
     B, H_kv = key.shape[0], key.shape[1]
     names = ("q_descale", "k_descale", "v_descale")
@@ -304,7 +306,10 @@ def _check_fp8(fp8, query, key, value, unbatched: bool, fp8_inputs: bool):
         if t.dtype not in FP8_DTYPES:
             raise ValueError(f"{name} was given but {input_name} is {_dtype_name(t.dtype)}: "
                              "descales go with float8_e4m3fn inputs")
-        _check_descale(name, d, (H_kv,) if unbatched else (B, H_kv), "batch", query.device, "query")
+        if sequences is not None:
+            _check_descale(name, d, (sequences, H_kv), "sequence", query.device, "query")
+        else:
+            _check_descale(name, d, (H_kv,) if unbatched else (B, H_kv), "batch", query.device, "query")
         descales.append(d.unsqueeze(0) if unbatched else d)
     if query.dtype in FP8_DTYPES:
         out_dtype = output_dtype(query.dtype, out_dtype)

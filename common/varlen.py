@@ -43,6 +43,10 @@ def varlen_attention(
     dropout_seed: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention over a packed batch of variable-length sequences, each on its own.
 
@@ -52,8 +56,10 @@ def varlen_attention(
     sequence alone.
 
     Args:
-        query: (total_q, H, D); float16, bfloat16 or float32; any strides.
-        key: (total_k, H_kv, D); value: (total_k, H_kv, Dv); same dtype and device.
+        query: (total_q, H, D); float16, bfloat16 or float32; any strides. Or
+            float8_e4m3fn (forward only; see q_descale).
+        key: (total_k, H_kv, D); value: (total_k, H_kv, Dv); same dtype and device (FP8:
+            float8_e4m3fn keys and values under an FP8 or a float16/bfloat16 query).
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on the inputs' device: 0, then
             the running totals of the sequences' lengths (empty sequences welcome);
             the last entries must be total_q and total_k.
@@ -80,9 +86,15 @@ def varlen_attention(
         alibi_slopes: None, or float32 (H,) or (B, H) (per sequence) on the inputs' device: ALiBi,
             the bias -slope * |position_i - j| on the score of row i and key j of a sequence,
             position_i as ``alignment`` places it (FlashAttention's: bottom-right). Not differentiated.
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs' descales and an FP8 query's
+            output dtype, as for :func:`common.attention` but one descale per sequence and
+            key/value head: float32 (B, H_kv) (FlashAttention-3's varlen convention), None for 1.
+            Each row's scores take its sequence's query and key descales, its output its
+            sequence's value descale (a row's keys are its own sequence's). Forward only.
 
     Returns:
-        The output (total_q, H, Dv) in the inputs' dtype (a transposed view of
+        The output (total_q, H, Dv) in the query's dtype (an FP8 query's: ``out_dtype``,
+            bfloat16 by default) (a transposed view of
         the kernels' (H, total_q, Dv) buffer: ``reshape``, not ``view``, merges heads); with ``return_lse``,
         ``(output, lse)``. Differentiable in query, key and value. A row whose
         sequence has no key gives 0.
@@ -98,19 +110,20 @@ def varlen_attention(
     _check_packed(query, key, value)
     cu_q, cu_k = _check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, query, key)
     chosen = resolve(backend)
+    num_seqs = cu_q.numel() - 1
     call = check_call(
         chosen, *(t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)),
         attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
         return_lse=return_lse, dropout_seed=dropout_seed, alignment=alignment, window=window, softcap=softcap,
-        sinks=sinks,
+        sinks=sinks, fp8=(q_descale, k_descale, v_descale, out_dtype), sequences=num_seqs,
     )
     _, H, total_q, _ = call.query.shape
     total_k = call.key.shape[2]
     if alibi_slopes is not None:  # (each row its sequence's slope and position: per-row ALiBi)
         call.alibi_slopes, call.alibi_shifts = alibi_rows(
-            _check_varlen_alibi(alibi_slopes, cu_q.numel() - 1, H, call.query.device), cu_q, cu_k, total_q, total_k,
+            _check_varlen_alibi(alibi_slopes, num_seqs, H, call.query.device), cu_q, cu_k, total_q, total_k,
             bottom_right=call.bottom_right)
-    rows_per_seq = _rows_per_sequence(chosen, call, cu_q.numel() - 1, max_seqlen_q) if chosen.kernels else None
+    rows_per_seq = _rows_per_sequence(chosen, call, num_seqs, max_seqlen_q) if chosen.kernels else None
     bands = row_bands(cu_q, cu_k, total_q, total_k, is_causal=call.is_causal, window=call.window,
                       bottom_right=call.bottom_right, rows_per_seq=rows_per_seq)
     call.is_causal, call.window, call.bottom_right = False, None, False  # all in the bands now
@@ -120,9 +133,17 @@ def varlen_attention(
     if rows_per_seq is not None:  # each sequence's queries from a row block's start on
         slots = cu_q[:-1].long()[:, None] + torch.arange(rows_per_seq, device=cu_q.device)
         call.query = call.query[:, :, slots.flatten().clamp(max=total_q - 1)]
+    if call.descales is not None:  # each kernel row its sequence's descales
+        call.descales = descale_rows(call.descales, cu_q, total_q, H, rows_per_seq)
     if call.dropout_p > 0.0 and call.dropout_seed is None:
         call.dropout_seed = ops.new_seed(call.query.device)
-    if torch.compiler.is_compiling() or _needs_grad(call):
+    if call.descales is not None and torch.compiler.is_compiling():
+        # forward only (validated): the operator itself, without autograd's Function
+        out, lse = ops.OPS[chosen.name][0](call.query, call.key, call.value, None, False, call.scale,
+                                           call.dropout_p, call.dropout_seed, *ops.extras(call), call.sinks,
+                                           call.row_bands, call.alibi_slopes, call.alibi_shifts, *call.descales,
+                                           call.out_dtype)
+    elif torch.compiler.is_compiling() or _needs_grad(call):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, None, False, call.scale,
                                                     call.dropout_p, call.dropout_seed, *ops.extras(call),
                                                     call.sinks, call.row_bands, call.alibi_slopes, call.alibi_shifts)
@@ -195,7 +216,7 @@ def _padded_reference(backend, call, cu_q, cu_k, bands, max_q: int, max_k: int) 
                 raise ValueError(f"{name} is {given} but a sequence has {length} tokens: the maxima must "
                                  "hold every sequence (the 'torch' backend pads to them)")
     if total_q == 0 or total_k == 0 or max_q == 0 or max_k == 0:  # no row sees a key: zeros
-        return q.new_zeros((total_q, H, v.shape[2]))
+        return q.new_zeros((total_q, H, v.shape[2]), dtype=call.out_dtype or q.dtype)
     device = q.device
 
     def slots(cu, total, max_len):  # (B, max_len): each padded slot's packed index, and whether it is real
@@ -219,6 +240,25 @@ def _padded_reference(backend, call, cu_q, cu_k, bands, max_q: int, max_k: int) 
     seq = (torch.searchsorted(cu_q, packed, right=True) - 1).clamp_(0, B - 1)
     position = (packed - cu_q[seq]).clamp_(0, max_q - 1)
     return out[seq, :, position]  # (total_q, H, Dv)
+
+
+def descale_rows(descales, cu_seqlens_q, total_q: int, H: int, rows_per_seq: int | None) -> tuple:
+    """FP8 descales of a packed batch, (B, H_kv) each (None for 1), as the kernels read them per row:
+    float32 (1, H, rows), each kernel row its sequence's and its query head's K/V head's. Rows are
+    the packed ones (total_q), or ``rows_per_seq`` slots a sequence where the batch is laid out per
+    sequence. On the device (no host sync)."""
+    device = cu_seqlens_q.device
+    num_seqs = cu_seqlens_q.numel() - 1
+    if rows_per_seq is not None:
+        seq = torch.arange(num_seqs, device=device).repeat_interleave(rows_per_seq)
+    else:
+        rows = torch.arange(total_q, device=device, dtype=torch.int32)
+        seq = (torch.searchsorted(cu_seqlens_q, rows, right=True) - 1).clamp_(0, max(num_seqs - 1, 0))
+
+    def per_row(d):
+        return d[seq].repeat_interleave(H // d.shape[1], dim=1).transpose(0, 1)[None]
+
+    return tuple(None if d is None else per_row(d) for d in descales)
 
 
 def _check_varlen_alibi(slopes, num_seqs: int, H: int, device) -> torch.Tensor:

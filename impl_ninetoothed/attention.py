@@ -31,7 +31,7 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import Widen
+from common.plan import DESCALE_ROWS, Widen
 from common.validation import OFFSET_LIMIT
 from impl_ninetoothed.kernels import (
     _COMBINE_SPLIT_COUNT_ARGS,
@@ -258,7 +258,8 @@ def _attention_launch(plan) -> tuple:
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
     block_d = plan.block_d if plan.block_d != padded_head_dim(D) else None  # (the kernel's name unchanged)
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d,
+    descale_rows = True if plan.descale_kind == DESCALE_ROWS else None  # (None: the kernel's name unchanged)
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d, descale_rows,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
                    wide=_wide(q, plan.key, plan.value, plan.attn_mask, o, lse))
     blocked = blocked_keys(plan)
@@ -270,13 +271,14 @@ def _attention_launch(plan) -> tuple:
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
         NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan), DROPOUT=plan.dropout,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume, BLOCKED=blocked,
-        ALIBI=plan.alibi is not None, DESCALE=plan.descales is not None, WIDEN_K=int(plan.widen_k),
+        ALIBI=plan.alibi is not None, DESCALE=plan.descale_kind, WIDEN_K=int(plan.widen_k),
         WIDEN_V=int(plan.widen_v),
     )
 
 
 def _descale_args(plan) -> tuple:
-    """The DESCALE kernel's (B, H_kv) descales of query, key and value; stand-ins without FP8 inputs."""
+    """The DESCALE kernel's descales of query, key and value ((B, H_kv), or (B, H, Lq) per row);
+    stand-ins without FP8 inputs."""
     if plan.descales is not None:
         return plan.descales
     stand_in = _absent(plan.out, *plan.key.shape[:2])

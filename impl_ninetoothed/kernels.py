@@ -56,7 +56,7 @@ from common.jit_helpers import (
     _tanh,
     _widen,
 )
-from common.plan import LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, Widen
+from common.plan import DESCALE_ROWS, LN2, LOG2E, ROW_BANDS, UNBOUNDED, UNIFORM_24, MaskKind, Softcap, Widen
 from impl_ninetoothed.tiles import (
     _group_row_blocks,
     _group_rows,
@@ -78,7 +78,7 @@ _SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX, WIDEN_F16=int(Widen.FLOAT16),
-                        ROW_BANDS=ROW_BANDS, ONE_STAGE=ONE_STAGE)
+                        ROW_BANDS=ROW_BANDS, DESCALE_ROWS=DESCALE_ROWS, ONE_STAGE=ONE_STAGE)
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -89,10 +89,12 @@ def arrangement(
     v_descale, output, lse,
     BANDED, MASK_KIND, WITH_LSE, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, SINKS, RESUME, BLOCKED, ALIBI,
     DESCALE, WIDEN_K, WIDEN_V,
-    block_m, block_n, block_d, block_dv, split=False,
+    block_m, block_n, block_d, block_dv, split=False, descale_rows=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split
     of the keys when ``split``; a head's row blocks last to first (:func:`_last_first`).
+    ``descale_rows``: the FP8 descales are (B, H, Lq), a (BLOCK_M,) slice each program (packed
+    sequences, DESCALE_ROWS), not (B, H_kv).
 
     Unsplit, output is (B, H, Lq, Dv) and lse (B, H, Lq); split, output is the
     float32 partial-output buffer (B, H, Lq, S, Dv) and lse (B, H, Lq, S), and
@@ -114,9 +116,12 @@ def arrangement(
     slopes_arranged = _last_first(_row_slices(slopes, block_m))  # (B, H, Lq), each row's slope
     shifts_arranged = _last_first(_row_slices(alibi_shift, block_m))  # (B, H, Lq), each row's shift
     row_bands_arranged = [_last_first(_row_slices(x, block_m)) for x in (row_bands_lo, row_bands_hi)]
-    # FP8: each program's K/V head's descales, (1,) tiles of the (B, H_kv) tensors
-    descales_arranged = [_per_kv_head(x, query.shape[1], m_blocks, num_splits)
-                         for x in (q_descale, k_descale, v_descale)]
+    # FP8: each program's K/V head's descales, (1,) tiles of the (B, H_kv) tensors, or its rows'
+    if descale_rows:
+        descales_arranged = [_last_first(_row_slices(x, block_m)) for x in (q_descale, k_descale, v_descale)]
+    else:
+        descales_arranged = [_per_kv_head(x, query.shape[1], m_blocks, num_splits)
+                             for x in (q_descale, k_descale, v_descale)]
     if blocks_per_split is None:
         output_arranged = _last_first(_rows(output, block_m, block_dv))
         lse_arranged = _last_first(_row_slices(lse, block_m))
@@ -126,6 +131,8 @@ def arrangement(
         slopes_arranged = _per_split(slopes_arranged, num_splits)
         shifts_arranged = _per_split(shifts_arranged, num_splits)
         row_bands_arranged = [_per_split(x, num_splits) for x in row_bands_arranged]
+        if descale_rows:
+            descales_arranged = [_per_split(x, num_splits) for x in descales_arranged]
         # (B, H, Lq, S, Dv) -> programs (B, H, Lq / BLOCK_M, S), each (BLOCK_M, Dv)
         output_arranged = output.tile((1, 1, block_m, 1, block_dv)).squeeze(4)
         output_arranged.dtype = output_arranged.dtype.squeeze((0, 1, 3))
@@ -226,9 +233,13 @@ def application(
     head = query.offsets(0) * query.source.shape[1] + query.offsets(1)  # in (B·H): the dropout mask's
     score_scale = scale
     out_scale = 1.0
-    if DESCALE:  # real values are the stored ones times their descales ((1,) tiles, loaded once)
+    if DESCALE == DESCALE_ROWS:  # each row's descales (a column: a row's keys are its sequence's)
+        score_scale = scale * ntl.expand_dims(q_descale * k_descale, 1)
+        out_scale = ntl.expand_dims(v_descale, 1)
+    elif DESCALE:  # real values are the stored ones times their descales ((1,) tiles, loaded once)
         score_scale = scale * ntl.sum(q_descale, 0) * ntl.sum(k_descale, 0)
         out_scale = ntl.sum(v_descale, 0)
+    if DESCALE:
         q, score_scale = _narrow_query(q, score_scale, WIDEN_K)  # (a bfloat16 query on float16-widened keys)
     qk_scale = score_scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)
@@ -743,13 +754,14 @@ _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).in
 _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("stride", _LSE_PART, 0))
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None):
+def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None, descale_rows=None):
     """The forward; with ``split``, its split-KV variant (see ``arrangement``). ``block_d``: the
-    head dim's tile where the plan widens it past ``padded_head_dim`` (an e4m3 Q·K product: 32)."""
+    head dim's tile where the plan widens it past ``padded_head_dim`` (an e4m3 Q·K product: 32).
+    ``descale_rows``: FP8 descales per query head and row (DESCALE_ROWS), not per K/V head."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n,
         block_d=block_d if block_d is not None else padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v), split=split,
+        block_dv=padded_head_dim(head_dim_v), split=split, descale_rows=bool(descale_rows),
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
     # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse ((B, H, Lq[, S])); read
@@ -763,7 +775,8 @@ def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None):
         *_band_inputs(query),
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         *_alibi_inputs(query),
-        *(_like(key.shape[:2]) for _ in range(3)),  # FP8 descales (B, H_kv) of query, key and value
+        # FP8 descales of query, key and value: (B, H_kv), or (B, H, Lq) per row
+        *((_rows_like(query, other=1.0) if descale_rows else _like(key.shape[:2])) for _ in range(3)),
         output, lse,
         *_flags("BANDED", "MASK_KIND", "WITH_LSE", "NEGATIVE_SCALE", "DOT_PRECISION", "SPLIT", "DROPOUT", "SOFTCAP",
                  "SINKS", "RESUME", "BLOCKED", "ALIBI", "DESCALE", "WIDEN_K", "WIDEN_V"),

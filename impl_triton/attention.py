@@ -153,7 +153,8 @@ def _forward_launch(plan) -> tuple:
     counts = ticket_counters(q.device, plan.m_blocks * B * H if kernel_merge else 1) if plan.split else None
     merged_lse = plan.lse if plan.lse is not None else out  # never written without with_lse
     descales = plan.descales if plan.descales is not None else (out, out, out)  # never read without DESCALE
-    descale_strides = [s for d in plan.descales for s in d.stride()] if plan.descales is not None else (0,) * 6
+    descale_strides = ([s for d in plan.descales for s in (*d.stride(), 0)[:3]] if plan.descales is not None
+                       else (0,) * 9)  # (batch, head, row): 0 for the row of a per-head descale
     args = _fwd_launcher.positional((
         q, k, v, o, lse, mask, seed, sinks, *alibi_tensors, row_lo, row_hi, out, merged_lse,
         counts if counts is not None else out, *descales,
@@ -166,7 +167,7 @@ def _forward_launch(plan) -> tuple:
         WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
         RESUME=plan.resume, MERGE_LSE=plan.with_lse, ALIBI=plan.alibi is not None,
-        DESCALE=plan.descales is not None, WIDEN_K=int(plan.widen_k), WIDEN_V=int(plan.widen_v),
+        DESCALE=plan.descale_kind, WIDEN_K=int(plan.widen_k), WIDEN_V=int(plan.widen_v),
     ))
     grid = (plan.m_blocks * B * H, plan.num_splits, 1)
     return grid, args, config.num_warps, config.num_stages, config.maxnreg, counts

@@ -84,6 +84,7 @@ NO_MASK = tl.constexpr(int(_plan.MaskKind.NONE))
 BOOL_MASK = tl.constexpr(int(_plan.MaskKind.BOOL))
 ADDITIVE_MASK = tl.constexpr(int(_plan.MaskKind.ADDITIVE))
 ROW_BANDS = tl.constexpr(_plan.ROW_BANDS)
+DESCALE_ROWS = tl.constexpr(_plan.DESCALE_ROWS)
 UNBOUNDED = tl.constexpr(_plan.UNBOUNDED)
 
 
@@ -212,6 +213,15 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _descale(ptr, offs_m, m_ok, stride_m, DESCALE: tl.constexpr):
+    """A descale at ``ptr``: one (a scalar), or per row (DESCALE_ROWS: a (BLOCK_M, 1) column, each
+    row's, which scales the row's scores and output as the scalar does)."""
+    if DESCALE == DESCALE_ROWS:
+        return tl.expand_dims(tl.load(ptr + offs_m.to(tl.int64) * stride_m, mask=m_ok, other=1.0), 1)
+    return tl.load(ptr)
+
+
 # What a growing cache changes as it grows is not specialised on (Triton compiles a kernel per
 # class of an integer argument: 1, a multiple of 16, other), so that a decode loop compiles
 # nothing once warm: the merge switch, the split count and blocks per split, and the partial
@@ -234,7 +244,7 @@ def _attn_fwd(
     stride_mz, stride_mh, stride_mm, stride_mn,
     stride_sz, stride_sh, stride_sm, stride_az, stride_ah, stride_am, stride_as,
     stride_lz, stride_lh, stride_lm, stride_ls,
-    stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
+    stride_qdz, stride_qdh, stride_qdm, stride_kdz, stride_kdh, stride_kdm, stride_vdz, stride_vdh, stride_vdm,
     H, GROUP, Lq, Lk, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, dropout_p, dropout_scale, band_lo, band_hi,
     softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -263,7 +273,9 @@ def _attn_fwd(
     output is the state acc = O, m_i = LSE (base 2), l_i = 1; a row at -inf has
     seen no key yet and starts afresh.
     DESCALE: FP8 inputs; Q_DESCALE, K_DESCALE, V_DESCALE (B, H_kv; strides) hold each K/V
-    head's descales: the scores' scale takes the first two, the output the third.
+    head's descales: the scores' scale takes the first two, the output the third. DESCALE ==
+    DESCALE_ROWS: they are (B, H, Lq), each query head's and row's (packed sequences: a row's
+    keys are its own sequence's, so its sequence's descales scale all of its scores).
     """
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -295,10 +307,12 @@ def _attn_fwd(
               + offs_dv[None, :] * stride_vd)
     score_scale = scale
     out_scale = 1.0
-    if DESCALE:  # real values are the stored ones times their descales (one of each, loaded once)
-        score_scale = (scale * tl.load(Q_DESCALE + off_z * stride_qdz + off_h_kv * stride_qdh)
-                       * tl.load(K_DESCALE + off_z * stride_kdz + off_h_kv * stride_kdh))
-        out_scale = tl.load(V_DESCALE + off_z * stride_vdz + off_h_kv * stride_vdh)
+    if DESCALE:  # real values are the stored ones times their descales (loaded once)
+        head = off_h if DESCALE == DESCALE_ROWS else off_h_kv
+        q_descale = _descale(Q_DESCALE + off_z * stride_qdz + head * stride_qdh, offs_m, m_ok, stride_qdm, DESCALE)
+        k_descale = _descale(K_DESCALE + off_z * stride_kdz + head * stride_kdh, offs_m, m_ok, stride_kdm, DESCALE)
+        score_scale = scale * q_descale * k_descale
+        out_scale = _descale(V_DESCALE + off_z * stride_vdz + head * stride_vdh, offs_m, m_ok, stride_vdm, DESCALE)
         q, score_scale = _narrow_query(q, score_scale, WIDEN_K)  # (a bfloat16 query on float16-widened keys)
     qk_scale = score_scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     cap_in, cap_out = _cap_factors(score_scale, softcap, SOFTCAP)

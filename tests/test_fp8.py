@@ -310,17 +310,95 @@ def test_fp8_errors(backend, case, error, message):
 
 
 def test_fp8_elsewhere_is_a_clear_error():
-    """Entry points that take no FP8 yet say so (varlen, the backward)."""
-    from common import attention_backward, varlen_attention
+    """Entry points that take no FP8 yet say so (the backward)."""
+    from common import attention_backward
 
-    q, k, v = _fp8(5, 2, 16), _fp8(5, 2, 16), _fp8(5, 2, 16)
-    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(TypeError, match="taken by attention\\(\\) .* so far"):
-        varlen_attention(q, k, v, cu, cu, 5, 5)
     b = (_fp8(1, 2, 4, 16), _fp8(1, 2, 4, 16), _fp8(1, 2, 4, 16))
     grads = torch.randn(1, 2, 4, 16, device=DEVICE).bfloat16()
     with pytest.raises(TypeError, match="taken by attention\\(\\) .* so far"):
         attention_backward(grads, *b, grads, torch.zeros(1, 2, 4, device=DEVICE))
+
+
+def _packed_fp8(lengths_q, lengths_k, H, H_kv, D, query_dtype):
+    """A packed batch in FP8 with a descale per sequence and K/V head (FlashAttention-3's varlen
+    convention): (q, k, v (total, heads, D)), descales (B, H_kv) (None for a 16-bit query), the
+    cumulative lengths, and each sequence's float64 real (q, k, v) as (1, heads, L, D)."""
+    packed, descales, real = [], [], []
+    for lq, lk in zip(lengths_q, lengths_k):
+        q, k, v, qd, kd, vd, *reals = _inputs(1, H, H_kv, lq, lk, D, D, query_dtype)
+        packed.append([t[0].transpose(0, 1) for t in (q, k, v)])
+        descales.append((qd, kd, vd))
+        real.append(reals)
+    q, k, v = (torch.cat([p[i] for p in packed]) for i in range(3))
+    qd, kd, vd = (None if descales[0][i] is None else torch.cat([d[i] for d in descales]) for i in range(3))
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+    return (q, k, v), (qd, kd, vd), (cu(lengths_q), cu(lengths_k)), real
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16_query"])
+@pytest.mark.parametrize("lengths", [((70, 0, 66), (90, 5, 40)), ((1, 3, 1), (37, 0, 64))],
+                         ids=["packed_rows", "rows_per_sequence"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_varlen_fp8_descales_per_sequence(backend, query_dtype, lengths, is_causal):
+    """varlen_attention on FP8 sequences, each with its own descales: each sequence's rows match
+    float64 attention of its dequantized inputs within the bound of the module docstring, in
+    both row layouts (long queries packed; short ones laid out per sequence)."""
+    from common import varlen_attention
+
+    H, H_kv, D = 4, 2, 32
+    (q, k, v), (qd, kd, vd), (cu_q, cu_k), real = _packed_fp8(*lengths, H, H_kv, D, query_dtype)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lengths[0]), max(lengths[1]), is_causal=is_causal,
+                           alignment="bottom_right", enable_gqa=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                           backend=backend)
+    out_dtype = torch.bfloat16 if query_dtype == torch.float8_e4m3fn else query_dtype
+    assert out.dtype == out_dtype and out.shape == (q.shape[0], H, D)
+    for b, (q_real, k_real, v_real) in enumerate(real):
+        rows = out[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None].double()
+        if rows.numel() == 0:
+            continue
+        if k_real.shape[2] == 0:  # a sequence without keys: zeros
+            assert (rows == 0).all()
+            continue
+        Lq, Lk = q_real.shape[2], k_real.shape[2]
+        mask = (torch.ones(Lq, Lk, dtype=torch.bool, device=DEVICE).tril(Lk - Lq) if is_causal else None)
+        expected = reference(q_real, k_real, v_real, attn_mask=mask, enable_gqa=True)
+        probs = reference_probs(q_real, k_real, attn_mask=mask)
+        fp8_query = query_dtype == torch.float8_e4m3fn
+        score_error = _score_error(q_real, k_real, D**-0.5) if fp8_query else 0.0
+        bound = _bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
+        error = (rows - expected).abs()
+        assert torch.isfinite(rows).all()
+        assert (error <= bound).all(), f"sequence {b}: max error {error.max():.3g}, excess {(error - bound).max():.3g}"
+
+
+def test_varlen_fp8_matches_the_torch_backend_and_checks_descales(backend):
+    """The kernels' per-row descales against the torch backend's (each sequence dequantized, then
+    SDPA), eager and in one torch.compile graph; descales of the wrong shape (per batch of the packed
+    view, or per query head) refused."""
+    from common import varlen_attention
+
+    (q, k, v), (qd, kd, vd), (cu_q, cu_k), _ = _packed_fp8((5, 9), (12, 9), 4, 2, 16, torch.float8_e4m3fn)
+    kwargs = dict(is_causal=True, enable_gqa=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float16)
+    out = varlen_attention(q, k, v, cu_q, cu_k, 9, 12, backend=backend, **kwargs)
+    expected = varlen_attention(q, k, v, cu_q, cu_k, 9, 12, backend="torch", **kwargs)
+    assert out.dtype == expected.dtype == torch.float16
+    u, a = E4M3
+    bound = vd.amax() * 448 * (u + 12 * a) + 2.0**-11 * expected.float().abs() + 1e-3
+    assert ((out.float() - expected.float()).abs() <= bound).all()
+    with pytest.raises(ValueError, match="k_descale must have shape \\(2, 2\\) \\(one descale per sequence"):
+        varlen_attention(q, k, v, cu_q, cu_k, 9, 12, backend=backend, enable_gqa=True, k_descale=kd[:1])
+    with pytest.raises(ValueError, match="q_descale must have shape \\(2, 2\\)"):
+        varlen_attention(q, k, v, cu_q, cu_k, 9, 12, backend=backend, enable_gqa=True,
+                         q_descale=torch.ones(2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="descales go with float8_e4m3fn inputs"):
+        varlen_attention(q.bfloat16(), k, v, cu_q, cu_k, 9, 12, backend=backend, enable_gqa=True, q_descale=qd)
+    # one torch.compile graph (fullgraph): the descales reach the operator, per row
+    compiled = torch.compile(lambda *args: varlen_attention(*args, 9, 12, backend=backend, **kwargs), fullgraph=True,
+                             backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    assert ((compiled(q, k, v, cu_q, cu_k).float() - expected.float()).abs() <= bound).all()
 
 
 def test_fp8_through_the_operator_and_compile(backend):
