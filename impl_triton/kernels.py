@@ -218,8 +218,10 @@ def _descale(ptr, offs_m, m_ok, stride_m, DESCALE: tl.constexpr):
     """A descale at ``ptr``: one (a scalar), or per row (DESCALE_ROWS: a (BLOCK_M, 1) column, each
     row's, which scales the row's scores and output as the scalar does)."""
     if DESCALE == DESCALE_ROWS:
-        return tl.expand_dims(tl.load(ptr + offs_m.to(tl.int64) * stride_m, mask=m_ok, other=1.0), 1)
-    return tl.load(ptr)
+        descale = tl.expand_dims(tl.load(ptr + offs_m.to(tl.int64) * stride_m, mask=m_ok, other=1.0), 1)
+    else:
+        descale = tl.load(ptr)
+    return descale
 
 
 # What a growing cache changes as it grows is not specialised on (Triton compiles a kernel per

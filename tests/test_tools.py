@@ -511,12 +511,14 @@ def test_cpu_sass_compiles_a_call_for_hopper_without_a_gpu(backend, tmp_path):
 
 @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
 @pytest.mark.parametrize("call", [["1", "3", "3", "11", "29", "16", "--fp8", "all"],
-                                  ["2", "4", "2", "1", "40", "32", "--fp8", "kv", "--paged", "16"]],
-                         ids=["fp8_d16", "fp8_paged"])
+                                  ["2", "4", "2", "1", "40", "32", "--fp8", "kv", "--paged", "16"],
+                                  ["3", "4", "2", "20", "30", "32", "--fp8", "all", "--varlen", "--causal"]],
+                         ids=["fp8_d16", "fp8_paged", "fp8_varlen"])
 def test_fp8_kernels_compile_for_hopper(backend, call, tmp_path):
     """FP8 calls compile for sm_90: at D 16 (Triton's e4m3 dot takes K >= 32 only, a check the
-    interpreter does not make, and the plan pads the head dim to it), and a bfloat16 query over
-    FP8 pages with append_kv quantizing into them."""
+    interpreter does not make, and the plan pads the head dim to it), a bfloat16 query over
+    FP8 pages with append_kv quantizing into them, and packed sequences with descales per row
+    (the interpreter runs a jit function's returns as Python does; the compiler wants one type)."""
     import pathlib
     import subprocess
     import sys

@@ -8,7 +8,7 @@ this finds what differs between two kernels, or what a change did to one, before
 instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE] [--capability 90] [--out DIR]
+        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE] [--varlen] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
@@ -62,6 +62,21 @@ def disassemble(kernel, out: pathlib.Path, name: str) -> tuple[str, str]:
     return sass, usage
 
 
+def _varlen(args, backend, q, k, v, fp8, compiled) -> int:
+    """varlen_attention's launches over the B sequences packed (their descales per sequence)."""
+    from common import varlen_attention
+    from common.plan import force_splits
+
+    B, _, _, Lq, Lk, _ = args.shape
+    packed = [t.transpose(1, 2).flatten(0, 1) for t in (q, k, v)]  # (B * L, heads, D)
+    cu_q, cu_k = (torch.arange(B + 1, dtype=torch.int32) * n for n in (Lq, Lk))
+    descales = dict(zip(("q_descale", "k_descale", "v_descale"), fp8[:3])) if fp8 else {}
+    with force_splits(args.splits):
+        varlen_attention(*packed, cu_q, cu_k, Lq, Lk, is_causal=args.causal, enable_gqa=q.shape[1] != k.shape[1],
+                         backend=backend.name, **descales)
+    return _report(args, compiled)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("backend", choices=["triton", "ninetoothed"])
@@ -77,6 +92,8 @@ def main(argv=None) -> int:
                         "and values under a --dtype query (kv); with descales")
     parser.add_argument("--paged", type=int, metavar="PAGE", help="paged_attention and append_kv over caches of "
                         "pages of PAGE keys holding the keys and values (with --fp8 kv: FP8 caches)")
+    parser.add_argument("--varlen", action="store_true", help="varlen_attention over B packed sequences of LQ "
+                        "queries and LK keys each (with --fp8: descales per sequence)")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
@@ -127,6 +144,8 @@ def main(argv=None) -> int:
     backend = resolve(args.backend)
     if args.paged:
         return _paged(args, backend, q, k, v, fp8, compiled)
+    if args.varlen:
+        return _varlen(args, backend, q, k, v, fp8, compiled)
     call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
                                  scale=None, enable_gqa=H_kv != H, return_lse=False, fp8=fp8)
     from common.configs import BackwardConfig, Config, override
