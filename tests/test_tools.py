@@ -278,6 +278,42 @@ def test_gpu_commands_without_a_gpu_say_so():
         assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_tune_times_fp8_in_fp8_for_the_forward_only(tmp_path, monkeypatch):
+    """--dtypes with float8_e4m3fn: the 16-bit entries timed in float16 as before, the FP8 forward
+    timed again in FP8 for its own key; no FP8 backward key (FP8 attention has no backward)."""
+    import argparse
+    import json
+
+    import torch
+
+    from common.configs import BackwardConfig, Config, ConfigTable, key
+    from common.tools import tune
+
+    path = tmp_path / "configs.json"
+    monkeypatch.setattr(ConfigTable, "path", staticmethod(lambda package: path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    timed = []
+
+    def tune_one(backend, block_d, dtype, is_causal, bucket, backward=False):
+        timed.append((dtype, backward))
+        if backward:
+            return BackwardConfig(32, 64, 64, 32, 4, 3), {}
+        return Config(128, 128 if dtype == torch.float8_e4m3fn else 64, 4, 3), {}
+    monkeypatch.setattr(tune, "tune_one", tune_one)
+    args = argparse.Namespace(backends=["triton"], passes=["fwd", "bwd"], head_dims=[64], buckets=[1024],
+                              dtypes=["bfloat16", "float8_e4m3fn"])
+    tune.main(args)
+    entries = json.loads(path.read_text())["entries"]
+    assert timed == [(torch.float16, False), (torch.float8_e4m3fn, False)] * 2 + [(torch.float16, True)] * 2
+    for causal in (False, True):
+        assert entries[key(64, torch.bfloat16, causal, 1024)] == [128, 64, 4, 3]
+        assert entries[key(64, torch.float8_e4m3fn, causal, 1024)] == [128, 128, 4, 3]
+        assert entries[key(64, torch.bfloat16, causal, 1024, True)] == [32, 64, 64, 32, 4, 3]
+        assert key(64, torch.float8_e4m3fn, causal, 1024, True) not in entries
+    assert set(tune.FP8_CANDIDATES) <= set(tune.CANDIDATES)
+
+
 def test_tune_keeps_each_key_as_it_goes(tmp_path, monkeypatch):
     """A tune cut short (the GPU call's time limit) keeps the keys it timed: the table is
     written after every key, each entry for every dtype asked, the rest as committed."""

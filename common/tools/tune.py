@@ -3,7 +3,9 @@
 For each kernel backend, pass (forward, backward), padded head dim, causal
 mode and query-length bucket it times a short list of candidate
 configurations on a throughput shape of that bucket (B·L = 16k tokens,
-H·D = 2048) and keeps the fastest. Candidates are timed through
+H·D = 2048) and keeps the fastest: timed in float16 for every 16-bit dtype
+asked, and, where ``float8_e4m3fn`` is asked, the forward timed again in FP8
+(query, keys and values; column-major values) for the FP8 entries. Candidates are timed through
 ``common.configs.override``; the live tables are never touched. The new
 entries are merged into each backend's ``configs.json`` (in its package) after
 every key, so a run cut short keeps what it timed. Users' calls only look the
@@ -38,13 +40,29 @@ BACKWARD_CANDIDATES = {
     128: [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 8, 2),
           (32, 128, 128, 32, 4, 3), (16, 128, 128, 16, 4, 3), (64, 128, 128, 64, 8, 3)],
 }
+# FP8 (e4m3) query, keys and values: tiles of half the bytes (the H200's FP8 probe ranked these;
+# benchmarks/NOTES.md, issue 44). Forward only: FP8 attention has no backward.
+FP8_CANDIDATES = {
+    64: [(128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 64, 4, 4)],
+    128: [(128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 256, 8, 2)],
+}
 PASSES = ("fwd", "bwd")
+DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 
 
 def _inputs(block_d, bucket, dtype, requires_grad=False):
+    """(q, k, v, descales): a throughput shape of the bucket; FP8 quantized (descales per batch and
+    head, the values column-major as the plan would make them), descales {} otherwise."""
+    from common import quantize_fp8
+
     B, H = max(1, 16384 // bucket), max(1, 2048 // block_d)
-    return tuple(torch.randn(B, H, bucket, block_d, dtype=dtype, device="cuda", requires_grad=requires_grad)
-                 for _ in range(3))
+    if dtype == torch.float8_e4m3fn:
+        (q, qd), (k, kd), (v, vd) = (quantize_fp8(torch.randn(B, H, bucket, block_d, device="cuda"))
+                                     for _ in range(3))
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+        return q, k, v, dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    return (*(torch.randn(B, H, bucket, block_d, dtype=dtype, device="cuda", requires_grad=requires_grad)
+              for _ in range(3)), {})
 
 
 def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, backward=False, verbose=True):
@@ -52,7 +70,7 @@ def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, ba
     from common import attention, attention_backward
     from common.tools.timing import gpu_time_ms
 
-    q, k, v = _inputs(block_d, bucket, dtype)
+    q, k, v, descales = _inputs(block_d, bucket, dtype)
     if backward:
         out, lse = attention(q, k, v, is_causal=is_causal, backend=backend, return_lse=True)
         grad_out = torch.randn_like(out)
@@ -61,10 +79,11 @@ def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, ba
         def fn():
             return attention_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, backend=backend)
     else:
-        candidates = [Config(*c) for c in CANDIDATES[block_d]]
+        fp8 = dtype == torch.float8_e4m3fn
+        candidates = [Config(*c) for c in (FP8_CANDIDATES if fp8 else CANDIDATES).get(block_d, CANDIDATES[block_d])]
 
         def fn():
-            return attention(q, k, v, is_causal=is_causal, backend=backend)
+            return attention(q, k, v, is_causal=is_causal, backend=backend, **descales)
     times = {}
     for candidate in candidates:
         with override(candidate):
@@ -92,8 +111,10 @@ def main(args) -> int:
     meta = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        how="twin-attention tune (timed in float16, applied to every dtype listed)",
+        how="twin-attention tune (timed in float16, applied to every 16-bit dtype listed; FP8 timed in FP8)",
     )
+    wide = [getattr(torch, name) for name in args.dtypes if name != "float8_e4m3fn"]
+    fp8 = "float8_e4m3fn" in args.dtypes
     for backend in args.backends:
         spec = get_backend(backend)
         entries = dict(spec.configs.entries)  # the new table starts from the committed one
@@ -105,9 +126,13 @@ def main(args) -> int:
                     continue
                 for is_causal in (False, True):
                     for bucket in args.buckets:
-                        best, _ = tune_one(backend, block_d, torch.float16, is_causal, bucket, backward)
-                        for dtype_name in args.dtypes:
-                            entries[key(block_d, getattr(torch, dtype_name), is_causal, bucket, backward)] = best
+                        if wide:
+                            best, _ = tune_one(backend, block_d, torch.float16, is_causal, bucket, backward)
+                            for dtype in wide:
+                                entries[key(block_d, dtype, is_causal, bucket, backward)] = best
+                        if fp8 and not backward:
+                            best, _ = tune_one(backend, block_d, torch.float8_e4m3fn, is_causal, bucket)
+                            entries[key(block_d, torch.float8_e4m3fn, is_causal, bucket)] = best
                         # written after every key: a run cut short (a time limit) keeps what it timed
                         ConfigTable.write(path, entries, meta)
         print(f"wrote {path}")
@@ -116,8 +141,8 @@ def main(args) -> int:
 
 DESCRIPTION = """\
 Times candidate block sizes, warps and stages for each kernel backend, pass, padded head
-dim, causal mode and query-length bucket on a GPU (timed in float16), and writes the
-fastest into each backend's committed configs.json. Users' calls only look the tables up.
+dim, causal mode and query-length bucket on a GPU (timed in float16; FP8's forward in FP8),
+and writes the fastest into each backend's committed configs.json. Users' calls only look the tables up.
 """
 
 
@@ -130,5 +155,5 @@ def add_arguments(parser):
                         help="padded head dims")
     parser.add_argument("--buckets", nargs="+", type=int, default=[b for b in LENGTH_BUCKETS if b >= 1024],
                         choices=LENGTH_BUCKETS, help="query-length buckets")
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"],
-                        help="dtypes that get the tuned entries")
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=DTYPES,
+                        help="dtypes that get the tuned entries (float8_e4m3fn: the forward, timed in FP8)")
