@@ -176,6 +176,59 @@ def test_bench_plans_the_masking_asked_for():
         assert len(jobs) == 2 * 2 * len(wanted)  # head dims x lengths x masking
 
 
+def test_bench_fp8_section_plans_rates_and_reports():
+    """The fp8 section: prefill at L 4k and 16k for each head dim and masking, then decoding from FP8
+    keys and values; each FP8 row set against SDPA's bfloat16 row and our own 16-bit row of the shape."""
+    import argparse
+
+    from common.tools.bench import FP8, FP8_KV, _add_ratios, add_arguments, markdown, plan
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    jobs = plan(parser.parse_args(["--sections", "fp8", "--head-dims", "128", "--masking", "causal"]))
+    assert [(j[7], j[4], j[5], j[8]) for j in jobs] == [(FP8, 4096, 4096, True), (FP8, 16384, 16384, True),
+                                                          (FP8_KV, 1, 16384, False), (FP8_KV, 1, 65536, False)]
+
+    def row(section, dtype, backend, ms, Lq=4096, Lk=4096, B=4, H=16, H_kv=16):
+        return dict(section=section, mode="fwd", dtype=dtype, B=B, H=H, H_kv=H_kv, Lq=Lq, Lk=Lk, D=128, causal=False,
+                    backend=backend, ms=ms, tflops=1.0, status="ok")
+
+    rows = [row("throughput", "bfloat16", "triton", 3.0), row("throughput", "float16", "triton", 1.0),
+            row("fp8", FP8, "triton", 2.0), row("fp8", FP8, "torch", 2.5), row("fp8", FP8, "ninetoothed", 4.0),
+            row("decode", "float16", "triton", 0.2, 1, 16384, 8, 32, 8),
+            row("fp8", FP8_KV, "triton", 0.1, 1, 16384, 8, 32, 8)]
+    _add_ratios(rows)
+    fp8_triton, fp8_nt, decode = rows[2], rows[4], rows[6]
+    assert fp8_triton["vs_16bit"] == 1.5 and fp8_triton["vs_sdpa"] == 1.25  # (bf16's row, not fp16's)
+    assert "vs_16bit" not in fp8_nt and fp8_nt["vs_triton"] == 0.5  # (no 16-bit row of NineToothed's)
+    assert decode["vs_16bit"] == 2.0
+    text = markdown(rows, dict(gpu="X", torch="t", cuda="c", triton="3", ninetoothed="n", python="3", date="d"),
+                    [], "")
+    assert "## FP8 (e4m3) inputs, forward" in text and " triton / our 16-bit |" in text
+
+
+def test_bench_fp8_bound_accepts_the_kernel_and_catches_a_wrong_row(backend):
+    """bench's check of an FP8 row (a slice against float64 of the dequantized inputs, the bound of
+    tests/test_fp8.py) passes the kernel's output and fails it moved by a little."""
+    import torch
+
+    from common import attention, quantize_fp8
+    from common.fp8 import dequantize_fp8
+    from common.tools.bench import _fp8_bound
+
+    from .conftest import DEVICE
+
+    q, qd = quantize_fp8(torch.randn(1, 2, 40, 32, device=DEVICE) * 2, heads=1)
+    (k, kd), (v, vd) = (quantize_fp8(torch.randn(1, 1, 40, 32, device=DEVICE)) for _ in range(2))
+    out = attention(q, k, v, is_causal=True, enable_gqa=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                    backend=backend)
+    real = [dequantize_fp8(x, d) for x, d in ((q, qd), (k, kd), (v, vd))]
+    assert _fp8_bound(out, *real, True, True)
+    moved = out.clone()
+    moved[0, 1, -1, 3] += 0.1
+    assert not _fp8_bound(moved, *real, True, True)
+
+
 def _speed_results(path):
     """A results.json of one throughput shape, timed forward (three backends) and backward (two)."""
     import json

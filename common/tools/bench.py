@@ -9,7 +9,12 @@ random inputs, each result checked against SDPA before it is timed:
 - homework: the homework's four shapes, in µs per call: GPU time and the wall
   time of a plain Python loop of calls (host work included);
 - decode: Lq in {1, 16}, Lk from 4k to 64k, B = 8, 32 query heads sharing 8
-  K/V heads (grouped-query).
+  K/V heads (grouped-query);
+- fp8: FP8 (e4m3) inputs with descales, forward: the throughput shapes at L 4k
+  and 16k with query, keys and values in FP8, and decoding (Lq 1, the decode
+  section's heads) with a bfloat16 query over FP8 keys and values; SDPA's rows
+  there run the same shapes in bfloat16 (it takes no FP8), and each FP8 row is
+  also set against our own 16-bit row of the same shape where the run has one.
 
 Backends: "triton", "ninetoothed", "torch" (SDPA's default, called directly; cuDNN on an H200)
 and "sdpa-flash" (SDPA forced onto its FlashAttention-2 kernel). Writes
@@ -39,6 +44,8 @@ TOKENS, WIDTH = 16384, 2048  # B·L and H·D of the throughput sweep
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 HOMEWORK_SHAPES = [(2, 4, 16, 32), (4, 8, 64, 64), (1, 16, 128, 128), (2, 4, 1024, 64)]
 DECODE = dict(B=8, H=32, H_kv=8, D=128, q_lens=(1, 16), k_lens=(4096, 16384, 65536))
+FP8_LENGTHS, FP8_DECODE_K_LENS = (4096, 16384), (16384, 65536)
+FP8, FP8_KV = "float8_e4m3fn", "bfloat16-fp8kv"  # the fp8 section's dtypes: all FP8; a bf16 query on FP8 K/V
 # FLOPs of a mode, in forwards: the backward does 2.5 forwards' worth of matrix
 # products (as FlashAttention and Triton's tutorial count it).
 MODE_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
@@ -69,12 +76,84 @@ def _inputs(B, H, H_kv, Lq, Lk, D, dtype):
     return q, k, v
 
 
+def _fp8_inputs(B, H, H_kv, Lq, Lk, D, dtype: str):
+    """(q, k, v, descales, real q, k, v): FP8 keys and values with descales per batch and K/V head,
+    the query FP8 too (FP8) or bfloat16 (FP8_KV); the real values in float32."""
+    from common import quantize_fp8
+    from common.fp8 import dequantize_fp8
+
+    q = torch.randn(B, H, Lq, D, device="cuda")
+    (k, kd), (v, vd) = (quantize_fp8(torch.randn(B, H_kv, Lk, D, device="cuda")) for _ in range(2))
+    q, qd = quantize_fp8(q, heads=H_kv) if dtype == FP8 else (q.bfloat16(), None)
+    real = [dequantize_fp8(x, d) if d is not None else x.float() for x, d in ((q, qd), (k, kd), (v, vd))]
+    return q, k, v, dict(q_descale=qd, k_descale=kd, v_descale=vd), real
+
+
+def _fp8_bound(out, q_real, k_real, v_real, is_causal, fp8_query: bool) -> bool:
+    """Whether the FP8 output is within the bound of tests/test_fp8.py on a slice: batch 0's first
+    two query heads, their last 128 rows (the rows that see the most keys). The bound: each
+    probability rounded for P·V (e4m3 with an FP8 query, else float16), the output to its dtype,
+    an FP8 MMA's sums 2^-13 x D of a score's largest product (Hopper), float32's slack."""
+    from common.reference import reference_probs
+
+    H, H_kv, Lq, Lk, D = q_real.shape[1], k_real.shape[1], q_real.shape[2], k_real.shape[2], q_real.shape[3]
+    heads, rows = min(2, H), min(128, Lq)
+    group = H // H_kv
+    q = q_real[:1, :heads, Lq - rows:].double()
+    k = k_real[:1].repeat_interleave(group, 1)[:, :heads].double()
+    v = v_real[:1].repeat_interleave(group, 1)[:, :heads].double()
+    mask = (torch.ones(rows, Lk, dtype=torch.bool, device=q.device).tril(Lk - rows) if is_causal else None)
+    probs = reference_probs(q, k, attn_mask=mask)
+    expected = probs @ v
+    u, a = (2.0**-4, 2.0**-10) if fp8_query else (2.0**-11, 2.0**-25)
+    if fp8_query:  # the MMA's sums move a score by up to this, a probability by exp(2x) of it
+        largest = (q.abs() * k.abs().amax(-2, keepdim=True)).amax(-1)  # (>= each row's largest product)
+        u = u + torch.expm1(2 * 2.0**-13 * D**-0.5 * D * largest)[..., None]
+    v_abs = v.abs()
+    u_out = 2.0**-8 if out.dtype == torch.bfloat16 else 2.0**-11
+    moved = u * (probs @ v_abs) + a * (probs > 0).double() @ v_abs
+    bound = (1 + u_out) * moved + u_out * expected.abs() + 1e-5 * v_abs.amax()
+    got = out[:1, :heads, Lq - rows:].double()
+    return bool(((got - expected).abs() <= bound).all())
+
+
+def _measure_fp8(backend, B, H, H_kv, Lq, Lk, D, dtype: str, is_causal) -> dict:
+    """An fp8 section row: our FP8 forward checked against float64 attention of the dequantized
+    inputs (``_fp8_bound``) and timed; for SDPA ("torch", "sdpa-flash"), the same shape in bfloat16."""
+    from common import attention
+    from common.tools.timing import attention_flops, gpu_time_ms
+
+    row = dict(section="fp8", mode="fwd", backend=backend, dtype=dtype, B=B, H=H, H_kv=H_kv, Lq=Lq, Lk=Lk, D=D,
+               causal=is_causal)
+    q, k, v, descales, real = _fp8_inputs(B, H, H_kv, Lq, Lk, D, dtype)
+    gqa = H != H_kv
+    if backend in ("torch", "sdpa-flash"):
+        fn = _caller(backend, *(x.bfloat16() for x in real), is_causal, gqa)
+        row["status"] = "ok"  # (bfloat16: SDPA takes no FP8; nothing of ours to check)
+    else:
+        def fn():
+            return attention(q, k, v, is_causal=is_causal, enable_gqa=gqa, backend=backend, **descales)
+        try:
+            out = fn()
+        except Exception as error:  # noqa: BLE001 - a backend that cannot run a shape says so in the table
+            row.update(status=f"error: {type(error).__name__}: {error}"[:200])
+            return row
+        row["status"] = "ok" if _fp8_bound(out, *real, is_causal, dtype == FP8) else "WRONG (error above the bound)"
+        del out
+    row["ms"] = gpu_time_ms(fn)
+    row["tflops"] = attention_flops(B, H, Lq, Lk, D, causal=is_causal) / (row["ms"] * 1e-3) / 1e12
+    return row
+
+
 def measure(section, backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal, wall=False, mode="fwd") -> dict:
     """Check one backend on one shape against SDPA (output, and gradients unless
-    ``mode`` is "fwd"), then time the forward, the backward or both."""
+    ``mode`` is "fwd"), then time the forward, the backward or both (the fp8 section:
+    :func:`_measure_fp8`)."""
     from common.reference import error_bound, grad_error_bound, reference
     from common.tools.timing import attention_flops, gpu_time_ms, wall_time_us
 
+    if section == "fp8":
+        return _measure_fp8(backend, B, H, H_kv, Lq, Lk, D, dtype, is_causal)
     q, k, v = _inputs(B, H, H_kv, Lq, Lk, D, dtype)
     gqa = H != H_kv
     fn = _caller(backend, q, k, v, is_causal, gqa)
@@ -143,6 +222,19 @@ def _decode_jobs(dtypes) -> list[tuple]:
             for dtype in dtypes for Lq in DECODE["q_lens"] for Lk in DECODE["k_lens"]]
 
 
+def _fp8_jobs(args) -> list[tuple]:
+    """FP8 prefill at the throughput shapes of L 4k and 16k (every head dim and masking asked), then
+    decoding from FP8 keys and values at the decode section's heads."""
+    jobs = []
+    for D in args.head_dims:
+        for is_causal in [mode == "causal" for mode in args.masking]:
+            for L in FP8_LENGTHS:
+                jobs.append(("fp8", max(1, TOKENS // L), WIDTH // D, WIDTH // D, L, L, D, FP8, is_causal, False,
+                             "fwd"))
+    return jobs + [("fp8", DECODE["B"], DECODE["H"], DECODE["H_kv"], 1, Lk, DECODE["D"], FP8_KV, False, False, "fwd")
+                   for Lk in FP8_DECODE_K_LENS]
+
+
 def plan(args):
     """Every (section, shape) to measure, in order: tuples (section, B, H, H_kv, Lq, Lk, D, dtype,
     is_causal, wall, mode)."""
@@ -154,6 +246,8 @@ def plan(args):
         jobs += _homework_jobs()
     if "decode" in args.sections:
         jobs += _decode_jobs(dtypes[:1])
+    if "fp8" in args.sections:
+        jobs += _fp8_jobs(args)
     return jobs
 
 
@@ -181,11 +275,20 @@ def _add_ratios(rows):
         if r["backend"] == BASELINE and "ms" in r:
             base[_shape_key(r)] = r["ms"]
     triton_ms = {_shape_key(r): r["ms"] for r in rows if r["backend"] == "triton" and "ms" in r}
+    # an FP8 row's 16-bit twin: our same backend on the same shape, bf16 (throughput) or the decode
+    # section's dtype
+    sixteen = {(r["backend"], r["B"], r["H"], r["H_kv"], r["Lq"], r["Lk"], r["D"], r["causal"]): r["ms"]
+               for r in rows if r["section"] in ("throughput", "decode") and r.get("mode", "fwd") == "fwd"
+               and r["dtype"] in ("bfloat16", "float16") and "ms" in r
+               and not (r["section"] == "throughput" and r["dtype"] != "bfloat16")}
     for r in rows:
         if "ms" in r and _shape_key(r) in base:
             r["vs_sdpa"] = base[_shape_key(r)] / r["ms"]
         if r["backend"] == "ninetoothed" and "ms" in r and _shape_key(r) in triton_ms:
             r["vs_triton"] = triton_ms[_shape_key(r)] / r["ms"]
+        twin = (r["backend"], r["B"], r["H"], r["H_kv"], r["Lq"], r["Lk"], r["D"], r["causal"])
+        if r["section"] == "fp8" and r["backend"] in ("triton", "ninetoothed") and "ms" in r and twin in sixteen:
+            r["vs_16bit"] = sixteen[twin] / r["ms"]
 
 
 def _shape_key(r):
@@ -332,6 +435,9 @@ def _throughput_columns(section, backends) -> list[tuple]:
                 for b in ("triton", "ninetoothed") if b in backends]
     if "ninetoothed" in backends:
         columns.append(("NT / triton", lambda s: _num(s["by"].get("ninetoothed", {}).get("vs_triton"), ".2f")))
+    if section == "fp8":  # against our own 16-bit forward of the same shape
+        columns += [(f"{b} / our 16-bit", lambda s, b=b: _num(s["by"].get(b, {}).get("vs_16bit"), ".2f"))
+                    for b in ("triton", "ninetoothed") if b in backends]
     if section == "decode":  # a decoding loop pays the host work of every call too
         columns += [(f"{b} wall µs", lambda s, b=b: _num(s["by"].get(b, {}).get("wall_us"), ".0f")) for b in backends]
     return columns
@@ -359,6 +465,9 @@ def markdown(rows, env, plots, notes: str, base: pathlib.Path = ROOT) -> str:
     sections = [
         ("throughput", "Throughput (B·L = 16384, H·D = 2048)"),
         ("decode", "Decode-like shapes (B = 8, 32 query heads over 8 K/V heads, D = 128)"),
+        ("fp8", "FP8 (e4m3) inputs, forward: prefill at B·L = 16384, H·D = 2048 (query, keys, values in FP8, "
+                "row-major values as given); decoding with a bfloat16 query over FP8 keys and values "
+                "(bfloat16-fp8kv); SDPA's rows run the same shapes in bfloat16"),
     ]
     for section, title in sections:
         shapes = _pivot(rows, section)
@@ -484,7 +593,9 @@ def main(args) -> int:
 DESCRIPTION = """\
 The two kernels side by side with SDPA, on a GPU: throughput (forward, backward or both;
 B*L = 16k tokens, H*D = 2048), the homework's four small fp16 shapes (those of the original
-assignment's test, tests/test_seed.py; GPU and wall time per call) and decode-like shapes. Every result is checked against SDPA before it is timed. Writes
+assignment's test, tests/test_seed.py; GPU and wall time per call), decode-like shapes and FP8
+inputs (prefill and decoding, against SDPA in bfloat16 and our own 16-bit rows). Every result
+is checked before it is timed (against SDPA; FP8 against float64 of the dequantized inputs). Writes
 results.json, results.csv and plots into --out and prints the Markdown report (or writes it
 to --markdown PATH); it rewrites the committed benchmarks/ and BENCHMARKS.md only with
 --write. With --from-json it measures nothing and rebuilds the report from an earlier
@@ -494,8 +605,8 @@ pip install -e '.[bench]'.
 
 
 def add_arguments(parser):
-    parser.add_argument("--sections", nargs="+", default=["throughput", "homework", "decode"],
-                        choices=["throughput", "homework", "decode"], help="which parts of the benchmark to run")
+    parser.add_argument("--sections", nargs="+", default=["throughput", "homework", "decode", "fp8"],
+                        choices=["throughput", "homework", "decode", "fp8"], help="which parts of the benchmark to run")
     parser.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS), choices=list(ALL_BACKENDS),
                         help="'torch' is SDPA's default, 'sdpa-flash' SDPA forced onto FlashAttention-2")
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"],
