@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-bwd bench-fwd4k tune tune-bwd bwd-tune-nt tune64 tune128 quirks compare
+# stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
 #         gluon (the Gluon forward's tests and probe)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA)
@@ -70,6 +70,9 @@ for stage in "$@"; do
               timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
+    # FP8's rows for BENCHMARKS.md with their bf16 twins (throughput at 4k and 16k, decode) in one run;
+    # merge with the full benchmark's results.json by --from-json
+    bench-fp8) timeout 500 python3 -m common bench --sections throughput decode fp8 --dtypes bfloat16 --lengths 4096 16384 --backends triton ninetoothed torch --out /tmp/bench-fp8 --markdown "" 2>&1 | tail -120 > "$OUT/bench_fp8.log"; cp /tmp/bench-fp8/results.json "$OUT/results_fp8.json"; grep -E "fp8|float8" "$OUT/bench_fp8.log" | tail -40 ;;
     bench-bwd) timeout 420 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -60 "$OUT/bench_bwd.log" ;;
     bench-fwd4k) timeout 300 python3 -m common bench --sections throughput --modes fwd --dtypes float16 --lengths 1024 4096 --backends triton ninetoothed torch --out /tmp/bench-fwd --markdown "" 2>&1 | tail -100 > "$OUT/bench_fwd.log"; cp /tmp/bench-fwd/results.json "$OUT/results_fwd.json"; tail -30 "$OUT/bench_fwd.log" ;;
     # The whole benchmark in one call on two GPUs (kind nvidia-h200-x2): fp16 throughput, the homework's and
@@ -91,6 +94,8 @@ for stage in "$@"; do
     tune-bwd) timeout 500 python3 -m common tune --passes bwd 2>&1 | tee "$OUT/tune_bwd.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     bench-full) timeout 540 python3 -m common bench --write 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    # the FP8 forward's table entries, timed in FP8 (both backends, D 64 and 128, every bucket from 1k)
+    tune-fp8) timeout 500 python3 -m common tune --passes fwd --dtypes float8_e4m3fn 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # memcheck over every kernel's calls, racecheck over one small call of each, a backend a process, all four
