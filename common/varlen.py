@@ -93,9 +93,9 @@ def varlen_attention(
             sequence's value descale (a row's keys are its own sequence's). Forward only.
 
     Returns:
-        The output (total_q, H, Dv) in the query's dtype (an FP8 query's: ``out_dtype``,
-            bfloat16 by default) (a transposed view of
-        the kernels' (H, total_q, Dv) buffer: ``reshape``, not ``view``, merges heads); with ``return_lse``,
+        The output (total_q, H, Dv) in the query's dtype (an FP8 query's: ``out_dtype``, bfloat16
+        by default), a transposed view of the kernels' (H, total_q, Dv) buffer (``reshape``, not
+        ``view``, merges heads); with ``return_lse``,
         ``(output, lse)``. Differentiable in query, key and value. A row whose
         sequence has no key gives 0.
 
