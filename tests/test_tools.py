@@ -331,6 +331,20 @@ def test_gpu_commands_without_a_gpu_say_so():
         assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
 
 
+def _tune_on_a_stand_in_gpu(tmp_path, monkeypatch):
+    """``tune.main`` runnable here: a CUDA device said to exist, the table written to a file of
+    ``tmp_path`` (returned) instead of the package's."""
+    import torch
+
+    from common.configs import ConfigTable
+
+    path = tmp_path / "configs.json"
+    monkeypatch.setattr(ConfigTable, "path", staticmethod(lambda package: path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    return path
+
+
 def test_tune_times_fp8_in_fp8_for_the_forward_only(tmp_path, monkeypatch):
     """--dtypes with float8_e4m3fn: the 16-bit entries timed in float16 as before, the FP8 forward
     timed again in FP8 for its own key; no FP8 backward key (FP8 attention has no backward)."""
@@ -339,13 +353,10 @@ def test_tune_times_fp8_in_fp8_for_the_forward_only(tmp_path, monkeypatch):
 
     import torch
 
-    from common.configs import BackwardConfig, Config, ConfigTable, key
+    from common.configs import BackwardConfig, Config, key
     from common.tools import tune
 
-    path = tmp_path / "configs.json"
-    monkeypatch.setattr(ConfigTable, "path", staticmethod(lambda package: path))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    path = _tune_on_a_stand_in_gpu(tmp_path, monkeypatch)
     timed = []
 
     def tune_one(backend, block_d, dtype, is_causal, bucket, backward=False):
@@ -376,13 +387,10 @@ def test_tune_keeps_each_key_as_it_goes(tmp_path, monkeypatch):
 
     import torch
 
-    from common.configs import Config, ConfigTable, key
+    from common.configs import Config, key
     from common.tools import tune
 
-    path = tmp_path / "configs.json"
-    monkeypatch.setattr(ConfigTable, "path", staticmethod(lambda package: path))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    path = _tune_on_a_stand_in_gpu(tmp_path, monkeypatch)
     timed = []
 
     def tune_one(backend, block_d, dtype, is_causal, bucket, backward=False):

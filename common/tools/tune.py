@@ -113,7 +113,7 @@ def main(args) -> int:
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         how="twin-attention tune (timed in float16, applied to every 16-bit dtype listed; FP8 timed in FP8)",
     )
-    wide = [getattr(torch, name) for name in args.dtypes if name != "float8_e4m3fn"]
+    sixteen_bit = [getattr(torch, name) for name in args.dtypes if name != "float8_e4m3fn"]
     fp8 = "float8_e4m3fn" in args.dtypes
     for backend in args.backends:
         spec = get_backend(backend)
@@ -126,9 +126,9 @@ def main(args) -> int:
                     continue
                 for is_causal in (False, True):
                     for bucket in args.buckets:
-                        if wide:
+                        if sixteen_bit:
                             best, _ = tune_one(backend, block_d, torch.float16, is_causal, bucket, backward)
-                            for dtype in wide:
+                            for dtype in sixteen_bit:
                                 entries[key(block_d, dtype, is_causal, bucket, backward)] = best
                         if fp8 and not backward:
                             best, _ = tune_one(backend, block_d, torch.float8_e4m3fn, is_causal, bucket)
