@@ -128,8 +128,8 @@ def _holds(node) -> bool:
 
 
 class _PruneMasks(ast.NodeTransformer):
-    """Each ``mask=`` of a call: its ``&`` terms, each once, without those that hold (see
-    :func:`simplified`); at least one term stays (a mask of terms that all hold is left as it is)."""
+    """Each ``mask=`` of a call: its ``&`` terms in their order, each once, without those that
+    hold (see :func:`simplified`) but a leading ``True``."""
 
     def visit_Call(self, node):
         self.generic_visit(node)
@@ -142,7 +142,12 @@ class _PruneMasks(ast.NodeTransformer):
                 if text not in seen and not _holds(term):
                     seen.add(text)
                     kept.append(term)
-            if kept and len(kept) < len(terms):
+            if terms and isinstance(terms[0], ast.Constant) and terms[0].value is True:
+                # the leading True stays, in its place: under the interpreter the program indices'
+                # comparisons are NumPy booleans, and which conversion a chain of them meets
+                # depends on what starts it
+                kept.insert(0, terms[0])
+            if len(kept) < len(terms):
                 mask = kept[0]
                 for term in kept[1:]:
                     mask = ast.BinOp(mask, ast.BitAnd(), term)
