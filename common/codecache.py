@@ -147,7 +147,7 @@ class _PruneMasks(ast.NodeTransformer):
                 # comparisons are NumPy booleans, and which conversion a chain of them meets
                 # depends on what starts it
                 kept.insert(0, terms[0])
-            if len(kept) < len(terms):
+            if kept and len(kept) < len(terms):  # (a mask whose terms all hold stays whole)
                 mask = kept[0]
                 for term in kept[1:]:
                     mask = ast.BinOp(mask, ast.BitAnd(), term)
