@@ -22,7 +22,9 @@ keeping it private is the user's part (see the README).
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import operator
 import os
 import pathlib
 import stat
@@ -71,8 +73,6 @@ def source_key(source: str) -> str:
     (decorators included) of a module that holds nothing else, each name defined once, changes
     nothing; any other source is hashed as it is. (One parse of the source costs a fraction of
     NineToothed's generating it.)"""
-    import ast
-
     digest = hashlib.sha256()
     try:
         body = ast.parse(source).body
@@ -91,10 +91,90 @@ def source_key(source: str) -> str:
     return digest.hexdigest()
 
 
+def simplified(source: str) -> str:
+    """A generated module with the masks of its loads and stores pruned: NineToothed builds a
+    tile's mask from every level of its arrangement, repeating the bounds of each program index
+    once per level (a key tile's load carried over 60 terms, most of them copies, and sums such as
+    ``n - 1 + 1 - 1 + 1``), which Triton's front end and backend then walk again for every load.
+    Each mask, an ``&`` of terms, keeps one copy of each term and drops the terms that compare two
+    integer constants and hold (``0 < 1``); ``(x - c) + c`` and ``(x + c) - c`` become ``x``. The
+    same boolean values, tensor shapes and integers: only the text is shorter. Source that does
+    not parse is returned as it is."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    tree = _FoldOffsets().visit(_PruneMasks().visit(_FoldOffsets().visit(tree)))
+    return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+
+
+def _mask_terms(node) -> list:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitAnd):
+        return _mask_terms(node.left) + _mask_terms(node.right)
+    return [node]
+
+
+def _holds(node) -> bool:
+    """Whether a mask term is ``True`` or a comparison of two integer constants that holds."""
+    if isinstance(node, ast.Constant):
+        return node.value is True
+    if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.left, ast.Constant)
+            and isinstance(node.comparators[0], ast.Constant)):
+        return False
+    a, b = node.left.value, node.comparators[0].value
+    compare = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+               ast.Eq: operator.eq, ast.NotEq: operator.ne}.get(type(node.ops[0]))
+    return type(a) is int and type(b) is int and compare is not None and compare(a, b)
+
+
+class _PruneMasks(ast.NodeTransformer):
+    """Each ``mask=`` of a call: its ``&`` terms in their order, each once, without those that
+    hold (see :func:`simplified`) but a leading ``True``."""
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        for keyword in node.keywords:
+            if keyword.arg != "mask":
+                continue
+            terms, kept, seen = _mask_terms(keyword.value), [], set()
+            for term in terms:
+                text = ast.dump(term)
+                if text not in seen and not _holds(term):
+                    seen.add(text)
+                    kept.append(term)
+            if terms and isinstance(terms[0], ast.Constant) and terms[0].value is True:
+                # the leading True stays, in its place: under the interpreter the program indices'
+                # comparisons are NumPy booleans, and which conversion a chain of them meets
+                # depends on what starts it
+                kept.insert(0, terms[0])
+            if kept and len(kept) < len(terms):  # (a mask whose terms all hold stays whole)
+                mask = kept[0]
+                for term in kept[1:]:
+                    mask = ast.BinOp(mask, ast.BitAnd(), term)
+                keyword.value = mask
+        return node
+
+
+class _FoldOffsets(ast.NodeTransformer):
+    """``(x - c) + c`` and ``(x + c) - c`` as ``x``, for an integer constant c."""
+
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        inner = node.left
+        if (isinstance(node.op, (ast.Add, ast.Sub)) and isinstance(inner, ast.BinOp)
+                and isinstance(inner.op, (ast.Add, ast.Sub)) and type(inner.op) is not type(node.op)
+                and isinstance(node.right, ast.Constant) and isinstance(inner.right, ast.Constant)
+                and type(node.right.value) is int and type(inner.right.value) is int
+                and node.right.value == inner.right.value):
+            return inner.left
+        return node
+
+
 def _cache_source(source: str) -> pathlib.Path:
     """NineToothed's ``cache_source``, with the file written under a temporary
     name and renamed into place (a rename within one directory is atomic), and
-    named by :func:`source_key`."""
+    named by :func:`source_key`; the source :func:`simplified` first."""
+    source = simplified(source)
     directory = pathlib.Path(compat.code_cache_dir())
     path = directory / f"{source_key(source)}.py"
     if not path.exists():

@@ -255,3 +255,24 @@ def test_triton_interpreter_annotations_and_arguments():
     _holds(scalar.dtype == tl.int64 and scalar.handle.data.tolist() == [2**40], "triton",
            "tl.tensor(TensorHandle(np.int64 array, tl.int64), tl.int64) is an int64 scalar")
     _holds(callable(getattr(triton.runtime.driver, "set_active", None)), "triton", "triton.runtime.driver.set_active")
+
+
+def test_generated_masks_are_simplified_without_changing_their_value():
+    """common.codecache.simplified: each mask term once, terms comparing two integer constants that
+    hold dropped, a leading True kept, (x - c) + c folded; the values it computes are unchanged."""
+    from common.codecache import simplified
+
+    source = ("def f(a, n, load):\n"
+              "    return load(a, mask=True & (a < n - 1 + 1) & (0 < 1) & (a >= 0) & (a < n - 1 + 1) & (a >= 0),"
+              " other=0)\n")
+    short = simplified(source)
+    assert "mask=True & (a < n) & (a >= 0), other=0" in short, short
+    namespace_long, namespace_short = {}, {}
+    exec(source, namespace_long)  # noqa: S102 - the test's own source
+    exec(short, namespace_short)  # noqa: S102
+    for a in range(-2, 6):
+        assert (namespace_long["f"](a, 4, lambda x, mask, other: mask)
+                == namespace_short["f"](a, 4, lambda x, mask, other: mask))
+    assert simplified("def broken(:\n") == "def broken(:\n"  # not Python: as it is
+    # a mask whose terms all hold is left whole
+    assert "mask=(0 < 1) & (1 >= 0)" in simplified("load(x, mask=(0 < 1) & (1 >= 0))\n")
