@@ -99,12 +99,16 @@ def simplified(source: str) -> str:
     Each mask, an ``&`` of terms, keeps one copy of each term and drops the terms that compare two
     integer constants and hold (``0 < 1``); ``(x - c) + c`` and ``(x + c) - c`` become ``x``. The
     same boolean values, tensor shapes and integers: only the text is shorter. Source that does
-    not parse is returned as it is."""
+    not parse, or holds nothing to prune, is returned as it is (comments and layout kept)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return source
-    tree = _FoldOffsets().visit(_PruneMasks().visit(_FoldOffsets().visit(tree)))
+    passes = [_FoldOffsets(), _PruneMasks(), _FoldOffsets()]
+    for rewrite in passes:
+        tree = rewrite.visit(tree)
+    if not any(rewrite.changed for rewrite in passes):
+        return source
     return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
 
 
@@ -131,6 +135,8 @@ class _PruneMasks(ast.NodeTransformer):
     """Each ``mask=`` of a call: its ``&`` terms in their order, each once, without those that
     hold (see :func:`simplified`) but a leading ``True``."""
 
+    changed = False
+
     def visit_Call(self, node):
         self.generic_visit(node)
         for keyword in node.keywords:
@@ -152,11 +158,14 @@ class _PruneMasks(ast.NodeTransformer):
                 for term in kept[1:]:
                     mask = ast.BinOp(mask, ast.BitAnd(), term)
                 keyword.value = mask
+                self.changed = True
         return node
 
 
 class _FoldOffsets(ast.NodeTransformer):
     """``(x - c) + c`` and ``(x + c) - c`` as ``x``, for an integer constant c."""
+
+    changed = False
 
     def visit_BinOp(self, node):
         self.generic_visit(node)
@@ -166,6 +175,7 @@ class _FoldOffsets(ast.NodeTransformer):
                 and isinstance(node.right, ast.Constant) and isinstance(inner.right, ast.Constant)
                 and type(node.right.value) is int and type(inner.right.value) is int
                 and node.right.value == inner.right.value):
+            self.changed = True
             return inner.left
         return node
 

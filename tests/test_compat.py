@@ -276,3 +276,7 @@ def test_generated_masks_are_simplified_without_changing_their_value():
     assert simplified("def broken(:\n") == "def broken(:\n"  # not Python: as it is
     # a mask whose terms all hold is left whole
     assert "mask=(0 < 1) & (1 >= 0)" in simplified("load(x, mask=(0 < 1) & (1 >= 0))\n")
+    # nothing to prune: the source as it is, its comments and layout kept (the code cache names and
+    # writes what it was given)
+    plain = "# generated\nimport triton\n\n\ny = load(x,  mask=a < n)  # one term\n"
+    assert simplified(plain) == plain
