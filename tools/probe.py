@@ -785,6 +785,60 @@ def fp8():
         print("  ".join(line), flush=True)
 
 
+def fp8_decode():
+    """FP8-cache decode tiles (B 8, 32 query heads over 8, D 128, bf16 query; kernel time by graph replay):
+    the plan's tile against 8-warp and deeper ones, under the plan's split target and one program an SM,
+    both backends, Lk 16k and 64k; TB/s of FP8 cache read and the ratio to the bf16 cache."""
+    from common import quantize_fp8
+
+    tiles = [None, (16, 128, 8, 3), (16, 128, 8, 2), (16, 128, 8, 4), (16, 256, 8, 2), (16, 128, 4, 4)]
+    for Lk in (16384, 65536):
+        q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(8, 8, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
+        gb8 = 2 * k.numel() / 1e9
+        for backend in ("triton", "ninetoothed"):
+            bf16 = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
+            line = [f"fp8 decode Lk={Lk} {backend}: bf16 {bf16 * 1e3:.0f} us"]
+            for tile in tiles:
+                for per_sm in (None, 1):
+                    if tile is not None and tile[2] == 4 and per_sm == 1:
+                        continue
+                    context = override(Config(*tile)) if tile else contextlib.nullcontext()
+                    spread = _programs_per_sm(per_sm) if per_sm else contextlib.nullcontext()
+                    try:
+                        with context, spread:
+                            t = _graph_time_ms(lambda: attention(q, k8, v8, enable_gqa=True, k_descale=kd,
+                                                                 v_descale=vd, backend=backend), replays=20)
+                        result = f"{t * 1e3:.0f} us {gb8 / t:.2f} TB/s {bf16 / t:.2f}x"
+                    except Exception as error:  # noqa: BLE001 (a tile that does not fit: the others run)
+                        result = type(error).__name__
+                    line.append(f"{tile or 'plan'}{'/x1' if per_sm else ''}: {result}")
+            print("  ".join(line), flush=True)
+
+
+def cold():
+    """Issue 43's cold first call: (2, 8, 2048, 128) causal fp16 in a fresh process with empty Triton and
+    NineToothed caches, each backend three times; the call's wall time (code generation and compiles),
+    the imports and CUDA's start before it."""
+    import subprocess
+    import tempfile
+
+    script = ("import time, torch; from common import attention; "
+              "q, k, v = (torch.randn(2, 8, 2048, 128, dtype=torch.float16, device='cuda') for _ in range(3)); "
+              "torch.cuda.synchronize(); t = time.perf_counter(); attention(q, k, v, is_causal=True, backend='{}'); "
+              "torch.cuda.synchronize(); print(time.perf_counter() - t)")
+    for backend in ("triton", "ninetoothed"):
+        times = []
+        for _ in range(3):
+            with tempfile.TemporaryDirectory() as tmp:
+                env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", TWIN_ATTENTION_CACHE_DIR=f"{tmp}/nt")
+                run = subprocess.run([sys.executable, "-c", script.format(backend)], env=env, capture_output=True,
+                                     text=True)
+                times.append(run.stdout.split()[-1] if run.returncode == 0 else f"failed: {run.stderr[-300:]}")
+        print(f"cold first call {backend}: {' '.join(times)} s", flush=True)
+
+
 def split_sweep():
     """The split decode shapes below 3.5 TB/s (or below SDPA) in `bandwidth`: kernel time (graph
     replay) and K/V bandwidth under other tiles, warps, stages and programs-per-SM targets, both
