@@ -603,7 +603,7 @@ PAGED_STAGE_BYTES = 160 * 1024
 PAGED_MAX_STAGES = {"triton": 5, "ninetoothed": 6}
 
 
-def paged_config(backend: str, block_d: int, block_dv: int, rows: int, page: int, dtype: torch.dtype,
+def paged_config(backend: str, block_d: int, block_dv: int, rows: int, dtype: torch.dtype,
                  cache_dtype: torch.dtype | None = None) -> Config:
     """The paged kernel's configuration (``dtype`` the query's, ``cache_dtype`` the caches'):
     the dense decode path's tiles for these rows, and as many pipeline stages as fit
@@ -642,7 +642,7 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
             plan.sinks, plan.alibi = (planning.packed_rows(rows, packed) for rows in (plan.sinks, plan.alibi))
     _, Hp, Lqp, _ = plan.query.shape
     plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
-    plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, page, query.dtype, key_cache.dtype)
+    plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, query.dtype, key_cache.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]
     # A split holds whole pages (NineToothed's kernel takes its part of the table as a tile)

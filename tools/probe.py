@@ -370,8 +370,8 @@ def _paged_variant(variant):
 
     shipped = paged_module.paged_config
 
-    def config(backend, block_d, block_dv, rows, page, dtype):
-        base = shipped(backend, block_d, block_dv, rows, page, dtype)
+    def config(*args):
+        base = shipped(*args)
         block_n, warps, stages, *cap = variant
         return dataclasses.replace(base, block_n=block_n or base.block_n, num_warps=warps, num_stages=stages,
                                    maxnreg=cap[0] if cap else None)
