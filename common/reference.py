@@ -241,3 +241,50 @@ def error_bound(expected, dtype, same_dtype_error: float = 0.0) -> tuple[float, 
     ``same_dtype_error`` as for :func:`grad_error_bound`."""
     rounding = max(_rounding(expected, dtype), same_dtype_error)
     return ERROR_MULTIPLE * rounding + ERROR_FLOOR[dtype], rounding
+
+
+# -- FP8 inputs: the bound of what the kernels round ----------------------------------------
+
+E4M3_ROUNDING = (2.0**-4, 2.0**-10)  # (u, a): relative rounding of a normal e4m3 value, absolute of a subnormal one
+HALF_UNITS = {torch.bfloat16: (2.0**-8, 0.0), torch.float16: (2.0**-11, 2.0**-25)}  # (u, a) of the 16-bit types
+FP8_FP32_SLACK = 1e-5  # float32 sums of products, exp2, the scale's product, relative to v's largest
+HOPPER_FP8_SUMS = 2.0**-13  # an FP8 MMA's sum on Hopper, per product (fp8_error_bound)
+
+
+def fp8_score_error(q_real, k_real, scale: float, per_product: float = HOPPER_FP8_SUMS) -> torch.Tensor:
+    """Per row (B, H, Lq): how far FP8 MMAs' sums may move a score of an FP8 query, ``per_product``
+    x |scale| x D x the row's largest |q_d k_jd| (0 where the sums are float32's, as under the
+    interpreter). The largest product is max_d |q_d| max_j |k_jd|: no (Lq, Lk, D) tensor is formed.
+    q_real (B, H, Lq, D), k_real (B, H_kv, Lk, D): real values (descales included)."""
+    k = k_real.repeat_interleave(q_real.shape[1] // k_real.shape[1], dim=1)
+    largest = (q_real.abs() * k.abs().amax(dim=-2, keepdim=True)).amax(dim=-1)
+    return per_product * abs(scale) * q_real.shape[-1] * largest
+
+
+def fp8_error_bound(probs, v_real, out_ref, out_dtype, pv_rounding, score_error=0.0) -> torch.Tensor:
+    """How far an FP8 forward's output may lie from float64 attention of the dequantized inputs,
+    per output element (B, H, Lq, Dv).
+
+    The FP8 products are exact; their sums are float32's under the interpreter, and on Hopper's
+    tensor cores keep about 14 bits below the largest addend's leading bit (DeepSeek-V3's report,
+    section 3.3.2), so a score of an FP8 query may be off by ``score_error`` (:func:`fp8_score_error`),
+    which moves a probability by a factor of at most exp(2 x that). What else rounds is each
+    probability on its way into the P·V product (``pv_rounding``: E4M3_ROUNDING when values and
+    query are FP8, else HALF_UNITS[float16], the values widened to float16) and the output. A
+    probability p <= 1 (taken against a running maximum, so the online softmax's rescaling only
+    shrinks its error) rounds with a relative error of at most u where normal, an absolute one of
+    at most a below the smallest normal; the row sum takes the unrounded ones. So row i moves by at most
+        u * sum_j P_ij |v_j| + a * sum_(j visible) |v_j|,
+    plus the output's own rounding (``out_dtype``) and float32's slack.
+
+    probs (B, H, Lq, Lk): the exact normalised probabilities (float64); v_real (B, H_kv, Lk, Dv) the
+    real values; out_ref the float64 output; score_error (B, H, Lq) or 0.
+    """
+    u, a = pv_rounding
+    H, H_kv = probs.shape[1], v_real.shape[1]
+    v_abs = v_real.abs().repeat_interleave(H // H_kv, dim=1)
+    visible = (probs > 0).to(torch.float64)
+    u = u + torch.expm1(2 * torch.as_tensor(score_error, dtype=torch.float64, device=probs.device))[..., None]
+    moved = u * (probs @ v_abs) + a * visible @ v_abs
+    u_out = HALF_UNITS[out_dtype][0]
+    return (1 + u_out) * moved + u_out * out_ref.abs() + FP8_FP32_SLACK * v_abs.amax()

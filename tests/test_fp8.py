@@ -1,22 +1,10 @@
 """FP8 inputs to attention(): float8_e4m3fn query, key and value with FlashAttention-3's descales,
 or a 16-bit query with FP8 keys and values (decoding from an FP8 cache). Forward only.
 
-Accuracy: against float64 attention of the dequantized inputs (stored value x descale), with a
-bound from what the kernels round. The FP8 products are exact; their sums are float32's under the
-interpreter, and on Hopper's tensor cores keep about 14 bits below the largest addend's leading bit
-(DeepSeek-V3's report, section 3.3.2), so there a score of an FP8 query may be off by up to
-2^-13 x D x its largest product (``_score_error``), which moves a probability by a factor of at
-most exp(2 x that). What else
-rounds is each probability on its way into the P·V product (to e4m3 when the values are FP8 and
-the query too, else to float16, which the values are widened to, a bfloat16 query narrowed to with a
-power-of-two shift that keeps it exact) and the output. A probability
-p <= 1 (taken against a running maximum, so the online softmax's rescaling only shrinks its error)
-rounds with a relative error of at most u (half an ulp: 2^-4 for e4m3, 2^-8 for bfloat16, 2^-11
-for float16) where normal, an absolute one of at most a (half the subnormal spacing: 2^-10 for
-e4m3) below e4m3's smallest normal 2^-6; the row sum (at least 1, its maximum's term) takes the
-unrounded ones. So row i's output moves by at most
-    v_descale * (u * sum_j P_ij |v_j| + a * sum_(j visible) |v_j|),
-P the exact normalised probabilities, plus the output's own rounding and float32's (tiny) error.
+Accuracy: against float64 attention of the dequantized inputs (stored value x descale), within
+the bound of what the kernels round (``common.reference.fp8_error_bound``: each probability rounded
+for the P·V product, to e4m3 with an FP8 query and FP8 values, else to float16; the output; on a GPU,
+the FP8 MMAs' sums).
 """
 
 from __future__ import annotations
@@ -29,14 +17,20 @@ import torch
 from common import attention, quantize_fp8
 from common.fp8 import dequantize_fp8
 from common.plan import current_planner, force_splits, use_planner
-from common.reference import reference, reference_lse, reference_probs
+from common.reference import (
+    E4M3_ROUNDING,
+    HALF_UNITS,
+    HOPPER_FP8_SUMS,
+    fp8_error_bound,
+    fp8_score_error,
+    reference,
+    reference_lse,
+    reference_probs,
+)
 
 from .conftest import DEVICE
 
-E4M3 = (2.0**-4, 2.0**-10)  # (u, a): relative rounding of a normal value, absolute of a subnormal one
-HALF_UNIT = {torch.bfloat16: (2.0**-8, 0.0), torch.float16: (2.0**-11, 2.0**-25)}
-FP32_SLACK = 1e-5  # float32 sums of products, exp2, the scale's product, relative to v's largest
-ACCUMULATION = 2.0**-13 if DEVICE == "cuda" else 0.0  # an FP8 MMA's sum, per product (module docstring)
+ACCUMULATION = HOPPER_FP8_SUMS if DEVICE == "cuda" else 0.0  # an FP8 MMA's sum, per product (float32's here)
 
 
 def _inputs(B, H, H_kv, Lq, Lk, D, Dv, query_dtype=torch.float8_e4m3fn):
@@ -57,31 +51,14 @@ def _inputs(B, H, H_kv, Lq, Lk, D, Dv, query_dtype=torch.float8_e4m3fn):
 
 
 def _score_error(q_real, k_real, scale):
-    """Per row (B, H, Lq): how far the FP8 MMAs' sums may move a score of an FP8 query (the
-    module docstring; 0 under the interpreter)."""
-    k = k_real.repeat_interleave(q_real.shape[1] // k_real.shape[1], dim=1)
-    largest = (q_real[..., :, None, :] * k[..., None, :, :]).abs().amax(dim=(-1, -2))
-    return ACCUMULATION * abs(scale) * q_real.shape[-1] * largest
-
-
-def _bound(probs, v_real, out_ref, out_dtype, pv_rounding, score_error=0.0):
-    """The bound of the module docstring, per output element: probs (B, H, Lq, Lk) normalised
-    float64 probabilities, v_real (B, H_kv, Lk, Dv) the real values (descales included),
-    score_error (B, H, Lq) or 0 (see _score_error)."""
-    u, a = pv_rounding
-    H, H_kv = probs.shape[1], v_real.shape[1]
-    v_abs = v_real.abs().repeat_interleave(H // H_kv, dim=1)
-    visible = (probs > 0).to(torch.float64)
-    u = u + torch.expm1(2 * torch.as_tensor(score_error, dtype=torch.float64, device=probs.device))[..., None]
-    moved = u * (probs @ v_abs) + a * visible @ v_abs
-    u_out = HALF_UNIT[out_dtype][0]
-    return (1 + u_out) * moved + u_out * out_ref.abs() + FP32_SLACK * v_abs.amax()
+    """Per row (B, H, Lq): how far the FP8 MMAs' sums may move a score of an FP8 query on this device."""
+    return fp8_score_error(q_real, k_real, scale, ACCUMULATION)
 
 
 def _pv_rounding(query_dtype, fp8_pv=True):
     if query_dtype == torch.float8_e4m3fn and fp8_pv:
-        return E4M3
-    return HALF_UNIT[torch.float16]  # the values widened to float16, the probabilities rounded to it
+        return E4M3_ROUNDING
+    return HALF_UNITS[torch.float16]  # the values widened to float16, the probabilities rounded to it
 
 
 @pytest.mark.parametrize("query_dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16],
@@ -99,7 +76,7 @@ def test_fp8_matches_float64_of_dequantized(backend, query_dtype, is_causal, sha
     expected = reference(q_real, k_real, v_real, is_causal=is_causal, enable_gqa=True)
     probs = reference_probs(q_real, k_real, is_causal=is_causal)
     score_error = _score_error(q_real, k_real, D**-0.5) if query_dtype == torch.float8_e4m3fn else 0.0
-    bound = _bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
+    bound = fp8_error_bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
     error = (out.double() - expected).abs()
     assert torch.isfinite(out).all()
     assert (error <= bound).all(), f"max error {error.max():.3g}, max excess {(error - bound).max():.3g}"
@@ -114,8 +91,8 @@ def test_fp8_probabilities_rounding_choice(backend, fp8_pv):
         out = attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, backend=backend, out_dtype=torch.float16)
     assert out.dtype == torch.float16
     expected = reference(q_real, k_real, v_real)
-    bound = _bound(reference_probs(q_real, k_real), v_real, expected, torch.float16,
-                   _pv_rounding(torch.float8_e4m3fn, fp8_pv), _score_error(q_real, k_real, 32**-0.5))
+    bound = fp8_error_bound(reference_probs(q_real, k_real), v_real, expected, torch.float16,
+                            _pv_rounding(torch.float8_e4m3fn, fp8_pv), _score_error(q_real, k_real, 32**-0.5))
     assert ((out.double() - expected).abs() <= bound).all()
 
 
@@ -146,11 +123,11 @@ def test_fp8_combines_with_features(backend, feature):
     if mask is not None and mask.dtype != torch.bool:
         kwargs["attn_mask"] = mask.float()
     expected, expected_lse = attention(*real, enable_gqa=True, return_lse=True, backend=backend, **kwargs)
-    u, a = E4M3
+    u, a = E4M3_ROUNDING
     v_max = v_real.abs().amax().float() / (1 - kwargs.get("dropout_p", 0.0))  # (kept weights scaled up)
     score_error = _score_error(q_real, k_real, kwargs.get("scale", D**-0.5)).float()
     u = u + torch.expm1(2 * score_error)[..., None]
-    bound = v_max * (u + Lk * a) + HALF_UNIT[torch.bfloat16][0] * expected.abs() + 1e-4 * v_max
+    bound = v_max * (u + Lk * a) + HALF_UNITS[torch.bfloat16][0] * expected.abs() + 1e-4 * v_max
     assert ((out.float() - expected).abs() <= bound).all()
     # the log-sum-exp takes no rounded probability: float32's error and the MMAs' sums (a log-sum-exp
     # moves by at most its largest score's move; soft-capping only shrinks one)
@@ -167,7 +144,8 @@ def test_fp8_decode_with_split_keys(backend, splits):
     with force_splits(splits):
         out = attention(q, k, v, enable_gqa=True, k_descale=kd, v_descale=vd, backend=backend)
     expected = reference(q_real, k_real, v_real, enable_gqa=True)
-    bound = _bound(reference_probs(q_real, k_real), v_real, expected, torch.bfloat16, HALF_UNIT[torch.bfloat16])
+    bound = fp8_error_bound(reference_probs(q_real, k_real), v_real, expected, torch.bfloat16,
+                            HALF_UNITS[torch.bfloat16])
     assert ((out.double() - expected).abs() <= bound).all()
 
 
@@ -182,8 +160,8 @@ def test_bfloat16_query_of_any_magnitude_on_fp8_keys(backend, magnitude):
     scale = 1 / (magnitude * 8.0)  # scores of the size the unscaled query gives
     out = attention(q, k, v, enable_gqa=True, scale=scale, k_descale=kd, v_descale=vd, backend=backend)
     expected = reference(q_real, k_real, v_real, enable_gqa=True, scale=scale)
-    bound = _bound(reference_probs(q_real, k_real, scale=scale), v_real, expected, torch.bfloat16,
-                   HALF_UNIT[torch.float16])
+    bound = fp8_error_bound(reference_probs(q_real, k_real, scale=scale), v_real, expected, torch.bfloat16,
+                            HALF_UNITS[torch.float16])
     assert torch.isfinite(out).all()
     assert ((out.double() - expected).abs() <= bound).all()
 
@@ -201,8 +179,8 @@ def test_fp8_prefill_reads_values_column_major(backend):
     columns = attention(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), **kw)  # given column-major
     assert torch.equal(out, columns)
     expected = reference(q_real, k_real, v_real, is_causal=True, enable_gqa=True)
-    bound = _bound(reference_probs(q_real, k_real, is_causal=True), v_real, expected, torch.bfloat16, E4M3,
-                   _score_error(q_real, k_real, D**-0.5))
+    bound = fp8_error_bound(reference_probs(q_real, k_real, is_causal=True), v_real, expected, torch.bfloat16,
+                            E4M3_ROUNDING, _score_error(q_real, k_real, D**-0.5))
     for result in (out, rows):
         assert ((result.double() - expected).abs() <= bound).all()
 
@@ -368,7 +346,7 @@ def test_varlen_fp8_descales_per_sequence(backend, query_dtype, lengths, is_caus
         probs = reference_probs(q_real, k_real, attn_mask=mask)
         fp8_query = query_dtype == torch.float8_e4m3fn
         score_error = _score_error(q_real, k_real, D**-0.5) if fp8_query else 0.0
-        bound = _bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
+        bound = fp8_error_bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
         error = (rows - expected).abs()
         assert torch.isfinite(rows).all()
         assert (error <= bound).all(), f"sequence {b}: max error {error.max():.3g}, excess {(error - bound).max():.3g}"
@@ -385,7 +363,7 @@ def test_varlen_fp8_matches_the_torch_backend_and_checks_descales(backend):
     out = varlen_attention(q, k, v, cu_q, cu_k, 9, 12, backend=backend, **kwargs)
     expected = varlen_attention(q, k, v, cu_q, cu_k, 9, 12, backend="torch", **kwargs)
     assert out.dtype == expected.dtype == torch.float16
-    u, a = E4M3
+    u, a = E4M3_ROUNDING
     bound = vd.amax() * 448 * (u + 12 * a) + 2.0**-11 * expected.float().abs() + 1e-3
     assert ((out.float() - expected.float()).abs() <= bound).all()
     with pytest.raises(ValueError, match="k_descale must have shape \\(2, 2\\) \\(one descale per sequence"):
@@ -468,7 +446,7 @@ def test_paged_fp8_cache(backend, query_dtype, splits):
         seen = torch.arange(n, device=DEVICE)[None, :] <= torch.arange(Lq, device=DEVICE)[:, None] + n - Lq
         expected = reference(qb, kb, vb, attn_mask=seen, enable_gqa=True)
         probs = reference_probs(qb, kb.repeat_interleave(H // H_kv, 1), attn_mask=seen)
-        bound = _bound(probs, vb, expected, query_dtype, HALF_UNIT[torch.float16])
+        bound = fp8_error_bound(probs, vb, expected, query_dtype, HALF_UNITS[torch.float16])
         for result in (out, torch_out):
             assert ((result[b:b + 1].double() - expected).abs() <= bound).all()
         expected_lse = reference_lse(qb, kb.repeat_interleave(H // H_kv, 1), attn_mask=seen)

@@ -90,11 +90,11 @@ def _fp8_inputs(B, H, H_kv, Lq, Lk, D, dtype: str):
 
 
 def _fp8_bound(out, q_real, k_real, v_real, is_causal, fp8_query: bool) -> bool:
-    """Whether the FP8 output is within the bound of tests/test_fp8.py on a slice: batch 0's first
-    two query heads, their last 128 rows (the rows that see the most keys). The bound: each
-    probability rounded for P·V (e4m3 with an FP8 query, else float16), the output to its dtype,
-    an FP8 MMA's sums 2^-13 x D of a score's largest product (Hopper), float32's slack."""
-    from common.reference import reference_probs
+    """Whether the FP8 output is within ``common.reference.fp8_error_bound`` (the tests' bound) on a
+    slice: batch 0's first two query heads, their last 128 rows (the rows that see the most keys);
+    an FP8 query's scores moved by Hopper's FP8 sums, probabilities rounded to e4m3 for P·V (with a
+    16-bit query, the values widened to float16 and the probabilities with them)."""
+    from common.reference import E4M3_ROUNDING, HALF_UNITS, fp8_error_bound, fp8_score_error, reference_probs
 
     H, H_kv, Lq, Lk, D = q_real.shape[1], k_real.shape[1], q_real.shape[2], k_real.shape[2], q_real.shape[3]
     heads, rows = min(2, H), min(128, Lq)
@@ -105,14 +105,9 @@ def _fp8_bound(out, q_real, k_real, v_real, is_causal, fp8_query: bool) -> bool:
     mask = (torch.ones(rows, Lk, dtype=torch.bool, device=q.device).tril(Lk - rows) if is_causal else None)
     probs = reference_probs(q, k, attn_mask=mask)
     expected = probs @ v
-    u, a = (2.0**-4, 2.0**-10) if fp8_query else (2.0**-11, 2.0**-25)
-    if fp8_query:  # the MMA's sums move a score by up to this, a probability by exp(2x) of it
-        largest = (q.abs() * k.abs().amax(-2, keepdim=True)).amax(-1)  # (>= each row's largest product)
-        u = u + torch.expm1(2 * 2.0**-13 * D**-0.5 * D * largest)[..., None]
-    v_abs = v.abs()
-    u_out = 2.0**-8 if out.dtype == torch.bfloat16 else 2.0**-11
-    moved = u * (probs @ v_abs) + a * (probs > 0).double() @ v_abs
-    bound = (1 + u_out) * moved + u_out * expected.abs() + 1e-5 * v_abs.amax()
+    score_error = fp8_score_error(q, k, D**-0.5) if fp8_query else 0.0
+    pv_rounding = E4M3_ROUNDING if fp8_query else HALF_UNITS[torch.float16]
+    bound = fp8_error_bound(probs, v, expected, out.dtype, pv_rounding, score_error)
     got = out[:1, :heads, Lq - rows:].double()
     return bool(((got - expected).abs() <= bound).all())
 
