@@ -787,8 +787,9 @@ def fp8():
 
 def fp8_decode():
     """FP8-cache decode tiles (B 8, 32 query heads over 8, D 128, bf16 query; kernel time by graph replay):
-    the plan's tile against 8-warp and deeper ones, under the plan's split target and one program an SM,
-    both backends, Lk 16k and 64k; TB/s of FP8 cache read and the ratio to the bf16 cache."""
+    the values given column-major, then the plan's tile against 8-warp and deeper ones, under the plan's
+    split target and one program an SM, both backends, Lk 16k and 64k; TB/s of FP8 cache read and the
+    ratio to the bf16 cache."""
     from common import quantize_fp8
 
     tiles = [None, (16, 128, 8, 3), (16, 128, 8, 2), (16, 128, 8, 4), (16, 256, 8, 2), (16, 128, 4, 4)]
@@ -800,6 +801,11 @@ def fp8_decode():
         for backend in ("triton", "ninetoothed"):
             bf16 = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
             line = [f"fp8 decode Lk={Lk} {backend}: bf16 {bf16 * 1e3:.0f} us"]
+            # the values given column-major (keys contiguous): the P·V operand's pairs run along the keys
+            v8_cols = v8.transpose(2, 3).contiguous().transpose(2, 3)
+            t = _graph_time_ms(lambda: attention(q, k8, v8_cols, enable_gqa=True, k_descale=kd, v_descale=vd,
+                                                 backend=backend), replays=20)
+            line.append(f"V column-major: {t * 1e3:.0f} us {gb8 / t:.2f} TB/s {bf16 / t:.2f}x")
             for tile in tiles:
                 for per_sm in (None, 1):
                     if tile is not None and tile[2] == 4 and per_sm == 1:
