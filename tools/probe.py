@@ -798,11 +798,11 @@ def fp8_decode():
         k, v = (torch.randn(8, 8, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
         gb8 = 2 * k.numel() / 1e9
+        # the values given column-major (keys contiguous): the P·V operand's pairs run along the keys
+        v8_cols = v8.transpose(2, 3).contiguous().transpose(2, 3)
         for backend in ("triton", "ninetoothed"):
             bf16 = _graph_time_ms(lambda: attention(q, k, v, enable_gqa=True, backend=backend), replays=20)
             line = [f"fp8 decode Lk={Lk} {backend}: bf16 {bf16 * 1e3:.0f} us"]
-            # the values given column-major (keys contiguous): the P·V operand's pairs run along the keys
-            v8_cols = v8.transpose(2, 3).contiguous().transpose(2, 3)
             t = _graph_time_ms(lambda: attention(q, k8, v8_cols, enable_gqa=True, k_descale=kd, v_descale=vd,
                                                  backend=backend), replays=20)
             line.append(f"V column-major: {t * 1e3:.0f} us {gb8 / t:.2f} TB/s {bf16 / t:.2f}x")
@@ -826,7 +826,7 @@ def fp8_decode():
 def cold():
     """Issue 43's cold first call: (2, 8, 2048, 128) causal fp16 in a fresh process with empty Triton and
     NineToothed caches, each backend three times; the call's wall time (code generation and compiles),
-    the imports and CUDA's start before it."""
+    not counting the imports and CUDA's start, which come before it."""
     import subprocess
     import tempfile
 
