@@ -206,12 +206,11 @@ class Planner:
             return dataclasses.replace(config, num_stages=2, maxnreg=self.shallow_max_registers)
         return config
 
-    def fp8_values(self, value: torch.Tensor, rows: int) -> torch.Tensor:
-        """FP8 values (B, H_kv, Lk, Dv) for an e4m3 P·V product read by ``rows`` query rows per
-        K/V head: column-major where that many rows pay for the copy (see fp8_v_columns_rows)."""
-        if value.dtype != torch.float8_e4m3fn or rows < self.fp8_v_columns_rows or value.stride(2) == 1:
-            return value
-        return value.transpose(2, 3).contiguous().transpose(2, 3)
+    def fp8_columns(self, value: torch.Tensor, rows: int) -> bool:
+        """Whether FP8 values (B, H_kv, Lk, Dv) for an e4m3 P·V product read by ``rows`` query
+        rows per K/V head are copied column-major first: where that many rows pay for the copy
+        (see fp8_v_columns_rows) and they are not column-major already."""
+        return value.dtype == torch.float8_e4m3fn and rows >= self.fp8_v_columns_rows and value.stride(2) != 1
 
     def pack_gqa(self, query, H_kv: int, attn_mask, banded: bool):
         """``(query, attn_mask)`` with each group's query heads packed into rows, or None.
@@ -541,8 +540,8 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         # Dropping them (views) keeps split launches from planning work for them.
         Lk = max(1, Lq + plan.band[1])
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
-    if plan.descales is not None and plan.widen_v == Widen.NONE:
-        plan.value = planner.fp8_values(plan.value, Lq * (H // H_kv))
+    if plan.descales is not None and plan.widen_v == Widen.NONE and planner.fp8_columns(plan.value, Lq * (H // H_kv)):
+        plan.value = value_columns(backend, plan.value)
     # Dropout's mask is counted by (head, row): packed rows would change it.
     # (Sinks are per row: packed, each row reads its own head's, packed_rows.)
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
@@ -580,6 +579,16 @@ def set_fp8(plan, call, planner: Planner) -> None:
         plan.widen_k = plan.widen_v = Widen.FLOAT16
     elif not planner.fp8_pv:
         plan.widen_v = Widen.FLOAT16
+
+
+def value_columns(backend, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (B, H_kv, Lk, Dv) copied column-major (each (batch, head)'s keys contiguous) by the
+    backend's own kernel: one pass over the values, coalesced on both sides (a strided copy of
+    bytes writes one a row)."""
+    B, H_kv, Lk, Dv = value.shape
+    columns = torch.empty((B, H_kv, Dv, Lk), dtype=value.dtype, device=value.device).transpose(2, 3)
+    backend.load().copy_values(value, columns)
+    return columns
 
 
 @functools.lru_cache(maxsize=16)

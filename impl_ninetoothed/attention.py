@@ -4,7 +4,7 @@ for a plan (``common.plan``, ``common.paged``), and the forward's launches bound
 for reuse.
 
 The backend module ``common.backends`` registers: ``forward``, ``backward``, ``refine_forward``,
-``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``, ``rotary``.
+``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``, ``rotary``, ``copy_values``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from impl_ninetoothed.kernels import (
     dq_application,
     premake,
     premake_combine,
+    premake_copy,
     premake_dkdv,
     premake_dq,
 )
@@ -590,3 +591,10 @@ def rotary(x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
     per (batch, row, head), see rotary_arrangement."""
     _make(premake_rotary, x1.shape[3], num_warps=4, num_stages=1, wide=_wide(x1, x2, o1, o2))(
         x1, x2, o1, o2, cos, sin, starts, PER_ROW=per_row)
+
+
+def copy_values(value, out) -> None:
+    """Copy ``value`` (B, H, L, D) into ``out``, the same shape in another layout (the FP8 values
+    column-major for the e4m3 P·V product: ``common.plan.Planner.fp8_columns``): one program per
+    64 rows of a (batch, head), see copy_arrangement."""
+    _make(premake_copy, value.shape[3], 64, num_warps=4, num_stages=1, wide=_wide(value, out))(value, out)

@@ -366,6 +366,24 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
         lse = ntl.where(m == float("-inf"), 0.0, m) + ntl.log(l)  # noqa: F841 (a store; log(0) = -inf: no key at all)
 
 
+def copy_arrangement(source, target, block_l, block_d):
+    """One program per BLOCK_L rows of a (batch, head): the same (BLOCK_L, BLOCK_D) tile of both
+    tensors, each read through its own strides (as :func:`impl_triton.kernels._copy_values`)."""
+
+    def tiles(x):
+        arranged = x.tile((1, 1, block_l, block_d)).squeeze(3)  # (B, H, L / BLOCK_L)
+        arranged.dtype = arranged.dtype.squeeze((0, 1))
+        return arranged
+
+    return tiles(source), tiles(target)
+
+
+def copy_application(source, target):
+    """The tile as it is, into the other layout (FP8 values column-major for the e4m3 P·V
+    product): the load coalesced along the source's unit stride, the store along the target's."""
+    target = source  # noqa: F841 (a store)
+
+
 # -- backward ----------------------------------------------------------------------------------
 
 def dq_arrangement(
@@ -799,6 +817,13 @@ def premake_combine(head_dim_v, block_r, block_s):
         *_flags("WITH_LSE"),
     )
     return arrangement_, combine_application, tensors
+
+
+def premake_copy(head_dim, block_l):
+    """The values' copy into another layout: (B, H, L, D) into the same sizes."""
+    arrangement_ = functools.partial(copy_arrangement, block_l=block_l, block_d=padded_head_dim(head_dim))
+    source = Tensor(shape=(None, None, None, head_dim))
+    return arrangement_, copy_application, (source, _like(source.shape[:3], head_dim))
 
 
 def premake_dq(head_dim, head_dim_v, block_m, block_n):

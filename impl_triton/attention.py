@@ -2,8 +2,9 @@
 plan (``common.plan``, ``common.paged``), and the forward's launch bound to a layout for reuse.
 
 The backend module ``common.backends`` registers: ``forward``, ``backward``, ``refine_forward``,
-``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``, ``rotary``. Kernels are launched through
-``common.launch.CachedLauncher`` (compiled kernels without Triton's per-call dispatch).
+``refine_paged``, ``bind_forward``, ``paged_forward``, ``append_kv``, ``rotary``, ``copy_values``.
+Kernels are launched through ``common.launch.CachedLauncher`` (compiled kernels without Triton's
+per-call dispatch).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from common.interpret import apply_interpreter_fixes
 from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
 from common.plan import Widen
 from impl_triton import gluon_attention
-from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _merge_kernel
+from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _copy_values, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
 
 # -- the backend's own decisions: its refinement of a plan --------------------------------------
@@ -71,6 +72,7 @@ _merge_launcher = CachedLauncher(_merge_kernel)
 _paged_launcher = CachedLauncher(_paged_fwd)
 _append_launcher = CachedLauncher(_append_kv)
 _rotary_launcher = CachedLauncher(_rotary)
+_copy_launcher = CachedLauncher(_copy_values)
 
 
 def _band_args(plan) -> tuple[int, int, float]:
@@ -410,4 +412,17 @@ def rotary(x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
         H, L, half, cos.shape[0],
         num_warps=4, num_stages=1,
         PER_ROW=per_row, BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(half),
+    )
+
+
+def copy_values(value, out) -> None:
+    """Copy ``value`` (B, H, L, D) into ``out``, the same shape in another layout (the FP8 values
+    column-major for the e4m3 P·V product: ``common.plan.Planner.fp8_columns``): one program per
+    BLOCK_L rows of a (batch, head), every head dim at once."""
+    B, H, L, D = value.shape
+    block_l = 64
+    _copy_launcher(
+        (B * H * triton.cdiv(L, block_l), 1, 1),
+        value, out, *value.stride(), *out.stride(), H, L, D,
+        num_warps=4, num_stages=1, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D),
     )

@@ -494,6 +494,33 @@ def _merge_kernel(
     _store_merged(O, LSE, o, l, m, offs_r, r_ok, offs_dv, dv_ok, HEAD_DIM_V, WITH_LSE)
 
 
+@triton.jit
+def _copy_values(
+    SRC, DST,
+    stride_sb, stride_sh, stride_sl, stride_sd,
+    stride_db, stride_dh, stride_dl, stride_dd,
+    H, L, D,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """DST[b, h, l, d] = SRC[b, h, l, d] over (B, H, L, D), a (BLOCK_L, BLOCK_D) tile a program
+    (BLOCK_D >= D): FP8 values copied column-major (DST's l stride 1) for the e4m3 P·V product.
+    The load is coalesced along SRC's unit stride, the store along DST's; the compiler moves the
+    tile between the two layouts through shared memory, where a strided copy of bytes would
+    write one byte a row. The (batch·head, block) pair is the grid's one axis."""
+    l_blocks = tl.cdiv(L, BLOCK_L)
+    pid = tl.program_id(0)
+    off_hz = pid // l_blocks
+    off_z = off_hz // H
+    off_h = off_hz % H
+    offs_l = (pid % l_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_l[:, None] < L) & (offs_d[None, :] < D)
+    src = SRC + off_z.to(tl.int64) * stride_sb + off_h.to(tl.int64) * stride_sh
+    dst = DST + off_z.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
+    tile = tl.load(src + offs_l.to(tl.int64)[:, None] * stride_sl + offs_d[None, :] * stride_sd, mask=ok)
+    tl.store(dst + offs_l.to(tl.int64)[:, None] * stride_dl + offs_d[None, :] * stride_dd, tile, mask=ok)
+
+
 # -- backward ---------------------------------------------------------------------------
 
 @triton.jit

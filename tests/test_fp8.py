@@ -185,6 +185,25 @@ def test_fp8_prefill_reads_values_column_major(backend):
         assert ((result.double() - expected).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 130, 48), (1, 1, 5, 16)], ids=["ragged", "short"])
+def test_values_copied_column_major_by_each_kernel(backend, shape):
+    """The backends' own copy of FP8 values into column-major (common.plan.value_columns): every
+    element, bit for bit, into a poisoned target; a value tensor read through other strides too."""
+    from common.backends import get_backend
+    from common.plan import value_columns
+
+    module = get_backend(backend).load()
+    value = (torch.randn(*shape, device=DEVICE) * 3).to(torch.float8_e4m3fn)
+    columns = value_columns(get_backend(backend), value)
+    assert columns.shape == value.shape and columns.stride(2) == 1
+    assert torch.equal(columns.view(torch.uint8), value.view(torch.uint8))
+    B, H, L, D = shape
+    strided = torch.randn(B, L, H, D, device=DEVICE).to(torch.float8_e4m3fn).transpose(1, 2)  # (B, L, H, D) layout
+    out = torch.full((B, H, D, L), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn).transpose(2, 3)
+    module.copy_values(strided, out)  # (0x7F: e4m3's NaN, where an element went unwritten)
+    assert torch.equal(out.view(torch.uint8), strided.view(torch.uint8))
+
+
 def test_fp8_backends_agree_and_descales_default_to_one(backend):
     """Without descales each is 1 (the stored values are the real ones); unbatched 3-D inputs
     take (H_kv,) descales; both kernels compute the same algorithm, to the bit or nearly."""
