@@ -94,9 +94,9 @@ def _gluon_attn_fwd(
         mbarrier.init(kv_bars.index(s), count=1)
     fence_async_shared()
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, Out, Lse, stride_oz,
-             stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m, n_tiles,
-             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False)
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, Out, Lse,
+             stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+             start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0)
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(kv_bars.index(s))
@@ -112,10 +112,11 @@ def _key_tiles(Lk, start_m, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz,
-             stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m, n_tiles,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-             IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr):
+def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn_wait, turn_arrive,
+             Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+             row_start, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr,
+             PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr):
     """The consumer warps' work, both kernels': Q by TMA, the online softmax over the K/V ring's
     tiles (slot t % STAGES, ready on ``kv_ready``), the output and log-sum-exp stored. PRODUCER: a
     producer warp fills the ring (``_ws_producer``), and a slot goes back to it on ``kv_empty`` once
@@ -125,7 +126,14 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     FlashAttention-3's overlap inside a warp group: while the tensor cores run S of tile j and
     P V of tile j - 1, the warps compute tile j's softmax as soon as its S is back (S_j issued
     first, so waiting for all but the newest group returns it); O is rescaled once P V of tile
-    j - 1 is in, before P V of tile j is issued."""
+    j - 1 is in, before P V of tile j is issued.
+
+    The consumer owns BLOCK_M rows from ``row_start``. PINGPONG (FlashAttention-3's two consumer warp
+    groups, ``_gluon_attn_fwd_pp``): each round's products (S of tile j, P V of tile j - 1) are issued
+    only once the other consumer issued its own of the round before (``turn_wait``, completed by the
+    other's ``turn_arrive``), so one warp group's softmax runs under the other's products; TURN_FIRST:
+    1 for the consumer that goes first (its first wait passes on a fresh barrier's phase). Both
+    consumers run the same ``n_tiles`` rounds, or the turns would wait for ever."""
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
     # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
@@ -141,7 +149,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [off_z, off_h, start_m * BLOCK_M, 0], q_bar, q_smem)
+    _tma_load(q_desc, [off_z, off_h, row_start, 0], q_bar, q_smem)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     if not PRODUCER:
         for s in gl.static_range(STAGES):  # the ring's first tiles in flight
@@ -151,7 +159,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _tma_load(v_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
 
     qk_scale = scale * LOG2E
-    offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    offs_m = row_start + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -160,8 +168,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
     if n_tiles > 0:
         mbarrier.wait(kv_ready.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(turn_wait, TURN_FIRST)  # (round 0: the first consumer's wait passes at once)
         qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, Lk, qk_scale, causal_shift, BLOCK_N, IS_CAUSAL,
                                            col_s)
@@ -169,10 +181,14 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             slot = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn_wait, (j + TURN_FIRST) & 1)
             qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                                 v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_arrive, count=1)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j * BLOCK_N, Lk, qk_scale, causal_shift,
                                                BLOCK_N, IS_CAUSAL, col_s)
@@ -195,7 +211,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         gl.store(Lse + off_hz.to(gl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
     l_i = gl.where(l_i == 0.0, 1.0, l_i)
     out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    rows = row_start + gl.arange(0, BLOCK_M, layout=row_o)
     cols = gl.arange(0, HEAD_DIM, layout=col_o)
     o_ptrs = (Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
               + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
@@ -248,13 +264,71 @@ def _gluon_attn_fwd_ws(
     fence_async_shared()
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     gl.warp_specialize([
-        (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, Out, Lse, stride_oz,
-                    stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m,
-                    n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True)),
+        (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, Out,
+                    Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+                    start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, False,
+                    0)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
                         STAGES)),
     ], [1], [PRODUCER_REGS])
     mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_ready.index(s))
+        mbarrier.invalidate(kv_empty.index(s))
+
+
+@gluon.jit
+def _gluon_attn_fwd_pp(
+    q_desc, k_desc, v_desc, Out, Lse,
+    stride_oz, stride_oh, stride_om,
+    scale, H, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """FlashAttention-3's schedule: a program of 2 x BLOCK_M rows, two consumer warp groups of
+    ``num_warps`` warps (the default partition and a worker) owning BLOCK_M rows each, in ping-pong
+    (``_consume`` with PINGPONG: one's softmax under the other's products), and a producer warp
+    filling the K/V ring they share (``_ws_producer``; a slot goes back once both consumers are done
+    with it: ``kv_empty`` counts two arrivals). q_desc's blocks are (1, 1, BLOCK_M, D)."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_m = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    off_h_kv = off_h // GROUP
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(turns.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)
+    fence_async_shared()
+    # both consumers run the rounds of the whole 2 x BLOCK_M block (their turns must pair up)
+    n_tiles = _key_tiles(Lk, start_m, causal_shift, 2 * BLOCK_M, BLOCK_N, IS_CAUSAL)
+    row_start = start_m * 2 * BLOCK_M
+    gl.warp_specialize([
+        (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready, kv_empty,
+                    turns.index(0), turns.index(1), Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk,
+                    causal_shift, off_z, off_h, off_h_kv, off_hz, row_start, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
+                    STAGES, IS_CAUSAL, WITH_LSE, True, True, 1)),
+        (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready, kv_empty,
+                    turns.index(1), turns.index(0), Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk,
+                    causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M, n_tiles, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0)),
+        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
+                        STAGES)),
+    ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    for c in gl.static_range(2):
+        mbarrier.invalidate(q_bars.index(c))
+        mbarrier.invalidate(turns.index(c))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(kv_ready.index(s))
         mbarrier.invalidate(kv_empty.index(s))
@@ -324,14 +398,19 @@ def descriptors(q, k, v, block_m: int, block_n: int):
 
 
 def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
-            specialized: bool = False, config: tuple[int, int, int, int] | None = None):
+            specialized: bool = False, config: tuple[int, int, int, int] | None = None, pingpong: bool = False):
     """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
     top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp. ``config``:
-    (BLOCK_M, BLOCK_N, STAGES, num_warps) instead of ``tile``'s (a probe's sweep)."""
+    (BLOCK_M, BLOCK_N, STAGES, num_warps) instead of ``tile``'s (a probe's sweep). ``pingpong``: the
+    variant with two consumer warp groups in ping-pong (and a producer warp), each BLOCK_M / 2 rows
+    of num_warps / 2 warps."""
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
-    block_m, block_n, stages, num_warps = config or tile(D)
+    block_m, block_n, stages, num_warps = config or (pingpong_tile(D) if pingpong else tile(D))
+    if pingpong:
+        return _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages,
+                                 num_warps)
     if out is None:
         out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
     if with_lse and lse is None:
@@ -346,4 +425,34 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
         _gluon_attn_fwd_ws[grid](*args, PRODUCER_REGS=PRODUCER_REGS, **meta)
     else:
         _gluon_attn_fwd[grid](*args, **meta)
+    return (out, lse) if with_lse else out
+
+
+CONSUMER_REGS = 240  # each ping-pong consumer warp group's registers (S, P and O of its 64 rows)
+
+
+def pingpong_tile(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the ping-pong variant: the program's rows and warps,
+    half to each consumer. At D 128 keys of 64 a tile: with 128, each consumer's S and O spill
+    under triton 3.9 (not under 3.6); a first choice, to be measured."""
+    return {64: (128, 128, 3, 8), 128: (128, 64, 3, 8), 256: (128, 64, 2, 8)}[head_dim]
+
+
+def _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages, num_warps):
+    """``forward`` through ``_gluon_attn_fwd_pp``: programs of ``block_m`` rows, two consumers of
+    block_m / 2 rows and num_warps / 2 warps each."""
+    B, H, Lq, D = q.shape
+    H_kv, Lk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
+    if with_lse and lse is None:
+        lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+    half = block_m // 2
+    q_desc, k_desc, v_desc = descriptors(q, k, v, half, block_n)
+    grid = (triton.cdiv(Lq, block_m), B * H)
+    _gluon_attn_fwd_pp[grid](
+        q_desc, k_desc, v_desc, out, lse if with_lse else out, out.stride(0), out.stride(1), out.stride(2),
+        scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
+        BLOCK_M=half, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
+        WITH_LSE=with_lse, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // 2)
     return (out, lse) if with_lse else out

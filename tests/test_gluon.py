@@ -15,13 +15,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.parametrize("specialized", [False, True], ids=["one-partition", "producer-warp"])
-def test_compiles_for_sm90_with_the_overlap(specialized):
+VARIANTS = {"one-partition": {}, "producer-warp": {"specialized": True}, "ping-pong": {"pingpong": True}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compiles_for_sm90_with_the_overlap(variant):
     """Built for sm_90 with the installed Triton: warp-group MMAs, TMA copies, no spills, and the
     loop waiting for a tile's S while the previous tile's P V is in flight."""
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal"]
-    result = subprocess.run(command + (["--specialized"] if specialized else []), capture_output=True, text=True,
-                            timeout=600, cwd=ROOT)
+    command += [f"--{option}" for option in VARIANTS[variant]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"D=128 .*", result.stdout).group(0)
     fields = dict(item.split("=") for item in line.split())
@@ -41,8 +44,8 @@ CASES = [  # (B, H, H_kv, Lq, Lk)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}" for c in CASES])
-@pytest.mark.parametrize("specialized", [False, True], ids=["one-partition", "producer-warp"])
-def test_gluon_forward_matches_sdpa(D, dtype, causal, case, specialized):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gluon_forward_matches_sdpa(D, dtype, causal, case, variant):
     from impl_triton import gluon_attention as ga
 
     B, H, H_kv, Lq, Lk = case
@@ -52,7 +55,7 @@ def test_gluon_forward_matches_sdpa(D, dtype, causal, case, specialized):
     lse = torch.full((B, H, Lq), float("nan"), device="cuda")
     scale = 0.3
     shift = None if causal is None else (Lk - Lq if causal == "bottom_right" else 0)
-    ga.forward(q, k, v, scale, shift, True, out=out, lse=lse, specialized=specialized)
+    ga.forward(q, k, v, scale, shift, True, out=out, lse=lse, **VARIANTS[variant])
     qf, kf, vf = (t.float().repeat_interleave(H // t.shape[1], 1) if t is not q else t.float() for t in (q, k, v))
     s = qf @ kf.transpose(-1, -2) * scale
     if causal is not None:

@@ -1,6 +1,6 @@
 """Compile the Gluon Hopper forward for sm_90 on a machine without a GPU, and say what it became.
 
-    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized]
+    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized | --pingpong]
         [--config BLOCK_M BLOCK_N STAGES WARPS] [--out DIR]
 
 Gluon kernels do not run under Triton's interpreter; compiling them for a named target needs no
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--specialized", action="store_true", help="the variant with a producer warp")
+    parser.add_argument("--pingpong", action="store_true",
+                        help="the variant with two consumer warp groups in ping-pong and a producer warp")
     parser.add_argument("--config", nargs=4, type=int, metavar=("BLOCK_M", "BLOCK_N", "STAGES", "WARPS"),
                         help="a tile instead of gluon_attention.tile's")
     parser.add_argument("--out", default="/tmp/gluon_sass", help="where the TTGIR, PTX and SASS go")
@@ -60,11 +62,14 @@ def main(argv=None) -> int:
     for D in args.dims:
         q = torch.randn(2, 8, 1000, D, dtype=dtype)
         k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
-        block_m, block_n, stages, num_warps = args.config or ga.tile(D)
+        block_m, block_n, stages, num_warps = args.config or (ga.pingpong_tile(D) if args.pingpong else ga.tile(D))
+        if args.pingpong:  # (each consumer: half the rows and half the warps)
+            block_m, num_warps = block_m // 2, num_warps // 2
         q_desc, k_desc, v_desc = ga.descriptors(q, k, v, block_m, block_n)
         out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
-        fn, extra = ((ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS)) if args.specialized
-                     else (ga._gluon_attn_fwd, {}))
+        fn, extra = ((ga._gluon_attn_fwd_pp, dict(PRODUCER_REGS=ga.PRODUCER_REGS, CONSUMER_REGS=ga.CONSUMER_REGS))
+                     if args.pingpong else (ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS))
+                     if args.specialized else (ga._gluon_attn_fwd, {}))
         kernel = fn.warmup(
             q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), 0.125, 8, 4, 1000, 1000, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,

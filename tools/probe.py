@@ -1280,8 +1280,8 @@ def varlen_decode():
 
 
 def gluon():
-    """Issue 43: the Gluon Hopper forward (impl_triton.gluon_attention; both variants, one partition and
-    with a producer warp) against our tl kernel and SDPA's
+    """Issue 43: the Gluon Hopper forward (impl_triton.gluon_attention; its variants: one partition, with a
+    producer warp, and two consumer warp groups in ping-pong) against our tl kernel and SDPA's
     default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16, B·L = 16k,
     H·D = 2048 (D 64, 128) and D 256; and its largest error against the tl kernel's output."""
     from triton.testing import do_bench
@@ -1298,17 +1298,20 @@ def gluon():
                 runs = {
                     "gluon": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False),
                     "gluon_ws": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, specialized=True),
+                    "gluon_pp": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
                     "tl": lambda: attention(q, k, v, is_causal=causal, backend="triton"),
                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                 }
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
                 reference = runs["tl"]().float()
-                error = max((runs[name]().float() - reference).abs().max().item() for name in ("gluon", "gluon_ws"))
+                error = max((runs[name]().float() - reference).abs().max().item()
+                            for name in ("gluon", "gluon_ws", "gluon_pp"))
                 print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: gluon {tflops['gluon']:.0f}, "
-                      f"gluon with a producer warp {tflops['gluon_ws']:.0f}, "
+                      f"gluon with a producer warp {tflops['gluon_ws']:.0f}, ping-pong {tflops['gluon_pp']:.0f}, "
                       f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/sdpa "
                       f"{tflops['gluon'] / tflops['sdpa']:.2f}, gluon/tl {tflops['gluon'] / tflops['tl']:.2f}; "
-                      f"max |gluon - tl| {error:.1e} (both variants)", flush=True)
+                      f"ping-pong/sdpa {tflops['gluon_pp'] / tflops['sdpa']:.2f}; "
+                      f"max |gluon - tl| {error:.1e} (all three variants)", flush=True)
 
 
 def serving():
