@@ -423,10 +423,11 @@ def test_fp8_through_the_operator_and_compile(backend):
 
 # -- a paged FP8 cache (paged_attention) -------------------------------------------------------
 
-def _fp8_pages(B, H_kv, D, page, max_pages, spare=3):
+def _fp8_pages(B, H_kv, D, page, max_pages, spare=3, value_columns=False):
     """FP8 caches of pages of ``page`` keys, each sequence's max_pages pages in a shuffled table
     (unused pages hold other values), its keys and values quantized per (sequence, K/V head);
-    and their real values, float64 (B, H_kv, max_pages * page, D)."""
+    and their real values, float64 (B, H_kv, max_pages * page, D). With ``value_columns`` the
+    value cache is a view of pages stored column-major ((num_pages, H_kv, D, page) in memory)."""
     num_pages = B * max_pages + spare
     L = max_pages * page
     table = torch.randperm(num_pages, device=DEVICE)[:B * max_pages].view(B, max_pages).to(torch.int32)
@@ -438,21 +439,26 @@ def _fp8_pages(B, H_kv, D, page, max_pages, spare=3):
         caches.append(cache.to(torch.float8_e4m3fn))  # (exact: the written values are e4m3's)
         descales.append(d)
         reals.append(dequantize_fp8(x8, d, torch.float64))
+    if value_columns:
+        caches[1] = caches[1].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        assert caches[1].stride(1) == 1
     return (*caches, table, *descales, *reals)
 
 
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_fp8_cache(backend, query_dtype, splits):
+@pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
+def test_paged_fp8_cache(backend, query_dtype, splits, value_columns):
     """New tokens (3 a sequence, causal, bottom-right) over FP8 caches, grouped-query heads packed:
     within the bound of float64 attention of the dequantized pages (keys and values widened to
-    float16, the probabilities in float16), split or not; the torch backend (dequantized, SDPA)
-    within it too; the log-sum-exp within float32's error."""
+    float16, the probabilities in float16), split or not, the value pages row-major or column-major;
+    the torch backend (dequantized, SDPA) within it too; the log-sum-exp within float32's error."""
     from common import paged_attention
 
     lens, Lq, H, H_kv, D, page = [37, 70, 5], 3, 4, 2, 32, 16
     B = len(lens)
-    key_cache, value_cache, table, kd, vd, k_real, v_real = _fp8_pages(B, H_kv, D, page, max_pages=5)
+    key_cache, value_cache, table, kd, vd, k_real, v_real = _fp8_pages(B, H_kv, D, page, max_pages=5,
+                                                                       value_columns=value_columns)
     q = (torch.randn(B, H, Lq, D, device=DEVICE) * 2).to(query_dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     kw = dict(is_causal=True, enable_gqa=True, k_descale=kd, v_descale=vd, return_lse=True)
@@ -528,14 +534,17 @@ def test_paged_fp8_errors():
 
 
 @pytest.mark.parametrize("chosen", ["triton", "ninetoothed", "torch"])
-def test_append_kv_quantizes_into_fp8_caches(chosen):
-    """16-bit new keys and values into FP8 caches: each element divided by its sequence and
-    head's descale, rounded to e4m3 and saturated at +-448 (values past it included), in its
-    slot; every other slot as it was. Bitwise quantize_fp8's rule."""
+@pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
+def test_append_kv_quantizes_into_fp8_caches(chosen, value_columns):
+    """16-bit new keys and values into FP8 caches (the value pages row-major or column-major):
+    each element divided by its sequence and head's descale, rounded to e4m3 and saturated at
+    +-448 (values past it included), in its slot; every other slot as it was. Bitwise
+    quantize_fp8's rule."""
     from common import append_kv
 
     B, H_kv, D, page = 2, 2, 16, 16
-    key_cache, value_cache, table, kd, vd, *_ = _fp8_pages(B, H_kv, D, page, max_pages=3)
+    key_cache, value_cache, table, kd, vd, *_ = _fp8_pages(B, H_kv, D, page, max_pages=3,
+                                                           value_columns=value_columns)
     before = [c.clone() for c in (key_cache, value_cache)]
     lens = torch.tensor([13, 30], dtype=torch.int32, device=DEVICE)
     L_new = 5  # (the first sequence's cross a page boundary)

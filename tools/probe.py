@@ -787,10 +787,11 @@ def fp8():
 
 def fp8_decode():
     """FP8-cache decode (B 8, 32 query heads over 8, D 128, bf16 query; kernel time by graph replay): the
-    values given column-major against row-major under the plan's tile, then (PROBE_FP8_TILES=1) the plan's
+    values given column-major against row-major under the plan's tile, contiguous and in pages of 16
+    and 64 (a shuffled table; value pages row-major, then column-major), then (PROBE_FP8_TILES=1) the plan's
     tile against 8-warp and deeper ones, under the plan's split target and one program an SM; both
     backends, Lk 16k and 64k; TB/s of FP8 cache read and the ratio to the bf16 cache."""
-    from common import quantize_fp8
+    from common import paged_attention, quantize_fp8
 
     tiles = [None]
     if os.environ.get("PROBE_FP8_TILES"):
@@ -808,6 +809,19 @@ def fp8_decode():
             t = _graph_time_ms(lambda: attention(q, k8, v8_cols, enable_gqa=True, k_descale=kd, v_descale=vd,
                                                  backend=backend), replays=20)
             line.append(f"V column-major: {t * 1e3:.0f} us {gb8 / t:.2f} TB/s {bf16 / t:.2f}x")
+            for page in (16, 64):  # pages in a shuffled table; the value pages row-major, then column-major
+                caches, table, lengths = _shuffled_pages(k, v, page)
+                paged16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                                 backend=backend), replays=20)
+                caches8, table, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
+                key_cache, value_cache = (c.view(torch.float8_e4m3fn) for c in caches8)
+                value_columns = value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+                line.append(f"pages of {page}: bf16 {paged16 * 1e3:.0f} us")
+                for name, values in (("fp8", value_cache), ("fp8 value pages column-major", value_columns)):
+                    t = _graph_time_ms(lambda: paged_attention(q, key_cache, values, table, lengths, enable_gqa=True,
+                                                               k_descale=kd, v_descale=vd, backend=backend),
+                                       replays=20)
+                    line.append(f"{name} {t * 1e3:.0f} us {gb8 / t:.2f} TB/s {paged16 / t:.2f}x")
             for tile in tiles:
                 for per_sm in (None, 1):
                     if tile is not None and tile[2] == 4 and per_sm == 1:
