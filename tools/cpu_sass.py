@@ -8,7 +8,7 @@ this finds what differs between two kernels, or what a change did to one, before
 instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE] [--varlen] [--capability 90] [--out DIR]
+        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE [--value-columns]] [--varlen] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
     parser.add_argument("--fp8", choices=["all", "kv"], help="float8_e4m3fn query, keys and values (all), or keys "
                         "and values under a --dtype query (kv); with descales")
+    parser.add_argument("--value-columns", action="store_true", help="with --paged: the value pages column-major "
+                        "(each page's keys contiguous for a head and column)")
     parser.add_argument("--paged", type=int, metavar="PAGE", help="paged_attention and append_kv over caches of "
                         "pages of PAGE keys holding the keys and values (with --fp8 kv: FP8 caches)")
     parser.add_argument("--varlen", action="store_true", help="varlen_attention over B packed sequences of LQ "
@@ -182,6 +184,8 @@ def _paged(args, backend, q, k, v, fp8, compiled) -> int:
         padded = torch.zeros(B, H_kv, pages * page, D).to(x.dtype)
         padded[:, :, :Lk] = x
         caches.append(padded.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4).reshape(B * pages, page, H_kv, D))
+    if args.value_columns:  # each value page column-major: (pages, H_kv, D, page) in memory
+        caches[1] = caches[1].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     table = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
     lengths = torch.full((B,), Lk, dtype=torch.int32)
     descales = {} if fp8 is None else dict(k_descale=fp8[1], v_descale=fp8[2])
