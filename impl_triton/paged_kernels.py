@@ -43,16 +43,17 @@ def _paged_fwd(
     H, GROUP, Lq, LQ_SEQ, NUM_PAGES, MAX_PAGES, scale, M_BLOCKS, NUM_SPLITS, BLOCKS_PER_SPLIT, band_lo, band_hi,
     softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGE_RUN: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, VALUE_COLUMNS: tl.constexpr,
+    PAGE_RUN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
     LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr, DESCALE: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
     by key from their pages: any page size (PAGE), from one token (a table entry per key)
-    to pages of many steps. PAGE_RUN = gcd(PAGE, BLOCK_N): aligned runs of that many keys of a
-    step lie in one page.
+    to pages of many steps. VALUE_COLUMNS: the value pages are stored column-major (a page's
+    keys contiguous for each head and column; stride_vs 1), read in vectors along the keys:
+    PAGE_RUN = gcd(PAGE, BLOCK_N), aligned runs of that many keys of a step lie in one page.
 
     Page j of sequence z is block TABLE[z, j] of the caches (clamped into the cache:
     a bad entry reads a wrong page, never outside); the sequence has SEQLENS[z] keys
@@ -139,12 +140,15 @@ def _paged_fwd(
     for j in range(first, end):
         offs_kn = j * BLOCK_N + offs_n
         key_ok = (offs_kn < Lk) & (offs_kn >= key_start)
-        # each key's page (PAGE neighbours share one table entry), clamped into the cache: every
-        # address below lies in the caches, so the values' tile needs no key mask. Aligned runs of
-        # PAGE_RUN keys share an entry (the hint): value pages stored column-major load in vectors.
-        entry_ok = offs_kn < MAX_PAGES * PAGE  # (constant over each run)
-        page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=entry_ok, other=0)
-        page = tl.max_constancy(tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1), PAGE_RUN).to(tl.int64)
+        # each key's page (PAGE neighbours share one table entry), clamped into the cache
+        if VALUE_COLUMNS:
+            # aligned runs of PAGE_RUN keys share an entry (the hint, true with this mask too), so
+            # each column of a value page loads in vectors
+            page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=offs_kn < MAX_PAGES * PAGE, other=0)
+            page = tl.max_constancy(tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1), PAGE_RUN).to(tl.int64)
+        else:
+            page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=key_ok, other=0)
+            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
         slot = (offs_kn % PAGE).to(tl.int64)
         k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None], mask=key_ok[:, None] & d_ok[None, :],
                     other=0.0)
@@ -168,12 +172,19 @@ def _paged_fwd(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_base + (page * stride_vb + slot * stride_vs)[:, None], key_ok, dv_ok, False,
-                       BLOCK_DV != HEAD_DIM_V)
-        v = _widen(v, WIDEN)
-        if (j + 1) * BLOCK_N > Lk or j * BLOCK_N < key_start:
-            # a key past the length (or before a left pad) may hold anything, NaN included: zeroed, as p is
-            v = tl.where(key_ok[:, None], v, 0.0)
+        if VALUE_COLUMNS:
+            # every address lies in the caches (pages clamped): no key mask, which would split the
+            # vectors; a key past the length (or before a left pad) may hold anything, NaN
+            # included, so a step that holds one zeroes them, as p is
+            v = _load_tile(v_base + (page * stride_vb + slot * stride_vs)[:, None], key_ok, dv_ok, False,
+                           BLOCK_DV != HEAD_DIM_V)
+            v = _widen(v, WIDEN)
+            if (j + 1) * BLOCK_N > Lk or j * BLOCK_N < key_start:
+                v = tl.where(key_ok[:, None], v, 0.0)
+        else:
+            v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None],
+                        mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+            v = _widen(v, WIDEN)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
 

@@ -385,8 +385,10 @@ def test_paged_plan_reused(backend, splits, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [None, 3])
-def test_paged_leftpad_reads_nothing_before_it(backend, splits):
-    """Keys before a sequence's left padding are never read: NaN there, the answer still right."""
+@pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
+def test_paged_leftpad_reads_nothing_before_it(backend, splits, value_columns):
+    """Keys before a sequence's left padding never count: NaN there, the answer still right (the
+    value pages row-major or column-major)."""
     lens, leftpad = [300, 40], [170, 3]
     key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 16, 16, 16, f32)
     for b, start in enumerate(leftpad):
@@ -394,6 +396,8 @@ def test_paged_leftpad_reads_nothing_before_it(backend, splits):
             pages = block_table[b, :start // 16].long()
             cache[pages] = float("nan")
             cache[block_table[b, start // 16].long(), :start % 16] = float("nan")
+    if value_columns:
+        value_cache = _value_columns(value_cache)
     query = torch.randn(2, 2, 2, 16, device=DEVICE)
     starts = torch.tensor(leftpad, dtype=torch.int32, device=DEVICE)
     clean = [(k[:, s:], v[:, s:]) for k, v, s in zip(keys, values, leftpad)]
@@ -404,12 +408,18 @@ def test_paged_leftpad_reads_nothing_before_it(backend, splits):
     torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
 
 
+def _value_columns(value_cache):
+    """The same value cache, each page stored column-major ((num_pages, H_kv, Dv, page) in memory)."""
+    return value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
 @pytest.mark.parametrize("page", [1, 16, 48])
 @pytest.mark.parametrize("splits", [None, 3])
-def test_paged_slots_past_the_length_never_count(backend, page, splits):
+@pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
+def test_paged_slots_past_the_length_never_count(backend, page, splits, value_columns):
     """Slots past each sequence's length, in its last page and in the pages after it, and every page
-    no sequence uses hold NaN: the answer is still right (the value tile is read without a key mask,
-    its keys past the length zeroed)."""
+    no sequence uses hold NaN: the answer is still right, the value pages row-major or column-major
+    (Triton's kernel reads column-major ones without a key mask, zeroing the keys past the length)."""
     if page % 16 and backend == "ninetoothed":
         pytest.skip("NineToothed's paged kernel takes pages of multiples of 16 (test_paged_errors checks its error)")
     lens = [37, 70, 5]
@@ -420,6 +430,8 @@ def test_paged_slots_past_the_length_never_count(backend, page, splits):
             used[block_table[b, pos // page].long(), pos % page] = True
     for cache in (key_cache, value_cache):
         cache[~used] = float("nan")
+    if value_columns:
+        value_cache = _value_columns(value_cache)
     query = torch.randn(3, 4, 2, 16, device=DEVICE)
     with force_splits(splits or 1):
         out = paged_attention(query, key_cache, value_cache, block_table, seqlens, True, enable_gqa=True,
