@@ -127,7 +127,9 @@ def paged_attention(
         key_cache: (num_pages, page_size, H_kv, D); value_cache: (num_pages,
             page_size, H_kv, Dv); query's dtype and device, or both float8_e4m3fn under a
             float16 or bfloat16 query (an FP8 cache: see k_descale). Any page size >= 1 on the
-            "triton" and "torch" backends, multiples of 16 on "ninetoothed".
+            "triton" and "torch" backends, multiples of 16 on "ninetoothed". Any strides: a
+            value cache viewed from pages stored (num_pages, H_kv, Dv, page_size) (each page
+            column-major) is what FP8 decoding reads fastest from pages of 64 keys or more.
         block_table: int32 (B, max_pages): sequence b's keys j live in page
             block_table[b, j // page_size], slot j % page_size.
         cache_seqlens: int32 (B,): how many keys sequence b has (<= max_pages * page_size).
