@@ -44,7 +44,8 @@ def _paged_fwd(
     softcap, kernel_merge,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, VALUE_COLUMNS: tl.constexpr,
-    PAGE_RUN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BANDED: tl.constexpr, WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE_RUN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BANDED: tl.constexpr,
+    WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
     LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr, DESCALE: tl.constexpr, WIDEN: tl.constexpr,
 ):
