@@ -143,7 +143,8 @@ def test_bench_from_json_rewrites_no_tracked_file_unless_asked(tmp_path):
 
 
 def test_bench_merges_runs():
-    """Results of several runs (one per GPU, forward and backward apart) make one report."""
+    """Results of several runs (one per GPU, forward and backward apart) make one report; a shape
+    measured again keeps only the later run's rows (the earlier run's other backends' dropped)."""
     from common.tools.bench import merge_results
 
     def row(mode, L, backend, ms):
@@ -151,11 +152,13 @@ def test_bench_merges_runs():
                     causal=True, backend=backend, ms=ms)
 
     fwd = dict(environment=dict(date="fwd-date", gpu="X"), rows=[row("fwd", 1024, "triton", 1.0),
-                                                                 row("fwd", 4096, "triton", 2.0)])
+                                                                 row("fwd", 4096, "triton", 2.0),
+                                                                 row("fwd", 4096, "sdpa-flash", 2.5)])
     again = dict(environment=dict(date="later"), rows=[row("fwd", 4096, "triton", 3.0)])
     bwd = dict(environment=dict(date="bwd-date"), rows=[row("bwd", 1024, "triton", 4.0)])
     merged = merge_results([fwd, again, bwd])
-    assert merged["environment"] == dict(date="fwd-date", gpu="X", date_backward="bwd-date")
+    assert merged["environment"] == dict(date="fwd-date", gpu="X", date_backward="bwd-date",
+                                         later_runs=[dict(date="later", sections=["throughput"])])
     assert sorted((r["mode"], r["Lq"], r["ms"]) for r in merged["rows"]) == [
         ("bwd", 1024, 4.0), ("fwd", 1024, 1.0), ("fwd", 4096, 3.0)]
 

@@ -400,7 +400,9 @@ def _header(env, notes: str) -> list[str]:
         "",
         f"- GPU: {env['gpu']}; torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
         f"ninetoothed {env['ninetoothed']}, Python {env['python']}; measured {env['date']}"
-        + (f" (backward rows: {env['date_backward']}, a separate run)" if "date_backward" in env else "") + ".",
+        + (f" (backward rows: {env['date_backward']}, a separate run)" if "date_backward" in env else "")
+        + "".join(f"; the {', '.join(run['sections'])} rows it measured again: {run['date']}, a later run "
+                  "(its rows replace the first run's of the same shape)" for run in env.get("later_runs", ())) + ".",
         "- Timing: `triton.testing.do_bench`, median; random normal inputs; every result checked against SDPA "
         "(float32; gradients too for the backward) before timing. TFLOP/s = 4·B·H·Lq·Lk·D, halved when causal, "
         "times 2.5 for the backward (`bwd`: `torch.autograd.grad` after one forward) and 3.5 for both. `torch` "
@@ -498,13 +500,20 @@ def _load_results(path: str) -> dict:
 def merge_results(parts: list[dict]) -> dict:
     """One results.json from several runs (e.g. one per GPU, or forward and backward apart):
     the rows of all, the first run's environment; a later run's date is kept as
-    ``date_backward`` when all its rows are backward rows. A shape measured twice keeps
-    the later run's rows."""
+    ``date_backward`` when all its rows are backward rows, else in ``later_runs`` with the
+    sections it measured. A shape measured again keeps only the later run's rows, every
+    backend's (a row's ratios compare it with rows of its own run)."""
     env = dict(parts[0]["environment"])
     rows = {}
     for part in parts:
-        if part is not parts[0] and part["rows"] and all(r.get("mode", "fwd") != "fwd" for r in part["rows"]):
-            env["date_backward"] = part["environment"]["date"]
+        if part is not parts[0] and part["rows"]:
+            if all(r.get("mode", "fwd") != "fwd" for r in part["rows"]):
+                env["date_backward"] = part["environment"]["date"]
+            else:
+                sections = sorted({r["section"] for r in part["rows"]})
+                env.setdefault("later_runs", []).append(dict(date=part["environment"]["date"], sections=sections))
+        remeasured = {_shape_key(row) for row in part["rows"]}
+        rows = {key: row for key, row in rows.items() if key[0] not in remeasured}
         for row in part["rows"]:
             rows[(_shape_key(row), row["backend"])] = row
     return dict(environment=env, rows=list(rows.values()))
