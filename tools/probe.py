@@ -44,6 +44,8 @@ is written to the project.
   BWD_TUNE_KEYS="128:full:1024 ..." limits it to those keys (D:full|causal:L).
 - gqa_bwd: the causal backward with 32 query heads over 8 K/V heads against MHA's at the same FLOPs
   (D 64 and 128, L 1k and 4k, fp16), both backends and SDPA: what the dK/dV pass's group loop costs.
+- nt_bwd_small: NineToothed's backward at (4, 32, 1024, 64), bf16: do_bench, graph replay and wall time per
+  call, both backends (whether the host or the kernels make its gap).
 - host_python: our Python per step of a growing decode loop (split keys), both backends, with the
   kernel launches stubbed out once bound (and, on a CPU, the interpreter's quieting left out, as on a
   GPU): what the library adds to Triton's launches. Runs on a CPU (under the interpreter) too.
@@ -1129,6 +1131,29 @@ def gqa_bwd():
                 ms = gpu_time_ms(lambda: torch.autograd.grad(sdpa_out, leaves, grad_out, retain_graph=True))
                 line.append(f"sdpa {'MHA' if H_kv == 32 else 'GQA'} {ms * 1e3:.0f}us")
             print("  ".join(line), flush=True)
+
+
+def nt_bwd_small():
+    """Issue 43's NineToothed backward gap at (B 4, H 32, L 1024, D 64), bf16 (0.55x Triton's by do_bench
+    in one process, where the benchmark's (16, 32, 1024, 64) shows 0.91-0.98x): attention_backward's
+    do_bench time, its kernel time by CUDA-graph replay (no host work) and a plain loop's wall time per
+    call, both backends, causal and not. do_bench near the wall time and far above the graph's says
+    the host bounds it (its L2 clearing hides only so much host work), not the kernels."""
+    from common import attention_backward
+
+    B, H, L, D = 4, 32, 1024, 64
+    q, k, v, grad_out = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    for causal in (False, True):
+        line = [f"({B}, {H}, {L}, {D}) {'causal' if causal else 'full'}:"]
+        for backend in ("triton", "ninetoothed"):
+            out, lse = attention(q, k, v, is_causal=causal, backend=backend, return_lse=True)
+
+            def step():
+                return attention_backward(grad_out, q, k, v, out, lse, is_causal=causal, backend=backend)
+
+            bench, graph, wall = gpu_time_ms(step), _graph_time_ms(step, replays=20), wall_time_us(step) / 1e3
+            line.append(f"{backend} do_bench {bench * 1e3:.0f} us, graph {graph * 1e3:.0f} us, wall {wall * 1e3:.0f} us")
+        print("  ".join(line), flush=True)
 
 
 def host_python():
