@@ -1151,8 +1151,12 @@ def nt_bwd_small():
             def step():
                 return attention_backward(grad_out, q, k, v, out, lse, is_causal=causal, backend=backend)
 
-            bench, graph, wall = gpu_time_ms(step), _graph_time_ms(step, replays=20), wall_time_us(step) / 1e3
-            line.append(f"{backend} do_bench {bench * 1e3:.0f} us, graph {graph * 1e3:.0f} us, wall {wall * 1e3:.0f} us")
+            bench, wall = gpu_time_ms(step), wall_time_us(step) / 1e3
+            try:
+                graph = f"{_graph_time_ms(step, replays=20) * 1e3:.0f} us"
+            except Exception as error:  # noqa: BLE001 (a step that cannot be captured: the other figures stand)
+                graph = type(error).__name__
+            line.append(f"{backend} do_bench {bench * 1e3:.0f} us, graph {graph}, wall {wall * 1e3:.0f} us")
         print("  ".join(line), flush=True)
 
 
