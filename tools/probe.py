@@ -52,7 +52,7 @@ is written to the project.
 - loop: a transformers-style decode loop (the cache grown by torch.cat each step): wall
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 - gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
-- gluon_tiles: the Gluon forward's tiles swept at L 4096 (both variants), SDPA beside.
+- gluon_tiles: the Gluon forward's tiles swept at L 4096 (the three variants), SDPA beside.
 - varlen_decode: a decoding step as a packed batch (64 sequences, 1 or 4 queries each), laid out
   per sequence against the packed layout, both backends, SDPA on the padded batch.
 - serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
@@ -1250,7 +1250,7 @@ def repeat_varlen_bwd():
 
 
 def gluon_tiles():
-    """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; both variants) at the benchmark's
+    """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants) at the benchmark's
     L 4096 shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit
     says why."""
     from triton.testing import do_bench
@@ -1268,13 +1268,15 @@ def gluon_tiles():
             sdpa = flops / do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) * 1e-9
             line = [f"({B}, {H}, {L}, {D}) causal={causal}: sdpa {sdpa:.0f}"]
             for config in candidates[D]:
-                for specialized in (False, True):
+                for variant, kw in (("", {}), (" ws", dict(specialized=True)), (" pp", dict(pingpong=True))):
+                    if kw.get("pingpong") and (config[0] != 128 or config[3] != 8):
+                        continue  # (ping-pong: two consumer warp groups of 64 rows)
                     try:
                         ms = do_bench(lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False,
-                                                         specialized=specialized, config=config))
-                        line.append(f"{config}{' ws' if specialized else ''} {flops / ms * 1e-9:.0f}")
+                                                         config=config, **kw))
+                        line.append(f"{config}{variant} {flops / ms * 1e-9:.0f}")
                     except Exception as error:  # noqa: BLE001 (a tile that does not build: the others still run)
-                        line.append(f"{config}{' ws' if specialized else ''} {type(error).__name__}")
+                        line.append(f"{config}{variant} {type(error).__name__}")
             print("; ".join(line), flush=True)
 
 
