@@ -318,10 +318,16 @@ def _feature_key(window, softcap, sinks, alibi_slopes, cache_leftpad, query_leng
 
 
 def _template_of(plan: PagedPlan, query) -> tuple:
-    """The plan's fields with its tensors out (the packed query's shape in its place, or None)."""
+    """The plan's fields with its tensors out (the packed query's shape in its place, or None; FP8
+    caches' descales, each call's own, an empty tuple in theirs)."""
     fields = planning.tensorless_fields(plan)
     fields[0] = tuple(plan.query.shape) if plan.query.shape != query.shape else None
+    if plan.descales is not None:
+        fields[_DESCALES] = ()
     return tuple(fields)
+
+
+_DESCALES = [f.name for f in dataclasses.fields(PagedPlan)].index("descales")
 
 
 def _launch(chosen, plan: PagedPlan):

@@ -480,12 +480,22 @@ def test_paged_fp8_cache(backend, query_dtype, splits, value_columns):
 
 def test_paged_fp8_through_a_kept_plan(backend):
     """A decode loop's second call of a layout takes the kept plan: the descales (given or not)
-    are the call's own, not the first call's."""
+    are the call's own, not the first call's, and the kept plan holds none of them."""
+    import gc
+    import weakref
+
     from common import paged_attention
 
     key_cache, value_cache, table, kd, vd, *_ = _fp8_pages(2, 2, 16, 16, max_pages=3)
     q = torch.randn(2, 2, 1, 16, device=DEVICE).bfloat16()
     seqlens = torch.tensor([40, 9], dtype=torch.int32, device=DEVICE)
+    first_descales = [kd.clone(), vd.clone()]
+    paged_attention(q, key_cache, value_cache, table, seqlens, k_descale=first_descales[0],
+                    v_descale=first_descales[1], backend=backend)
+    held = [weakref.ref(d) for d in first_descales]
+    del first_descales
+    gc.collect()
+    assert [r() is None for r in held] == [True, True]  # (a kept plan holds no call's tensor)
     first = paged_attention(q, key_cache, value_cache, table, seqlens, k_descale=kd, v_descale=vd, backend=backend)
     again = paged_attention(q, key_cache, value_cache, table, seqlens, k_descale=kd, v_descale=2 * vd,
                             backend=backend)
