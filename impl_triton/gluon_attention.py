@@ -79,11 +79,7 @@ def _gluon_attn_fwd(
     bottom-right). Out is (B, H, Lq, D) with a unit last stride; Lse (B, H, Lq) float32. Its warps
     fill the K/V ring themselves (``_consume`` with PRODUCER False)."""
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)
-    off_hz = gl.program_id(1)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    off_h_kv = off_h // GROUP
+    start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -100,6 +96,16 @@ def _gluon_attn_fwd(
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(kv_bars.index(s))
+
+
+@gluon.jit
+def _program(H, GROUP):
+    """This program's (row block, batch·head, batch, head, K/V head): the grid is (row blocks, B·H),
+    and head h reads K/V head h // GROUP."""
+    start_m = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_h = off_hz % H
+    return start_m, off_hz, off_hz // H, off_h, off_h // GROUP
 
 
 @gluon.jit
@@ -246,11 +252,7 @@ def _gluon_attn_fwd_ws(
     the default partition) only wait for tiles, multiply and run the softmax; slots go back through
     ``kv_empty``."""
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)
-    off_hz = gl.program_id(1)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    off_h_kv = off_h // GROUP
+    start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -292,11 +294,7 @@ def _gluon_attn_fwd_pp(
     filling the K/V ring they share (``_ws_producer``; a slot goes back once both consumers are done
     with it: ``kv_empty`` counts two arrivals). q_desc's blocks are (1, 1, BLOCK_M, D)."""
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)
-    off_hz = gl.program_id(1)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    off_h_kv = off_h // GROUP
+    start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)

@@ -142,14 +142,15 @@ def _paged_fwd(
         offs_kn = j * BLOCK_N + offs_n
         key_ok = (offs_kn < Lk) & (offs_kn >= key_start)
         # each key's page (PAGE neighbours share one table entry), clamped into the cache
+        entry_ok = key_ok
+        if VALUE_COLUMNS:  # (a mask constant over each page's keys: the hint below holds)
+            entry_ok = offs_kn < MAX_PAGES * PAGE
+        page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=entry_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
         if VALUE_COLUMNS:
-            # aligned runs of PAGE_RUN keys share an entry (the hint, true with this mask too), so
-            # each column of a value page loads in vectors
-            page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=offs_kn < MAX_PAGES * PAGE, other=0)
-            page = tl.max_constancy(tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1), PAGE_RUN).to(tl.int64)
-        else:
-            page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=key_ok, other=0)
-            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64)
+            # aligned runs of PAGE_RUN keys share an entry, so each column of a value page loads in vectors
+            page = tl.max_constancy(page, PAGE_RUN)
+        page = page.to(tl.int64)
         slot = (offs_kn % PAGE).to(tl.int64)
         k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None], mask=key_ok[:, None] & d_ok[None, :],
                     other=0.0)
@@ -173,19 +174,16 @@ def _paged_fwd(
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        v_ptrs = v_base + (page * stride_vb + slot * stride_vs)[:, None]
         if VALUE_COLUMNS:
             # every address lies in the caches (pages clamped): no key mask, which would split the
             # vectors; a key past the length (or before a left pad) may hold anything, NaN
             # included, so a step that holds one zeroes them, as p is
-            v = _load_tile(v_base + (page * stride_vb + slot * stride_vs)[:, None], key_ok, dv_ok, False,
-                           BLOCK_DV != HEAD_DIM_V)
-            v = _widen(v, WIDEN)
+            v = _widen(_load_tile(v_ptrs, key_ok, dv_ok, False, BLOCK_DV != HEAD_DIM_V), WIDEN)
             if (j + 1) * BLOCK_N > Lk or j * BLOCK_N < key_start:
                 v = tl.where(key_ok[:, None], v, 0.0)
         else:
-            v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None],
-                        mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
-            v = _widen(v, WIDEN)
+            v = _widen(tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0), WIDEN)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
 
