@@ -132,9 +132,11 @@ def attention(
         TypeError, ValueError: for bad input, before any kernel launches.
     """
     if (attn_mask is None and dropout_seed is None and window is None and softcap is None and sinks is None
-            and alibi_slopes is None and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"
-            and q_descale is None and k_descale is None and v_descale is None and out_dtype is None):
-        again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse)
+            and alibi_slopes is None and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"):
+        descales = None
+        if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+            descales = (q_descale, k_descale, v_descale, out_dtype)
+        again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse, descales)
         if again is not None:
             return again
     return full_attention(query, key, value, is_causal, scale, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -242,39 +244,51 @@ def attention_backward(
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)
 
 
-def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse):
+def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse, descales=None):
     """The result of a plain kernel-backend call through the plan kept for its layout
     (:data:`common.reuse.PLANS`, made by this call where it is the layout's first); None where
-    the full path must run."""
+    the full path must run. ``descales``: None, or FP8 inputs' ``(q_descale, k_descale,
+    v_descale, out_dtype)``, each descale None or a tensor (its layout part of the call's)."""
     if torch.compiler.is_compiling():  # first: torch.compile traces none of the rest
         return None
-    if not _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse):
+    if not _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse, descales):
         return None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None
     chosen = resolve(backend)
     if not chosen.kernels:
         return None
-    layout = layout_of(chosen, is_causal, scale, enable_gqa, return_lse, query, key, value)
+    if descales is None and (key.dtype in FP8_DTYPES or query.dtype in FP8_DTYPES):
+        descales = (None, None, None, None)  # FP8 inputs whose descales are all 1
+    layout = layout_of(chosen, is_causal, scale, enable_gqa, return_lse, query, key, value, descales)
     plan = PLANS.get(layout)
     if plan is None:
         call = check_call(chosen, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=is_causal,
-                          scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, fp8=(None, None, None, None))
-        if call.descales is not None:  # FP8 inputs: planned afresh each call, so far
-            return None
-        plan = AttentionPlan(chosen, call, layout, dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                                                        return_lse=return_lse, backend=chosen.name))
+                          scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                          fp8=descales or (None, None, None, None))
+        arguments = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                         backend=chosen.name)
+        if descales is not None:
+            arguments["out_dtype"] = descales[3]
+        plan = AttentionPlan(chosen, call, layout, arguments)
         PLANS.put(layout, plan)
-    return plan.results(query, key, value)
+    return plan.results(query, key, value, None if descales is None else descales[:3])
 
 
-def _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse) -> bool:
+def _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse, descales) -> bool:
     """Plain tensors and arguments of exact types: not subclasses, nor values whose validation
-    may fail on a type that compares equal (True for 1.0, 1 for True); no FP8 keys (planned
-    afresh each call, so far)."""
-    return (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
-            and key.dtype not in FP8_DTYPES and type(is_causal) is bool and type(enable_gqa) is bool
-            and type(return_lse) is bool and (scale is None or type(scale) is float))
+    may fail on a type that compares equal (True for 1.0, 1 for True); FP8 inputs' descales and
+    output dtype of exact types too (each None or a plain tensor; None or a dtype), and no
+    descale that asks for a gradient (the full path says FP8 is forward-only)."""
+    if not (type(query) is torch.Tensor and type(key) is torch.Tensor and type(value) is torch.Tensor
+            and type(is_causal) is bool and type(enable_gqa) is bool and type(return_lse) is bool
+            and (scale is None or type(scale) is float)):
+        return False
+    if descales is None:
+        return True
+    *tensors, out_dtype = descales
+    return (all(d is None or (type(d) is torch.Tensor and not d.requires_grad) for d in tensors)
+            and (out_dtype is None or type(out_dtype) is torch.dtype))
 
 
 def _needs_grad(call) -> bool:

@@ -571,14 +571,21 @@ def set_fp8(plan, call, planner: Planner) -> None:
     not given: the kernels read all three; per row where one given is, (B, H, Lq)), and what key
     and value tiles are widened to (to a 16-bit query, float16 (see Widen); values to float16
     where the planner keeps P·V out of e4m3)."""
-    per_row = any(d is not None and d.ndim == 3 for d in call.descales)
-    shape = call.query.shape[:3] if per_row else call.key.shape[:2]
-    one = _one(call.key.device)
-    plan.descales = tuple(d if d is not None else one.view((1,) * len(shape)).expand(shape) for d in call.descales)
+    plan.descales = fp8_descales(call.descales, call.query, call.key)
     if call.query.dtype in (torch.float16, torch.bfloat16):  # FP8 keys and values under a 16-bit query
         plan.widen_k = plan.widen_v = Widen.FLOAT16
     elif not planner.fp8_pv:
         plan.widen_v = Widen.FLOAT16
+
+
+def fp8_descales(descales, query, key) -> tuple:
+    """The (q, k, v) descales the kernels read for a validated FP8 call's (each None or a tensor):
+    the given ones, and for each one not given a ones view of the same shape ((B, H_kv), or per
+    row (B, H, Lq) where one given is per row)."""
+    per_row = any(d is not None and d.ndim == 3 for d in descales)
+    shape = query.shape[:3] if per_row else key.shape[:2]
+    one = _one(key.device)
+    return tuple(d if d is not None else one.view((1,) * len(shape)).expand(shape) for d in descales)
 
 
 def value_columns(backend, value: torch.Tensor) -> torch.Tensor:

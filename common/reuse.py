@@ -103,7 +103,7 @@ class AttentionPlan:
     outputs every run. Holds no tensor."""
 
     __slots__ = ("backend", "layout", "grows_keys", "_arguments", "_fields", "_query_view", "_key_length",
-                 "_keys", "_launched", "_bound", "_growing", "_grown")
+                 "_keys", "_launched", "_bound", "_growing", "_grown", "_fp8", "_value_columns")
 
     def __init__(self, backend, call, layout, arguments: dict):
         self.backend = backend
@@ -115,6 +115,12 @@ class AttentionPlan:
         self._growing = {}  # (config, splits, refinement) -> the backend's launch bound for other keys, or False
         self._grown = None  # the last growing launch: (length key, block_n, key blocks, blocks per split, BoundLaunch)
         self._fields = None  # the planned decisions; None: nothing planned (SDPA, or nothing to launch yet)
+        # FP8 inputs: each call's descales are its own (set per run, never kept), and its launch is
+        # not bound (a bound launch takes no descales): later runs skip validation and planning only
+        self._fp8 = call.descales is not None
+        self._value_columns = False  # FP8 values copied column-major each run (common.plan.value_columns)
+        if self._fp8:
+            self._bound = False
         if backend.kernels and _launches(call.query, call.key):
             self._plan(call)
 
@@ -125,7 +131,12 @@ class AttentionPlan:
         with _on_device(q.device):
             plan = planning.make_forward(call, self.backend, with_lse=call.return_lse, allocate=False)
         assert plan.attn_mask is None and plan.seed is None and plan.sinks is None and plan.row_bands is None
-        self._fields = tuple(planning.tensorless_fields(plan))
+        fields = planning.tensorless_fields(plan)
+        if self._fp8:
+            fields[_DESCALES] = None  # (a tuple of the call's tensors)
+            # the plan copied the values column-major where its value is, and the call's is not
+            self._value_columns = plan.value.stride(2) == 1 and v.stride(2) != 1
+        self._fields = tuple(fields)
         self._query_view = tuple(plan.query.shape) if plan.query.shape != q.shape else None
         self._key_length = plan.key.shape[2] if plan.key.shape[2] != k.shape[2] else None
 
@@ -144,42 +155,48 @@ class AttentionPlan:
 
     __call__ = run
 
-    def results(self, query, key, value):
-        """:meth:`run` of tensors known to be of the plan's layout (3-D or 4-D, as planned)."""
+    def results(self, query, key, value, descales=None):
+        """:meth:`run` of tensors known to be of the plan's layout (3-D or 4-D, as planned);
+        ``descales``: FP8 inputs' (q_descale, k_descale, v_descale), as given to attention()."""
         unbatched = query.ndim == 3
+        given = descales
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        results = self.launch(query, key, value)
+            if descales is not None:
+                descales = tuple(None if d is None else d.unsqueeze(0) for d in descales)
+        results = self.launch(query, key, value, descales)
         if results is None:  # the full path: an empty call, keys it cannot take, another current GPU
             from common.dispatch import full_attention
 
             if unbatched:
                 query, key, value = query[0], key[0], value[0]
-            return full_attention(query, key, value, **self._arguments)
+            fp8 = {} if given is None else dict(zip(("q_descale", "k_descale", "v_descale"), given))
+            return full_attention(query, key, value, **self._arguments, **fp8)
         out, lse = results
         if unbatched:
             out = out[0]
             lse = lse[0] if lse is not None else None
         return (out, lse) if self._arguments["return_lse"] else out
 
-    def launch(self, query, key, value):
+    def launch(self, query, key, value, descales=None):
         """``(out, lse)`` of 4-D tensors of the plan's layout, in the caller's shape (lse None
-        unless asked for); None where the full path must run."""
+        unless asked for); None where the full path must run. ``descales``: FP8 inputs' (4-D)."""
         if self._fields is None:  # planned for no keys (or SDPA): plan once there are some
             if not (self.backend.kernels and self.grows_keys and _launches(query, key)
                     and _keys_fit(self.backend, key, value)):
                 return None
             arguments = self._arguments
+            fp8 = (*descales, arguments.get("out_dtype")) if descales is not None else (None, None, None, None)
             self._plan(check_call(self.backend, query, key, value, attn_mask=None, dropout_p=0.0,
                                   is_causal=arguments["is_causal"], scale=arguments["scale"],
-                                  enable_gqa=arguments["enable_gqa"], return_lse=arguments["return_lse"]))
+                                  enable_gqa=arguments["enable_gqa"], return_lse=arguments["return_lse"], fp8=fp8))
         if self.grows_keys and (key.shape, key.stride(), value.shape, value.stride()) != self._keys:
-            return self._launch_other_keys(query, key, value)
+            return self._launch_other_keys(query, key, value, descales)
         bound = self._bound
         if bound:
             return bound(query, key, value)
         with _on_device(query.device):
-            plan = self._rebind(query, key, value)
+            plan = self._rebind(query, key, value, descales=descales)
             if bound is False or not self._launched:
                 self._launched = True
                 return self._launch_plan(plan)
@@ -202,29 +219,37 @@ class AttentionPlan:
         keys' length and strides), or None where the backend binds none for it."""
         return self.backend.load().bind_forward(plan, keys=keys)
 
-    def _rebind(self, query, key, value, other_keys: bool = False) -> planning.ForwardPlan:
-        """The plan of these tensors: the kept decisions, these tensors, fresh outputs; with
+    def _rebind(self, query, key, value, other_keys: bool = False, descales=None) -> planning.ForwardPlan:
+        """The plan of these tensors: the kept decisions, these tensors (FP8: these descales, the
+        values copied column-major where the plan copies them), fresh outputs; with
         ``other_keys``, keys of another length and strides: their config, splits and buffers
         planned again (:func:`common.plan.plan_launch`)."""
         plan = planning.ForwardPlan(*self._fields)  # (a copy, at a fraction of copy.copy's cost)
         plan.query = query if self._query_view is None else query.view(self._query_view)
-        if other_keys:
-            plan.key, plan.value = key, value
-            planning.plan_launch(plan, self.backend)
-            return plan
-        if self._key_length is not None:
+        if self._fp8:
+            plan.descales = planning.fp8_descales(descales or (None, None, None), query, key)
+        if not other_keys and self._key_length is not None:
             key, value = key[:, :, :self._key_length], value[:, :, :self._key_length]
+        if self._value_columns:
+            value = planning.value_columns(self.backend, value)
         plan.key, plan.value = key, value
-        planning.allocate_outputs(plan, query.dtype, query.device)
+        if other_keys:
+            planning.plan_launch(plan, self.backend)
+        else:
+            planning.allocate_outputs(plan, plan.out_dtype or query.dtype, query.device)
         return plan
 
-    def _launch_other_keys(self, query, key, value):
+    def _launch_other_keys(self, query, key, value, descales=None):
         """Keys of another length or strides (``grows_keys``): the last growing launch again where
         these keys plan alike (the config depends on the keys' length through its length key
         alone, the split count and blocks per split on the number of key blocks); else their
-        launch planned again and launched through the launch bound to its config and splits."""
+        launch planned again and launched through the launch bound to its config and splits
+        (FP8: launched as planned, no bound launch)."""
         if not _keys_fit(self.backend, key, value):
             return None  # the full path says what is wrong, or takes them
+        if self._fp8:
+            with _on_device(query.device):
+                return self._launch_plan(self._rebind(query, key, value, True, descales))
         grown = self._grown
         if grown is not None:
             length, block_n, k_blocks, blocks_per_split, bound = grown
@@ -266,6 +291,9 @@ class AttentionPlan:
         return True
 
 
+_DESCALES = [f.name for f in dataclasses.fields(planning.ForwardPlan)].index("descales")
+
+
 def _launches(query, key) -> bool:
     """Whether a call of these 4-D tensors launches anything: at least one query row and one key."""
     return query.shape[0] * query.shape[1] * query.shape[2] > 0 and key.shape[2] > 0
@@ -282,12 +310,16 @@ def _keys_fit(backend, key, value) -> bool:
     return backend.supports(OFFSETS64) or (span(key) < OFFSET_LIMIT and span(value) < OFFSET_LIMIT)
 
 
-def layout_of(backend, is_causal, scale, enable_gqa, return_lse, query, key, value):
+def layout_of(backend, is_causal, scale, enable_gqa, return_lse, query, key, value, descales=None):
     """The layout a plan is kept by: the call's arguments, the planner's settings, and its tensors'
     shapes, strides, dtypes and devices (a plan that grows its keys: less the keys' length and
-    strides)."""
+    strides); FP8 inputs' ``descales`` ``(q_descale, k_descale, v_descale, out_dtype)``: which
+    descales are given, their shapes, strides, dtypes and devices, and the output dtype."""
     head = (backend.name, backend.interpreted(), planning.reuse_key(), is_causal, scale, enable_gqa, return_lse,
             query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device)
+    if descales is not None:
+        head += (*(None if d is None else (d.shape, d.stride(), d.dtype, d.device) for d in descales[:3]),
+                 descales[3])
     if is_causal:
         return head, key.shape, key.stride(), value.shape, value.stride()
     return head, key.shape[:-2], key.shape[-1], value.shape[:-2], value.shape[-1]

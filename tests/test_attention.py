@@ -1109,10 +1109,10 @@ def _record_replanned_keys(monkeypatch) -> list:
     replanned = []
     rebind = AttentionPlan._rebind
 
-    def recording(self, query, key, value, other_keys=False):
+    def recording(self, query, key, value, other_keys=False, **kwargs):
         if other_keys:
             replanned.append(key.shape[2])
-        return rebind(self, query, key, value, other_keys)
+        return rebind(self, query, key, value, other_keys, **kwargs)
 
     monkeypatch.setattr(AttentionPlan, "_rebind", recording)
     return replanned

@@ -204,6 +204,72 @@ def test_values_copied_column_major_by_each_kernel(backend, shape):
     assert torch.equal(out.view(torch.uint8), strided.view(torch.uint8))
 
 
+# (case, B, H, H_kv, Lq, Lk, D, query dtype, is_causal, descales given: q, k, v)
+KEPT_PLAN_CASES = {
+    "prefill_values_copied": (2, 2, 1, 40, 40, 32, torch.float8_e4m3fn, True, (True, True, True)),
+    "decode_growing_keys": (2, 8, 2, 1, 70, 32, torch.bfloat16, False, (False, True, True)),
+    "unbatched_some_descales": (None, 2, 2, 9, 21, 16, torch.float8_e4m3fn, False, (False, True, False)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEPT_PLAN_CASES))
+def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
+    """FP8 calls of one layout keep a plan, as plain calls do: later calls validate and plan
+    nothing (decode keys growing included), each takes its own descales (never the first call's)
+    and, where the plan copies the values column-major, its own values copied; the kept plan
+    holds no tensor; every result equals, bit for bit, the call planned afresh."""
+    from common import dispatch
+    from common import plan as planning
+    from common.reuse import AttentionPlan
+
+    B, H, H_kv, Lq, Lk, D, query_dtype, is_causal, given = KEPT_PLAN_CASES[case]
+    if case == "prefill_values_copied":
+        planner(fp8_v_columns_rows=16)  # (the plan copies the values at 80 rows a K/V head)
+
+    def inputs(Lk):
+        q, k, v, qd, kd, vd, *_ = _inputs(B or 1, H, H_kv, Lq, Lk, D, D, query_dtype)
+        descales = [d * (1 + torch.rand_like(d)) if g else None for d, g in zip((qd, kd, vd), given)]
+        if B is None:  # unbatched: (H, L, D) tensors, (H_kv,) descales
+            q, k, v = q[0], k[0], v[0]
+            descales = [None if d is None else d[0] for d in descales]
+        return (q, k, v), dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+
+    kw = dict(is_causal=is_causal, enable_gqa=True, backend=backend)
+    first_inputs = inputs(Lk)
+    first = attention(*first_inputs[0], **kw, **first_inputs[1])
+    (kept,) = plans.values()
+    assert not any(isinstance(f, torch.Tensor) or (isinstance(f, tuple) and any(isinstance(x, torch.Tensor)
+                                                                              for x in f)) for f in kept._fields)
+    assert kept._value_columns == (case == "prefill_values_copied")
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    copies = []
+    value_columns = planning.value_columns
+    monkeypatch.setattr(planning, "make_forward", no_planning)
+    monkeypatch.setattr(dispatch, "check_call", no_planning)
+    monkeypatch.setattr(planning, "value_columns", lambda *a: copies.append(a[1]) or value_columns(*a))
+    later = []
+    for step in range(3):
+        length = Lk + step if case == "decode_growing_keys" else Lk  # (a decode loop's cache, a key longer a step)
+        tensors, descales = inputs(length)
+        later.append((tensors, descales, attention(*tensors, **kw, **descales)))
+    monkeypatch.undo()
+    assert len(plans) == 1 and isinstance(kept, AttentionPlan)
+    if case == "prefill_values_copied":
+        assert [c is t[2] for c, (t, _, _) in zip(copies, later)] == [True] * 3  # each call's own values
+    for tensors, descales, out in [(*first_inputs, first)] + later:
+        fresh = dispatch.full_attention(*tensors, **kw, **descales)
+        assert out.dtype == fresh.dtype and torch.equal(out, fresh)
+    # a call's descales are its own: twice the values' descale, twice the output (a power of two: exact)
+    tensors, descales, out = later[-1]
+    v_descale = descales["v_descale"] if descales["v_descale"] is not None else torch.ones_like(descales["k_descale"])
+    doubled = attention(*tensors, **kw, **{**descales, "v_descale": 2 * v_descale})
+    assert len(plans) == 1 + (descales["v_descale"] is None)  # (a given descale is another layout than None)
+    assert torch.equal(doubled, (2 * out.float()).to(out.dtype))
+
+
 def test_fp8_backends_agree_and_descales_default_to_one(backend):
     """Without descales each is 1 (the stored values are the real ones); unbatched 3-D inputs
     take (H_kv,) descales; both kernels compute the same algorithm, to the bit or nearly."""
