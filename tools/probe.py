@@ -792,7 +792,8 @@ def fp8_decode():
     values given column-major against row-major under the plan's tile, contiguous and in pages of 16
     and 64 (a shuffled table; value pages row-major, then column-major), then (PROBE_FP8_TILES=1) the plan's
     tile against 8-warp and deeper ones, under the plan's split target and one program an SM; both
-    backends, Lk 16k and 64k; TB/s of FP8 cache read and the ratio to the bf16 cache."""
+    backends, Lk 16k and 64k; TB/s of FP8 cache read and the ratio to the bf16 cache; the wall time
+    per call of a plain loop (host work included), bf16 and FP8."""
     from common import paged_attention, quantize_fp8
 
     tiles = [None]
@@ -811,6 +812,10 @@ def fp8_decode():
             t = _graph_time_ms(lambda: attention(q, k8, v8_cols, enable_gqa=True, k_descale=kd, v_descale=vd,
                                                  backend=backend), replays=20)
             line.append(f"V column-major: {t * 1e3:.0f} us {gb8 / t:.2f} TB/s {bf16 / t:.2f}x")
+            # a decode loop's wall time per call (host work included): FP8 calls keep their plan too
+            walls = [wall_time_us(lambda: attention(q, *kv, enable_gqa=True, backend=backend, **d))
+                     for kv, d in (((k, v), {}), ((k8, v8_cols), dict(k_descale=kd, v_descale=vd)))]
+            line.append(f"wall per call: bf16 {walls[0]:.0f} us, fp8 {walls[1]:.0f} us")
             for page in (16, 64):  # pages in a shuffled table; the value pages row-major, then column-major
                 caches, table, lengths = _shuffled_pages(k, v, page)
                 paged16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
