@@ -47,22 +47,41 @@ PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
 
 @gluon.jit
-def _softmax_step(qk, m_i, l_i, offs_m, start_n, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, col_layout: gl.constexpr):
-    """One key tile's online-softmax update (base 2): the scores masked (keys past Lk; causal),
-    the new row maxima, P (float32), the rescale factor of what came before, the new row sums."""
-    qk = qk * qk_scale
-    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_layout)
-    valid = offs_n[None, :] < Lk
-    if IS_CAUSAL:
-        valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-    qk = gl.where(valid, qk, float("-inf"))
-    m_ij = gl.maximum(m_i, gl.max(qk, 1))
-    m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-    p = gl.exp2(qk - m_sub[:, None])
+def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr):
+    """Key tile j's online-softmax update (base 2): the new row maxima, P (float32), the rescale
+    factor of what came before, the new row sums. Past the first ``whole`` tiles (``_whole_tiles``)
+    the raw scores are masked (keys past Lk; causal); the tiles before need no mask. The scores are
+    scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
+    qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
+    scores are +inf, so that scaled they are -inf)."""
+    if j >= whole:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        valid = offs_n[None, :] < Lk
+        if IS_CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        qk = gl.where(valid, qk, float("inf") if NEGATIVE_SCALE else float("-inf"))
+    if NEGATIVE_SCALE:
+        m_ij = gl.maximum(m_i, gl.min(qk, 1) * qk_scale)
+    else:
+        m_ij = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_sub = m_ij
+    if j >= whole:
+        m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
+    p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_ij, l_i, alpha
+
+
+@gluon.jit
+def _whole_tiles(Lk, row_start, causal_shift, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """How many leading key tiles every row from ``row_start`` sees whole (no key past Lk; causal:
+    the tile's last key at or before the first row's position), which need no mask."""
+    whole = Lk // BLOCK_N
+    if IS_CAUSAL:
+        whole = gl.minimum(whole, gl.maximum(row_start + causal_shift + 1, 0) // BLOCK_N)
+    return whole
 
 
 @gluon.jit
@@ -71,7 +90,7 @@ def _gluon_attn_fwd(
     stride_oz, stride_oh, stride_om,
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """One (batch, head, BLOCK_M-row block) program. Descriptors over (B, H, L, D) tensors, blocks
     (1, 1, rows, D): rows past a head's length read as zeros (TMA's bounds are the tensor's), and
@@ -92,7 +111,8 @@ def _gluon_attn_fwd(
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, Out, Lse,
              stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
-             start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0)
+             start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0,
+             NEGATIVE_SCALE)
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(kv_bars.index(s))
@@ -122,7 +142,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
              Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
              row_start, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr,
-             PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr):
+             PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
     """The consumer warps' work, both kernels': Q by TMA, the online softmax over the K/V ring's
     tiles (slot t % STAGES, ready on ``kv_ready``), the output and log-sum-exp stored. PRODUCER: a
     producer warp fills the ring (``_ws_producer``), and a slot goes back to it on ``kv_empty`` once
@@ -139,7 +159,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     only once the other consumer issued its own of the round before (``turn_wait``, completed by the
     other's ``turn_arrive``), so one warp group's softmax runs under the other's products; TURN_FIRST:
     1 for the consumer that goes first (its first wait passes on a fresh barrier's phase). Both
-    consumers run the same ``n_tiles`` rounds, or the turns would wait for ever."""
+    consumers run the same ``n_tiles`` rounds, or the turns would wait for ever. The tiles every row
+    sees whole skip the mask (``_softmax_step``; NEGATIVE_SCALE: the scale's sign)."""
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
     # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
@@ -165,6 +186,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _tma_load(v_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
 
     qk_scale = scale * LOG2E
+    whole = _whole_tiles(Lk, row_start, causal_shift, BLOCK_N, IS_CAUSAL)
     offs_m = row_start + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -181,8 +203,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         if PINGPONG:
             mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, Lk, qk_scale, causal_shift, BLOCK_N, IS_CAUSAL,
-                                           col_s)
+        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
+                                           IS_CAUSAL, NEGATIVE_SCALE, col_s)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -196,8 +218,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             if PINGPONG:
                 mbarrier.arrive(turn_arrive, count=1)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j * BLOCK_N, Lk, qk_scale, causal_shift,
-                                               BLOCK_N, IS_CAUSAL, col_s)
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
+                                               IS_CAUSAL, NEGATIVE_SCALE, col_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if PRODUCER:
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
@@ -245,7 +267,8 @@ def _gluon_attn_fwd_ws(
     stride_oz, stride_oh, stride_om,
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``_gluon_attn_fwd`` with FlashAttention-3's producer: one warp of its own issues the K/V
     copies (``_ws_producer``) while the ``num_warps`` consumer warps (``_consume`` with PRODUCER,
@@ -269,7 +292,7 @@ def _gluon_attn_fwd_ws(
         (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, Out,
                     Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
                     start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, False,
-                    0)),
+                    0, NEGATIVE_SCALE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
                         STAGES)),
     ], [1], [PRODUCER_REGS])
@@ -285,8 +308,8 @@ def _gluon_attn_fwd_pp(
     stride_oz, stride_oh, stride_om,
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """FlashAttention-3's schedule: a program of 2 x BLOCK_M rows, two consumer warp groups of
     ``num_warps`` warps (the default partition and a worker) owning BLOCK_M rows each, in ping-pong
@@ -316,11 +339,11 @@ def _gluon_attn_fwd_pp(
         (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready, kv_empty,
                     turns.index(0), turns.index(1), Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk,
                     causal_shift, off_z, off_h, off_h_kv, off_hz, row_start, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    STAGES, IS_CAUSAL, WITH_LSE, True, True, 1)),
+                    STAGES, IS_CAUSAL, WITH_LSE, True, True, 1, NEGATIVE_SCALE)),
         (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready, kv_empty,
                     turns.index(1), turns.index(0), Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk,
                     causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M, n_tiles, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0)),
+                    HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0, NEGATIVE_SCALE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
                         STAGES)),
     ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -418,7 +441,7 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
     args = (q_desc, k_desc, v_desc, out, lse if with_lse else out, out.stride(0), out.stride(1), out.stride(2),
             scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
-                WITH_LSE=with_lse, num_warps=num_warps)
+                WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, num_warps=num_warps)
     if specialized:
         _gluon_attn_fwd_ws[grid](*args, PRODUCER_REGS=PRODUCER_REGS, **meta)
     else:
@@ -452,5 +475,6 @@ def _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m,
         q_desc, k_desc, v_desc, out, lse if with_lse else out, out.stride(0), out.stride(1), out.stride(2),
         scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
         BLOCK_M=half, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
-        WITH_LSE=with_lse, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // 2)
+        WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=num_warps // 2)
     return (out, lse) if with_lse else out

@@ -32,10 +32,10 @@ def test_compiles_for_sm90_with_the_overlap(variant):
     assert fields["OVERLAP"] == "1", line
 
 
-CASES = [  # (B, H, H_kv, Lq, Lk)
-    (2, 4, 2, 300, 517),  # grouped heads, lengths off the tiles
-    (1, 8, 8, 1000, 1000),
-    (2, 2, 1, 700, 129),  # more queries than keys (causal top-left: rows with no key)
+CASES = [  # (B, H, H_kv, Lq, Lk, scale)
+    (2, 4, 2, 300, 517, 0.3),  # grouped heads, lengths off the tiles
+    (1, 8, 8, 1000, 1000, -0.2),  # a negative scale (the unmasked tiles' maximum is the scores' minimum)
+    (2, 2, 1, 700, 129, 0.3),  # more queries than keys (causal top-left: rows with no key)
 ]
 
 
@@ -43,17 +43,16 @@ CASES = [  # (B, H, H_kv, Lq, Lk)
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}" for c in CASES])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gluon_forward_matches_sdpa(D, dtype, causal, case, variant):
     from impl_triton import gluon_attention as ga
 
-    B, H, H_kv, Lq, Lk = case
+    B, H, H_kv, Lq, Lk, scale = case
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype)
     k, v = (torch.randn(B, H_kv, Lk, D, device="cuda", dtype=dtype) for _ in range(2))
     out = torch.full((B, H, Lq, D), float("nan"), device="cuda", dtype=dtype)  # poisoned: every row is written
     lse = torch.full((B, H, Lq), float("nan"), device="cuda")
-    scale = 0.3
     shift = None if causal is None else (Lk - Lq if causal == "bottom_right" else 0)
     ga.forward(q, k, v, scale, shift, True, out=out, lse=lse, **VARIANTS[variant])
     qf, kf, vf = (t.float().repeat_interleave(H // t.shape[1], 1) if t is not q else t.float() for t in (q, k, v))

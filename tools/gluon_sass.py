@@ -73,6 +73,7 @@ def main(argv=None) -> int:
         kernel = fn.warmup(
             q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), 0.125, 8, 4, 1000, 1000, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,
+            NEGATIVE_SCALE=False,
             num_warps=num_warps, grid=(1,), **extra)
         sass, usage = disassemble(kernel, out_dir, f"gluon_fwd_d{D}")
         regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
