@@ -362,10 +362,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
 
 
-# The head dims where this kernel is the default on sm_90: where the H200 measured it (with its producer
-# warp) faster than the tl kernel (benchmarks/NOTES.md). ATTENTION_GLUON=1 sends it every plan it serves
-# (the rest of its head dims too), ATTENTION_GLUON=0 none (the tl kernel everywhere: benchmarks, compare).
-DEFAULT_HEAD_DIMS = (256,)
+# Where this kernel is the default on sm_90, by head dim: its variant there and the shortest query and key
+# length it takes, where the H200 measured that variant faster than the tl kernel (benchmarks/NOTES.md;
+# shorter sequences leave the tl kernel's tiles ahead). ATTENTION_GLUON=1 sends it every plan it serves (each
+# head dim through its variant here, at any length), ATTENTION_GLUON=0 none (the tl kernel everywhere).
+DEFAULTS = {64: ("pingpong", 8192), 128: ("pingpong", 1024), 256: ("producer", 0)}
 
 
 def chooses(plan) -> bool:
@@ -373,8 +374,12 @@ def chooses(plan) -> bool:
     switch = os.environ.get("ATTENTION_GLUON", "")
     if switch not in ("", "0", "1"):
         raise ValueError(f"ATTENTION_GLUON must be 0, 1 or unset, got {switch!r}")
-    if switch == "0" or (switch == "" and plan.query.shape[-1] not in DEFAULT_HEAD_DIMS):
-        return False  # (before serves(): a call's host time asks the device nothing it need not)
+    if switch == "0":
+        return False
+    if switch == "":  # (before serves(): a call's host time asks the device nothing it need not)
+        default = DEFAULTS.get(plan.query.shape[-1])
+        if default is None or min(plan.query.shape[2], plan.key.shape[2]) < default[1]:
+            return False
     return serves(plan)
 
 
@@ -395,8 +400,9 @@ def serves(plan) -> bool:
 
 def forward_plan(plan):
     """Run a plan this kernel serves (``serves``) into its buffers: ``(plan.out, plan.lse)``."""
+    variant = DEFAULTS[plan.query.shape[-1]][0]
     forward(plan.query, plan.key, plan.value, plan.scale, None if plan.band is None else plan.band[1],
-            plan.with_lse, plan.out, plan.lse, specialized=True)
+            plan.with_lse, plan.out, plan.lse, specialized=variant == "producer", pingpong=variant == "pingpong")
     return plan.out, plan.lse
 
 

@@ -96,11 +96,12 @@ def test_attention_takes_the_gluon_path_when_switched_on(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
-@pytest.mark.parametrize("switch", ["", "0"], ids=["default", "forced-off"])
+@pytest.mark.parametrize("switch", ["", "0", "1"], ids=["default", "forced-off", "forced-on"])
 def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
-    """Unset, the switch sends the head dims where the Gluon kernel measured faster (D 256, at the
-    benchmark's shape) to it and D 128 to the tl kernel; ATTENTION_GLUON=0 sends both to the tl kernel.
-    Both answers match SDPA."""
+    """Unset, the switch sends each head dim to the Gluon variant that measured faster than the tl kernel
+    where it did (D 256 with a producer warp at any length, D 128 in ping-pong from 1024 queries and keys,
+    D 64 in ping-pong from 8192) and the rest to the tl kernel; ATTENTION_GLUON=0 sends none, =1 every
+    shape (through its head dim's variant). Every answer matches SDPA."""
     from common import attention
     from common.reuse import PLANS
     from impl_triton import gluon_attention as ga
@@ -108,16 +109,20 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     monkeypatch.setenv("ATTENTION_GLUON", switch)
     PLANS.clear()
     taken = []
-    run = ga.forward_plan
-    monkeypatch.setattr(ga, "forward_plan", lambda plan: taken.append(plan.query.shape[-1]) or run(plan))
-    for B, H, L, D in ((4, 8, 4096, 256), (4, 16, 4096, 128)):
+    run = ga.forward
+    monkeypatch.setattr(ga, "forward", lambda q, *args, specialized=False, pingpong=False, **kw: taken.append(
+        (q.shape[2], q.shape[-1], "pingpong" if pingpong else "producer" if specialized else "one")) or run(
+        q, *args, specialized=specialized, pingpong=pingpong, **kw))
+    shapes = ((2, 4, 1024, 256), (2, 8, 1024, 128), (2, 8, 512, 128), (1, 4, 8192, 64), (2, 8, 4096, 64))
+    for B, H, L, D in shapes:
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for causal in (False, True):
-            out = attention(q, k, v, is_causal=causal, backend="triton")
-            expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                                        is_causal=causal)
-            torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
-    assert taken == ([256, 256] if switch == "" else [])
+        out = attention(q, k, v, is_causal=True, backend="triton")
+        expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+    default = [(1024, 256, "producer"), (1024, 128, "pingpong"), (8192, 64, "pingpong")]
+    forced = [(1024, 256, "producer"), (1024, 128, "pingpong"), (512, 128, "pingpong"), (8192, 64, "pingpong"),
+              (4096, 64, "pingpong")]
+    assert taken == {"": default, "0": [], "1": forced}[switch]
 
 
 def test_switch_takes_0_1_or_nothing(monkeypatch, device):
