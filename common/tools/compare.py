@@ -224,10 +224,11 @@ def levels_section() -> str:
             "(float16/bfloat16, D = Dv 64/128/256, causal or not, grouped heads, the log-sum-exp), written three "
             "ways (one partition; with a producer warp; with a producer warp and two consumer warp groups in "
             "FlashAttention-3's ping-pong). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
-            "producer-warp variant runs 1.20-1.34x the `tl` kernel at D 256, and the triton backend sends it D 256 "
-            "on sm_90 (`ATTENTION_GLUON=1`: every plan it serves, `0`: none); at D 64 and 128 ping-pong is the "
-            "fastest of the three and still runs 0.73-0.97x the `tl` kernel and 0.57-0.88x SDPA's cuDNN kernel: "
-            "its schedule is FlashAttention-3's, its softmax not yet as lean as the `tl` kernel's. "
+            "producer-warp variant runs 1.2-1.35x the `tl` kernel at D 256, and ping-pong 0.97-1.07x it (median "
+            "1.02) at D 128 from 1024 queries and keys and 1.04-1.07x at D 64 from 8192 (0.88-1.01x below): the "
+            "triton backend sends it "
+            "those plans on sm_90 (`ATTENTION_GLUON=1`: every plan it serves, `0`: none). Against SDPA's cuDNN "
+            "kernel ping-pong runs 0.73-0.87x at D 128 and 0.94-0.98x at D 64 from 8k. "
             "NineToothed compiles to `triton.language`, so it cannot reach this level."]
     return "\n".join(out)
 
