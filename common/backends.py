@@ -150,6 +150,13 @@ class KernelBackendModule(BackendModule, Protocol):
         (``common.reuse`` then launches each call's plan through :meth:`forward`)."""
 
 
+    def bind_backward(self, plan: BackwardPlan):
+        """``plan``'s launches (just made by :meth:`backward` on this thread) bound to its layout: a
+        callable taking the call's tensors in ``BackwardPlan.ROLES`` order that launches both passes
+        without building their arguments again; None where it cannot bind them (a mask, dropout,
+        row bands, ALiBi: ``common.reuse.KeptBackward`` then plans each call)."""
+
+
 _KERNEL_HEAD_DIMS = (16, 256)
 
 BACKENDS = {

@@ -24,6 +24,7 @@ through it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import threading
 
@@ -270,6 +271,53 @@ class BoundKernel:
         kernel = self.launcher.compiled(args, self.num_warps, self.num_stages, self.maxnreg)
         if kernel is not None:
             self.kernels[key] = kernel
+
+
+class BoundSlots(BoundKernel):
+    """A launch bound to a layout argument by argument: every argument fixed but a later call's
+    tensors, each at its slot (``slots``: (position, index into the tensors the call passes)), and
+    the integers at ``hole_positions``, which the call passes too (``values``: what depends on a
+    growing cache's keys). The compiled kernel is kept per alignment of the call's tensors and class
+    of each hole's integer (:meth:`BoundKernel.launch_new`). ``args``: the binding call's, every
+    argument positional; its tensors at the slots are not kept."""
+
+    def __init__(self, launcher, args, slots, grid, num_warps: int, num_stages: int, maxnreg: int | None = None,
+                 hole_positions=()):
+        super().__init__(launcher, grid, num_warps, num_stages, maxnreg)
+        self.args, self.slots = list(args), tuple(slots)
+        for position, _ in self.slots:
+            self.args[position] = None
+        # the same with the kept tensors' addresses, for a compiled kernel called directly (the
+        # kept tensors, stand-ins of the launch's own, stay alive in self.args)
+        self.pointer_args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.args]
+        self.hole_positions = tuple(hole_positions)
+
+    def __call__(self, tensors, values=()) -> None:
+        given = [tensors[index] for _, index in self.slots]
+        pointers = [t.data_ptr() for t in given]
+        aligned = functools.reduce(operator.or_, pointers, 0) & 15 == 0
+        key = (aligned, int_classes(values)) if values else aligned
+        kernel = self.kernels.get(key)
+        args = (self.pointer_args if kernel is not None else self.args).copy()
+        for (position, _), arg in zip(self.slots, pointers if kernel is not None else given):
+            args[position] = arg
+        for position, value in zip(self.hole_positions, values):
+            args[position] = value
+        if kernel is not None:
+            self.run_compiled(kernel, args)
+        else:
+            self.launch_new(args, key)
+
+
+class BoundSequence:
+    """Bound launches run one after the other on one call's tensors (the backward's passes)."""
+
+    def __init__(self, *launches):
+        self.launches = launches
+
+    def __call__(self, tensors) -> None:
+        for launch in self.launches:
+            launch(tensors)
 
 
 def _through_getitem(kernel, grid, args) -> None:

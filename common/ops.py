@@ -60,12 +60,23 @@ def forward_resume(backend, call: Call, out: torch.Tensor, lse: torch.Tensor) ->
 
 
 def backward(backend, call: Call, out, lse, grad_out, grad_lse=None):
-    """``(dq, dk, dv)`` for a validated 4-D call, its output and log-sum-exp."""
+    """``(dq, dk, dv)`` for a validated 4-D call, its output and log-sum-exp. A call of a layout met
+    before runs the launches kept for it (``common.reuse.KeptBackward``: no planning, bound launches)."""
     q, k, v = call.query, call.key, call.value
     B, H, Lq, _ = q.shape
     if B * H * Lq == 0 or k.shape[2] == 0:
         # No rows, or no keys: every gradient is zero.
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    from common.reuse import BACKWARDS, KeptBackward, backward_layout  # (common.reuse imports this module)
+
+    layout = backward_layout(backend, call, out, lse, grad_out, grad_lse)
+    if layout is not None:
+        kept = BACKWARDS.get(layout)
+        if kept is None:
+            BACKWARDS.put(layout, kept := KeptBackward())
+        grads = kept.run(backend, call, out, lse, grad_out, grad_lse)
+        if grads is not None:
+            return grads
     with _on_device(q.device):
         plan = planning.make_backward(call, backend, out, lse, grad_out, grad_lse)
         with _quiet(backend):

@@ -412,11 +412,20 @@ class BackwardPlan:
     grad_key: torch.Tensor | None = None  # (B, H_kv, Lk, D)
     grad_value: torch.Tensor | None = None  # (B, H_kv, Lk, Dv)
 
+    # the tensors a bound backward launch takes, in this order (common.reuse.KeptBackward; the
+    # backends' bind_backward)
+    ROLES = ("query", "key", "value", "out", "grad_out", "lse", "grad_lse", "delta", "grad_query", "grad_key",
+             "grad_value")
+
     @property
     def dropout(self) -> bool:
         return self.dropout_p > 0.0
 
     banded = ForwardPlan.banded
+
+    def tensors(self) -> tuple:
+        """The plan's tensors in :attr:`ROLES` order (grad_lse None where there is none)."""
+        return tuple([getattr(self, role) for role in self.ROLES])
 
 
 def dropout_scale(dropout_p: float) -> float:

@@ -354,6 +354,72 @@ class PlanCache:
 PLANS = PlanCache()  # common.attention's plans (common.dispatch)
 
 
+def backward_layout(backend, call, out, lse, grad_out, grad_lse):
+    """The layout a backward call is kept by (:class:`KeptBackward`): the call's arguments, the
+    planner's settings, and its tensors' shapes, strides, dtypes and devices (the gradient of the
+    lse: whether there is one, and its layout); None for a call of tensors of its own besides
+    those (a mask, dropout's seed, row bands, ALiBi's slopes: those plan every call) and for SDPA."""
+    if (not backend.kernels or call.attn_mask is not None or call.dropout_p or call.row_bands is not None
+            or call.alibi_slopes is not None):
+        return None
+    q, k, v = call.query, call.key, call.value
+    return (backend.name, backend.interpreted(), planning.reuse_key(), call.is_causal, call.scale, call.window,
+            call.bottom_right, call.softcap,
+            *[(t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v, out, lse, grad_out)],
+            None if grad_lse is None else (grad_lse.shape, grad_lse.stride(), grad_lse.dtype, grad_lse.device))
+
+
+class KeptBackward:
+    """The backward of one layout (:func:`backward_layout`), bound: its first call plans and
+    launches as every call did (``run`` returns None: the caller does), its second binds its
+    launches to the layout (the backend's ``bind_backward``), and later calls allocate the
+    gradients and launch the bound launches, nothing else. Holds no tensor of a call."""
+
+    __slots__ = ("_runs", "_bound", "_interpreted")
+
+    def __init__(self):
+        self._runs = 0
+        self._bound = None  # the backend's bound launches, or False: it binds none for this layout
+        self._interpreted = False
+
+    def run(self, backend, call, out, lse, grad_out, grad_lse):
+        """``(dq, dk, dv)`` of a validated call of the kept layout with rows and keys, or None
+        where the caller plans and launches it (the first call, a layout the backend binds no
+        launch for, another GPU current than the tensors')."""
+        q, k, v = call.query, call.key, call.value
+        bound = self._bound
+        if bound:
+            if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+                return None
+            alloc = allocator()
+            delta = alloc(q.shape[:3], torch.float32, q.device)
+            grads = alloc(q.shape, q.dtype, q.device), alloc(k.shape, k.dtype, k.device), alloc(v.shape, v.dtype,
+                                                                                                v.device)
+            tensors = (q, k, v, out, grad_out, lse, grad_lse, delta, *grads)
+            if self._interpreted:
+                with _quiet_interpreter():
+                    bound(tensors)
+            else:
+                bound(tensors)
+            return grads
+        self._runs += 1
+        if bound is False or self._runs == 1:
+            return None
+        from common.launch import recorded_launches  # (importing common must not import triton)
+
+        with _on_device(q.device):
+            plan = planning.make_backward(call, backend, out, lse, grad_out, grad_lse)
+            with recorded_launches():
+                with ops._quiet(backend):
+                    grads = backend.load().backward(plan)
+                self._interpreted = backend.interpreted()
+                self._bound = backend.load().bind_backward(plan) or False
+        return grads
+
+
+BACKWARDS = PlanCache()  # the kept backwards by layout (common.ops.backward)
+
+
 def plan_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool = False,
                    scale: float | None = None, *, enable_gqa: bool = False, return_lse: bool = False,
                    backend: str | None = None) -> AttentionPlan:

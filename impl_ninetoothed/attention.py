@@ -23,10 +23,9 @@ from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.jit_helpers import JIT_HELPERS
 from common.launch import (
-    BoundKernel,
+    BoundSequence,
+    BoundSlots,
     define_constants,
-    inputs_aligned,
-    int_classes,
     launcher_arguments,
     route_generated_launch,
     routed_kernel,
@@ -420,48 +419,26 @@ def _key_hole(size: bool, dim: int, block_n: int | None):
     return ((0, 1), (1, 1), (2, block_n), (2, 1), (3, 1))[dim]
 
 
-class BoundGeneratedLaunch(BoundKernel):
+class BoundGeneratedLaunch(BoundSlots):
     """One NineToothed kernel's launch with the arguments its generated launcher computed for
-    one layout (``common.launch.BoundKernel``): a later call puts its tensors in their ``slots``
+    one layout (``common.launch.BoundSlots``): a later call puts its tensors in their ``slots``
     ((position, index into the call's tensors)) and, for ``holes`` ((position, index, size or
-    stride, dim)), those tensors' sizes and strides."""
+    stride, dim, factor)), those tensors' sizes and strides."""
 
     def __init__(self, launcher, args, slots, holes, grid, num_warps, num_stages, maxnreg=None):
-        super().__init__(launcher, grid, num_warps, num_stages, maxnreg)
-        self.args, self.slots = list(args), tuple(slots)
-        for position, _ in self.slots:
-            self.args[position] = None  # (the binding call's tensors: not kept)
-        # the same with the kept tensors' addresses, for a compiled kernel called directly (they
-        # are kept alive by self.args: the stride-0 dummies NineToothed's arrangement needs)
-        self.pointer_args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self.args]
         # the holes by tensor, each tensor once: (its index, its holes as (position, size or stride, dim,
         # factor)): a size divided by the factor, a stride multiplied by it (see _key_hole)
         self.hole_tensors = tuple((index, tuple((p, size, dim, f) for p, i, size, dim, f in holes if i == index))
                                   for index in dict.fromkeys(i for _, i, _, _, _ in holes))
-        self.hole_positions = tuple(p for _, tensor_holes in self.hole_tensors for p, _, _, _ in tensor_holes)
+        super().__init__(launcher, args, slots, grid, num_warps, num_stages, maxnreg,
+                         hole_positions=[p for _, tensor_holes in self.hole_tensors for p, _, _, _ in tensor_holes])
 
     def __call__(self, tensors) -> None:
-        aligned = inputs_aligned(tensors)
         values = []
         for index, holes in self.hole_tensors:  # (one shape and one stride read per tensor)
             shape, stride = tensors[index].shape, tensors[index].stride()
             values += [shape[dim] // factor if size else stride[dim] * factor for _, size, dim, factor in holes]
-        key = (aligned, int_classes(values)) if values else aligned
-        kernel = self.kernels.get(key)
-        if kernel is not None:  # addresses (common.launch.BoundKernel.run_compiled); the kept tensors' are kept
-            args = self.pointer_args.copy()
-            for position, index in self.slots:
-                args[position] = tensors[index].data_ptr()
-        else:
-            args = self.args.copy()
-            for position, index in self.slots:
-                args[position] = tensors[index]
-        for position, value in zip(self.hole_positions, values):
-            args[position] = value
-        if kernel is not None:
-            self.run_compiled(kernel, args)
-        else:
-            self.launch_new(args, key)
+        super().__call__(tensors, values)
 
 
 class BoundForward:
@@ -493,6 +470,16 @@ class BoundForward:
 def backward(plan):
     """Launch the backward for a ``common.plan.BackwardPlan``: the dQ pass (which
     also stores delta), then the dK/dV pass. Returns ``(dq, dk, dv)``, filled in."""
+    for kernel, inputs, flags, _ in _backward_launches(plan):
+        kernel(*inputs, **flags)
+    return plan.grad_query, plan.grad_key, plan.grad_value
+
+
+def _backward_launches(plan) -> tuple:
+    """((kernel, inputs, flags, roles) of the dQ pass, the same of the dK/dV pass): ``kernel(*inputs,
+    **flags)`` launches each; ``roles``, for :func:`bind_backward`: which of the plan's tensors
+    (index into ``BackwardPlan.ROLES``) each input that is one, or a view of one, is, by position
+    (one tensor may be passed as two of them; the whole blocks' views start where their tensors do)."""
     q, k, v = plan.query, plan.key, plan.value
     B, H, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
@@ -505,21 +492,46 @@ def backward(plan):
     blocked = not plan.dropout and plan.alibi is None  # (both passes' unmasked stages, as the forward's: blocked_keys)
     wide = _wide(q, k, v, plan.attn_mask, plan.out, plan.grad_out, plan.lse, plan.grad_lse, plan.grad_query,
                  plan.grad_key, plan.grad_value)
-    _make(premake_dq, D, Dv, config.block_m2, config.block_n2,
-          num_warps=config.num_warps, num_stages=config.num_stages, wide=wide)(
-        q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
-        plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), *_alibi_args(plan),
-        plan.delta, plan.grad_query, WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags,
-    )
+    dq = (_make(premake_dq, D, Dv, config.block_m2, config.block_n2,
+                num_warps=config.num_warps, num_stages=config.num_stages, wide=wide),
+          (q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
+           plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), *_alibi_args(plan),
+           plan.delta, plan.grad_query),
+          dict(WITH_DLSE=plan.grad_lse is not None, BLOCKED=blocked, **flags))
+    # (query, key, value, out, grad_out, lse[, grad_lse]; delta and dq last)
+    dq_roles = {0: 0, 1: 1, 2: 2, 6: 3, 7: 4, 8: 5, len(dq[1]) - 2: 7, len(dq[1]) - 1: 8}
+    if plan.grad_lse is not None:
+        dq_roles[9] = 6
+    if blocked:
+        dq_roles.update({3: 1, 4: 2})
     rows = (q, plan.grad_out, plan.lse, plan.delta)
-    _make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
-          num_warps=config.num_warps, num_stages=config.num_stages, wide=wide)(
-        q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta,
-        *(_row_blocks(x, config.block_m1, blocked) for x in rows), plan.scale, *dropout,
-        *_band_args(plan, keys=True), *_alibi_args(plan), plan.grad_key, plan.grad_value, BLOCKED=blocked,
-        GROUP_OF_ONE=H == k.shape[1], **flags,
-    )
-    return plan.grad_query, plan.grad_key, plan.grad_value
+    dkdv = (_make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
+                  num_warps=config.num_warps, num_stages=config.num_stages, wide=wide),
+            (q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta,
+             *(_row_blocks(x, config.block_m1, blocked) for x in rows), plan.scale, *dropout,
+             *_band_args(plan, keys=True), *_alibi_args(plan), plan.grad_key, plan.grad_value),
+            dict(BLOCKED=blocked, GROUP_OF_ONE=H == k.shape[1], **flags))
+    # (query, key, value, grad_out, lse, delta, their whole blocks' views; dk and dv last)
+    dkdv_roles = {0: 0, 1: 1, 2: 2, 4: 4, 5: 5, 6: 7, len(dkdv[1]) - 2: 9, len(dkdv[1]) - 1: 10}
+    if blocked:
+        dkdv_roles.update({7: 0, 8: 4, 9: 5, 10: 7})
+    return (*dq, dq_roles), (*dkdv, dkdv_roles)
+
+
+def bind_backward(plan):
+    """The launches of ``plan`` (just launched by :func:`backward`, on this thread) bound to its
+    layout, for later calls laid out alike (``common.reuse.KeptBackward``): a
+    ``common.launch.BoundSequence`` of the two passes, each made from the arguments
+    NineToothed's generated launcher passed (:func:`_bind`), called with the tensors of
+    ``BackwardPlan.ROLES``; None where a launch holds a tensor that is neither the plan's own nor a
+    stand-in (a mask, dropout's seed, row bands, ALiBi's slopes)."""
+    bound = []
+    for kernel, inputs, _, roles in _backward_launches(plan):
+        launch = _bind(kernel, inputs, roles)
+        if launch is None:
+            return None
+        bound.append(launch)
+    return BoundSequence(*bound)
 
 
 def paged_tiles(page: int, block_n: int) -> tuple[int, int]:

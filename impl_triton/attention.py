@@ -16,7 +16,15 @@ import torch
 import triton
 
 from common.interpret import apply_interpreter_fixes
-from common.launch import BoundKernel, CachedLauncher, inputs_aligned, int_classes, ticket_counters
+from common.launch import (
+    BoundKernel,
+    BoundSequence,
+    BoundSlots,
+    CachedLauncher,
+    inputs_aligned,
+    int_classes,
+    ticket_counters,
+)
 from common.plan import Widen
 from impl_triton import gluon_attention
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _copy_values, _merge_kernel
@@ -297,6 +305,14 @@ class BoundMerge(BoundKernel):
 def backward(plan):
     """Launch the backward for a ``common.plan.BackwardPlan``: the dQ pass (which
     also stores delta), then the dK/dV pass. Returns ``(dq, dk, dv)``, filled in."""
+    for launcher, grid, args, num_warps, num_stages in _backward_launches(plan):
+        launcher.run(grid, args, num_warps, num_stages)
+    return plan.grad_query, plan.grad_key, plan.grad_value
+
+
+def _backward_launches(plan) -> tuple:
+    """((launcher, grid, args, num_warps, num_stages) of the dQ pass, the same of the dK/dV pass),
+    every argument positional (``CachedLauncher.run``)."""
     q, k, v = plan.query, plan.key, plan.value
     B, H, Lq, D = q.shape
     H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -311,31 +327,50 @@ def backward(plan):
     row_lo, row_hi, key_lo, key_hi = _row_band_args(plan, q)
     alibi_tensors, slope_strides = _alibi_args(plan, q)
     common = dict(
-        num_warps=config.num_warps, num_stages=config.num_stages,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), DOT_PRECISION=plan.dot_precision,
         DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), ALIBI=plan.alibi is not None,
     )
     m_blocks, n_blocks = -(-Lq // config.block_m2), -(-Lk // config.block_n1)
-    _dq_launcher(
-        (m_blocks * B * H, 1, 1),
+    dq = _dq_launcher.positional((
         q, k, v, plan.out, plan.grad_out, plan.lse, dlse if dlse is not None else plan.lse, plan.delta,
         plan.grad_query, mask, seed, *alibi_tensors, row_lo, row_hi,
         *q.stride(), *k.stride(), *v.stride(), *plan.out.stride(), *plan.grad_out.stride(), *plan.lse.stride(),
         *dlse_strides, *mask_strides, *slope_strides,
         H, plan.group, Lq, Lk, plan.scale, m_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
-        BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, WITH_DLSE=dlse is not None, **common,
-    )
-    _dkdv_launcher(
-        (n_blocks * B * H_kv, 1, 1),
+    ), dict(BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, WITH_DLSE=dlse is not None, **common))
+    dkdv = _dkdv_launcher.positional((
         q, k, v, plan.grad_out, plan.lse, plan.delta, plan.grad_key, plan.grad_value, mask, seed, *alibi_tensors,
         row_lo, row_hi, key_lo, key_hi,
         *q.stride(), *k.stride(), *v.stride(), *plan.grad_out.stride(), *plan.lse.stride(), *mask_strides,
         *slope_strides,
         H_kv, plan.group, Lq, Lk, plan.scale, n_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
-        BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common,
-    )
-    return plan.grad_query, plan.grad_key, plan.grad_value
+    ), dict(BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common))
+    return ((_dq_launcher, (m_blocks * B * H, 1, 1), dq, config.num_warps, config.num_stages),
+            (_dkdv_launcher, (n_blocks * B * H_kv, 1, 1), dkdv, config.num_warps, config.num_stages))
+
+
+def bind_backward(plan):
+    """The launches of ``plan`` bound to its layout, for later calls laid out alike
+    (``common.reuse.KeptBackward``): a ``common.launch.BoundSequence`` of the two passes, called
+    with the tensors of ``BackwardPlan.ROLES``; None where a launch takes a tensor that is not the
+    plan's own (a mask, dropout's seed, row bands, ALiBi's slopes). The plan's tensors by position
+    (one tensor may be passed as two of them); the rest must be the stand-in for what a plain
+    launch never reads, the query."""
+    if plan.attn_mask is not None or plan.seed is not None or plan.row_bands is not None or plan.alibi is not None:
+        return None
+    lse_or_dlse = 6 if plan.grad_lse is not None else 5
+    leading = ((0, 1, 2, 3, 4, 5, lse_or_dlse, 7, 8), (0, 1, 2, 4, 5, 7, 9, 10))  # (see _backward_launches)
+    bound = []
+    for roles, (launcher, grid, args, num_warps, num_stages) in zip(leading, _backward_launches(plan)):
+        slots = list(enumerate(roles))
+        for position, arg in enumerate(args[len(roles):], len(roles)):
+            if isinstance(arg, torch.Tensor):
+                if arg is not plan.query:
+                    return None
+                slots.append((position, 0))
+        bound.append(BoundSlots(launcher, args, slots, grid, num_warps, num_stages))
+    return BoundSequence(*bound)
 
 
 def paged_forward(plan):

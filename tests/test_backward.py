@@ -194,6 +194,85 @@ def test_attention_backward_errors(backend, device):
         attention_backward(out, q, k, v, out, lse, backend="torch")
 
 
+# -- kept backward launches ------------------------------------------------------------------
+
+@pytest.fixture
+def planned(monkeypatch):
+    """The kept backwards emptied for this test (common.reuse.BACKWARDS), and a list that grows by
+    one each time a backward is planned (common.plan.make_backward)."""
+    import common.plan as planning
+    from common.reuse import BACKWARDS
+
+    BACKWARDS.clear()
+    made = []
+    make = planning.make_backward
+    monkeypatch.setattr(planning, "make_backward", lambda *args, **kw: made.append(1) or make(*args, **kw))
+    yield made
+    BACKWARDS.clear()
+
+
+def _fresh_backward(*args, **kwargs):
+    """attention_backward planned afresh (no kept launch): what a kept layout must reproduce."""
+    from common.reuse import BACKWARDS
+
+    kept = dict(BACKWARDS._plans)
+    BACKWARDS.clear()
+    try:
+        return attention_backward(*args, **kwargs)
+    finally:
+        BACKWARDS._plans.update(kept)
+
+
+@pytest.mark.parametrize("causal, with_dlse, aliased", [(False, False, False), (True, True, False),
+                                                        (True, False, True)],
+                         ids=["full", "causal-dlse", "causal-one-tensor"])
+def test_backward_calls_keep_bound_launches(causal, with_dlse, aliased, backend, device, planned):
+    """A layout's first backward is planned, its second binds its launches, and later calls run them
+    on their own tensors: planned twice in four calls, each call's gradients bitwise those of a
+    backward planned afresh and SDPA's within bounds (fresh inputs each call; gradients poisoned
+    before the launch). ``aliased``: the binding call passes one tensor as query, key and value,
+    later calls three."""
+    for i in range(4):
+        q, k, v = (torch.randn(1, 4, 37, 32, dtype=f16, device=device) for _ in range(3))
+        if aliased and i == 1:
+            k = v = q
+        out, lse = attention(q, k, v, is_causal=causal, backend=backend, return_lse=True)
+        grad_out = torch.randn_like(out)
+        grad_lse = torch.randn_like(lse) if with_dlse else None
+        args = (grad_out, q, k, v, out, lse)
+        kwargs = dict(grad_lse=grad_lse, is_causal=causal, backend=backend)
+        grads = attention_backward(*args, **kwargs)
+        for got, fresh in zip(grads, _fresh_backward(*args, **kwargs)):
+            assert torch.equal(got, fresh)
+        check_grads(grads, q, k, v, grad_out, grad_lse=grad_lse, out=out, is_causal=causal)
+    assert len(planned) == 2 + 4  # (the layout's first two calls; each fresh backward)
+
+
+def test_kept_backward_by_layout(backend, device, planned):
+    """Another layout (a strided output gradient, a gradient of the lse, another scale) is kept apart
+    and its gradients are right; a call with a mask is planned each time (its mask is its own)."""
+    q, k, v = (torch.randn(1, 2, 40, 32, dtype=f16, device=device) for _ in range(3))
+    out, lse = attention(q, k, v, backend=backend, return_lse=True)
+    wide = torch.randn(1, 2, 40, 64, dtype=f16, device=device)
+    for grad_out, grad_lse, scale in ((torch.randn_like(out), None, None), (wide[..., ::2], None, None),
+                                      (torch.randn_like(out), torch.randn_like(lse), None),
+                                      (torch.randn_like(out), None, 0.3)):
+        out_s, lse_s = (out, lse) if scale is None else attention(q, k, v, scale=scale, backend=backend,
+                                                                    return_lse=True)
+        for _ in range(3):
+            grads = attention_backward(grad_out, q, k, v, out_s, lse_s, grad_lse=grad_lse, scale=scale,
+                                       backend=backend)
+            check_grads(grads, q, k, v, grad_out, grad_lse=grad_lse, out=out_s, scale=scale)
+    assert len(planned) == 4 * 2
+    mask = torch.rand(40, 40, device=device) > 0.3
+    out, lse = attention(q, k, v, attn_mask=mask, backend=backend, return_lse=True)
+    for _ in range(3):
+        grad_out = torch.randn_like(out)
+        grads = attention_backward(grad_out, q, k, v, out, lse, attn_mask=mask, backend=backend)
+        check_grads(grads, q, k, v, grad_out, out=out, attn_mask=mask)
+    assert len(planned) == 4 * 2 + 3
+
+
 # -- the registered operators ---------------------------------------------------------------
 
 def test_opcheck(backend, device):
