@@ -149,7 +149,6 @@ class KernelBackendModule(BackendModule, Protocol):
         where ``keys`` (later keys of another length and strides); None where it cannot bind it
         (``common.reuse`` then launches each call's plan through :meth:`forward`)."""
 
-
     def bind_backward(self, plan: BackwardPlan):
         """``plan``'s launches (just made by :meth:`backward` on this thread) bound to its layout: a
         callable taking the call's tensors in ``BackwardPlan.ROLES`` order that launches both passes
