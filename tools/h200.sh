@@ -6,7 +6,7 @@
 #         gluon (the Gluon forward's tests and probe)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA)
 #         gluon-fp8 (both stages' tests side by side, then both probes)
-#         gluon-fp8-owed (the Gluon tests beside the FP8 and kept-plan tests, then the Gluon and FP8 decode probes)
+#         owed (the FP8 decode probe, NineToothed's small backward)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
 #         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
@@ -56,13 +56,10 @@ for stage in "$@"; do
     # and SDPA; the whole suite through it: ATTENTION_GLUON=1 bash tools/h200.sh test1 rest
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
-    # the Gluon tests beside the FP8 and kept-plan tests, then the Gluon probe and the FP8 decode probe (one call: a
-    # branch of each kind owed to the H200, merged into one tree first)
-    gluon-fp8-owed) (timeout 200 python3 -m pytest tests/test_gluon.py -q -n 6 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 > "$OUT/gluon_tests.log") &
-                    timeout 200 python3 -m pytest tests/test_fp8.py tests/test_attention.py -k "fp8 or plan or reuse or grow" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 > "$OUT/fp8_tests.log"; wait
-                    cat "$OUT/gluon_tests.log" "$OUT/fp8_tests.log"
-                    timeout 170 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log"
-                    timeout 120 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log" ;;
+    # the probes that time host work a call (the FP8 decode's wall time, NineToothed's small backward); run
+    # beside the suite's parts on a tree with the owed branches merged: owed test1, then rest
+    owed) timeout 120 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log"
+          timeout 60 python3 tools/probe.py nt_bwd_small 2>&1 | tee "$OUT/nt_bwd_small.log" ;;
     fp8) timeout 240 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 8 -p no:cacheprovider --tb=short -rfEP 2>&1 | grep -v "^$" | tail -40 | tee "$OUT/fp8_tests.log"
          timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
     # Gluon's and FP8's tests side by side, then their probes one after the other (one call)
