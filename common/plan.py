@@ -709,9 +709,13 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.config = backend.configs.lookup_backward(
         max(plan.block_d, plan.block_dv), q.dtype, call.is_causal, Lq, Lk, backend.interpreted())
     plan.dot_precision = dot_precision(q.dtype)
-    alloc = allocator()
-    plan.delta = alloc((B, H, Lq), torch.float32, q.device)
-    plan.grad_query = alloc(q.shape, q.dtype, q.device)
-    plan.grad_key = alloc(k.shape, k.dtype, k.device)
-    plan.grad_value = alloc(v.shape, v.dtype, v.device)
+    plan.delta, plan.grad_query, plan.grad_key, plan.grad_value = backward_buffers(q, k, v)
     return plan
+
+
+def backward_buffers(q, k, v) -> tuple:
+    """What a backward launch writes: delta (B, H, Lq) float32 and dq, dk, dv (contiguous, the
+    inputs' shapes and dtypes), from the allocator."""
+    alloc = allocator()
+    return (alloc(q.shape[:3], torch.float32, q.device), alloc(q.shape, q.dtype, q.device),
+            alloc(k.shape, k.dtype, k.device), alloc(v.shape, v.dtype, v.device))

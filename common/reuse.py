@@ -391,10 +391,7 @@ class KeptBackward:
         if bound:
             if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
                 return None
-            alloc = allocator()
-            delta = alloc(q.shape[:3], torch.float32, q.device)
-            grads = alloc(q.shape, q.dtype, q.device), alloc(k.shape, k.dtype, k.device), alloc(v.shape, v.dtype,
-                                                                                                v.device)
+            delta, *grads = planning.backward_buffers(q, k, v)
             tensors = (q, k, v, out, grad_out, lse, grad_lse, delta, *grads)
             if self._interpreted:
                 with _quiet_interpreter():

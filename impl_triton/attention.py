@@ -305,14 +305,16 @@ class BoundMerge(BoundKernel):
 def backward(plan):
     """Launch the backward for a ``common.plan.BackwardPlan``: the dQ pass (which
     also stores delta), then the dK/dV pass. Returns ``(dq, dk, dv)``, filled in."""
-    for launcher, grid, args, num_warps, num_stages in _backward_launches(plan):
+    for launcher, grid, args, num_warps, num_stages, _ in _backward_launches(plan):
         launcher.run(grid, args, num_warps, num_stages)
     return plan.grad_query, plan.grad_key, plan.grad_value
 
 
 def _backward_launches(plan) -> tuple:
-    """((launcher, grid, args, num_warps, num_stages) of the dQ pass, the same of the dK/dV pass),
-    every argument positional (``CachedLauncher.run``)."""
+    """((launcher, grid, args, num_warps, num_stages, roles) of the dQ pass, the same of the dK/dV
+    pass), every argument positional (``CachedLauncher.run``); ``roles``, for :func:`bind_backward`:
+    which of the plan's tensors (index into ``BackwardPlan.ROLES``) each leading tensor argument is,
+    by position (one tensor may be passed as two of them)."""
     q, k, v = plan.query, plan.key, plan.value
     B, H, Lq, D = q.shape
     H_kv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -346,8 +348,12 @@ def _backward_launches(plan) -> tuple:
         *slope_strides,
         H_kv, plan.group, Lq, Lk, plan.scale, n_blocks, plan.dropout_p, plan.dropout_scale, *_band_args(plan),
     ), dict(BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, **common))
-    return ((_dq_launcher, (m_blocks * B * H, 1, 1), dq, config.num_warps, config.num_stages),
-            (_dkdv_launcher, (n_blocks * B * H_kv, 1, 1), dkdv, config.num_warps, config.num_stages))
+    # (query, key, value, out, grad_out, lse, the lse's gradient or the lse, delta, dq; and for dK/dV
+    # query, key, value, grad_out, lse, delta, dk, dv)
+    dq_roles = (0, 1, 2, 3, 4, 5, 6 if dlse is not None else 5, 7, 8)
+    dkdv_roles = (0, 1, 2, 4, 5, 7, 9, 10)
+    return ((_dq_launcher, (m_blocks * B * H, 1, 1), dq, config.num_warps, config.num_stages, dq_roles),
+            (_dkdv_launcher, (n_blocks * B * H_kv, 1, 1), dkdv, config.num_warps, config.num_stages, dkdv_roles))
 
 
 def bind_backward(plan):
@@ -359,10 +365,8 @@ def bind_backward(plan):
     launch never reads, the query."""
     if plan.attn_mask is not None or plan.seed is not None or plan.row_bands is not None or plan.alibi is not None:
         return None
-    lse_or_dlse = 6 if plan.grad_lse is not None else 5
-    leading = ((0, 1, 2, 3, 4, 5, lse_or_dlse, 7, 8), (0, 1, 2, 4, 5, 7, 9, 10))  # (see _backward_launches)
     bound = []
-    for roles, (launcher, grid, args, num_warps, num_stages) in zip(leading, _backward_launches(plan)):
+    for launcher, grid, args, num_warps, num_stages, roles in _backward_launches(plan):
         slots = list(enumerate(roles))
         for position, arg in enumerate(args[len(roles):], len(roles)):
             if isinstance(arg, torch.Tensor):
