@@ -4,19 +4,20 @@
 toward cuDNN's was built and measured); Gluon, Triton's lower-level DSL, exposes what FlashAttention-3
 is built from: explicit layouts, TMA copies completing on mbarriers, and asynchronous warp-group MMAs.
 
-Two kernels share the consumer warps' loop (``_consume``): Q is copied once by TMA, K and V tiles
+Three kernels share the consumer warps' loop (``_consume``): Q is copied once by TMA, K and V tiles
 stream through a ring of ``STAGES`` shared-memory slots, S = Q K^T and O += P V run as asynchronous
 ``warpgroup_mma`` with P passed in registers, the softmax of tile j overlapping S of tile j + 1
-(FlashAttention-3's in-warp-group overlap), and the online softmax is the ``tl`` kernel's (names
-``acc``, ``m_i``, ``l_i``, ``qk``, ``p``). ``_gluon_attn_fwd``'s warps refill the ring themselves;
-``_gluon_attn_fwd_ws`` gives that to a producer warp of its own (``warp_specialize``). FlashAttention-3's
-two consumer warp groups in ping-pong are not built yet.
+(FlashAttention-3's in-warp-group overlap), the online softmax is the ``tl`` kernel's (names
+``acc``, ``m_i``, ``l_i``, ``qk``, ``p``), and the output leaves by TMA through Q's shared tile.
+``_gluon_attn_fwd``'s warps refill the ring themselves; ``_gluon_attn_fwd_ws`` gives that to a producer
+warp of its own (``warp_specialize``); ``_gluon_attn_fwd_pp`` adds FlashAttention-3's two consumer warp
+groups in ping-pong (one's softmax under the other's products).
 
 It serves the plain forward only: float16 or bfloat16, D = Dv in {64, 128, 256}, causal (either
-alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs whose strides
-TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
-kernel (``serves``); of what it serves, the Triton backend sends it the head dims where it is faster
-(``chooses``: D 256 by default; ``ATTENTION_GLUON=1`` every plan it serves, ``0`` none).
+alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs and output whose
+strides TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
+kernel (``serves``); of what it serves, the Triton backend sends it the head dims and lengths where it is
+faster (``chooses``: ``DEFAULTS``; ``ATTENTION_GLUON=1`` every plan it serves, ``0`` none).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -86,8 +88,7 @@ def _whole_tiles(Lk, row_start, causal_shift, BLOCK_N: gl.constexpr, IS_CAUSAL: 
 
 @gluon.jit
 def _gluon_attn_fwd(
-    q_desc, k_desc, v_desc, Out, Lse,
-    stride_oz, stride_oh, stride_om,
+    q_desc, k_desc, v_desc, o_desc, Lse,
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, num_warps: gl.constexpr,
@@ -95,7 +96,7 @@ def _gluon_attn_fwd(
     """One (batch, head, BLOCK_M-row block) program. Descriptors over (B, H, L, D) tensors, blocks
     (1, 1, rows, D): rows past a head's length read as zeros (TMA's bounds are the tensor's), and
     keys past Lk are masked. Causal: row i sees keys j <= i + causal_shift (0: top-left; Lk - Lq:
-    bottom-right). Out is (B, H, Lq, D) with a unit last stride; Lse (B, H, Lq) float32. Its warps
+    bottom-right). o_desc is the output's descriptor, blocks as q_desc's; Lse (B, H, Lq) float32. Its warps
     fill the K/V ring themselves (``_consume`` with PRODUCER False)."""
     dtype: gl.constexpr = q_desc.dtype
     start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
@@ -109,8 +110,8 @@ def _gluon_attn_fwd(
         mbarrier.init(kv_bars.index(s), count=1)
     fence_async_shared()
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, Out, Lse,
-             stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, o_desc, Lse,
+             scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
              start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0,
              NEGATIVE_SCALE)
     mbarrier.invalidate(q_bar)
@@ -139,7 +140,7 @@ def _key_tiles(Lk, start_m, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn_wait, turn_arrive,
-             Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+             o_desc, Lse, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
              row_start, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr,
              PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
@@ -173,7 +174,6 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [off_z, off_h, row_start, 0], q_bar, q_smem)
@@ -239,11 +239,13 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         gl.store(Lse + off_hz.to(gl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
     l_i = gl.where(l_i == 0.0, 1.0, l_i)
     out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    rows = row_start + gl.arange(0, BLOCK_M, layout=row_o)
-    cols = gl.arange(0, HEAD_DIM, layout=col_o)
-    o_ptrs = (Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
-              + rows.to(gl.int64)[:, None] * stride_om + cols[None, :])
-    gl.store(o_ptrs, out.to(dtype), mask=rows[:, None] < Lq)
+    # The output leaves by TMA through Q's shared tile (same block and layout; every product that read Q
+    # is complete): one bulk copy, clipped at the head's Lq rows by the descriptor, as FlashAttention-3's
+    # epilogue, instead of a masked store from each thread.
+    q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [off_z, off_h, row_start, 0], q_smem)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -263,8 +265,7 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_
 
 @gluon.jit
 def _gluon_attn_fwd_ws(
-    q_desc, k_desc, v_desc, Out, Lse,
-    stride_oz, stride_oh, stride_om,
+    q_desc, k_desc, v_desc, o_desc, Lse,
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -289,8 +290,8 @@ def _gluon_attn_fwd_ws(
     fence_async_shared()
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     gl.warp_specialize([
-        (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, Out,
-                    Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+        (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, o_desc,
+                    Lse, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
                     start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, False,
                     0, NEGATIVE_SCALE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
@@ -304,8 +305,7 @@ def _gluon_attn_fwd_ws(
 
 @gluon.jit
 def _gluon_attn_fwd_pp(
-    q_desc, k_desc, v_desc, Out, Lse,
-    stride_oz, stride_oh, stride_om,
+    q_desc, k_desc, v_desc, o_desc, Lse,
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -337,11 +337,11 @@ def _gluon_attn_fwd_pp(
     row_start = start_m * 2 * BLOCK_M
     gl.warp_specialize([
         (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready, kv_empty,
-                    turns.index(0), turns.index(1), Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk,
+                    turns.index(0), turns.index(1), o_desc, Lse, scale, Lq, Lk,
                     causal_shift, off_z, off_h, off_h_kv, off_hz, row_start, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
                     STAGES, IS_CAUSAL, WITH_LSE, True, True, 1, NEGATIVE_SCALE)),
         (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready, kv_empty,
-                    turns.index(1), turns.index(0), Out, Lse, stride_oz, stride_oh, stride_om, scale, Lq, Lk,
+                    turns.index(1), turns.index(0), o_desc, Lse, scale, Lq, Lk,
                     causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M, n_tiles, BLOCK_M, BLOCK_N,
                     HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0, NEGATIVE_SCALE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
@@ -387,7 +387,7 @@ def serves(plan) -> bool:
     """Whether this kernel runs a ``common.plan.ForwardPlan``: an sm_90 GPU, float16/bfloat16, D = Dv
     in HEAD_DIMS, heads not packed, no FP8 input, mask, dropout, soft-capping, sinks, ALiBi, packed sequences,
     split or running result, a band with no left edge (causal, either alignment, or a right window
-    alone: row i sees keys up to i + band[1]), TMA-ready inputs."""
+    alone: row i sees keys up to i + band[1]), TMA-ready inputs and output."""
     q, k, v = plan.query, plan.key, plan.value
     return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
@@ -395,7 +395,7 @@ def serves(plan) -> bool:
             and plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.sinks is None
             and plan.row_bands is None and plan.alibi is None and not plan.split and not plan.resume
             and plan.descales is None and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
-            and plan.out.stride(-1) == 1 and all(_tma_ready(t) for t in (q, k, v)))
+            and all(_tma_ready(t) for t in (q, k, v, plan.out)))
 
 
 def forward_plan(plan):
@@ -412,12 +412,13 @@ def tile(head_dim: int) -> tuple[int, int, int, int]:
     return {64: (128, 128, 3, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}[head_dim]
 
 
-def descriptors(q, k, v, block_m: int, block_n: int):
-    """TMA descriptors of (B, H, L, D) q, k, v with (1, 1, rows, D) blocks."""
+def descriptors(q, k, v, out, block_m: int, block_n: int):
+    """TMA descriptors of (B, H, L, D) q, k, v and out with (1, 1, rows, D) blocks (the output's as the
+    query's: it is written through the query's shared tile)."""
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[q.dtype]
     D = q.shape[-1]
     made = []
-    for t, rows in ((q, block_m), (k, block_n), (v, block_n)):
+    for t, rows in ((q, block_m), (k, block_n), (v, block_n), (out, block_m)):
         block = [1, 1, rows, D]
         layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
         made.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
@@ -442,10 +443,10 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
         out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
     if with_lse and lse is None:
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    q_desc, k_desc, v_desc = descriptors(q, k, v, block_m, block_n)
+    q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, out, block_m, block_n)
     grid = (triton.cdiv(Lq, block_m), B * H)
-    args = (q_desc, k_desc, v_desc, out, lse if with_lse else out, out.stride(0), out.stride(1), out.stride(2),
-            scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
+    args = (q_desc, k_desc, v_desc, o_desc, lse if with_lse else out, scale, H, H // H_kv, Lq, Lk,
+            0 if causal_shift is None else causal_shift)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
                 WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, num_warps=num_warps)
     if specialized:
@@ -475,11 +476,11 @@ def _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m,
     if with_lse and lse is None:
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     half = block_m // 2
-    q_desc, k_desc, v_desc = descriptors(q, k, v, half, block_n)
+    q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, out, half, block_n)
     grid = (triton.cdiv(Lq, block_m), B * H)
     _gluon_attn_fwd_pp[grid](
-        q_desc, k_desc, v_desc, out, lse if with_lse else out, out.stride(0), out.stride(1), out.stride(2),
-        scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
+        q_desc, k_desc, v_desc, o_desc, lse if with_lse else out, scale, H, H // H_kv, Lq, Lk,
+        0 if causal_shift is None else causal_shift,
         BLOCK_M=half, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
         WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=num_warps // 2)

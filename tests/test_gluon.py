@@ -20,8 +20,9 @@ VARIANTS = {"one-partition": {}, "producer-warp": {"specialized": True}, "ping-p
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_compiles_for_sm90_with_the_overlap(variant):
-    """Built for sm_90 with the installed Triton: warp-group MMAs, TMA copies, no spills, and the
-    loop waiting for a tile's S while the previous tile's P V is in flight."""
+    """Built for sm_90 with the installed Triton: warp-group MMAs, TMA copies in (K, V, Q) and out (the
+    output, once per consumer), no spills, and the loop waiting for a tile's S while the previous
+    tile's P V is in flight."""
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal"]
     command += [f"--{option}" for option in VARIANTS[variant]]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -29,6 +30,7 @@ def test_compiles_for_sm90_with_the_overlap(variant):
     line = re.search(r"D=128 .*", result.stdout).group(0)
     fields = dict(item.split("=") for item in line.split())
     assert int(fields["STACK"]) == 0 and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
+    assert int(fields["UTMASTG"]) == (2 if variant == "ping-pong" else 1), line
     assert fields["OVERLAP"] == "1", line
 
 
@@ -67,6 +69,24 @@ def test_gluon_forward_matches_sdpa(D, dtype, causal, case, variant):
     seen = expected_lse.isfinite()
     assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
     torch.testing.assert_close(lse[seen], expected_lse[seen], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_output_written_by_tma_into_a_strided_view(variant):
+    """The output's TMA store follows the output's own strides: a (B, Lq, H, D) buffer seen as (B, H, Lq, D),
+    its rows padded past D, gets every row of every head and nothing past D or past Lq (poisoned)."""
+    from impl_triton import gluon_attention as ga
+
+    B, H, Lq, Lk, D = 2, 4, 333, 300, 128
+    q = torch.randn(B, H, Lq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, H, Lk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    buffer = torch.full((B, Lq + 7, H, D + 8), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = buffer[:, :Lq, :, :D].transpose(1, 2)
+    ga.forward(q, k, v, D ** -0.5, 0, False, out=out, **VARIANTS[variant])
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+    assert buffer[:, Lq:].isnan().all() and buffer[..., D:].isnan().all()
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")

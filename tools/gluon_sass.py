@@ -6,9 +6,10 @@
 Gluon kernels do not run under Triton's interpreter; compiling them for a named target needs no
 GPU (Triton ships ptxas and the disassembler), so on a CPU this checks that the kernel builds with
 the installed Triton and reads what the H200 would run: registers, stack (spills), shared memory,
-and the tensor-core, TMA and wait instructions (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the loop waits
-for S of a tile while P V of the one before is still in flight, FlashAttention-3's overlap). One
-line per head dim: ``D=<d> REG=<n> STACK=<n> SMEM=<n> HGMMA=<n> UTMALDG=<n> OVERLAP=<0|1>``.
+and the tensor-core, TMA (loads, and the output's store) and wait instructions
+(``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the loop waits for S of a tile while P V of the one before is
+still in flight, FlashAttention-3's overlap). One
+line per head dim: ``D=<d> REG=<n> STACK=<n> SMEM=<n> HGMMA=<n> UTMALDG=<n> UTMASTG=<n> OVERLAP=<0|1>``.
 """
 
 from __future__ import annotations
@@ -65,13 +66,13 @@ def main(argv=None) -> int:
         block_m, block_n, stages, num_warps = args.config or (ga.pingpong_tile(D) if args.pingpong else ga.tile(D))
         if args.pingpong:  # (each consumer: half the rows and half the warps)
             block_m, num_warps = block_m // 2, num_warps // 2
-        q_desc, k_desc, v_desc = ga.descriptors(q, k, v, block_m, block_n)
         out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
+        q_desc, k_desc, v_desc, o_desc = ga.descriptors(q, k, v, out, block_m, block_n)
         fn, extra = ((ga._gluon_attn_fwd_pp, dict(PRODUCER_REGS=ga.PRODUCER_REGS, CONSUMER_REGS=ga.CONSUMER_REGS))
                      if args.pingpong else (ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS))
                      if args.specialized else (ga._gluon_attn_fwd, {}))
         kernel = fn.warmup(
-            q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2), 0.125, 8, 4, 1000, 1000, 0,
+            q_desc, k_desc, v_desc, o_desc, lse, 0.125, 8, 4, 1000, 1000, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,
             NEGATIVE_SCALE=False,
             num_warps=num_warps, grid=(1,), **extra)
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
         overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
         print(f"D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
               f"HGMMA={len(re.findall(r'HGMMA', sass))} UTMALDG={len(re.findall(r'UTMALDG', sass))} "
+              f"UTMASTG={len(re.findall(r'UTMASTG', sass))} "
               f"OVERLAP={overlap}", flush=True)
     return 0
 
