@@ -11,6 +11,10 @@ Look-ups are keyed on *buckets* of the lengths, never on the lengths
 themselves, so a decoding loop (one more key per step) hits the same entry,
 and the same compiled kernel, at every step.
 
+The Triton backend's table also says, in its ``gluon`` section, which kernel runs a plain
+forward on sm_90 (``GLUON_VARIANTS``: the ``tl`` kernel or a variant of the Gluon kernel), keyed
+alike on the shorter of the query and key lengths (:meth:`ConfigTable.lookup_gluon`).
+
 Under Triton's interpreter the numbers that matter are different (each
 operation costs the same whatever its size, so fewer, larger blocks are
 faster) and warps and stages mean nothing: the look-ups answer with
@@ -31,6 +35,9 @@ import torch
 
 # Query-length buckets of the committed tables (a length uses the first bucket >= it).
 LENGTH_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+# What the gluon section may name: the tl kernel, or the Gluon kernel's variant (one partition, a
+# producer warp, two consumer warp groups in ping-pong; impl_triton.gluon_attention).
+GLUON_VARIANTS = ("tl", "one", "producer", "pingpong")
 # Lengths are rounded up to a power of two, capped here, before any look-up.
 _MAX_LENGTH_KEY = 1 << 15
 
@@ -164,9 +171,13 @@ def interpreter_backward_config(block_d: int, q_len: int, k_len: int) -> Backwar
 class ConfigTable:
     """One backend's committed table (read-only at run time)."""
 
-    def __init__(self, entries: dict, meta: dict):
+    def __init__(self, entries: dict, meta: dict, gluon: dict | None = None):
         self.entries = entries
         self.meta = meta
+        self.gluon = gluon or {}
+        bad = {k: v for k, v in self.gluon.items() if v not in GLUON_VARIANTS}
+        if bad:
+            raise ValueError(f"a config table's gluon section names {GLUON_VARIANTS}, got {bad}")
 
     @classmethod
     def load(cls, package: str) -> ConfigTable:
@@ -177,7 +188,7 @@ class ConfigTable:
         data = json.loads(resource.read_text())
         entries = {k: (BackwardConfig(*v) if k.startswith("bwd-") else Config(*v))
                    for k, v in data.get("entries", {}).items()}
-        return cls(entries, data.get("meta", {}))
+        return cls(entries, data.get("meta", {}), data.get("gluon", {}))
 
     @staticmethod
     def path(package: str) -> pathlib.Path:
@@ -185,9 +196,11 @@ class ConfigTable:
         return pathlib.Path(str(importlib.resources.files(package) / "configs.json"))
 
     @staticmethod
-    def write(path: pathlib.Path, entries: dict, meta: dict) -> None:
+    def write(path: pathlib.Path, entries: dict, meta: dict, gluon: dict | None = None) -> None:
         data = {"meta": meta, "entries": {k: [x for x in dataclasses.astuple(v) if x is not None]
                                           for k, v in sorted(entries.items())}}
+        if gluon:
+            data["gluon"] = dict(sorted(gluon.items()))
         path.write_text(json.dumps(data, indent=1) + "\n")
 
     def lookup(self, block_d: int, dtype: torch.dtype, is_causal: bool, q_len: int, k_len: int,
@@ -207,6 +220,15 @@ class ConfigTable:
         if forced is not None:
             return forced
         return self._lookup_backward(block_d, dtype, is_causal, length_key(q_len), length_key(k_len), interpreted)
+
+    def lookup_gluon(self, head_dim: int, dtype: torch.dtype, is_causal: bool, length: int) -> str:
+        """The kernel that runs a plain forward on sm_90 (one of ``GLUON_VARIANTS``), by the bucket of
+        ``length``, the shorter of its query and key lengths; "tl" where the table has no entry."""
+        return self._lookup_gluon(head_dim, dtype, is_causal, length_key(length))
+
+    @functools.lru_cache(maxsize=512)  # noqa: B019 - one table per backend, alive for the process
+    def _lookup_gluon(self, head_dim, dtype, is_causal, length) -> str:
+        return self.gluon.get(key(head_dim, dtype, is_causal, length_bucket(length)), "tl")
 
     @functools.lru_cache(maxsize=512)  # noqa: B019 - one table per backend, alive for the process
     def _lookup(self, block_d, dtype, is_causal, q_key, k_key, interpreted, kv_dtype) -> Config:

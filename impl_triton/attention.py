@@ -112,8 +112,9 @@ def forward(plan):
 
     Returns ``(plan.out, plan.lse)``, filled in.
     """
-    if gluon_attention.chooses(plan):  # (sm_90: the Gluon kernel)
-        return gluon_attention.forward_plan(plan)
+    chosen = gluon_attention.variant(plan)  # (sm_90: the Gluon kernel where the config table says)
+    if chosen is not None:
+        return gluon_attention.forward_plan(plan, chosen)
     _fwd_launcher.run(*_forward_launch(plan)[:5])
     if plan.split and not plan.refinement.kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, plan.value.shape[3], plan.lse))
@@ -191,7 +192,7 @@ def bind_forward(plan, keys: bool = False):
     a running result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`)."""
-    if gluon_attention.chooses(plan):  # (each call through forward: the Gluon kernel)
+    if gluon_attention.variant(plan) is not None:  # (each call through forward: the Gluon kernel)
         return None
     grid, args, num_warps, num_stages, maxnreg, counts = _forward_launch(plan)
     prefix = _tensor_roles(plan, args, counts)

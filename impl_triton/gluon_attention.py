@@ -17,7 +17,8 @@ It serves the plain forward only: float16 or bfloat16, D = Dv in {64, 128, 256},
 alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs and output whose
 strides TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
 kernel (``serves``); of what it serves, the Triton backend sends it the head dims and lengths where it is
-faster (``chooses``: ``DEFAULTS``; ``ATTENTION_GLUON=1`` every plan it serves, ``0`` none).
+faster (``variant``: the config table's gluon section; ``ATTENTION_GLUON=1`` every plan it serves, ``0``
+none).
 """
 
 from __future__ import annotations
@@ -362,25 +363,36 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
 
 
-# Where this kernel is the default on sm_90, by head dim: its variant there and the shortest query and key
-# length it takes, where the H200 measured that variant faster than the tl kernel (benchmarks/NOTES.md;
-# shorter sequences leave the tl kernel's tiles ahead). ATTENTION_GLUON=1 sends it every plan it serves (each
-# head dim through its variant here, at any length), ATTENTION_GLUON=0 none (the tl kernel everywhere).
-DEFAULTS = {64: ("pingpong", 8192), 128: ("pingpong", 1024), 256: ("producer", 0)}
+# ATTENTION_GLUON=1: each head dim's variant at every length (the one the H200 measured fastest at long
+# lengths, benchmarks/NOTES.md); unset, the Triton backend's config table says, per key
+# (common.configs.ConfigTable.lookup_gluon, written by ``tune --passes gluon``); 0: the tl kernel everywhere.
+FORCED = {64: "pingpong", 128: "pingpong", 256: "producer"}
+VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True}}
 
 
-def chooses(plan) -> bool:
-    """Whether the Triton backend runs ``plan`` (a ``common.plan.ForwardPlan``) on this kernel."""
+def variant(plan) -> str | None:
+    """The Gluon variant ("one", "producer" or "pingpong") that runs ``plan`` (a
+    ``common.plan.ForwardPlan``) on the Triton backend, or None for the tl kernel."""
     switch = os.environ.get("ATTENTION_GLUON", "")
     if switch not in ("", "0", "1"):
         raise ValueError(f"ATTENTION_GLUON must be 0, 1 or unset, got {switch!r}")
     if switch == "0":
-        return False
-    if switch == "":  # (before serves(): a call's host time asks the device nothing it need not)
-        default = DEFAULTS.get(plan.query.shape[-1])
-        if default is None or min(plan.query.shape[2], plan.key.shape[2]) < default[1]:
-            return False
-    return serves(plan)
+        return None
+    q = plan.query
+    if switch == "1":
+        chosen = FORCED.get(q.shape[-1])
+    else:  # (the table before serves(): a call's host time asks the device nothing it need not)
+        chosen = _table().lookup_gluon(q.shape[-1], q.dtype, plan.band is not None,
+                                       min(q.shape[2], plan.key.shape[2]))
+    if chosen is None or chosen == "tl" or not serves(plan):
+        return None
+    return chosen
+
+
+def _table():
+    from common.backends import get_backend
+
+    return get_backend("triton").configs
 
 
 def serves(plan) -> bool:
@@ -398,11 +410,11 @@ def serves(plan) -> bool:
             and all(_tma_ready(t) for t in (q, k, v, plan.out)))
 
 
-def forward_plan(plan):
-    """Run a plan this kernel serves (``serves``) into its buffers: ``(plan.out, plan.lse)``."""
-    variant = DEFAULTS[plan.query.shape[-1]][0]
+def forward_plan(plan, chosen: str):
+    """Run a plan this kernel serves (``serves``) through variant ``chosen`` (``variant``'s answer) into
+    its buffers: ``(plan.out, plan.lse)``."""
     forward(plan.query, plan.key, plan.value, plan.scale, None if plan.band is None else plan.band[1],
-            plan.with_lse, plan.out, plan.lse, specialized=variant == "producer", pingpong=variant == "pingpong")
+            plan.with_lse, plan.out, plan.lse, **VARIANTS[chosen])
     return plan.out, plan.lse
 
 

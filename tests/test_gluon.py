@@ -101,7 +101,7 @@ def test_attention_takes_the_gluon_path_when_switched_on(monkeypatch):
     PLANS.clear()
     taken = []
     run = ga.forward_plan
-    monkeypatch.setattr(ga, "forward_plan", lambda plan: taken.append(plan.query.shape) or run(plan))
+    monkeypatch.setattr(ga, "forward_plan", lambda plan, chosen: taken.append(plan.query.shape) or run(plan, chosen))
     q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
@@ -118,11 +118,12 @@ def test_attention_takes_the_gluon_path_when_switched_on(monkeypatch):
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
 @pytest.mark.parametrize("switch", ["", "0", "1"], ids=["default", "forced-off", "forced-on"])
 def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
-    """Unset, the switch sends each head dim to the Gluon variant that measured faster than the tl kernel
-    where it did (D 256 with a producer warp at any length, D 128 in ping-pong from 1024 queries and keys,
-    D 64 in ping-pong from 8192) and the rest to the tl kernel; ATTENTION_GLUON=0 sends none, =1 every
-    shape (through its head dim's variant). Every answer matches SDPA."""
+    """Unset, the switch sends each shape to the kernel the Triton backend's config table names for it
+    (its gluon section, written by ``tune --passes gluon``: the tl kernel or a Gluon variant);
+    ATTENTION_GLUON=0 sends none to the Gluon kernel, =1 every shape (through its head dim's variant,
+    ``FORCED``). Every answer matches SDPA."""
     from common import attention
+    from common.backends import get_backend
     from common.reuse import PLANS
     from impl_triton import gluon_attention as ga
 
@@ -133,16 +134,19 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     monkeypatch.setattr(ga, "forward", lambda q, *args, specialized=False, pingpong=False, **kw: taken.append(
         (q.shape[2], q.shape[-1], "pingpong" if pingpong else "producer" if specialized else "one")) or run(
         q, *args, specialized=specialized, pingpong=pingpong, **kw))
-    shapes = ((2, 4, 1024, 256), (2, 8, 1024, 128), (2, 8, 512, 128), (1, 4, 8192, 64), (2, 8, 4096, 64))
+    shapes = ((2, 4, 1024, 256), (2, 8, 1024, 128), (2, 8, 200, 128), (1, 4, 8192, 64), (2, 8, 4096, 64),
+              (4, 4, 1024, 64))
+    table = get_backend("triton").configs
     for B, H, L, D in shapes:
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = attention(q, k, v, is_causal=True, backend="triton")
         expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
-    default = [(1024, 256, "producer"), (1024, 128, "pingpong"), (8192, 64, "pingpong")]
-    forced = [(1024, 256, "producer"), (1024, 128, "pingpong"), (512, 128, "pingpong"), (8192, 64, "pingpong"),
-              (4096, 64, "pingpong")]
+    named = [(L, D, table.lookup_gluon(D, torch.bfloat16, True, L)) for B, H, L, D in shapes]
+    default = [(L, D, chosen) for L, D, chosen in named if chosen != "tl"]
+    forced = [(L, D, ga.FORCED[D]) for B, H, L, D in shapes]
     assert taken == {"": default, "0": [], "1": forced}[switch]
+    assert switch != "" or len(default) >= 2  # (the committed table sends some of these shapes to Gluon)
 
 
 def test_switch_takes_0_1_or_nothing(monkeypatch, device):
@@ -164,7 +168,7 @@ def test_switched_on_without_hopper_runs_the_tl_kernel(monkeypatch, device):
     from impl_triton import gluon_attention as ga
 
     monkeypatch.setenv("ATTENTION_GLUON", "1")
-    monkeypatch.setattr(ga, "forward_plan", lambda plan: pytest.fail("the Gluon kernel ran off sm_90"))
+    monkeypatch.setattr(ga, "forward_plan", lambda plan, chosen: pytest.fail("the Gluon kernel ran off sm_90"))
     q, k, v = (torch.randn(1, 2, 33, 64, device=device, dtype=torch.float16) for _ in range(3))
     out = attention(q, k, v, is_causal=True, backend="triton")
     expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)

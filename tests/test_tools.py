@@ -421,6 +421,97 @@ def test_tune_keeps_each_key_as_it_goes(tmp_path, monkeypatch):
     assert entries[untouched] == [x for x in dataclasses.astuple(committed[untouched]) if x is not None]
 
 
+def test_tune_gluon_pass_writes_the_gluon_section(tmp_path, monkeypatch):
+    """``--passes gluon`` times the tl kernel against the Gluon variants per key (the Triton backend on
+    sm_90 only; NineToothed has no Gluon kernel) and writes each key's fastest into the table's gluon
+    section for every 16-bit dtype asked, keeping the config entries and the section's other keys; off
+    sm_90 it times and writes nothing."""
+    import argparse
+    import json
+
+    import torch
+
+    from common.backends import get_backend
+    from common.configs import key
+    from common.tools import tune
+
+    path = _tune_on_a_stand_in_gpu(tmp_path, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    timed = []
+
+    def tune_gluon(block_d, dtype, is_causal, bucket):
+        timed.append((block_d, dtype, is_causal, bucket))
+        return ("pingpong" if is_causal else "tl"), {}
+    monkeypatch.setattr(tune, "tune_gluon", tune_gluon)
+    args = argparse.Namespace(backends=["triton", "ninetoothed"], passes=["gluon"], head_dims=[32, 256],
+                              buckets=[4096], dtypes=["float16", "bfloat16"])
+    tune.main(args)
+    written = json.loads(path.read_text())
+    committed = get_backend("triton").configs
+    assert timed == [(256, torch.float16, False, 4096), (256, torch.float16, True, 4096)]  # (no Gluon at D 32)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert written["gluon"][key(256, dtype, False, 4096)] == "tl"
+        assert written["gluon"][key(256, dtype, True, 4096)] == "pingpong"
+    untouched = key(128, torch.float16, True, 1024)
+    assert written["gluon"][untouched] == committed.gluon[untouched]
+    assert len(written["entries"]) == len(committed.entries)
+
+    path.unlink()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    timed.clear()
+    tune.main(args)
+    assert timed == [] and not path.exists()
+
+
+def test_gluon_section_looked_up_by_the_shorter_lengths_bucket(tmp_path, monkeypatch):
+    """The gluon section round-trips through a table; a look-up takes the bucket of the length it is given
+    (the shorter of query and key: a decode step's one query is bucket 16), answers "tl" where the table
+    has no key, and a table naming anything but the tl kernel or a Gluon variant is refused on load."""
+    import json
+
+    import torch
+
+    from common.configs import Config, ConfigTable, key
+
+    package = tmp_path / "gluontable"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    gluon = {key(128, torch.bfloat16, True, 1024): "pingpong", key(128, torch.bfloat16, True, 16): "tl",
+             key(256, torch.float16, False, 16384): "producer"}
+    entries = {key(64, torch.float16, True, 1024): Config(128, 64, 4, 3)}
+    ConfigTable.write(package / "configs.json", entries, {"how": "test"}, gluon)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table = ConfigTable.load("gluontable")
+    assert table.gluon == gluon and table.entries == entries
+    assert table.lookup_gluon(128, torch.bfloat16, True, 1024) == "pingpong"
+    assert table.lookup_gluon(128, torch.bfloat16, True, 300) == "pingpong"  # (bucket 1024 holds 257-1024)
+    assert table.lookup_gluon(128, torch.bfloat16, True, 1) == "tl"
+    assert table.lookup_gluon(128, torch.bfloat16, False, 1024) == "tl"  # (no key)
+    assert table.lookup_gluon(128, torch.float16, True, 1024) == "tl"  # (no key for this dtype)
+    assert table.lookup_gluon(256, torch.float16, False, 100000) == "producer"  # (past the last bucket)
+    data = json.loads((package / "configs.json").read_text())
+    data["gluon"][key(64, torch.float16, True, 1024)] = "gluon"
+    (package / "configs.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="gluon section"):
+        ConfigTable.load("gluontable")
+
+
+def test_committed_gluon_section_covers_its_head_dims():
+    """The Triton table's gluon section has a key for every head dim the Gluon kernel takes, 16-bit
+    dtype, causal mode and length bucket, each naming a kernel that exists."""
+    import torch
+
+    from common.backends import get_backend
+    from common.configs import GLUON_VARIANTS, LENGTH_BUCKETS, key
+    from impl_triton.gluon_attention import FORCED, HEAD_DIMS, VARIANTS
+
+    gluon = get_backend("triton").configs.gluon
+    expected = {key(d, dtype, causal, bucket) for d in HEAD_DIMS for dtype in (torch.float16, torch.bfloat16)
+                for causal in (False, True) for bucket in LENGTH_BUCKETS}
+    assert set(gluon) == expected
+    assert set(GLUON_VARIANTS) == {"tl", *VARIANTS} and set(FORCED.values()) <= set(VARIANTS)
+
+
 def test_a_capped_candidate_round_trips_through_a_table(tmp_path, monkeypatch):
     """A tuned entry may carry a register cap (a candidate's fifth value, ``Config.maxnreg``):
     written by ``tune`` and loaded back it is the same config, cap and all, and entries without

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd bwd-tune-nt tune64 tune128 quirks compare
+# stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
 #         gluon (the Gluon forward's tests and probe)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA)
@@ -101,6 +101,8 @@ for stage in "$@"; do
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # the FP8 forward's table entries, timed in FP8 (both backends, D 64 and 128, every bucket from 1k)
     tune-fp8) timeout 500 python3 -m common tune --passes fwd --dtypes float8_e4m3fn 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    # the Triton table's gluon section: the tl kernel against each Gluon variant per key (sm_90)
+    tune-gluon) timeout 450 python3 -m common tune --backends triton --passes gluon --head-dims 64 128 256 2>&1 | tee "$OUT/tune_gluon.log"; cp impl_triton/configs.json "$OUT/triton_configs.json" ;;
     tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # memcheck over every kernel's calls, racecheck over one small call of each, a backend a process, all four

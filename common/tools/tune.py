@@ -10,12 +10,18 @@ asked, and, where ``float8_e4m3fn`` is asked, the forward timed again in FP8
 entries are merged into each backend's ``configs.json`` (in its package) after
 every key, so a run cut short keeps what it timed. Users' calls only look the
 tables up.
+
+The ``gluon`` pass (the Triton backend on an sm_90 GPU) times, per 16-bit key, the ``tl`` kernel against
+each variant of the Gluon forward (``impl_triton.gluon_attention``) on the same shape and writes the
+fastest into the table's ``gluon`` section, which sends plain forwards on sm_90 to their kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import os
 
 import torch
 
@@ -46,7 +52,7 @@ FP8_CANDIDATES = {
     64: [(128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 64, 4, 4)],
     128: [(128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 256, 8, 2)],
 }
-PASSES = ("fwd", "bwd")
+PASSES = ("fwd", "bwd", "gluon")
 DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 
 
@@ -101,6 +107,67 @@ def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, ba
     return best, times
 
 
+@contextlib.contextmanager
+def gluon_off():
+    """Inside the block the Triton backend runs the tl kernel on sm_90 too (``ATTENTION_GLUON=0``)."""
+    saved = os.environ.get("ATTENTION_GLUON")
+    os.environ["ATTENTION_GLUON"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["ATTENTION_GLUON"]
+        else:
+            os.environ["ATTENTION_GLUON"] = saved
+
+
+def tune_gluon(block_d: int, dtype, is_causal: bool, bucket: int, verbose=True):
+    """The fastest kernel for one key of the gluon section ("tl" or a Gluon variant), and every
+    kernel's time: the tl kernel through ``attention()`` (the Gluon kernel switched off), each
+    variant through ``gluon_attention.forward``, on tune's shape of the bucket."""
+    from common import attention
+    from common.tools.timing import gpu_time_ms
+    from impl_triton import gluon_attention as ga
+
+    q, k, v, _ = _inputs(block_d, bucket, dtype)
+    scale = block_d ** -0.5
+    times = {}
+    with gluon_off():
+        times["tl"] = gpu_time_ms(lambda: attention(q, k, v, is_causal=is_causal, backend="triton"))
+    for name, options in ga.VARIANTS.items():
+        try:
+            times[name] = gpu_time_ms(lambda: ga.forward(q, k, v, scale, 0 if is_causal else None, False, **options))
+        except Exception as error:  # noqa: BLE001 - a variant that does not build at this head dim
+            if verbose:
+                print(f"  {name}: {type(error).__name__}: {str(error)[:80]}")
+    best = min(times, key=times.get)
+    if verbose:
+        entry = key(block_d, dtype, is_causal, bucket)
+        ranked = ", ".join(f"{name}: {t * 1e3:.0f}us" for name, t in sorted(times.items(), key=lambda kv: kv[1]))
+        print(f"{'gluon':<12} {entry:<34} best {best}  ({ranked})", flush=True)
+    return best, times
+
+
+def _gluon_pass(args, path, entries, meta, gluon) -> None:
+    """The gluon pass's keys (sm_90, the Triton backend, head dims the Gluon kernel takes), each written
+    as it is timed."""
+    from impl_triton import gluon_attention as ga
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        print("gluon pass skipped: the Gluon forward runs on sm_90 only", flush=True)
+        return
+    sixteen_bit = [getattr(torch, name) for name in args.dtypes if name != "float8_e4m3fn"]
+    for block_d in (d for d in args.head_dims if d in ga.HEAD_DIMS):
+        for is_causal in (False, True):
+            for bucket in args.buckets:
+                if not sixteen_bit:
+                    continue
+                best, _ = tune_gluon(block_d, torch.float16, is_causal, bucket)
+                for dtype in sixteen_bit:
+                    gluon[key(block_d, dtype, is_causal, bucket)] = best
+                ConfigTable.write(path, entries, meta, gluon)
+
+
 def main(args) -> int:
     if not torch.cuda.is_available():
         from common.tools.cli import CommandError
@@ -118,8 +185,13 @@ def main(args) -> int:
     for backend in args.backends:
         spec = get_backend(backend)
         entries = dict(spec.configs.entries)  # the new table starts from the committed one
+        gluon = dict(spec.configs.gluon)
         path = ConfigTable.path(spec.package)
         for pass_ in args.passes:
+            if pass_ == "gluon":
+                if backend == "triton":
+                    _gluon_pass(args, path, entries, meta, gluon)
+                continue
             backward = pass_ == "bwd"
             for block_d in args.head_dims:
                 if backward and block_d not in BACKWARD_CANDIDATES:
@@ -134,7 +206,7 @@ def main(args) -> int:
                             best, _ = tune_one(backend, block_d, torch.float8_e4m3fn, is_causal, bucket)
                             entries[key(block_d, torch.float8_e4m3fn, is_causal, bucket)] = best
                         # written after every key: a run cut short (a time limit) keeps what it timed
-                        ConfigTable.write(path, entries, meta)
+                        ConfigTable.write(path, entries, meta, gluon)
         print(f"wrote {path}")
     return 0
 
@@ -143,6 +215,10 @@ DESCRIPTION = """\
 Times candidate block sizes, warps and stages for each kernel backend, pass, padded head
 dim, causal mode and query-length bucket on a GPU (timed in float16; FP8's forward in FP8),
 and writes the fastest into each backend's committed configs.json. Users' calls only look the tables up.
+
+The gluon pass (the Triton backend on an sm_90 GPU) times, per 16-bit key, the tl kernel against each
+variant of the Gluon forward on the same shape and writes the fastest into the table's gluon section,
+which sends plain forwards on sm_90 to their kernel.
 """
 
 
@@ -150,7 +226,8 @@ def add_arguments(parser):
     parser.add_argument("--backends", nargs="+", default=list(kernel_backends()), choices=list(kernel_backends()),
                         help="kernel backends to tune")
     parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES,
-                        help="the forward and/or the backward")
+                        help="the forward, the backward, and/or the gluon section (the Triton backend on sm_90: "
+                             "the tl kernel or a Gluon variant per key)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], choices=sorted(CANDIDATES),
                         help="padded head dims")
     parser.add_argument("--buckets", nargs="+", type=int, default=[b for b in LENGTH_BUCKETS if b >= 1024],
