@@ -123,8 +123,10 @@ def _gluon_attn_fwd(
 @gluon.jit
 def _program(H, GROUP):
     """This program's (row block, batch·head, batch, head, K/V head): the grid is (row blocks, B·H),
-    and head h reads K/V head h // GROUP."""
-    start_m = gl.program_id(0)
+    and head h reads K/V head h // GROUP. A head's row blocks run last first: causal, the last rows
+    reach the most keys, and the longest programs started first leave the shortest for the tail (as
+    the tl kernel orders them)."""
+    start_m = gl.num_programs(0) - 1 - gl.program_id(0)
     off_hz = gl.program_id(1)
     off_h = off_hz % H
     return start_m, off_hz, off_hz // H, off_h, off_h // GROUP
