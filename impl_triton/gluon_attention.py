@@ -475,9 +475,14 @@ CONSUMER_REGS = 240  # each ping-pong consumer warp group's registers (S, P and 
 
 def pingpong_tile(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the ping-pong variant: the program's rows and warps,
-    half to each consumer. At D 128 keys of 64 a tile: with 128, each consumer's S and O spill
-    under triton 3.9 (not under 3.6); a first choice, to be measured."""
-    return {64: (128, 128, 3, 8), 128: (128, 64, 3, 8), 256: (128, 64, 2, 8)}[head_dim]
+    half to each consumer. At D 128 keys of 128 a tile with three stages, the fastest on the H200
+    (triton 3.6, whose compiler fits each consumer's S and O in 8-24 bytes of stack); later Triton
+    spills 120 bytes there, so keys of 64 until measured."""
+    wide = 128 if _TRITON[:2] <= (3, 6) else 64
+    return {64: (128, 128, 3, 8), 128: (128, wide, 3, 8), 256: (128, 64, 2, 8)}[head_dim]
+
+
+_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 def _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages, num_warps):

