@@ -42,9 +42,9 @@ class BoundLaunch:
     """A plan's launch bound to one layout (the backend's ``bind_forward``): what a later call
     of that layout needs to allocate its outputs and launch, and nothing else."""
 
-    launch: object  # the backend's, called with (query, key, value, out, lse, o_part, lse_part)
+    launch: object  # the backend's, called with the call's tensors in ForwardPlan.ROLES order
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the output's (an FP8 query's is 16-bit)
     out_shape: tuple[int, ...]  # (B, Hp, Lqp, Dv), the kernel's view of the output
     shape: tuple[int, ...]  # (B, H, Lq, Dv), the caller's
     with_lse: bool
@@ -53,14 +53,15 @@ class BoundLaunch:
 
     @classmethod
     def of(cls, launch, plan: planning.ForwardPlan, backend) -> BoundLaunch:
-        return cls(launch, plan.query.device, plan.query.dtype, tuple(plan.out.shape), plan.shape,
+        return cls(launch, plan.query.device, plan.out.dtype, tuple(plan.out.shape), plan.shape,
                    plan.with_lse, plan.num_splits, backend.interpreted())
 
-    def __call__(self, query, key, value, blocks_per_split: int | None = None):
+    def __call__(self, query, key, value, blocks_per_split: int | None = None, descales=(None, None, None)):
         """``(out, lse)`` in the caller's 4-D shape: the outputs allocated, one launch
         (``blocks_per_split``: keys of another length and strides, which the backend's
-        ``launch_keys`` fills in). None where the launch cannot run here (another GPU is
-        current than the plan's: the full path switches to it)."""
+        ``launch_keys`` fills in; ``descales``: an FP8 call's, as the kernels read them,
+        :func:`common.plan.fp8_descales`). None where the launch cannot run here (another GPU
+        is current than the plan's: the full path switches to it)."""
         device = self.device
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             return None
@@ -73,7 +74,7 @@ class BoundLaunch:
         o_part = lse_part = None
         if self.num_splits > 1:
             o_part, lse_part = partials(self.out_shape[:3], self.num_splits, self.out_shape[3], device)
-        tensors = (query, key, value, out, lse, o_part, lse_part)
+        tensors = (query, key, value, out, lse, o_part, lse_part, *descales)
         if self.interpreted:
             with _quiet_interpreter():
                 self._launch(tensors, blocks_per_split)
@@ -115,12 +116,10 @@ class AttentionPlan:
         self._growing = {}  # (config, splits, refinement) -> the backend's launch bound for other keys, or False
         self._grown = None  # the last growing launch: (length key, block_n, key blocks, blocks per split, BoundLaunch)
         self._fields = None  # the planned decisions; None: nothing planned (SDPA, or nothing to launch yet)
-        # FP8 inputs: each call's descales are its own (set per run, never kept), and its launch is
-        # not bound (a bound launch takes no descales): later runs skip validation and planning only
+        # FP8 inputs: each call's descales are its own (passed per run, never kept; a bound launch
+        # takes them as tensors of the call)
         self._fp8 = call.descales is not None
         self._value_columns = False  # FP8 values copied column-major each run (common.plan.value_columns)
-        if self._fp8:
-            self._bound = False
         if backend.kernels and _launches(call.query, call.key):
             self._plan(call)
 
@@ -194,6 +193,9 @@ class AttentionPlan:
             return self._launch_other_keys(query, key, value, descales)
         bound = self._bound
         if bound:
+            if self._fp8:
+                value, kernel_descales = self._fp8_inputs(query, key, value, descales)
+                return bound(query, key, value, None, kernel_descales)
             return bound(query, key, value)
         with _on_device(query.device):
             plan = self._rebind(query, key, value, descales=descales)
@@ -209,6 +211,13 @@ class AttentionPlan:
                 launch = self._bind(plan)
             self._bound = BoundLaunch.of(launch, plan, self.backend) if launch is not None else False
         return results
+
+    def _fp8_inputs(self, query, key, value, descales):
+        """An FP8 call's values as the kernels read them (copied column-major where the plan copies
+        them) and its descales (:func:`common.plan.fp8_descales`)."""
+        if self._value_columns:
+            value = planning.value_columns(self.backend, value)
+        return value, planning.fp8_descales(descales or (None, None, None), query, key)
 
     def _launch_plan(self, plan):
         with ops._quiet(self.backend):
@@ -243,21 +252,20 @@ class AttentionPlan:
         """Keys of another length or strides (``grows_keys``): the last growing launch again where
         these keys plan alike (the config depends on the keys' length through its length key
         alone, the split count and blocks per split on the number of key blocks); else their
-        launch planned again and launched through the launch bound to its config and splits
-        (FP8: launched as planned, no bound launch)."""
+        launch planned again and launched through the launch bound to its config and splits."""
         if not _keys_fit(self.backend, key, value):
             return None  # the full path says what is wrong, or takes them
-        if self._fp8:
-            with _on_device(query.device):
-                return self._launch_plan(self._rebind(query, key, value, True, descales))
         grown = self._grown
         if grown is not None:
             length, block_n, k_blocks, blocks_per_split, bound = grown
             Lk = key.shape[2]
             if length_key(Lk) == length and -(-Lk // block_n) == k_blocks:
+                if self._fp8:
+                    value, kernel_descales = self._fp8_inputs(query, key, value, descales)
+                    return bound(query, key, value, blocks_per_split, kernel_descales)
                 return bound(query, key, value, blocks_per_split)
         with _on_device(query.device):
-            plan = self._rebind(query, key, value, other_keys=True)
+            plan = self._rebind(query, key, value, other_keys=True, descales=descales)
             with ops._quiet(self.backend):
                 launched = self._launch_growing(plan)
             return plan.results(plan.out, plan.lse) if launched else self._launch_plan(plan)

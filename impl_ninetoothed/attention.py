@@ -30,7 +30,7 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import DESCALE_ROWS, Widen
+from common.plan import DESCALE_ROWS, ForwardPlan, Widen
 from common.validation import OFFSET_LIMIT
 from impl_ninetoothed.kernels import (
     _COMBINE_SPLIT_COUNT_ARGS,
@@ -342,6 +342,9 @@ def bind_forward(plan, keys: bool = False):
         for role, own in enumerate((plan.out, plan.lse, plan.o_part, plan.lse_part), 3):
             if own is not None and t is own:
                 roles[i] = role
+    if plan.descales is not None:  # FP8 descales by position too (the three inputs before o and lse)
+        roles.update({len(inputs) - 5 + j: ForwardPlan.ROLES.index(name)
+                      for j, name in enumerate(("q_descale", "k_descale", "v_descale"))})
     key_inputs = {1: None, 2: None} if keys else {}
     if blocked_keys(plan):
         roles.update({3: 1, 4: 2})  # the whole blocks' views start where the keys and values do
@@ -443,8 +446,8 @@ class BoundGeneratedLaunch(BoundSlots):
 
 class BoundForward:
     """The forward's launches bound to a layout: the attention kernel's and, for split keys,
-    the merge's; called with the tensors ``common.reuse.BoundLaunch`` passes (query, key,
-    value, out, lse, o_part, lse_part)."""
+    the merge's; called with the tensors ``common.reuse.BoundLaunch`` passes
+    (``ForwardPlan.ROLES``: query, key, value, out, lse, o_part, lse_part and FP8 descales)."""
 
     def __init__(self, attention: BoundGeneratedLaunch, merge: BoundGeneratedLaunch | None):
         self.attention, self.merge = attention, merge
@@ -464,7 +467,7 @@ class BoundForward:
 
     def launch_plan(self, plan) -> None:
         """Launch a plan of the bound layout whose keys may differ in length and strides."""
-        self((plan.query, plan.key, plan.value, plan.out, plan.lse, plan.o_part, plan.lse_part))
+        self(plan.tensors())
 
 
 def backward(plan):

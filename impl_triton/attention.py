@@ -25,7 +25,7 @@ from common.launch import (
     int_classes,
     ticket_counters,
 )
-from common.plan import Widen
+from common.plan import ForwardPlan, Widen
 from impl_triton import gluon_attention
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _copy_values, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
@@ -213,22 +213,30 @@ def _tensor_roles(plan, args, counts):
     or None where one of its tensors is not the plan's own (a mask, a seed, sinks, bands)."""
     if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
         return None
-    # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x));
-    # the other tensors by identity: the plan's fresh outputs, or the counters.
-    roles = {id(t): role for role, t in zip(BoundForward.ROLES[3:], (
+    # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x)), and
+    # so FP8 descales (one tensor may be two of them); the other tensors by identity: the plan's
+    # fresh outputs, or the counters.
+    roles = {id(t): role for role, t in zip(("out", "lse", "o_part", "lse_part", "counts"), (
         plan.out, plan.lse, plan.o_part, plan.lse_part, counts)) if t is not None}
+    by_position = {0: "query", 1: "key", 2: "value"}
+    if plan.descales is not None:
+        by_position.update({_DESCALE_ARGS[0]: "q_descale", _DESCALE_ARGS[1]: "k_descale",
+                            _DESCALE_ARGS[2]: "v_descale"})
     prefix = ["query", "key", "value"]
-    for arg in args[3:]:
+    for position, arg in enumerate(args[3:], 3):
         if not isinstance(arg, torch.Tensor):
             break
-        if id(arg) not in roles:
+        role = by_position.get(position) or roles.get(id(arg))
+        if role is None:
             return None
-        prefix.append(roles[id(arg)])
+        prefix.append(role)
     if any(isinstance(arg, torch.Tensor) for arg in args[len(prefix):]):
         return None
     return prefix
 
 
+# the forward's FP8 descales' positions (roles by position, _tensor_roles)
+_DESCALE_ARGS = tuple(_fwd_launcher.arg_index(name) for name in ("Q_DESCALE", "K_DESCALE", "V_DESCALE"))
 # the forward's arguments that depend on the keys' length and strides (BoundForward's holes)
 _KEY_ARGS = tuple(_fwd_launcher.arg_index(name) for name in (
     "stride_kz", "stride_kh", "stride_kn", "stride_kd", "stride_vz", "stride_vh", "stride_vn", "stride_vd",
@@ -242,7 +250,7 @@ class BoundForward(BoundKernel):
     the ~60 arguments or our launch cache's key again (``common.launch.BoundKernel``: the
     compiled kernel per alignment of the inputs and class of each hole's integer)."""
 
-    ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "counts")
+    ROLES = (*ForwardPlan.ROLES, "counts")
 
     def __init__(self, prefix, tail, grid, num_warps, num_stages, maxnreg, counters, holes=(), merge=None):
         super().__init__(_fwd_launcher, grid, num_warps, num_stages, maxnreg)
@@ -263,6 +271,8 @@ class BoundForward(BoundKernel):
                 tail[i] = value
             tail = tuple(tail)
         aligned = inputs_aligned(tensors)
+        if tensors[7] is not None:  # (FP8: a caller's descales, whose alignment Triton specialises on too)
+            aligned = aligned and (tensors[7].data_ptr() | tensors[8].data_ptr() | tensors[9].data_ptr()) & 15 == 0
         key = (aligned, int_classes(values)) if values else aligned
         kernel = self.kernels.get(key)
         if kernel is not None:  # addresses, each tensor's once (common.launch.BoundKernel.run_compiled)
@@ -280,8 +290,7 @@ class BoundForward(BoundKernel):
 
     def launch_plan(self, plan) -> None:
         """Launch a plan of the bound layout whose keys may differ in length and strides."""
-        self.launch_keys((plan.query, plan.key, plan.value, plan.out, plan.lse, plan.o_part, plan.lse_part),
-                         plan.blocks_per_split)
+        self.launch_keys(plan.tensors(), plan.blocks_per_split)
 
 
 class BoundMerge(BoundKernel):

@@ -992,7 +992,7 @@ def test_bound_launch_passes_addresses(backend, device, monkeypatch, plans, plan
     assert len(kernels) == 2  # the attention kernel's launch and the merge's
     out = torch.empty(bound.shape, dtype=bound.dtype, device=device)
     o_part, lse_part = plan.partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
-    tensors = (q, k, v, out, None, o_part, lse_part)
+    tensors = (q, k, v, out, None, o_part, lse_part, None, None, None)  # (ForwardPlan.ROLES: no descales)
     launches, keys = {"launcher": {}, "direct": {}}, {}
     launch_new = BoundKernel.launch_new
 

@@ -215,12 +215,13 @@ KEPT_PLAN_CASES = {
 @pytest.mark.parametrize("case", sorted(KEPT_PLAN_CASES))
 def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
     """FP8 calls of one layout keep a plan, as plain calls do: later calls validate and plan
-    nothing (decode keys growing included), each takes its own descales (never the first call's)
-    and, where the plan copies the values column-major, its own values copied; the kept plan
-    holds no tensor; every result equals, bit for bit, the call planned afresh."""
+    nothing (decode keys growing included) and launch bound from the second, each taking its own
+    descales (never the first call's) and, where the plan copies the values column-major, its own
+    values copied; the kept plan holds no tensor; every result equals, bit for bit, the call planned
+    afresh."""
     from common import dispatch
     from common import plan as planning
-    from common.reuse import AttentionPlan
+    from common.reuse import AttentionPlan, BoundLaunch
 
     B, H, H_kv, Lq, Lk, D, query_dtype, is_causal, given = KEPT_PLAN_CASES[case]
     if case == "prefill_values_copied":
@@ -257,6 +258,8 @@ def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
         later.append((tensors, descales, attention(*tensors, **kw, **descales)))
     monkeypatch.undo()
     assert len(plans) == 1 and isinstance(kept, AttentionPlan)
+    # bound from the second call: the later calls launched through a bound launch, descales as its tensors
+    assert (kept._grown is not None) if case == "decode_growing_keys" else isinstance(kept._bound, BoundLaunch)
     if case == "prefill_values_copied":
         assert [c is t[2] for c, (t, _, _) in zip(copies, later)] == [True] * 3  # each call's own values
     for tensors, descales, out in [(*first_inputs, first)] + later:
@@ -268,6 +271,29 @@ def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
     doubled = attention(*tensors, **kw, **{**descales, "v_descale": 2 * v_descale})
     assert len(plans) == 1 + (descales["v_descale"] is None)  # (a given descale is another layout than None)
     assert torch.equal(doubled, (2 * out.float()).to(out.dtype))
+
+
+def test_fp8_bound_launch_takes_descales_by_position(backend, plans):
+    """A bound FP8 launch takes each descale by its position, never by which tensor it was at binding:
+    bound from calls that pass one tensor as both the keys' and the values' descale, later calls'
+    distinct descales are each read where given, bit for bit the call planned afresh (an unaligned
+    descale too: a view one float in)."""
+    from common import dispatch
+    from common.reuse import BoundLaunch
+
+    q, k, v, qd, kd, vd, *_ = _inputs(2, 4, 2, 24, 40, 32, 32)
+    kw = dict(is_causal=False, enable_gqa=True, backend=backend)
+    shared = kd * 1.5
+    for _ in range(2):
+        attention(q, k, v, q_descale=qd, k_descale=shared, v_descale=shared, **kw)
+    (kept,) = plans.values()
+    assert isinstance(kept._bound, BoundLaunch)
+    unaligned = torch.cat([torch.ones(1, device=DEVICE), (vd * 0.25).flatten()])[1:].view(vd.shape)
+    for descales in ((qd, kd, vd), (vd * 2, qd, kd * 4), (qd, kd, unaligned)):
+        given = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+        out = attention(q, k, v, **given, **kw)
+        assert torch.equal(out, dispatch.full_attention(q, k, v, **given, **kw))
+    assert len(plans) == 1
 
 
 def test_fp8_backends_agree_and_descales_default_to_one(backend):
