@@ -426,17 +426,18 @@ def tile(head_dim: int) -> tuple[int, int, int, int]:
     return {64: (128, 128, 3, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}[head_dim]
 
 
+def descriptor(t, rows: int):
+    """A TMA descriptor of a (B, H, L, D) float16/bfloat16 tensor with (1, 1, rows, D) blocks."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[t.dtype]
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def descriptors(q, k, v, out, block_m: int, block_n: int):
     """TMA descriptors of (B, H, L, D) q, k, v and out with (1, 1, rows, D) blocks (the output's as the
     query's: it is written through the query's shared tile)."""
-    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[q.dtype]
-    D = q.shape[-1]
-    made = []
-    for t, rows in ((q, block_m), (k, block_n), (v, block_n), (out, block_m)):
-        block = [1, 1, rows, D]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-        made.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
-    return made
+    return (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m))
 
 
 def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--specialized", action="store_true", help="the variant with a producer warp")
     parser.add_argument("--pingpong", action="store_true",
                         help="the variant with two consumer warp groups in ping-pong and a producer warp")
+    parser.add_argument("--backward", action="store_true",
+                        help="the Gluon backward's two passes (impl_triton.gluon_backward) instead of the forward")
     parser.add_argument("--config", nargs=4, type=int, metavar=("BLOCK_M", "BLOCK_N", "STAGES", "WARPS"),
                         help="a tile instead of gluon_attention.tile's")
     parser.add_argument("--out", default="/tmp/gluon_sass", help="where the TTGIR, PTX and SASS go")
@@ -60,6 +62,8 @@ def main(argv=None) -> int:
 
     out_dir = pathlib.Path(args.out)
     dtype = getattr(torch, args.dtype)
+    if args.backward:
+        return _backward(args, out_dir, dtype)
     for D in args.dims:
         q = torch.randn(2, 8, 1000, D, dtype=dtype)
         k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
@@ -83,6 +87,36 @@ def main(argv=None) -> int:
               f"HGMMA={len(re.findall(r'HGMMA', sass))} UTMALDG={len(re.findall(r'UTMALDG', sass))} "
               f"UTMASTG={len(re.findall(r'UTMASTG', sass))} "
               f"OVERLAP={overlap}", flush=True)
+    return 0
+
+
+def _backward(args, out_dir, dtype) -> int:
+    """The backward's dQ and dK/dV passes at each head dim it takes: one line a pass,
+    ``pass=<dq|dkdv> D=<d> REG= STACK= SMEM= HGMMA= UTMALDG= UTMASTG= OVERLAP=``."""
+    import impl_triton.gluon_backward as gb
+    from impl_triton.gluon_attention import descriptor
+
+    for D in (d for d in args.dims if d in gb.HEAD_DIMS):
+        q, o, do = (torch.randn(2, 8, 1000, D, dtype=dtype) for _ in range(3))
+        k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
+        lse, delta = torch.empty(2, 8, 1000), torch.empty(16, 1000)
+        (bm1, bn1, s1, w1), (bm2, bn2, s2, w2) = gb.tiles(D)
+        dq_kernel = gb._gluon_bwd_dq.warmup(
+            descriptor(q, bm1), descriptor(k, bn1), descriptor(v, bn1), descriptor(do, bm1), descriptor(q, bm1),
+            o, lse, lse, delta, *o.stride()[:3], *lse.stride(), *lse.stride(), 0.125, 8, 4, 1000, 1000, 0,
+            BLOCK_M=bm1, BLOCK_N=bn1, HEAD_DIM=D, STAGES=s1, IS_CAUSAL=args.causal, WITH_DLSE=False,
+            num_warps=w1, grid=(1,))
+        dkdv_kernel = gb._gluon_bwd_dkdv.warmup(
+            descriptor(q, bm2), descriptor(k, bn2), descriptor(v, bn2), descriptor(do, bm2), descriptor(k, bn2),
+            descriptor(v, bn2), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
+            BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=s2, IS_CAUSAL=args.causal, num_warps=w2, grid=(1,))
+        for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel)):
+            sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
+            regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
+            overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
+            print(f"pass={name} D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
+                  f"HGMMA={len(re.findall(r'HGMMA', sass))} UTMALDG={len(re.findall(r'UTMALDG', sass))} "
+                  f"UTMASTG={len(re.findall(r'UTMASTG', sass))} OVERLAP={overlap}", flush=True)
     return 0
 
 

@@ -53,6 +53,8 @@ is written to the project.
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 - gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
 - gluon_tiles: the Gluon forward's tiles swept at L 4096 (the three variants), SDPA beside.
+- gluon_bwd: the Gluon backward (impl_triton.gluon_backward) against our tl backward and SDPA's, the
+  backward alone (do_bench; 2.5x the forward's FLOPs), bf16, B·L = 16k, H·D = 2048, causal and not.
 - varlen_decode: a decoding step as a packed batch (64 sequences, 1 or 4 queries each), laid out
   per sequence against the packed layout, both backends, SDPA on the padded batch.
 - serving: transformers' continuous batching (generate_batch) on flash_triton / flash_ninetoothed
@@ -1376,6 +1378,37 @@ def gluon():
                       f"{tflops['gluon'] / tflops['sdpa']:.2f}, gluon/tl {tflops['gluon'] / tflops['tl']:.2f}; "
                       f"ping-pong/sdpa {tflops['gluon_pp'] / tflops['sdpa']:.2f}; "
                       f"max |gluon - tl| {error:.1e} (all three variants)", flush=True)
+
+
+def gluon_bwd():
+    """Issue 43: the Gluon backward's two passes against the tl backward (attention_backward, triton) and
+    SDPA's backward (its default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at
+    2.5x the forward's FLOPs (causal half), do_bench median, bf16; and the largest gradient difference
+    from the tl backward's."""
+    from triton.testing import do_bench
+
+    from common import attention_backward
+    from impl_triton import gluon_backward as gb
+
+    for B, H, L, D in ((16, 32, 1024, 64), (4, 32, 4096, 64), (1, 32, 16384, 64), (16, 16, 1024, 128),
+                       (4, 16, 4096, 128), (1, 16, 16384, 128)):
+        q, k, v, grad = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        for causal in (False, True):
+            flops = 2.5 * 4 * B * H * L * L * D / (2 if causal else 1)
+            out, lse = attention(q, k, v, is_causal=causal, backend="triton", return_lse=True)
+            qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+            sdpa_out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+            runs = {
+                "gluon": lambda: gb.backward(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None),
+                "tl": lambda: attention_backward(grad, q, k, v, out, lse, is_causal=causal, backend="triton"),
+                "sdpa": lambda: torch.autograd.grad(sdpa_out, (qs, ks, vs), grad, retain_graph=True),
+            }
+            tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
+            error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
+            print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f}, "
+                  f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/tl "
+                  f"{tflops['gluon'] / tflops['tl']:.2f}, gluon/sdpa {tflops['gluon'] / tflops['sdpa']:.2f}; "
+                  f"max |gluon - tl| {error:.1e}", flush=True)
 
 
 def serving():

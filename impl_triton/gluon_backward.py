@@ -1,0 +1,312 @@
+"""The Hopper (sm_90) backward in Gluon: the ``tl`` backward's two passes with warp-group MMAs and TMA.
+
+The same algorithm and result contract as ``impl_triton.kernels``' ``_attn_bwd_dq`` and
+``_attn_bwd_dkdv`` (deterministic: no atomics; dQ in a pass of its own that also stores delta, then
+dK and dV summed over a K/V head's query heads in one program), written at the warp-group level as the
+forward (``impl_triton.gluon_attention``): Q, dO, K and V tiles copied by TMA through a ring of
+shared-memory slots completing on mbarriers, every product an asynchronous ``warpgroup_mma`` (the
+probabilities and dS passed in registers), the results written by TMA.
+
+- ``_gluon_bwd_dq``: one (batch, head, BLOCK_M rows) program. delta = rowsum(dO * O) - dlse stored
+  for the second pass; over the key tiles the row sees, S = Q K^T and dP = dO V^T issued together,
+  p = exp2(S * scale * log2(e) - m2) (m2 = lse * log2(e); +inf for a row with no key: p = 0),
+  dS = p * (dP - delta), dQ += dS K.
+- ``_gluon_bwd_dkdv``: one (batch, K/V head, BLOCK_N keys) program over the row blocks of each query
+  head of its group that see those keys: S^T = K Q^T and dP^T = V dO^T, p^T, dV += p^T dO,
+  dS^T = p^T * (dP^T - delta), dK += dS^T Q.
+
+Rows past Lq and keys past Lk need no mask: TMA reads them as zeros, a row past Lq gets lse = +inf
+(p = 0), and a key past Lk only meets a zero row of K (dQ) or gives rows of dK and dV that are not
+written. Causal tiles that cross the diagonal are masked (either alignment: row i sees key j iff
+j <= i + causal_shift).
+
+It serves what the forward's Gluon kernel serves, less the head dim 256: float16 or bfloat16,
+D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-ready tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from impl_triton.gluon_attention import (
+    LOG2E,
+    _key_tiles,
+    _program,
+    _tma_load,
+    _tma_ready,
+    _tma_store,
+    _whole_tiles,
+)
+from impl_triton.gluon_attention import descriptor as _descriptor
+
+HEAD_DIMS = (64, 128)
+
+
+@gluon.jit
+def _gluon_bwd_dq(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DLSE, DELTA,
+    stride_oz, stride_oh, stride_om, stride_lz, stride_lh, stride_lm, stride_dlz, stride_dlh, stride_dlm,
+    scale, H, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, WITH_DLSE: gl.constexpr, num_warps: gl.constexpr,
+):
+    """dQ of BLOCK_M rows of one (batch, head), and their delta stored to DELTA (B·H, Lq) (see the
+    module docstring). Descriptors over (B, H, L, D) tensors: q, do and dq with (1, 1, BLOCK_M, D)
+    blocks, k and v (B, H_kv, Lk, D) with (1, 1, BLOCK_N, D)."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
+    row_start = start_m * BLOCK_M
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_bars.index(s), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    _tma_load(q_desc, [off_z, off_h, row_start, 0], q_bar, q_smem)
+    _tma_load(do_desc, [off_z, off_h, row_start, 0], q_bar, do_smem)
+    n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for s in gl.static_range(STAGES):  # the ring's first tiles in flight
+        if s < n_tiles:
+            mbarrier.expect(kv_bars.index(s), kv_bytes)
+            _tma_load(k_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_bars.index(s), k_smem.index(s))
+            _tma_load(v_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_bars.index(s), v_smem.index(s))
+
+    # delta = rowsum(dO * O) - dlse, this program's rows (O read directly, dO from its tile)
+    rows_b = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
+    cols_b = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
+    o = gl.load(O + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+                + rows_b.to(gl.int64)[:, None] * stride_om + cols_b[None, :], mask=rows_b[:, None] < Lq, other=0.0)
+    mbarrier.wait(q_bar, 0)
+    do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM])
+    delta = gl.sum(o.to(gl.float32) * do_tile.load(rows_layout).to(gl.float32), 1)
+    if WITH_DLSE:
+        delta -= gl.load(DLSE + off_z.to(gl.int64) * stride_dlz + off_h.to(gl.int64) * stride_dlh
+                         + rows_b.to(gl.int64) * stride_dlm, mask=rows_b < Lq, other=0.0)
+    gl.store(DELTA + off_hz.to(gl.int64) * Lq + rows_b, delta, mask=rows_b < Lq)
+    delta = gl.convert_layout(delta, row_s)
+    offs_m = row_start + gl.arange(0, BLOCK_M, layout=row_s)
+    lse = gl.load(LSE + off_z.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+                  + offs_m.to(gl.int64) * stride_lm, mask=offs_m < Lq, other=float("inf"))
+    # p = exp2(s * scale * log2(e) - m2); a row with no visible key (lse = -inf) gets m2 = +inf, so
+    # its p is 0 (SDPA's math backend: zero gradient)
+    m2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    qk_scale = scale * LOG2E
+    whole = _whole_tiles(Lk, row_start, causal_shift, BLOCK_N, IS_CAUSAL)
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        mbarrier.wait(kv_bars.index(slot), (j // STAGES) & 1)
+        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        v = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        qk = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+        p = gl.exp2(qk * qk_scale - m2[:, None])
+        if IS_CAUSAL and j >= whole:  # (keys past Lk need no mask: they meet zero rows of K)
+            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+            p = gl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        ds = p * (dp - delta[:, None])
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        refill = j + STAGES
+        if refill < n_tiles:  # (slot's tile read by all three products)
+            mbarrier.expect(kv_bars.index(slot), kv_bytes)
+            _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(slot), k_smem.index(slot))
+            _tma_load(v_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(slot), v_smem.index(slot))
+
+    # dQ leaves by TMA through Q's shared tile (every product that read Q is complete), clipped at Lq
+    q_smem.reshape([BLOCK_M, HEAD_DIM]).store((dq * scale).to(dtype))
+    fence_async_shared()
+    _tma_store(dq_desc, [off_z, off_h, row_start, 0], q_smem)
+    tma.store_wait(0)
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(kv_bars.index(s))
+
+
+@gluon.jit
+def _gluon_bwd_dkdv(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
+    stride_lz, stride_lh, stride_lm,
+    scale, H_KV, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+):
+    """dK and dV of BLOCK_N keys of one (batch, K/V head), summed over its GROUP query heads (see the
+    module docstring). Descriptors: k, v, dk, dv over (B, H_kv, Lk, D) with (1, 1, BLOCK_N, D)
+    blocks; q and do over (B, H, Lq, D) with (1, 1, BLOCK_M, D). The Q and dO tiles stream through a
+    ring of STAGES slots, tile t being query head t // row_blocks of the group, row block lo + t %
+    row_blocks."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_n = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_z = off_hz // H_KV
+    off_h_kv = off_hz % H_KV
+    key_start = start_n * BLOCK_N
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
+    row_st: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_bars.index(s), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
+    # the row blocks that see these keys: causal, from the first row at or past key_start - causal_shift
+    # (those before full_lo cross the diagonal: masked); the rest see every key here
+    lo = 0
+    full_lo = 0
+    if IS_CAUSAL:
+        lo = gl.maximum(key_start - causal_shift, 0) // BLOCK_M
+        full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
+    row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
+    n_tiles = GROUP * row_blocks
+    qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    for s in gl.static_range(STAGES):
+        if s < n_tiles:
+            off_h = off_h_kv * GROUP + s // row_blocks
+            row = (lo + s % row_blocks) * BLOCK_M
+            mbarrier.expect(q_bars.index(s), qdo_bytes)
+            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(s), q_smem.index(s))
+            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(s), do_smem.index(s))
+
+    qk_scale = scale * LOG2E
+    offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    for t in range(n_tiles):
+        slot = t % STAGES
+        off_h = off_h_kv * GROUP + t // row_blocks
+        block = lo + t % row_blocks
+        offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_st)
+        head = off_z.to(gl.int64) * H_KV * GROUP + off_h  # (in B·H: DELTA's rows)
+        lse = gl.load(LSE + off_z.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+                      + offs_m.to(gl.int64) * stride_lm, mask=offs_m < Lq, other=float("inf"))
+        delta = gl.load(DELTA + head * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+        m2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
+        pT = gl.exp2(qkT * qk_scale - m2[None, :])
+        if IS_CAUSAL and block < full_lo:
+            pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+        dsT = pT * (dpT - delta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q, dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        refill = t + STAGES
+        if refill < n_tiles:  # (slot's tiles read by all four products)
+            off_h = off_h_kv * GROUP + refill // row_blocks
+            row = (lo + refill % row_blocks) * BLOCK_M
+            mbarrier.expect(q_bars.index(slot), qdo_bytes)
+            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(slot), q_smem.index(slot))
+            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(slot), do_smem.index(slot))
+
+    # dK and dV leave by TMA through K's and V's shared tiles (every product that read them is
+    # complete), clipped at Lk
+    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
+    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
+    fence_async_shared()
+    _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
+    _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
+    tma.store_wait(0)
+    mbarrier.invalidate(kv_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(q_bars.index(s))
+
+
+def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """((BLOCK_M, BLOCK_N, STAGES, num_warps) of the dQ pass, the same of the dK/dV pass): the tl
+    backward's shapes (128 rows x 64 keys for dQ, 128 keys x 64 rows for dK/dV, two warp groups);
+    a first choice, to be measured."""
+    return (128, 64, 2, 8), (64, 128, 2, 8)
+
+
+def serves(q, k, v, out, grad_out, dq, dk, dv) -> bool:
+    """Whether this backward takes these tensors: an sm_90 GPU, float16/bfloat16, D = Dv in HEAD_DIMS,
+    every tensor TMA-ready (``gluon_attention._tma_ready``) and the gradients of their inputs' dtype.
+    The caller checks the rest (no mask, dropout, soft-capping, ALiBi, window: causal or not)."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
+            and k.shape[-1] == v.shape[-1] == q.shape[-1]
+            and all(t.dtype == q.dtype and _tma_ready(t) for t in (q, k, v, out, grad_out, dq, dk, dv)))
+
+
+def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
+             dq=None, dk=None, dv=None, delta=None):
+    """dq, dk, dv of attention(q, k, v) (q (B, H, Lq, D), k/v (B, H_kv, Lk, D); out and lse its forward's,
+    lse (B, H, Lq) float32) given grad_out (and grad_lse, the gradient of the log-sum-exp, or None).
+    ``causal_shift``: None (no mask) or s, row i seeing keys j <= i + s. Buffers given are written (dq
+    (B, H, Lq, D), dk/dv (B, H_kv, Lk, D), delta (B·H, Lq) float32 scratch); the rest are allocated."""
+    B, H, Lq, D = q.shape
+    H_kv, Lk = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    delta = torch.empty(B * H, Lq, dtype=torch.float32, device=q.device) if delta is None else delta
+    (bm1, bn1, stages1, warps1), (bm2, bn2, stages2, warps2) = tiles(D)
+    is_causal, shift = causal_shift is not None, 0 if causal_shift is None else causal_shift
+    dlse = grad_lse if grad_lse is not None else lse  # never read without WITH_DLSE
+    _gluon_bwd_dq[(triton.cdiv(Lq, bm1), B * H)](
+        _descriptor(q, bm1), _descriptor(k, bn1), _descriptor(v, bn1), _descriptor(grad_out, bm1),
+        _descriptor(dq, bm1), out, lse, dlse, delta,
+        out.stride(0), out.stride(1), out.stride(2), *lse.stride(), *dlse.stride(),
+        scale, H, H // H_kv, Lq, Lk, shift,
+        BLOCK_M=bm1, BLOCK_N=bn1, HEAD_DIM=D, STAGES=stages1, IS_CAUSAL=is_causal,
+        WITH_DLSE=grad_lse is not None, num_warps=warps1)
+    _gluon_bwd_dkdv[(triton.cdiv(Lk, bn2), B * H_kv)](
+        _descriptor(q, bm2), _descriptor(k, bn2), _descriptor(v, bn2), _descriptor(grad_out, bm2),
+        _descriptor(dk, bn2), _descriptor(dv, bn2), lse, delta, *lse.stride(),
+        scale, H_kv, H // H_kv, Lq, Lk, shift,
+        BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=stages2, IS_CAUSAL=is_causal, num_warps=warps2)
+    return dq, dk, dv
