@@ -22,6 +22,9 @@ j <= i + causal_shift).
 
 It serves what the forward's Gluon kernel serves, less the head dim 256: float16 or bfloat16,
 D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-ready tensors.
+Not dispatched yet: the Triton backend's backward runs the tl kernels until this one has run its GPU
+tests and been measured against them (benchmarks/NOTES.md); ``backward`` is called by those tests and
+``tools/probe.py gluon_bwd``.
 """
 
 from __future__ import annotations
