@@ -224,11 +224,11 @@ def levels_section() -> str:
             "(float16/bfloat16, D = Dv 64/128/256, causal or not, grouped heads, the log-sum-exp), written three "
             "ways (one partition; with a producer warp; with a producer warp and two consumer warp groups in "
             "FlashAttention-3's ping-pong). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
-            "producer-warp variant runs 1.2-1.35x the `tl` kernel at D 256, and ping-pong 0.97-1.07x it (median "
-            "1.02) at D 128 from 1024 queries and keys and 1.04-1.07x at D 64 from 8192 (0.88-1.01x below): the "
-            "triton backend sends it "
-            "those plans on sm_90 (`ATTENTION_GLUON=1`: every plan it serves, `0`: none). Against SDPA's cuDNN "
-            "kernel ping-pong runs 0.73-0.87x at D 128 and 0.94-0.98x at D 64 from 8k. "
+            "producer-warp variant runs 1.24-1.37x the `tl` kernel at D 256, and ping-pong 1.18-1.24x it at D 128 "
+            "and 1.02-1.09x at D 64 from L 4k (0.94-0.95x at 1k): the triton backend sends it the plans its config "
+            "table's gluon section names, as `tune --passes gluon` timed them on sm_90 (`ATTENTION_GLUON=1`: "
+            "every plan it serves, `0`: none). Against SDPA's cuDNN kernel ping-pong runs 0.95-1.07x at D 128 "
+            "from 4k (0.86-0.90x at 1k) and 0.91-1.00x at D 64 from 4k. "
             "NineToothed compiles to `triton.language`, so it cannot reach this level."]
     return "\n".join(out)
 
