@@ -18,7 +18,9 @@ alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inpu
 strides TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
 kernel (``serves``); of what it serves, the Triton backend sends it the head dims and lengths where it is
 faster (``variant``: the config table's gluon section; ``ATTENTION_GLUON=1`` every plan it serves, ``0``
-none).
+none). The ping-pong variant also takes FP8 inputs (``forward(..., pingpong=True, descales=...)``: e4m3 q,
+k and v at D 64 and 128, the values column-major); no plan is sent to it until its GPU tests have run
+and it is measured against the tl kernel's FP8 forward (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -46,32 +48,42 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 HEAD_DIMS = (64, 128, 256)
+FP8_HEAD_DIMS = (64, 128)  # (the ping-pong variant's FP8 inputs)
 PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr,
+                  SCALE_FIRST: gl.constexpr = False):
     """Key tile j's online-softmax update (base 2): the new row maxima, P (float32), the rescale
     factor of what came before, the new row sums. Past the first ``whole`` tiles (``_whole_tiles``)
     the raw scores are masked (keys past Lk; causal); the tiles before need no mask. The scores are
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
-    scores are +inf, so that scaled they are -inf)."""
+    scores are +inf, so that scaled they are -inf). SCALE_FIRST (FP8 inputs: qk_scale holds the
+    descales, whose sign no constant knows): the scores are scaled first, as the tl kernel's DESCALE."""
+    if SCALE_FIRST:
+        qk = qk * qk_scale
     if j >= whole:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         valid = offs_n[None, :] < Lk
         if IS_CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-        qk = gl.where(valid, qk, float("inf") if NEGATIVE_SCALE else float("-inf"))
-    if NEGATIVE_SCALE:
+        qk = gl.where(valid, qk, float("inf") if NEGATIVE_SCALE and not SCALE_FIRST else float("-inf"))
+    if SCALE_FIRST:
+        m_ij = gl.maximum(m_i, gl.max(qk, 1))
+    elif NEGATIVE_SCALE:
         m_ij = gl.maximum(m_i, gl.min(qk, 1) * qk_scale)
     else:
         m_ij = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_ij
     if j >= whole:
         m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-    p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    if SCALE_FIRST:
+        p = gl.exp2(qk - m_sub[:, None])
+    else:
+        p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_ij, l_i, alpha
@@ -111,8 +123,8 @@ def _gluon_attn_fwd(
         mbarrier.init(kv_bars.index(s), count=1)
     fence_async_shared()
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, o_desc, Lse,
-             scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+    _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, o_desc, q_smem,
+             Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
              start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0,
              NEGATIVE_SCALE)
     mbarrier.invalidate(q_bar)
@@ -143,7 +155,7 @@ def _key_tiles(Lk, start_m, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn_wait, turn_arrive,
-             o_desc, Lse, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+             o_desc, o_smem, Lse, scale, qk_descale, v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
              row_start, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr,
              PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
@@ -164,16 +176,24 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     other's ``turn_arrive``), so one warp group's softmax runs under the other's products; TURN_FIRST:
     1 for the consumer that goes first (its first wait passes on a fresh barrier's phase). Both
     consumers run the same ``n_tiles`` rounds, or the turns would wait for ever. The tiles every row
-    sees whole skip the mask (``_softmax_step``; NEGATIVE_SCALE: the scale's sign)."""
+    sees whole skip the mask (``_softmax_step``; NEGATIVE_SCALE: the scale's sign).
+
+    FP8 (float8_e4m3fn q, k, v: ``q_desc.dtype``): the scores' scale takes ``qk_descale`` (the query's
+    and keys' descales), the output ``v_descale``; P is rounded to e4m3 for P V (FlashAttention-3's
+    choice, the tl kernel's default), whose B operand must be K-major: the values come column-major, their
+    tiles (D, BLOCK_N) (``_v_operand``). The output, 16-bit, is staged in ``o_smem`` (Q's own tile where
+    the dtypes agree)."""
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
-    # warps, n the tile's width), P as O's A operand in registers
+    # warps, n the tile's width, k 32 bytes), P as O's A operand in registers (32 bits a register)
+    K_INSTR: gl.constexpr = 32 if FP8 else 16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_INSTR])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM, K_INSTR])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -186,9 +206,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             if s < n_tiles:
                 mbarrier.expect(kv_ready.index(s), kv_bytes)
                 _tma_load(k_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
-                _tma_load(v_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_ready.index(s), v_smem.index(s))
+                _tma_load(v_desc, _v_coord(off_z, off_h_kv, s * BLOCK_N, FP8), kv_ready.index(s), v_smem.index(s))
 
-    qk_scale = scale * LOG2E
+    qk_scale = scale * LOG2E * qk_descale
     whole = _whole_tiles(Lk, row_start, causal_shift, BLOCK_N, IS_CAUSAL)
     offs_m = row_start + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -207,7 +227,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                           IS_CAUSAL, NEGATIVE_SCALE, col_s)
+                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, FP8)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -217,12 +237,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                                v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                                _v_operand(v_smem.index(prev), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_arrive, count=1)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                               IS_CAUSAL, NEGATIVE_SCALE, col_s)
+                                               IS_CAUSAL, NEGATIVE_SCALE, col_s, FP8)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if PRODUCER:
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
@@ -231,24 +251,45 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             if not PRODUCER and refill < n_tiles:  # (tile j - 1's slot, read by both products)
                 mbarrier.expect(kv_ready.index(prev), kv_bytes)
                 _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_ready.index(prev), k_smem.index(prev))
-                _tma_load(v_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_ready.index(prev), v_smem.index(prev))
+                _tma_load(v_desc, _v_coord(off_z, off_h_kv, refill * BLOCK_N, FP8), kv_ready.index(prev),
+                          v_smem.index(prev))
         last = (n_tiles - 1) % STAGES
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
-                            acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                            _v_operand(v_smem.index(last), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
     if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
         lse = (m_i + gl.log2(l_i)) * LN2
         gl.store(Lse + off_hz.to(gl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
     l_i = gl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    out = acc * gl.convert_layout(v_descale / l_i, row_o)[:, None]
     # The output leaves by TMA through Q's shared tile (same block and layout; every product that read Q
-    # is complete): one bulk copy, clipped at the head's Lq rows by the descriptor, as FlashAttention-3's
-    # epilogue, instead of a masked store from each thread.
-    q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(dtype))
+    # is complete; FP8: a 16-bit tile of its own): one bulk copy, clipped at the head's Lq rows by the
+    # descriptor, as FlashAttention-3's epilogue, instead of a masked store from each thread.
+    o_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
     fence_async_shared()
-    _tma_store(o_desc, [off_z, off_h, row_start, 0], q_smem)
+    _tma_store(o_desc, [off_z, off_h, row_start, 0], o_smem)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _v_coord(off_z, off_h_kv, key, FP8: gl.constexpr):
+    """Where the value tile of keys from ``key`` starts: (B, H_kv, Lk, D) values, or FP8's column-major
+    values described as (B, H_kv, D, Lk)."""
+    if FP8:
+        return [off_z, off_h_kv, 0, key]
+    return [off_z, off_h_kv, key, 0]
+
+
+@gluon.jit
+def _v_operand(v_tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr):
+    """A value tile as P V's B operand, (BLOCK_N, D): as stored, or FP8's (D, BLOCK_N) tile transposed (an
+    8-bit B operand must be K-major: keys contiguous)."""
+    if FP8:  # (one return: the two branches' tiles differ in type)
+        operand = v_tile.reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+    else:
+        operand = v_tile.reshape([BLOCK_N, HEAD_DIM])
+    return operand
 
 
 @gluon.jit
@@ -263,7 +304,8 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_
         mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(slot), kv_bytes)
         _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
-        _tma_load(v_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), v_smem.index(slot))
+        _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, v_desc.dtype.primitive_bitwidth == 8),
+                  kv_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -294,7 +336,7 @@ def _gluon_attn_fwd_ws(
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     gl.warp_specialize([
         (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, o_desc,
-                    Lse, scale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+                    q_smem, Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
                     start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, False,
                     0, NEGATIVE_SCALE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
@@ -308,7 +350,8 @@ def _gluon_attn_fwd_ws(
 
 @gluon.jit
 def _gluon_attn_fwd_pp(
-    q_desc, k_desc, v_desc, o_desc, Lse,
+    q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD,
+    stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -318,12 +361,27 @@ def _gluon_attn_fwd_pp(
     ``num_warps`` warps (the default partition and a worker) owning BLOCK_M rows each, in ping-pong
     (``_consume`` with PINGPONG: one's softmax under the other's products), and a producer warp
     filling the K/V ring they share (``_ws_producer``; a slot goes back once both consumers are done
-    with it: ``kv_empty`` counts two arrivals). q_desc's blocks are (1, 1, BLOCK_M, D)."""
+    with it: ``kv_empty`` counts two arrivals). q_desc's blocks are (1, 1, BLOCK_M, D).
+
+    FP8 (float8_e4m3fn q, k and v; v_desc over the column-major values seen as (B, H_kv, D, Lk)): QD, KD,
+    VD are the (B, H_kv) float32 descales (FlashAttention-3's: the query's indexed by its K/V head), each
+    with its two strides; the output, 16-bit, gets tiles of its own. Otherwise they are not read."""
     dtype: gl.constexpr = q_desc.dtype
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
+    v_block: gl.constexpr = v_desc.block_type.shape
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, v_block[2], v_block[3]], v_desc.layout)
+    if FP8:
+        qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
+                      * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
+        v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
+    else:
+        qk_descale = 1.0
+        v_descale = 1.0
+        o_smem = q_smem
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -340,11 +398,13 @@ def _gluon_attn_fwd_pp(
     row_start = start_m * 2 * BLOCK_M
     gl.warp_specialize([
         (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready, kv_empty,
-                    turns.index(0), turns.index(1), o_desc, Lse, scale, Lq, Lk,
+                    turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale, v_descale, Lq,
+                    Lk,
                     causal_shift, off_z, off_h, off_h_kv, off_hz, row_start, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
                     STAGES, IS_CAUSAL, WITH_LSE, True, True, 1, NEGATIVE_SCALE)),
         (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready, kv_empty,
-                    turns.index(1), turns.index(0), o_desc, Lse, scale, Lq, Lk,
+                    turns.index(1), turns.index(0), o_desc, o_smem.index(1), Lse, scale, qk_descale, v_descale, Lq,
+                    Lk,
                     causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M, n_tiles, BLOCK_M, BLOCK_N,
                     HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0, NEGATIVE_SCALE)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
@@ -426,12 +486,29 @@ def tile(head_dim: int) -> tuple[int, int, int, int]:
     return {64: (128, 128, 3, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}[head_dim]
 
 
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
 def descriptor(t, rows: int):
-    """A TMA descriptor of a (B, H, L, D) float16/bfloat16 tensor with (1, 1, rows, D) blocks."""
-    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[t.dtype]
+    """A TMA descriptor of a (B, H, L, D) float16/bfloat16/float8_e4m3fn tensor with (1, 1, rows, D) blocks."""
+    gl_dtype = _GL_DTYPES[t.dtype]
     block = [1, 1, rows, t.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def value_descriptor(v, block_n: int):
+    """The values' TMA descriptor: ``descriptor``'s, or for FP8 values (which must be column-major,
+    ``v.stride(2) == 1``: an 8-bit B operand of P V must have its keys contiguous) the (B, H_kv, D, Lk)
+    view's with (1, 1, D, block_n) blocks."""
+    if v.dtype != torch.float8_e4m3fn:
+        return descriptor(v, block_n)
+    if v.stride(2) != 1:
+        raise ValueError("the Gluon forward takes FP8 values column-major (value.stride(2) == 1)")
+    values = v.transpose(2, 3)
+    block = [1, 1, v.shape[-1], block_n]
+    return TensorDescriptor(values, list(values.shape), list(values.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
 
 
 def descriptors(q, k, v, out, block_m: int, block_n: int):
@@ -441,19 +518,27 @@ def descriptors(q, k, v, out, block_m: int, block_n: int):
 
 
 def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
-            specialized: bool = False, config: tuple[int, int, int, int] | None = None, pingpong: bool = False):
+            specialized: bool = False, config: tuple[int, int, int, int] | None = None, pingpong: bool = False,
+            descales=None, out_dtype=torch.bfloat16):
     """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
     top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp. ``config``:
     (BLOCK_M, BLOCK_N, STAGES, num_warps) instead of ``tile``'s (a probe's sweep). ``pingpong``: the
     variant with two consumer warp groups in ping-pong (and a producer warp), each BLOCK_M / 2 rows
-    of num_warps / 2 warps."""
+    of num_warps / 2 warps.
+
+    FP8 (ping-pong only): q, k, v float8_e4m3fn, v column-major (``v.stride(2) == 1``: the layout
+    ``common.plan.value_columns`` makes), ``descales`` their (B, H_kv) float32 descales (q's indexed by
+    its K/V head), the output ``out_dtype`` (bfloat16 or float16) unless ``out`` is given."""
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
-    block_m, block_n, stages, num_warps = config or (pingpong_tile(D) if pingpong else tile(D))
+    block_m, block_n, stages, num_warps = config or (pingpong_tile(D, q.dtype) if pingpong else tile(D))
+    if q.dtype == torch.float8_e4m3fn and not pingpong:
+        raise ValueError("the Gluon forward takes FP8 inputs in its ping-pong variant only (pingpong=True)")
     if pingpong:
         return _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages,
-                                 num_warps)
+                                 num_warps, descales, out_dtype)
+    # (FP8 refused above; the 16-bit tiles)
     if out is None:
         out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
     if with_lse and lse is None:
@@ -474,11 +559,14 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
 CONSUMER_REGS = 240  # each ping-pong consumer warp group's registers (S, P and O of its 64 rows)
 
 
-def pingpong_tile(head_dim: int) -> tuple[int, int, int, int]:
+def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the ping-pong variant: the program's rows and warps,
     half to each consumer. At D 128 keys of 128 a tile with three stages, the fastest on the H200
     (triton 3.6, whose compiler fits each consumer's S and O in 8-24 bytes of stack); later Triton
-    spills 120 bytes there, so keys of 64 until measured."""
+    spills 120 bytes there, so keys of 64 until measured. FP8 tiles (half the bytes): keys of 128 at
+    D 64 and 128 (a first choice, to be measured)."""
+    if dtype == torch.float8_e4m3fn:
+        return {64: (128, 128, 3, 8), 128: (128, 128, 3, 8)}[head_dim]
     wide = 128 if _TRITON[:2] <= (3, 6) else 64
     return {64: (128, 128, 3, 8), 128: (128, wide, 3, 8), 256: (128, 64, 2, 8)}[head_dim]
 
@@ -486,20 +574,28 @@ def pingpong_tile(head_dim: int) -> tuple[int, int, int, int]:
 _TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
-def _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages, num_warps):
+def _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages, num_warps,
+                      descales=None, out_dtype=torch.bfloat16):
     """``forward`` through ``_gluon_attn_fwd_pp``: programs of ``block_m`` rows, two consumers of
     block_m / 2 rows and num_warps / 2 warps each."""
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
+    fp8 = q.dtype == torch.float8_e4m3fn
     if out is None:
-        out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
+        out = torch.empty(B, H, Lq, D, dtype=out_dtype if fp8 else q.dtype, device=q.device)
     if with_lse and lse is None:
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     half = block_m // 2
-    q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, out, half, block_n)
+    q_desc, k_desc, o_desc = descriptor(q, half), descriptor(k, block_n), descriptor(out, half)
+    v_desc = value_descriptor(v, block_n)
+    if fp8:
+        qd, kd, vd = descales
+        descale_args = (qd, kd, vd, *qd.stride(), *kd.stride(), *vd.stride())
+    else:
+        descale_args = (out, out, out, 0, 0, 0, 0, 0, 0)  # (never read)
     grid = (triton.cdiv(Lq, block_m), B * H)
     _gluon_attn_fwd_pp[grid](
-        q_desc, k_desc, v_desc, o_desc, lse if with_lse else out, scale, H, H // H_kv, Lq, Lk,
+        q_desc, k_desc, v_desc, o_desc, lse if with_lse else out, *descale_args, scale, H, H // H_kv, Lq, Lk,
         0 if causal_shift is None else causal_shift,
         BLOCK_M=half, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
         WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,

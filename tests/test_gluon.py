@@ -37,6 +37,19 @@ def test_compiles_for_sm90_with_the_overlap(variant):
     assert fields["OVERLAP"] == "1", line
 
 
+def test_fp8_pingpong_compiles_for_sm90():
+    """The ping-pong variant with FP8 inputs builds for sm_90 with the installed Triton (D 128, causal): FP8
+    warp-group MMAs (QGMMA) for both products, TMA in and out, no spills, the in-warp-group overlap."""
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal", "--pingpong",
+               "--dtype", "float8_e4m3fn"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = re.search(r"D=128 .*", result.stdout).group(0)
+    fields = dict(item.split("=") for item in line.split())
+    assert int(fields["STACK"]) == 0 and int(fields["QGMMA"]) > 0 and int(fields["HGMMA"]) == 0, line
+    assert int(fields["UTMALDG"]) > 0 and int(fields["UTMASTG"]) == 2 and fields["OVERLAP"] == "1", line
+
+
 CASES = [  # (B, H, H_kv, Lq, Lk, scale)
     (2, 4, 2, 300, 517, 0.3),  # grouped heads, lengths off the tiles
     (1, 8, 8, 1000, 1000, -0.2),  # a negative scale (the unmasked tiles' maximum is the scores' minimum)
@@ -72,6 +85,52 @@ def test_gluon_forward_matches_sdpa(D, dtype, causal, case, variant):
     seen = expected_lse.isfinite()
     assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
     torch.testing.assert_close(lse[seen], expected_lse[seen], rtol=1e-3, atol=1e-3)
+
+
+FP8_CASES = [  # (B, H, H_kv, Lq, Lk, scale): keys in multiples of 16 (TMA's rows of column-major FP8 values)
+    (2, 4, 2, 300, 512, 0.3),  # grouped heads, queries off the tiles
+    (1, 4, 4, 640, 128, -0.2),  # a negative scale, more queries than keys (causal top-left: rows with no key)
+    (2, 2, 1, 128, 1008, 0.125),  # keys off the tiles
+]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}"
+                                                 for c in FP8_CASES])
+def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case):
+    """FP8 q, k, v (FlashAttention-3's descales, the values column-major) through the ping-pong variant:
+    every output row written (poisoned), within twice the tl kernel's error against float64 attention of
+    the dequantized inputs (both round P to e4m3 for P V), and the log-sum-exp likewise."""
+    from common import attention, dequantize_fp8, quantize_fp8
+    from impl_triton import gluon_attention as ga
+
+    B, H, H_kv, Lq, Lk, scale = case
+    q8, qd = quantize_fp8(torch.randn(B, H, Lq, D, device="cuda") * 2, heads=H_kv)
+    k8, kd = quantize_fp8(torch.randn(B, H_kv, Lk, D, device="cuda") * 3)
+    v8, vd = quantize_fp8(torch.randn(B, H_kv, Lk, D, device="cuda"))
+    v8 = v8.transpose(2, 3).contiguous().transpose(2, 3)  # (column-major: the layout the plan copies FP8 values to)
+    qf = dequantize_fp8(q8, qd, torch.float64)  # (qd per K/V head: each repeated over its group's heads)
+    kf, vf = (dequantize_fp8(t, d, torch.float64).repeat_interleave(H // H_kv, 1) for t, d in ((k8, kd), (v8, vd)))
+    shift = None if causal is None else (Lk - Lq if causal == "bottom_right" else 0)
+    s = qf @ kf.transpose(-1, -2) * scale
+    if shift is not None:
+        keep = torch.arange(Lk, device="cuda")[None, :] <= torch.arange(Lq, device="cuda")[:, None] + shift
+        s = s.masked_fill(~keep, float("-inf"))
+    expected, expected_lse = torch.softmax(s, -1).nan_to_num(0.0) @ vf, torch.logsumexp(s, -1)
+    out = torch.full((B, H, Lq, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((B, H, Lq), float("nan"), device="cuda")
+    ga.forward(q8, k8, v8, scale, shift, True, out=out, lse=lse, pingpong=True, descales=(qd, kd, vd))
+    tl_out, tl_lse = attention(q8, k8, v8, is_causal=shift is not None, scale=scale, enable_gqa=True,
+                               return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd, backend="triton",
+                               alignment="bottom_right" if causal == "bottom_right" else "top_left")
+    error, tl_error = ((o.double() - expected).abs().max().item() for o in (out, tl_out))
+    assert error <= 2 * tl_error + 1e-3 * expected.abs().max().item(), (error, tl_error)
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen)  # -inf exactly for the rows with no key
+    lse_error, tl_lse_error = ((x[seen].double() - expected_lse[seen]).abs().max().item() for x in (lse, tl_lse))
+    assert lse_error <= 2 * tl_lse_error + 1e-3, (lse_error, tl_lse_error)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")

@@ -9,7 +9,8 @@ the installed Triton and reads what the H200 would run: registers, stack (spills
 and the tensor-core, TMA (loads, and the output's store) and wait instructions
 (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the loop waits for S of a tile while P V of the one before is
 still in flight, FlashAttention-3's overlap). One
-line per head dim: ``D=<d> REG=<n> STACK=<n> SMEM=<n> HGMMA=<n> UTMALDG=<n> UTMASTG=<n> OVERLAP=<0|1>``.
+line per head dim: ``D=<d> REG=<n> STACK=<n> SMEM=<n> HGMMA=<n> QGMMA=<n> UTMALDG=<n> UTMASTG=<n>
+OVERLAP=<0|1>`` (QGMMA: the FP8 warp-group MMAs).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from common.interpret import _StandInDriver  # noqa: E402
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float8_e4m3fn"],
+                        help="the inputs' dtype (float8_e4m3fn: ping-pong only, the values column-major, bf16 out)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--specialized", action="store_true", help="the variant with a producer warp")
     parser.add_argument("--pingpong", action="store_true",
@@ -64,19 +66,30 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     if args.backward:
         return _backward(args, out_dir, dtype)
+    fp8 = dtype == torch.float8_e4m3fn
+    if fp8 and not args.pingpong:
+        parser.error("--dtype float8_e4m3fn takes --pingpong (the Gluon forward's FP8 variant)")
     for D in args.dims:
-        q = torch.randn(2, 8, 1000, D, dtype=dtype)
-        k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
-        block_m, block_n, stages, num_warps = args.config or (ga.pingpong_tile(D) if args.pingpong else ga.tile(D))
+        if fp8 and D not in ga.FP8_HEAD_DIMS:
+            continue
+        L = 1024 if fp8 else 1000  # (FP8 column-major values: TMA asks 16-byte rows of keys)
+        q = torch.randn(2, 8, L, D).to(dtype)
+        k = torch.randn(2, 2, L, D).to(dtype)
+        v = torch.randn(2, 2, D, L).to(dtype).transpose(2, 3) if fp8 else torch.randn(2, 2, L, D, dtype=dtype)
+        block_m, block_n, stages, num_warps = args.config or (
+            ga.pingpong_tile(D, dtype) if args.pingpong else ga.tile(D))
         if args.pingpong:  # (each consumer: half the rows and half the warps)
             block_m, num_warps = block_m // 2, num_warps // 2
-        out, lse = torch.empty_like(q), torch.empty(2, 8, 1000)
-        q_desc, k_desc, v_desc, o_desc = ga.descriptors(q, k, v, out, block_m, block_n)
+        out, lse = torch.empty(2, 8, L, D, dtype=torch.bfloat16 if fp8 else dtype), torch.empty(2, 8, L)
+        q_desc, k_desc, o_desc = ga.descriptor(q, block_m), ga.descriptor(k, block_n), ga.descriptor(out, block_m)
+        v_desc = ga.value_descriptor(v, block_n)
+        descales = torch.ones(2, 2)
         fn, extra = ((ga._gluon_attn_fwd_pp, dict(PRODUCER_REGS=ga.PRODUCER_REGS, CONSUMER_REGS=ga.CONSUMER_REGS))
                      if args.pingpong else (ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS))
                      if args.specialized else (ga._gluon_attn_fwd, {}))
+        pp_args = (descales, descales, descales, 2, 1, 2, 1, 2, 1) if args.pingpong else ()
         kernel = fn.warmup(
-            q_desc, k_desc, v_desc, o_desc, lse, 0.125, 8, 4, 1000, 1000, 0,
+            q_desc, k_desc, v_desc, o_desc, lse, *pp_args, 0.125, 8, 4, L, L, 0,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,
             NEGATIVE_SCALE=False,
             num_warps=num_warps, grid=(1,), **extra)
@@ -84,8 +97,8 @@ def main(argv=None) -> int:
         regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
         overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
         print(f"D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
-              f"HGMMA={len(re.findall(r'HGMMA', sass))} UTMALDG={len(re.findall(r'UTMALDG', sass))} "
-              f"UTMASTG={len(re.findall(r'UTMASTG', sass))} "
+              f"HGMMA={len(re.findall(r'HGMMA', sass))} QGMMA={len(re.findall(r'QGMMA', sass))} "
+              f"UTMALDG={len(re.findall(r'UTMALDG', sass))} UTMASTG={len(re.findall(r'UTMASTG', sass))} "
               f"OVERLAP={overlap}", flush=True)
     return 0
 

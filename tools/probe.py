@@ -53,6 +53,8 @@ is written to the project.
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 - gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
 - gluon_tiles: the Gluon forward's tiles swept at L 4096 (the three variants), SDPA beside.
+- gluon_fp8: the Gluon ping-pong forward with FP8 inputs against the tl kernel's FP8 forward, the
+  ping-pong bf16 forward and SDPA's bf16 (issue 44's prefill shapes; TFLOP/s, do_bench).
 - gluon_bwd: the Gluon backward (impl_triton.gluon_backward) against our tl backward and SDPA's, the
   backward alone (do_bench; 2.5x the forward's FLOPs), bf16, B·L = 16k, H·D = 2048, causal and not.
 - varlen_decode: a decoding step as a packed batch (64 sequences, 1 or 4 queries each), laid out
@@ -1378,6 +1380,55 @@ def gluon():
                       f"{tflops['gluon'] / tflops['sdpa']:.2f}, gluon/tl {tflops['gluon'] / tflops['tl']:.2f}; "
                       f"ping-pong/sdpa {tflops['gluon_pp'] / tflops['sdpa']:.2f}; "
                       f"max |gluon - tl| {error:.1e} (all three variants)", flush=True)
+
+
+def gluon_fp8():
+    """Issues 43 and 44: the Gluon ping-pong forward with FP8 q, k, v (values column-major, descales per
+    batch and K/V head) against the tl kernel's FP8 forward (attention() with the same inputs, the Gluon
+    kernel switched off), the ping-pong bf16 forward and SDPA's bf16 default, at the FP8 targets' shapes
+    (B·L 16k, H·D 2048, L 4k and 16k, D 64 and 128, causal and not): TFLOP/s (do_bench median), and the
+    largest difference between the two FP8 outputs."""
+    from triton.testing import do_bench
+
+    from common import quantize_fp8
+    from impl_triton import gluon_attention as ga
+
+    for L in (4096, 16384):
+        for D in (64, 128):
+            B, H = 16384 // L, 2048 // D
+            q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t) for t in (q, k, v))
+            v8 = v8.transpose(2, 3).contiguous().transpose(2, 3)
+            for causal in (False, True):
+                flops = 4 * B * H * L * L * D / (2 if causal else 1)
+                runs = {
+                    "gluon_fp8": lambda: ga.forward(q8, k8, v8, D ** -0.5, 0 if causal else None, False,
+                                                    pingpong=True, descales=(qd, kd, vd)),
+                    "tl_fp8": lambda: _tl_kernel(q8, k8, v8, is_causal=causal, backend="triton", q_descale=qd,
+                                                 k_descale=kd, v_descale=vd),
+                    "gluon_bf16": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
+                    "sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                }
+                tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
+                error = (runs["gluon_fp8"]().float() - runs["tl_fp8"]().float()).abs().max().item()
+                print(f"({B}, {H}, {L}, {D}) causal={causal}: gluon fp8 {tflops['gluon_fp8']:.0f}, tl fp8 "
+                      f"{tflops['tl_fp8']:.0f}, gluon bf16 {tflops['gluon_bf16']:.0f}, sdpa bf16 "
+                      f"{tflops['sdpa_bf16']:.0f} TFLOP/s; gluon fp8 / tl fp8 {tflops['gluon_fp8'] / tflops['tl_fp8']:.2f}, "
+                      f"/ sdpa bf16 {tflops['gluon_fp8'] / tflops['sdpa_bf16']:.2f}; max |gluon - tl| {error:.1e}",
+                      flush=True)
+
+
+def _tl_kernel(*args, **kwargs):
+    """attention() with the Gluon kernel switched off (ATTENTION_GLUON=0)."""
+    before = os.environ.get("ATTENTION_GLUON")
+    os.environ["ATTENTION_GLUON"] = "0"
+    try:
+        return attention(*args, **kwargs)
+    finally:
+        if before is None:
+            del os.environ["ATTENTION_GLUON"]
+        else:
+            os.environ["ATTENTION_GLUON"] = before
 
 
 def gluon_bwd():
