@@ -214,8 +214,11 @@ class AttentionPlan:
 
     def _fp8_inputs(self, query, key, value, descales):
         """An FP8 call's values as the kernels read them (copied column-major where the plan copies
-        them) and its descales (:func:`common.plan.fp8_descales`)."""
+        them: the keys it keeps only, whose count sets the copy's strides) and its descales
+        (:func:`common.plan.fp8_descales`)."""
         if self._value_columns:
+            if self._key_length is not None:
+                value = value[:, :, :self._key_length]
             value = planning.value_columns(self.backend, value)
         return value, planning.fp8_descales(descales or (None, None, None), query, key)
 

@@ -207,6 +207,8 @@ def test_values_copied_column_major_by_each_kernel(backend, shape):
 # (case, B, H, H_kv, Lq, Lk, D, query dtype, is_causal, descales given: q, k, v)
 KEPT_PLAN_CASES = {
     "prefill_values_copied": (2, 2, 1, 40, 40, 32, torch.float8_e4m3fn, True, (True, True, True)),
+    # causal, more keys than rows: the plan drops the keys no row sees, then copies the values it keeps
+    "prefill_keys_dropped": (2, 2, 1, 24, 40, 32, torch.float8_e4m3fn, True, (True, True, True)),
     "decode_growing_keys": (2, 8, 2, 1, 70, 32, torch.bfloat16, False, (False, True, True)),
     "unbatched_some_descales": (None, 2, 2, 9, 21, 16, torch.float8_e4m3fn, False, (False, True, False)),
 }
@@ -224,8 +226,9 @@ def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
     from common.reuse import AttentionPlan, BoundLaunch
 
     B, H, H_kv, Lq, Lk, D, query_dtype, is_causal, given = KEPT_PLAN_CASES[case]
-    if case == "prefill_values_copied":
-        planner(fp8_v_columns_rows=16)  # (the plan copies the values at 80 rows a K/V head)
+    copied = case.startswith("prefill")
+    if copied:
+        planner(fp8_v_columns_rows=16)  # (the plan copies the values at 48 or 80 rows a K/V head)
 
     def inputs(Lk):
         q, k, v, qd, kd, vd, *_ = _inputs(B or 1, H, H_kv, Lq, Lk, D, D, query_dtype)
@@ -241,7 +244,8 @@ def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
     (kept,) = plans.values()
     assert not any(isinstance(f, torch.Tensor) or (isinstance(f, tuple) and any(isinstance(x, torch.Tensor)
                                                                               for x in f)) for f in kept._fields)
-    assert kept._value_columns == (case == "prefill_values_copied")
+    assert kept._value_columns == copied
+    assert (kept._key_length is not None) == (case == "prefill_keys_dropped")
 
     def no_planning(*args, **kwargs):
         raise AssertionError("planned again")
@@ -260,8 +264,8 @@ def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
     assert len(plans) == 1 and isinstance(kept, AttentionPlan)
     # bound from the second call: the later calls launched through a bound launch, descales as its tensors
     assert (kept._grown is not None) if case == "decode_growing_keys" else isinstance(kept._bound, BoundLaunch)
-    if case == "prefill_values_copied":
-        assert [c is t[2] for c, (t, _, _) in zip(copies, later)] == [True] * 3  # each call's own values
+    if copied:  # each call's own values (the keys it keeps)
+        assert [c.data_ptr() == t[2].data_ptr() for c, (t, _, _) in zip(copies, later)] == [True] * 3
     for tensors, descales, out in [(*first_inputs, first)] + later:
         fresh = dispatch.full_attention(*tensors, **kw, **descales)
         assert out.dtype == fresh.dtype and torch.equal(out, fresh)
