@@ -448,6 +448,8 @@ def variant(plan) -> str | None:
                                        min(q.shape[2], plan.key.shape[2]))
     if chosen is None or chosen == "tl" or not serves(plan):
         return None
+    if plan.descales is not None and chosen != "pingpong":
+        return None  # (FP8: the ping-pong variant only)
     return chosen
 
 
@@ -458,25 +460,33 @@ def _table():
 
 
 def serves(plan) -> bool:
-    """Whether this kernel runs a ``common.plan.ForwardPlan``: an sm_90 GPU, float16/bfloat16, D = Dv
-    in HEAD_DIMS, heads not packed, no FP8 input, mask, dropout, soft-capping, sinks, ALiBi, packed sequences,
-    split or running result, a band with no left edge (causal, either alignment, or a right window
-    alone: row i sees keys up to i + band[1]), TMA-ready inputs and output."""
+    """Whether this kernel runs a ``common.plan.ForwardPlan``: an sm_90 GPU, float16/bfloat16 with D = Dv
+    in HEAD_DIMS, or FP8 (float8_e4m3fn query, keys and values, descales per batch and K/V head, nothing
+    widened, the values column-major as the plan copies them) with D = Dv in FP8_HEAD_DIMS; heads not packed,
+    no mask, dropout, soft-capping, sinks, ALiBi, packed sequences, split or running result, a band with no
+    left edge (causal, either alignment, or a right window alone: row i sees keys up to i + band[1]),
+    TMA-ready inputs and output."""
     q, k, v = plan.query, plan.key, plan.value
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
+    if plan.descales is None:
+        inputs = (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS and _tma_ready(v))
+    else:
+        # (widen 0: Widen.NONE, both products in e4m3)
+        inputs = (q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn and q.shape[-1] in FP8_HEAD_DIMS
+                  and plan.descale_kind == 1 and plan.widen_k == plan.widen_v == 0 and v.stride(2) == 1
+                  and _tma_ready(v.transpose(2, 3)))
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and inputs
             and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] == plan.shape[1]
             and plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.sinks is None
             and plan.row_bands is None and plan.alibi is None and not plan.split and not plan.resume
-            and plan.descales is None and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
-            and all(_tma_ready(t) for t in (q, k, v, plan.out)))
+            and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
+            and all(_tma_ready(t) for t in (q, k, plan.out)))
 
 
 def forward_plan(plan, chosen: str):
     """Run a plan this kernel serves (``serves``) through variant ``chosen`` (``variant``'s answer) into
     its buffers: ``(plan.out, plan.lse)``."""
     forward(plan.query, plan.key, plan.value, plan.scale, None if plan.band is None else plan.band[1],
-            plan.with_lse, plan.out, plan.lse, **VARIANTS[chosen])
+            plan.with_lse, plan.out, plan.lse, **VARIANTS[chosen], descales=plan.descales)
     return plan.out, plan.lse
 
 

@@ -178,6 +178,39 @@ def test_attention_takes_the_gluon_path_when_switched_on(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+def test_fp8_prefill_takes_the_pingpong_variant_when_switched_on(monkeypatch):
+    """ATTENTION_GLUON=1: an FP8 prefill whose plan copies the values column-major runs the ping-pong
+    variant (FP8 decode, whose values stay row-major, the tl kernel), each call, within the tl kernel's FP8
+    output's reach; unset, the config table decides (no FP8 key committed yet: the tl kernel)."""
+    from common import attention, quantize_fp8
+    from common.backends import get_backend
+    from common.reuse import PLANS
+    from impl_triton import gluon_attention as ga
+
+    taken = []
+    run = ga.forward_plan
+    monkeypatch.setattr(ga, "forward_plan", lambda plan, chosen: taken.append(chosen) or run(plan, chosen))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(torch.randn(2, 4, 1024, 128, device="cuda")) for _ in range(3))
+    fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    monkeypatch.setenv("ATTENTION_GLUON", "0")
+    expected = attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
+    monkeypatch.setenv("ATTENTION_GLUON", "1")
+    PLANS.clear()
+    for _ in range(3):
+        out = attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
+    assert taken == ["pingpong"] * 3
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0.05, atol=0.05)
+    q16 = torch.randn(2, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
+    attention(q16, k8, v8, backend="triton", k_descale=kd, v_descale=vd)  # (decode: the tl kernel)
+    assert taken == ["pingpong"] * 3
+    monkeypatch.setenv("ATTENTION_GLUON", "")
+    PLANS.clear()
+    attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
+    chosen = get_backend("triton").configs.lookup_gluon(128, torch.float8_e4m3fn, True, 1024)
+    assert taken == ["pingpong"] * 3 + ([] if chosen == "tl" else [chosen])
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
 @pytest.mark.parametrize("switch", ["", "0", "1"], ids=["default", "forced-off", "forced-on"])
 def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     """Unset, the switch sends each shape to the kernel the Triton backend's config table names for it

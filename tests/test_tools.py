@@ -463,6 +463,37 @@ def test_tune_gluon_pass_writes_the_gluon_section(tmp_path, monkeypatch):
     assert timed == [] and not path.exists()
 
 
+def test_tune_gluon_pass_times_fp8_keys_where_asked(tmp_path, monkeypatch):
+    """With float8_e4m3fn among the dtypes the gluon pass times the FP8 keys too, in FP8, at the head dims
+    the Gluon forward takes FP8 at (64 and 128, not 256), and writes each to its own key; the 16-bit keys
+    are timed in float16 as before."""
+    import argparse
+    import json
+
+    import torch
+
+    from common.configs import key
+    from common.tools import tune
+
+    path = _tune_on_a_stand_in_gpu(tmp_path, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    timed = []
+
+    def tune_gluon(block_d, dtype, is_causal, bucket):
+        timed.append((block_d, dtype))
+        return ("pingpong" if dtype == torch.float8_e4m3fn else "producer"), {}
+    monkeypatch.setattr(tune, "tune_gluon", tune_gluon)
+    args = argparse.Namespace(backends=["triton"], passes=["gluon"], head_dims=[128, 256], buckets=[4096],
+                              dtypes=["bfloat16", "float8_e4m3fn"])
+    tune.main(args)
+    gluon = json.loads(path.read_text())["gluon"]
+    assert timed == [(128, torch.float16), (128, torch.float8_e4m3fn)] * 2 + [(256, torch.float16)] * 2
+    for causal in (False, True):
+        assert gluon[key(128, torch.float8_e4m3fn, causal, 4096)] == "pingpong"
+        assert gluon[key(128, torch.bfloat16, causal, 4096)] == "producer"
+        assert key(256, torch.float8_e4m3fn, causal, 4096) not in gluon
+
+
 def test_gluon_section_looked_up_by_the_shorter_lengths_bucket(tmp_path, monkeypatch):
     """The gluon section round-trips through a table; a look-up takes the bucket of the length it is given
     (the shorter of query and key: a decode step's one query is bucket 16), answers "tl" where the table

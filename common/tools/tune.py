@@ -13,7 +13,8 @@ tables up.
 
 The ``gluon`` pass (the Triton backend on an sm_90 GPU) times, per 16-bit key, the ``tl`` kernel against
 each variant of the Gluon forward (``impl_triton.gluon_attention``) on the same shape and writes the
-fastest into the table's ``gluon`` section, which sends plain forwards on sm_90 to their kernel.
+fastest into the table's ``gluon`` section, which sends plain forwards on sm_90 to their kernel; with
+``float8_e4m3fn`` asked, the FP8 keys too (the tl kernel's FP8 forward against the ping-pong variant's).
 """
 
 from __future__ import annotations
@@ -124,19 +125,24 @@ def gluon_off():
 def tune_gluon(block_d: int, dtype, is_causal: bool, bucket: int, verbose=True):
     """The fastest kernel for one key of the gluon section ("tl" or a Gluon variant), and every
     kernel's time: the tl kernel through ``attention()`` (the Gluon kernel switched off), each
-    variant through ``gluon_attention.forward``, on tune's shape of the bucket."""
+    variant through ``gluon_attention.forward``, on tune's shape of the bucket (FP8: its inputs, values
+    column-major, and the ping-pong variant alone, the one that takes them)."""
     from common import attention
     from common.tools.timing import gpu_time_ms
     from impl_triton import gluon_attention as ga
 
-    q, k, v, _ = _inputs(block_d, bucket, dtype)
+    q, k, v, descales = _inputs(block_d, bucket, dtype)
     scale = block_d ** -0.5
     times = {}
     with gluon_off():
-        times["tl"] = gpu_time_ms(lambda: attention(q, k, v, is_causal=is_causal, backend="triton"))
-    for name, options in ga.VARIANTS.items():
+        times["tl"] = gpu_time_ms(lambda: attention(q, k, v, is_causal=is_causal, backend="triton", **descales))
+    fp8 = dtype == torch.float8_e4m3fn
+    variants = {"pingpong": ga.VARIANTS["pingpong"]} if fp8 else ga.VARIANTS
+    given = dict(descales=(descales["q_descale"], descales["k_descale"], descales["v_descale"])) if fp8 else {}
+    for name, options in variants.items():
         try:
-            times[name] = gpu_time_ms(lambda: ga.forward(q, k, v, scale, 0 if is_causal else None, False, **options))
+            times[name] = gpu_time_ms(lambda: ga.forward(q, k, v, scale, 0 if is_causal else None, False, **options,
+                                                         **given))
         except Exception as error:  # noqa: BLE001 - a variant that does not build at this head dim
             if verbose:
                 print(f"  {name}: {type(error).__name__}: {str(error)[:80]}")
@@ -157,14 +163,17 @@ def _gluon_pass(args, path, entries, meta, gluon) -> None:
         print("gluon pass skipped: the Gluon forward runs on sm_90 only", flush=True)
         return
     sixteen_bit = [getattr(torch, name) for name in args.dtypes if name != "float8_e4m3fn"]
+    fp8 = "float8_e4m3fn" in args.dtypes
     for block_d in (d for d in args.head_dims if d in ga.HEAD_DIMS):
         for is_causal in (False, True):
             for bucket in args.buckets:
-                if not sixteen_bit:
-                    continue
-                best, _ = tune_gluon(block_d, torch.float16, is_causal, bucket)
-                for dtype in sixteen_bit:
-                    gluon[key(block_d, dtype, is_causal, bucket)] = best
+                if sixteen_bit:
+                    best, _ = tune_gluon(block_d, torch.float16, is_causal, bucket)
+                    for dtype in sixteen_bit:
+                        gluon[key(block_d, dtype, is_causal, bucket)] = best
+                if fp8 and block_d in ga.FP8_HEAD_DIMS:
+                    best, _ = tune_gluon(block_d, torch.float8_e4m3fn, is_causal, bucket)
+                    gluon[key(block_d, torch.float8_e4m3fn, is_causal, bucket)] = best
                 ConfigTable.write(path, entries, meta, gluon)
 
 
