@@ -107,8 +107,9 @@ for stage in "$@"; do
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # the FP8 forward's table entries, timed in FP8 (both backends, D 64 and 128, every bucket from 1k)
     tune-fp8) timeout 500 python3 -m common tune --passes fwd --dtypes float8_e4m3fn 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
-    # the Triton table's gluon section: the tl kernel against each Gluon variant per key (sm_90)
-    tune-gluon) timeout 450 python3 -m common tune --backends triton --passes gluon --head-dims 64 128 256 2>&1 | tee "$OUT/tune_gluon.log"; cp impl_triton/configs.json "$OUT/triton_configs.json" ;;
+    # the Triton table's gluon section: the tl kernel against each Gluon variant per key (sm_90; TUNE_FP8=1: the FP8
+    # keys too, once the FP8 ping-pong forward has passed its GPU tests)
+    tune-gluon) timeout 450 python3 -m common tune --backends triton --passes gluon --head-dims 64 128 256 --dtypes float16 bfloat16 ${TUNE_FP8:+float8_e4m3fn} 2>&1 | tee "$OUT/tune_gluon.log"; cp impl_triton/configs.json "$OUT/triton_configs.json" ;;
     tune64) timeout 400 python3 -m common tune --head-dims 64 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     tune128) timeout 300 python3 -m common tune --head-dims 128 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # memcheck over every kernel's calls, racecheck over one small call of each, a backend a process, all four
