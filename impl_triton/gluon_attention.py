@@ -25,6 +25,7 @@ and it is measured against the tl kernel's FP8 forward (benchmarks/NOTES.md).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -501,10 +502,15 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def descriptor(t, rows: int):
     """A TMA descriptor of a (B, H, L, D) float16/bfloat16/float8_e4m3fn tensor with (1, 1, rows, D) blocks."""
-    gl_dtype = _GL_DTYPES[t.dtype]
-    block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    block = (1, 1, rows, t.shape[-1])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """The shared-memory layout of a TMA block (made once per block and dtype: it costs a call's
+    host more than the descriptor around it)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
 def value_descriptor(v, block_n: int):
@@ -516,9 +522,9 @@ def value_descriptor(v, block_n: int):
     if v.stride(2) != 1:
         raise ValueError("the Gluon forward takes FP8 values column-major (value.stride(2) == 1)")
     values = v.transpose(2, 3)
-    block = [1, 1, v.shape[-1], block_n]
-    return TensorDescriptor(values, list(values.shape), list(values.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+    block = (1, 1, v.shape[-1], block_n)
+    return TensorDescriptor(values, list(values.shape), list(values.stride()), list(block),
+                            _shared_layout(block, v.dtype))
 
 
 def descriptors(q, k, v, out, block_m: int, block_n: int):

@@ -58,10 +58,11 @@ for stage in "$@"; do
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # what the Gluon work of 2026-12-04 owes the GPU: the Gluon tests (the backward's and FP8's included), then the
-    # FP8 ping-pong forward's and the backward's probes
+    # FP8 ping-pong forward's and the backward's probes, and the Gluon path's host cost a call
     gluon-owed) timeout 240 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -25 | tee "$OUT/gluon_tests.log"
                 timeout 150 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log"
-                timeout 150 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
+                timeout 150 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log"
+                timeout 90 python3 tools/probe.py gluon_host 2>&1 | tee "$OUT/gluon_host.log" ;;
     # the probes that time host work a call (the FP8 decode's wall time, NineToothed's small backward); run
     # beside the suite's parts on a tree with the owed branches merged: owed test1, then rest
     owed) timeout 120 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log"

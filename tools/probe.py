@@ -53,6 +53,9 @@ is written to the project.
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 - gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
 - gluon_tiles: the Gluon forward's tiles swept at L 4096 (the three variants), SDPA beside.
+- gluon_host: what a call of the Gluon path costs the host (it is launched through Triton's JIT each call,
+  not bound): wall time per call and do_bench of attention() with the table's dispatch and with the tl
+  kernel (ATTENTION_GLUON=0) at small and mid shapes, D 128 bf16 causal.
 - gluon_fp8: the Gluon ping-pong forward with FP8 inputs against the tl kernel's FP8 forward, the
   ping-pong bf16 forward and SDPA's bf16 (issue 44's prefill shapes; TFLOP/s, do_bench).
 - gluon_bwd: the Gluon backward (impl_triton.gluon_backward) against our tl backward and SDPA's, the
@@ -1416,6 +1419,26 @@ def gluon_fp8():
                       f"{tflops['sdpa_bf16']:.0f} TFLOP/s; gluon fp8 / tl fp8 {tflops['gluon_fp8'] / tflops['tl_fp8']:.2f}, "
                       f"/ sdpa bf16 {tflops['gluon_fp8'] / tflops['sdpa_bf16']:.2f}; max |gluon - tl| {error:.1e}",
                       flush=True)
+
+
+def gluon_host():
+    """Whether the Gluon path's per-call host work (descriptors built and Triton's JIT launch each call,
+    where the tl kernel's layouts launch bound) shows in a user's loop: wall time per call (plain loop)
+    against do_bench, attention() with the config table's dispatch and with the tl kernel, D 128 bf16
+    causal, from shapes whose kernels take tens of µs to ones of milliseconds."""
+    from impl_triton import gluon_attention as ga
+
+    for B, H, L in ((1, 32, 512), (1, 32, 1024), (4, 32, 1024), (1, 32, 4096), (4, 32, 4096)):
+        q, k, v = (torch.randn(B, H, L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        chosen = resolve("triton").configs.lookup_gluon(128, torch.bfloat16, True, L)
+        line = [f"({B}, {H}, {L}, 128) causal, table: {chosen}"]
+        for name, fn in (("dispatch", lambda: attention(q, k, v, is_causal=True, backend="triton")),
+                         ("tl", lambda: _tl_kernel(q, k, v, is_causal=True, backend="triton"))):
+            fn()
+            line.append(f"{name} wall {wall_time_us(fn):.0f} µs, do_bench {gpu_time_ms(fn) * 1e3:.0f} µs")
+        ms = gpu_time_ms(lambda: ga.forward(q, k, v, 128 ** -0.5, 0, False, pingpong=True))
+        line.append(f"ping-pong kernel alone (do_bench) {ms * 1e3:.0f} µs")
+        print("; ".join(line), flush=True)
 
 
 def _tl_kernel(*args, **kwargs):
