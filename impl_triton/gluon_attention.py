@@ -430,6 +430,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
 # lengths, benchmarks/NOTES.md); unset, the Triton backend's config table says, per key
 # (common.configs.ConfigTable.lookup_gluon, written by ``tune --passes gluon``); 0: the tl kernel everywhere.
 FORCED = {64: "pingpong", 128: "pingpong", 256: "producer"}
+# Unset, a plan smaller than this (FLOPs, 4·B·H·Lq·Lk·D, half where causal: ~50 µs of the Gluon kernel on
+# an H200) stays on the tl kernel whatever the table says: the table was timed on large batches (tune's
+# B·L = 16k), where the Gluon path's host work a call (its launch is not bound: descriptors and Triton's
+# launch each call) hides behind the kernel; a small call's would not (tools/probe.py gluon_host).
+MIN_FLOPS = 3e10
 VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True}}
 
 
@@ -444,6 +449,8 @@ def variant(plan) -> str | None:
     q = plan.query
     if switch == "1":
         chosen = FORCED.get(q.shape[-1])
+    elif not large_enough(*q.shape[:3], plan.key.shape[2], q.shape[3], plan.band is not None):
+        return None
     else:  # (the table before serves(): a call's host time asks the device nothing it need not)
         chosen = _table().lookup_gluon(q.shape[-1], q.dtype, plan.band is not None,
                                        min(q.shape[2], plan.key.shape[2]))
@@ -452,6 +459,11 @@ def variant(plan) -> str | None:
     if plan.descales is not None and chosen != "pingpong":
         return None  # (FP8: the ping-pong variant only)
     return chosen
+
+
+def large_enough(B: int, H: int, Lq: int, Lk: int, D: int, causal: bool) -> bool:
+    """Whether a call of these sizes does at least MIN_FLOPS of work (causal: half)."""
+    return 4 * B * H * Lq * Lk * D / (2 if causal else 1) >= MIN_FLOPS
 
 
 def _table():

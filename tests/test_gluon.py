@@ -207,16 +207,17 @@ def test_fp8_prefill_takes_the_pingpong_variant_when_switched_on(monkeypatch):
     PLANS.clear()
     attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
     chosen = get_backend("triton").configs.lookup_gluon(128, torch.float8_e4m3fn, True, 1024)
-    assert taken == ["pingpong"] * 3 + ([] if chosen == "tl" else [chosen])
+    by_default = chosen != "tl" and ga.large_enough(2, 4, 1024, 1024, 128, True)
+    assert taken == ["pingpong"] * 3 + ([chosen] if by_default else [])
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
 @pytest.mark.parametrize("switch", ["", "0", "1"], ids=["default", "forced-off", "forced-on"])
 def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     """Unset, the switch sends each shape to the kernel the Triton backend's config table names for it
-    (its gluon section, written by ``tune --passes gluon``: the tl kernel or a Gluon variant);
-    ATTENTION_GLUON=0 sends none to the Gluon kernel, =1 every shape (through its head dim's variant,
-    ``FORCED``). Every answer matches SDPA."""
+    (its gluon section, written by ``tune --passes gluon``: the tl kernel or a Gluon variant), but a
+    call smaller than ``MIN_FLOPS`` to the tl kernel; ATTENTION_GLUON=0 sends none to the Gluon kernel,
+    =1 every shape (through its head dim's variant, ``FORCED``). Every answer matches SDPA."""
     from common import attention
     from common.backends import get_backend
     from common.reuse import PLANS
@@ -229,19 +230,21 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     monkeypatch.setattr(ga, "forward", lambda q, *args, specialized=False, pingpong=False, **kw: taken.append(
         (q.shape[2], q.shape[-1], "pingpong" if pingpong else "producer" if specialized else "one")) or run(
         q, *args, specialized=specialized, pingpong=pingpong, **kw))
-    shapes = ((2, 4, 1024, 256), (2, 8, 1024, 128), (2, 8, 200, 128), (1, 4, 8192, 64), (2, 8, 4096, 64),
-              (4, 4, 1024, 64))
+    shapes = ((8, 16, 1024, 256), (8, 16, 1024, 128), (1, 8, 1024, 128), (2, 8, 200, 128), (1, 8, 8192, 64),
+              (2, 8, 4096, 64), (4, 4, 1024, 64))
     table = get_backend("triton").configs
     for B, H, L, D in shapes:
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = attention(q, k, v, is_causal=True, backend="triton")
         expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
-    named = [(L, D, table.lookup_gluon(D, torch.bfloat16, True, L)) for B, H, L, D in shapes]
-    default = [(L, D, chosen) for L, D, chosen in named if chosen != "tl"]
+    named = [(L, D, table.lookup_gluon(D, torch.bfloat16, True, L), ga.large_enough(B, H, L, L, D, True))
+             for B, H, L, D in shapes]
+    default = [(L, D, chosen) for L, D, chosen, large in named if chosen != "tl" and large]
     forced = [(L, D, ga.FORCED[D]) for B, H, L, D in shapes]
     assert taken == {"": default, "0": [], "1": forced}[switch]
-    assert switch != "" or len(default) >= 2  # (the committed table sends some of these shapes to Gluon)
+    # (the committed table sends some of these shapes to Gluon, and the size guard alone keeps one off it)
+    assert switch != "" or (len(default) >= 2 and any(chosen != "tl" and not large for *_, chosen, large in named))
 
 
 def test_switch_takes_0_1_or_nothing(monkeypatch, device):

@@ -463,6 +463,18 @@ def test_tune_gluon_pass_writes_the_gluon_section(tmp_path, monkeypatch):
     assert timed == [] and not path.exists()
 
 
+def test_gluon_size_guard_counts_the_work_causal_half():
+    """``large_enough`` (the default dispatch's guard against host-bound Gluon calls) counts a call's
+    FLOPs as the benchmark does, 4·B·H·Lq·Lk·D, half where causal, against MIN_FLOPS."""
+    from impl_triton import gluon_attention as ga
+
+    side = int((ga.MIN_FLOPS / (4 * 128)) ** 0.5) + 1  # (one head whose full attention just passes)
+    assert ga.large_enough(1, 1, side, side, 128, False)
+    assert not ga.large_enough(1, 1, side, side, 128, True)
+    assert ga.large_enough(2, 1, side, side, 128, True)
+    assert not ga.large_enough(1, 1, side - 1, side - 1, 128, False)
+
+
 def test_tune_gluon_pass_times_fp8_keys_where_asked(tmp_path, monkeypatch):
     """With float8_e4m3fn among the dtypes the gluon pass times the FP8 keys too, in FP8, at the head dims
     the Gluon forward takes FP8 at (64 and 128, not 256), and writes each to its own key; the 16-bit keys
