@@ -187,12 +187,14 @@ LEVELS = [
      "every offset, pointer, mask and loop bound, block by block; the compiler chooses the layouts, the "
      "shared memory, the copies' pipelining and when each product waits"),
     ("warp-group-oriented: Gluon (sm_90)", "impl_triton.gluon_attention",
-     ["_softmax_step", "_gluon_attn_fwd", "_key_tiles", "_consume", "_ws_producer", "_gluon_attn_fwd_ws"],
+     ["_softmax_step", "_whole_tiles", "_gluon_attn_fwd", "_program", "_key_tiles", "_consume", "_v_coord",
+      "_v_operand", "_ws_producer", "_gluon_attn_fwd_ws", "_gluon_attn_fwd_pp"],
      "the register layouts of S, O and P, the shared-memory ring and its barriers, each TMA copy, when each "
      "asynchronous warp-group MMA is issued and waited for, and which warps copy and which compute"),
 ]
 SCHEDULE_CALLS = ("allocate_shared_memory", "init", "expect", "wait", "arrive", "invalidate", "warpgroup_mma",
-                  "warpgroup_mma_wait", "warp_specialize", "fence_async_shared", "_tma_load", "convert_layout")
+                  "warpgroup_mma_wait", "warp_specialize", "fence_async_shared", "_tma_load", "_tma_store",
+                  "store_wait", "convert_layout")
 
 
 def levels_section() -> str:
@@ -205,8 +207,8 @@ def levels_section() -> str:
     out = ["## One forward at three levels", "",
            "The same FlashAttention forward (online softmax over key tiles) written three times. Counted as above; "
            "schedule operations are the calls that place data and order work by hand (shared-memory allocations, "
-           "barrier init/expect/wait/arrive, TMA copies, asynchronous MMAs and their waits, warp specialisation, "
-           "layout conversions).", "",
+           "barrier init/expect/wait/arrive, TMA copies in and out, asynchronous MMAs and their waits, warp "
+           "specialisation, layout conversions).", "",
            "| level | forward lines | index expressions | schedule operations | what the author decides |",
            "|---|---|---|---|---|"]
     for label, module, names, decides in LEVELS:
@@ -223,7 +225,7 @@ def levels_section() -> str:
             "soft-capping, sinks, ALiBi, split keys and their merge); the Gluon one serves the plain forward "
             "(float16/bfloat16, D = Dv 64/128/256, causal or not, grouped heads, the log-sum-exp), written three "
             "ways (one partition; with a producer warp; with a producer warp and two consumer warp groups in "
-            "FlashAttention-3's ping-pong). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
+            "FlashAttention-3's ping-pong; that one also takes FP8 inputs, not yet run on the GPU). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
             "producer-warp variant runs 1.24-1.37x the `tl` kernel at D 256, and ping-pong 1.18-1.24x it at D 128 "
             "and 1.02-1.09x at D 64 from L 4k (0.94-0.95x at 1k): the triton backend sends it the plans its config "
             "table's gluon section names, as `tune --passes gluon` timed them on sm_90 (`ATTENTION_GLUON=1`: "
