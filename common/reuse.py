@@ -194,7 +194,7 @@ class AttentionPlan:
         bound = self._bound
         if bound:
             if self._fp8:
-                value, kernel_descales = self._fp8_inputs(query, key, value, descales)
+                key, value, kernel_descales = self._kernel_inputs(query, key, value, descales)
                 return bound(query, key, value, None, kernel_descales)
             return bound(query, key, value)
         with _on_device(query.device):
@@ -212,15 +212,17 @@ class AttentionPlan:
             self._bound = BoundLaunch.of(launch, plan, self.backend) if launch is not None else False
         return results
 
-    def _fp8_inputs(self, query, key, value, descales):
-        """An FP8 call's values as the kernels read them (copied column-major where the plan copies
-        them: the keys it keeps only, whose count sets the copy's strides) and its descales
-        (:func:`common.plan.fp8_descales`)."""
+    def _kernel_inputs(self, query, key, value, descales):
+        """``(key, value, descales)`` as the kernels read them: the keys a causal plan keeps (the
+        keys no row sees dropped; a plan with growing keys drops none), the values then copied
+        column-major where the plan copies them (the copy's strides follow the kept length), and an
+        FP8 call's descales (:func:`common.plan.fp8_descales`; None without FP8 inputs)."""
+        if self._key_length is not None:
+            key, value = key[:, :, :self._key_length], value[:, :, :self._key_length]
         if self._value_columns:
-            if self._key_length is not None:
-                value = value[:, :, :self._key_length]
             value = planning.value_columns(self.backend, value)
-        return value, planning.fp8_descales(descales or (None, None, None), query, key)
+        fp8 = planning.fp8_descales(descales or (None, None, None), query, key) if self._fp8 else None
+        return key, value, fp8
 
     def _launch_plan(self, plan):
         with ops._quiet(self.backend):
@@ -238,13 +240,7 @@ class AttentionPlan:
         planned again (:func:`common.plan.plan_launch`)."""
         plan = planning.ForwardPlan(*self._fields)  # (a copy, at a fraction of copy.copy's cost)
         plan.query = query if self._query_view is None else query.view(self._query_view)
-        if self._fp8:
-            plan.descales = planning.fp8_descales(descales or (None, None, None), query, key)
-        if not other_keys and self._key_length is not None:
-            key, value = key[:, :, :self._key_length], value[:, :, :self._key_length]
-        if self._value_columns:
-            value = planning.value_columns(self.backend, value)
-        plan.key, plan.value = key, value
+        plan.key, plan.value, plan.descales = self._kernel_inputs(query, key, value, descales)
         if other_keys:
             planning.plan_launch(plan, self.backend)
         else:
@@ -264,7 +260,7 @@ class AttentionPlan:
             Lk = key.shape[2]
             if length_key(Lk) == length and -(-Lk // block_n) == k_blocks:
                 if self._fp8:
-                    value, kernel_descales = self._fp8_inputs(query, key, value, descales)
+                    key, value, kernel_descales = self._kernel_inputs(query, key, value, descales)
                     return bound(query, key, value, blocks_per_split, kernel_descales)
                 return bound(query, key, value, blocks_per_split)
         with _on_device(query.device):

@@ -101,6 +101,22 @@ def _whole_tiles(Lk, row_start, causal_shift, BLOCK_N: gl.constexpr, IS_CAUSAL: 
 
 
 @gluon.jit
+def _barriers(N: gl.constexpr, arrivals: gl.constexpr):
+    """N mbarriers in shared memory ([N, 1]), each completing a phase after ``arrivals`` arrivals."""
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(bars.index(i), count=arrivals)
+    return bars
+
+
+@gluon.jit
+def _invalidate(bars, N: gl.constexpr):
+    """``_barriers``' N mbarriers invalidated (the kernel's end: their shared memory may be reused)."""
+    for i in gl.static_range(N):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
 def _gluon_attn_fwd(
     q_desc, k_desc, v_desc, o_desc, Lse,
     scale, H, GROUP, Lq, Lk, causal_shift,
@@ -117,20 +133,17 @@ def _gluon_attn_fwd(
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_bars.index(s), count=1)
+    q_bars = _barriers(1, 1)
+    kv_bars = _barriers(STAGES, 1)
     fence_async_shared()
+    q_bar = q_bars.index(0)
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, o_desc, q_smem,
              Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
              start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0,
              NEGATIVE_SCALE)
-    mbarrier.invalidate(q_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_bars.index(s))
+    _invalidate(q_bars, 1)
+    _invalidate(kv_bars, STAGES)
 
 
 @gluon.jit
@@ -326,14 +339,11 @@ def _gluon_attn_fwd_ws(
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=1)
+    q_bars = _barriers(1, 1)
+    kv_ready = _barriers(STAGES, 1)
+    kv_empty = _barriers(STAGES, 1)
     fence_async_shared()
+    q_bar = q_bars.index(0)
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     gl.warp_specialize([
         (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, o_desc,
@@ -343,10 +353,9 @@ def _gluon_attn_fwd_ws(
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
                         STAGES)),
     ], [1], [PRODUCER_REGS])
-    mbarrier.invalidate(q_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_ready.index(s))
-        mbarrier.invalidate(kv_empty.index(s))
+    _invalidate(q_bars, 1)
+    _invalidate(kv_ready, STAGES)
+    _invalidate(kv_empty, STAGES)
 
 
 @gluon.jit
@@ -383,16 +392,10 @@ def _gluon_attn_fwd_pp(
         qk_descale = 1.0
         v_descale = 1.0
         o_smem = q_smem
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
-        mbarrier.init(q_bars.index(c), count=1)
-        mbarrier.init(turns.index(c), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=2)
+    q_bars = _barriers(2, 1)
+    turns = _barriers(2, 1)
+    kv_ready = _barriers(STAGES, 1)
+    kv_empty = _barriers(STAGES, 2)
     fence_async_shared()
     # both consumers run the rounds of the whole 2 x BLOCK_M block (their turns must pair up)
     n_tiles = _key_tiles(Lk, start_m, causal_shift, 2 * BLOCK_M, BLOCK_N, IS_CAUSAL)
@@ -411,12 +414,10 @@ def _gluon_attn_fwd_pp(
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
                         STAGES)),
     ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    for c in gl.static_range(2):
-        mbarrier.invalidate(q_bars.index(c))
-        mbarrier.invalidate(turns.index(c))
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_ready.index(s))
-        mbarrier.invalidate(kv_empty.index(s))
+    _invalidate(q_bars, 2)
+    _invalidate(turns, 2)
+    _invalidate(kv_ready, STAGES)
+    _invalidate(kv_empty, STAGES)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:

@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from impl_triton.gluon_attention import (
     LOG2E,
+    _barriers,
+    _invalidate,
     _key_tiles,
     _program,
     _tma_load,
@@ -82,12 +84,10 @@ def _gluon_bwd_dq(
     do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_bars.index(s), count=1)
+    q_bars = _barriers(1, 1)
+    kv_bars = _barriers(STAGES, 1)
     fence_async_shared()
+    q_bar = q_bars.index(0)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     _tma_load(q_desc, [off_z, off_h, row_start, 0], q_bar, q_smem)
@@ -151,9 +151,8 @@ def _gluon_bwd_dq(
     fence_async_shared()
     _tma_store(dq_desc, [off_z, off_h, row_start, 0], q_smem)
     tma.store_wait(0)
-    mbarrier.invalidate(q_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_bars.index(s))
+    _invalidate(q_bars, 1)
+    _invalidate(kv_bars, STAGES)
 
 
 @gluon.jit
@@ -187,12 +186,10 @@ def _gluon_bwd_dkdv(
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(q_bars.index(s), count=1)
+    kv_bars = _barriers(1, 1)
+    q_bars = _barriers(STAGES, 1)
     fence_async_shared()
+    kv_bar = kv_bars.index(0)
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
@@ -263,9 +260,8 @@ def _gluon_bwd_dkdv(
     _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
     _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
     tma.store_wait(0)
-    mbarrier.invalidate(kv_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(q_bars.index(s))
+    _invalidate(kv_bars, 1)
+    _invalidate(q_bars, STAGES)
 
 
 def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:

@@ -1350,17 +1350,6 @@ def gluon():
     shapes = [(16, 32, 1024, 64), (4, 32, 4096, 64), (2, 32, 8192, 64), (1, 32, 16384, 64), (16, 16, 1024, 128),
               (4, 16, 4096, 128), (1, 16, 16384, 128), (4, 8, 4096, 256)]
 
-    def tl_kernel(*args, **kwargs):  # attention() with the Gluon kernel switched off (its default path at D 256)
-        before = os.environ.get("ATTENTION_GLUON")
-        os.environ["ATTENTION_GLUON"] = "0"
-        try:
-            return attention(*args, **kwargs)
-        finally:
-            if before is None:
-                del os.environ["ATTENTION_GLUON"]
-            else:
-                os.environ["ATTENTION_GLUON"] = before
-
     for dtype in (torch.bfloat16, torch.float16):
         for B, H, L, D in shapes:
             q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
@@ -1370,7 +1359,7 @@ def gluon():
                     "gluon": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False),
                     "gluon_ws": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, specialized=True),
                     "gluon_pp": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
-                    "tl": lambda: tl_kernel(q, k, v, is_causal=causal, backend="triton"),
+                    "tl": lambda: _tl_kernel(q, k, v, is_causal=causal, backend="triton"),
                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                 }
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
@@ -1442,16 +1431,11 @@ def gluon_host():
 
 
 def _tl_kernel(*args, **kwargs):
-    """attention() with the Gluon kernel switched off (ATTENTION_GLUON=0)."""
-    before = os.environ.get("ATTENTION_GLUON")
-    os.environ["ATTENTION_GLUON"] = "0"
-    try:
+    """attention() with the Gluon kernel switched off (ATTENTION_GLUON=0, tune's switch)."""
+    from common.tools.tune import gluon_off
+
+    with gluon_off():
         return attention(*args, **kwargs)
-    finally:
-        if before is None:
-            del os.environ["ATTENTION_GLUON"]
-        else:
-            os.environ["ATTENTION_GLUON"] = before
 
 
 def gluon_bwd():
