@@ -431,10 +431,10 @@ def _tma_ready(t: torch.Tensor) -> bool:
 # lengths, benchmarks/NOTES.md); unset, the Triton backend's config table says, per key
 # (common.configs.ConfigTable.lookup_gluon, written by ``tune --passes gluon``); 0: the tl kernel everywhere.
 FORCED = {64: "pingpong", 128: "pingpong", 256: "producer"}
-# Unset, a plan smaller than this (FLOPs, 4·B·H·Lq·Lk·D, half where causal: ~50 µs of the Gluon kernel on
-# an H200) stays on the tl kernel whatever the table says: the table was timed on large batches (tune's
-# B·L = 16k), where the Gluon path's host work a call (its launch is not bound: descriptors and Triton's
-# launch each call) hides behind the kernel; a small call's would not (tools/probe.py gluon_host).
+# Unset, a plan smaller than this (FLOPs, 4·B·H·Lq·Lk·D, half where causal) stays on the tl kernel whatever
+# the table says: the table is timed on large batches, where the Gluon path's host work a call (its launch is
+# not bound: descriptors and Triton's launch each call) hides behind the kernel, and a small call's would
+# not (benchmarks/NOTES.md; tools/probe.py gluon_host measures it).
 MIN_FLOPS = 3e10
 VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True}}
 
@@ -590,9 +590,9 @@ CONSUMER_REGS = 240  # each ping-pong consumer warp group's registers (S, P and 
 
 def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the ping-pong variant: the program's rows and warps,
-    half to each consumer. At D 128 keys of 128 a tile with three stages, the fastest on the H200
-    (triton 3.6, whose compiler fits each consumer's S and O in 8-24 bytes of stack); later Triton
-    spills 120 bytes there, so keys of 64 until measured. FP8 tiles (half the bytes): keys of 128 at
+    half to each consumer. At D 128 keys of 128 a tile with three stages where triton 3.6 compiles it
+    (measured fastest, benchmarks/NOTES.md); later Triton spills each consumer's S and O there, so keys
+    of 64 until measured. FP8 tiles (half the bytes): keys of 128 at
     D 64 and 128 (a first choice, to be measured)."""
     if dtype == torch.float8_e4m3fn:
         return {64: (128, 128, 3, 8), 128: (128, 128, 3, 8)}[head_dim]
