@@ -261,7 +261,7 @@ class BoundKernel:
         attributes) per launch; our tensors are checked CUDA tensors already. Where this Triton's
         compiled-kernel launch has the form :func:`common.compat.direct_launcher` knows, its
         runner is called directly while no launch hook is registered."""
-        _launch_compiled(kernel, self.grid, args)
+        launch_compiled(kernel, self.grid, args)
 
     def launch_new(self, args, key) -> None:
         """Launch through the launcher (compiling where needed; ``args`` every argument positional,
@@ -326,7 +326,7 @@ def _through_getitem(kernel, grid, args) -> None:
 
 # A compiled kernel's launch: its runner called directly where this Triton's launch has the
 # form compat knows (and CUDA exists), else Triton's own ``kernel[grid](*args)``.
-_launch_compiled = compat.direct_launcher() or _through_getitem
+launch_compiled = compat.direct_launcher() or _through_getitem
 
 
 def inputs_aligned(tensors) -> bool:

@@ -44,6 +44,7 @@ import contextvars
 import dataclasses
 import enum
 import functools
+import os
 
 import torch
 
@@ -686,9 +687,11 @@ def partials_fit(backend, rows_shape: tuple, num_splits: int, dv: int) -> bool:
 
 
 def reuse_key():
-    """What, besides a call's arguments and layout, :func:`make_forward` decides by: the planner
-    and the forced config of this thread (tests, ``tune`` and the probes choose them)."""
-    return current_planner(), configs_override()
+    """What, besides a call's arguments and layout, a kept plan's launch is decided by: the planner
+    and the forced config of this thread (tests, ``tune`` and the probes choose them), and the
+    Triton backend's switch between its Gluon and tl kernels on sm_90 (``ATTENTION_GLUON``: a launch
+    bound under one setting is not reused under another)."""
+    return current_planner(), configs_override(), os.environ.get("ATTENTION_GLUON")
 
 
 def tensorless_fields(plan) -> list:

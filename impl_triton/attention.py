@@ -191,9 +191,18 @@ def bind_forward(plan, keys: bool = False):
     tensors are not all the plan's own (a mask, dropout, sinks, ALiBi's slopes, packed sequences,
     a running result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
-    come from each call's plan (:meth:`BoundForward.launch_plan`)."""
-    if gluon_attention.variant(plan) is not None:  # (each call through forward: the Gluon kernel)
-        return None
+    come from each call's plan (:meth:`BoundForward.launch_plan`). A plan the Gluon kernel runs
+    (sm_90) binds a :class:`gluon_attention.BoundGluon` (not for growing keys: those calls go through
+    :func:`forward`), the tl kernel's launch beside it for inputs TMA cannot read."""
+    chosen = gluon_attention.variant(plan)
+    if chosen is None:
+        return _bind_tl(plan, keys)
+    fallback = None if keys else _bind_tl(plan, keys)
+    return gluon_attention.BoundGluon(plan, chosen, fallback) if fallback is not None else None
+
+
+def _bind_tl(plan, keys: bool):
+    """``bind_forward``'s launch of the tl kernel."""
     grid, args, num_warps, num_stages, maxnreg, counts = _forward_launch(plan)
     prefix = _tensor_roles(plan, args, counts)
     if prefix is None:

@@ -25,6 +25,7 @@ and it is measured against the tl kernel's FP8 forward (benchmarks/NOTES.md).
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
@@ -40,6 +41,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from common import compat
+from common.launch import launch_compiled
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -504,6 +508,70 @@ def forward_plan(plan, chosen: str):
     return plan.out, plan.lse
 
 
+class BoundGluon:
+    """A Gluon forward launch bound to a plan's layout (the Triton backend's ``bind_forward``; a later
+    call of that layout passes its tensors in ``ForwardPlan.ROLES`` order, ``common.reuse.BoundLaunch``):
+    what a call then does is four descriptors rebased on its tensors and, once the compiled kernel is
+    known, Triton's launcher called directly (``common.launch.BoundKernel.run_compiled``'s path),
+    without planning, ``serves``' checks or Triton's JIT dispatch again. A call whose query, keys or
+    values do not start at a 16-byte multiple (TMA's rule; the layout's strides are the plan's) runs the
+    tl kernel's bound launch (``fallback``)."""
+
+    def __init__(self, plan, chosen: str, fallback):
+        descales = plan.descales
+        self.kernel, grid, args, self.meta = _launch(
+            plan.query, plan.key, plan.value, plan.out, plan.lse, plan.scale,
+            None if plan.band is None else plan.band[1], plan.with_lse, descales=descales, config=None,
+            **VARIANTS[chosen])
+        self.grid = (*grid, 1)
+        self.fallback = fallback
+        self.templates = args[:4]  # (their bases are the plan's tensors: replaced every call)
+        # the tensor each pointer argument takes (its role's index): the log-sum-exp (or the output,
+        # never written), then ping-pong's three descales (or the output, never read)
+        out, lse = 3, 4
+        self.slots = ((4, lse if plan.with_lse else out),)
+        if self.kernel is _gluon_attn_fwd_pp:
+            self.slots += tuple((5 + i, 7 + i if descales is not None else out) for i in range(3))
+        self.fp8 = descales is not None
+        self.args = list(args)
+        for position, _ in self.slots:
+            self.args[position] = None  # (the plan's tensors are not kept)
+        self.args[:4] = [None] * 4
+        params = compat.jit_parameters(self.kernel)
+        # (a compiled kernel's runner takes every parameter in signature order: the constexprs follow
+        # the runtime arguments in these kernels)
+        assert all(constexpr == (num >= len(args)) for _, num, constexpr, _ in params)
+        self.constexprs = [self.meta[name] for name, _, constexpr, _ in params if constexpr]
+        self.kernels: dict = {}  # the compiled kernel per alignment of the call's descales
+
+    def __call__(self, tensors) -> None:
+        if (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15:
+            self.fallback(tensors)
+            return
+        args = self.args.copy()
+        args[:4] = [_rebased(t, tensors[i]) for i, t in enumerate(self.templates)]
+        key = (tensors[7].data_ptr() | tensors[8].data_ptr() | tensors[9].data_ptr()) & 15 == 0 if self.fp8 else True
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            for position, role in self.slots:
+                args[position] = tensors[role]
+            kernel = self.kernel[self.grid[:2]](*args, **self.meta)
+            if hasattr(kernel, "run") and not compat.needs_launch_scratch(kernel):
+                self.kernels[key] = kernel
+            return
+        for position, role in self.slots:
+            args[position] = tensors[role].data_ptr()
+        launch_compiled(kernel, self.grid, (*args, *self.constexprs))
+
+
+def _rebased(descriptor, base):
+    """A copy of a TMA descriptor over ``base`` (a tensor of the descriptor's dtype, shape and strides,
+    16-byte aligned: its checks are not repeated)."""
+    rebased = copy.copy(descriptor)
+    rebased.base = base
+    return rebased
+
+
 def tile(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps) for a head dim: 128 rows over two warp groups (a first
     choice, to be measured and moved to the config table)."""
@@ -560,29 +628,48 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
     ``common.plan.value_columns`` makes), ``descales`` their (B, H_kv) float32 descales (q's indexed by
     its K/V head), the output ``out_dtype`` (bfloat16 or float16) unless ``out`` is given."""
     B, H, Lq, D = q.shape
-    H_kv, Lk = k.shape[1], k.shape[2]
-    block_m, block_n, stages, num_warps = config or (pingpong_tile(D, q.dtype) if pingpong else tile(D))
     if q.dtype == torch.float8_e4m3fn and not pingpong:
         raise ValueError("the Gluon forward takes FP8 inputs in its ping-pong variant only (pingpong=True)")
-    if pingpong:
-        return _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages,
-                                 num_warps, descales, out_dtype)
-    # (FP8 refused above; the 16-bit tiles)
     if out is None:
-        out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
+        fp8 = q.dtype == torch.float8_e4m3fn
+        out = torch.empty(B, H, Lq, D, dtype=out_dtype if fp8 else q.dtype, device=q.device)
     if with_lse and lse is None:
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    q_desc, k_desc, v_desc, o_desc = descriptors(q, k, v, out, block_m, block_n)
+    kernel, grid, args, meta = _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized, config,
+                                       pingpong, descales)
+    kernel[grid](*args, **meta)
+    return (out, lse) if with_lse else out
+
+
+def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False, config=None, pingpong=False,
+            descales=None):
+    """(kernel, grid, args, meta) of ``forward``'s launch into ``out`` (and ``lse``): the runtime
+    arguments in signature order, the four TMA descriptors (q, k, v, out) first, then the log-sum-exp
+    (``out`` where there is none: never written) and, for ping-pong, the three descales (``out`` without
+    FP8: never read); ``meta`` the constexprs and launch options by name."""
+    B, H, Lq, D = q.shape
+    H_kv, Lk = k.shape[1], k.shape[2]
+    block_m, block_n, stages, num_warps = config or (pingpong_tile(D, q.dtype) if pingpong else tile(D))
     grid = (triton.cdiv(Lq, block_m), B * H)
-    args = (q_desc, k_desc, v_desc, o_desc, lse if with_lse else out, scale, H, H // H_kv, Lq, Lk,
-            0 if causal_shift is None else causal_shift)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
                 WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, num_warps=num_warps)
-    if specialized:
-        _gluon_attn_fwd_ws[grid](*args, PRODUCER_REGS=PRODUCER_REGS, **meta)
+    scalars = (scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
+    lse_arg = lse if with_lse else out
+    if not pingpong:
+        descs = (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m))
+        if specialized:
+            return _gluon_attn_fwd_ws, grid, (*descs, lse_arg, *scalars), dict(meta, PRODUCER_REGS=PRODUCER_REGS)
+        return _gluon_attn_fwd, grid, (*descs, lse_arg, *scalars), meta
+    # ping-pong: programs of block_m rows, two consumers of block_m / 2 rows and num_warps / 2 warps each
+    half = block_m // 2
+    descs = (descriptor(q, half), descriptor(k, block_n), value_descriptor(v, block_n), descriptor(out, half))
+    if descales is not None:
+        qd, kd, vd = descales
+        descale_args = (qd, kd, vd, *qd.stride(), *kd.stride(), *vd.stride())
     else:
-        _gluon_attn_fwd[grid](*args, **meta)
-    return (out, lse) if with_lse else out
+        descale_args = (out, out, out, 0, 0, 0, 0, 0, 0)  # (never read)
+    meta.update(BLOCK_M=half, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // 2)
+    return _gluon_attn_fwd_pp, grid, (*descs, lse_arg, *descale_args, *scalars), meta
 
 
 CONSUMER_REGS = 240  # each ping-pong consumer warp group's registers (S, P and O of its 64 rows)
@@ -601,32 +688,3 @@ def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, i
 
 
 _TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
-
-
-def _forward_pingpong(q, k, v, scale, causal_shift, with_lse, out, lse, block_m, block_n, stages, num_warps,
-                      descales=None, out_dtype=torch.bfloat16):
-    """``forward`` through ``_gluon_attn_fwd_pp``: programs of ``block_m`` rows, two consumers of
-    block_m / 2 rows and num_warps / 2 warps each."""
-    B, H, Lq, D = q.shape
-    H_kv, Lk = k.shape[1], k.shape[2]
-    fp8 = q.dtype == torch.float8_e4m3fn
-    if out is None:
-        out = torch.empty(B, H, Lq, D, dtype=out_dtype if fp8 else q.dtype, device=q.device)
-    if with_lse and lse is None:
-        lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    half = block_m // 2
-    q_desc, k_desc, o_desc = descriptor(q, half), descriptor(k, block_n), descriptor(out, half)
-    v_desc = value_descriptor(v, block_n)
-    if fp8:
-        qd, kd, vd = descales
-        descale_args = (qd, kd, vd, *qd.stride(), *kd.stride(), *vd.stride())
-    else:
-        descale_args = (out, out, out, 0, 0, 0, 0, 0, 0)  # (never read)
-    grid = (triton.cdiv(Lq, block_m), B * H)
-    _gluon_attn_fwd_pp[grid](
-        q_desc, k_desc, v_desc, o_desc, lse if with_lse else out, *descale_args, scale, H, H // H_kv, Lq, Lk,
-        0 if causal_shift is None else causal_shift,
-        BLOCK_M=half, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
-        WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=num_warps // 2)
-    return (out, lse) if with_lse else out

@@ -103,7 +103,8 @@ def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case
     """FP8 q, k, v (FlashAttention-3's descales, the values column-major) through the ping-pong variant:
     every output row written (poisoned), within twice the tl kernel's error against float64 attention of
     the dequantized inputs (both round P to e4m3 for P V), and the log-sum-exp likewise."""
-    from common import attention, dequantize_fp8, quantize_fp8
+    from common import attention, quantize_fp8
+    from common.fp8 import dequantize_fp8
     from impl_triton import gluon_attention as ga
 
     B, H, H_kv, Lq, Lk, scale = case
@@ -154,42 +155,72 @@ def test_output_written_by_tma_into_a_strided_view(variant):
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
 def test_attention_takes_the_gluon_path_when_switched_on(monkeypatch):
     """With ATTENTION_GLUON=1, attention() on the triton backend runs the plans the Gluon kernel
-    serves through it (every call: none is bound to the tl kernel) and the rest through the tl kernel."""
+    serves through it and the rest through the tl kernel. A layout's first two calls launch through
+    the plan, the second binds the Gluon launch (``BoundGluon``), later calls run it on their own
+    tensors (fresh ones each call: the descriptors follow them) through the compiled kernel; a later
+    call whose query does not start at a 16-byte multiple (same layout) runs the tl kernel's bound launch."""
     from common import attention
     from common.reuse import PLANS
     from impl_triton import gluon_attention as ga
 
     monkeypatch.setenv("ATTENTION_GLUON", "1")
     PLANS.clear()
-    taken = []
-    run = ga.forward_plan
-    monkeypatch.setattr(ga, "forward_plan", lambda plan, chosen: taken.append(plan.query.shape) or run(plan, chosen))
-    q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        out = attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
-    assert len(taken) == 3
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
-                                                                 enable_gqa=True)
-    torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+    taken, bound = [], []
+    run, call = ga.forward_plan, ga.BoundGluon.__call__
+    monkeypatch.setattr(ga, "forward_plan", lambda plan, chosen: taken.append("plan") or run(plan, chosen))
+    monkeypatch.setattr(ga.BoundGluon, "__call__",
+                        lambda self, tensors: taken.append("bound") or bound.append(self) or call(self, tensors))
+
+    def inputs():
+        q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+        return q, *(torch.randn(2, 2, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def check(q, k, v):
+        out, lse = attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton", return_lse=True)
+        expected, expected_lse = reference_with_lse(q, k, v)
+        torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2)
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-3, atol=1e-3)
+
+    for _ in range(4):
+        check(*inputs())
+    assert taken == ["plan", "plan", "bound", "bound"]
+    assert len(bound[-1].kernels) == 1  # (the fourth call launched the compiled kernel directly)
+    fallback = []
+    tl = bound[-1].fallback
+    monkeypatch.setattr(bound[-1], "fallback", lambda tensors: fallback.append(1) or tl(tensors))
+    q, k, v = inputs()
+    unaligned = torch.empty(q.numel() + 8, device="cuda", dtype=q.dtype)[1:q.numel() + 1].view(q.shape).copy_(q)
+    check(unaligned, k, v)
+    assert taken[-1] == "bound" and fallback == [1]
     mask = torch.rand(1024, 1024, device="cuda") > 0.1
     attention(q, k, v, attn_mask=mask, enable_gqa=True, backend="triton")  # (a mask: the tl kernel)
-    assert len(taken) == 3
+    assert taken.count("plan") == 2
+
+
+def reference_with_lse(q, k, v):
+    """Causal grouped-query attention of 16-bit inputs in float32, and its log-sum-exp (B, H, Lq)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    Lq, Lk = scores.shape[-2:]
+    scores = scores.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v, scores.logsumexp(-1)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
 def test_fp8_prefill_takes_the_pingpong_variant_when_switched_on(monkeypatch):
     """ATTENTION_GLUON=1: an FP8 prefill whose plan copies the values column-major runs the ping-pong
-    variant (FP8 decode, whose values stay row-major, the tl kernel), each call, within the tl kernel's FP8
-    output's reach; unset, the config table decides (no FP8 key committed yet: the tl kernel)."""
+    variant (FP8 decode, whose values stay row-major, the tl kernel), each call (the third bound), within
+    the tl kernel's FP8 output's reach; unset, the config table decides (no FP8 key committed yet: the tl kernel)."""
     from common import attention, quantize_fp8
     from common.backends import get_backend
     from common.reuse import PLANS
     from impl_triton import gluon_attention as ga
 
     taken = []
-    run = ga.forward_plan
+    run, call = ga.forward_plan, ga.BoundGluon.__call__
     monkeypatch.setattr(ga, "forward_plan", lambda plan, chosen: taken.append(chosen) or run(plan, chosen))
+    monkeypatch.setattr(ga.BoundGluon, "__call__", lambda self, tensors: taken.append("bound") or call(self, tensors))
     (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(torch.randn(2, 4, 1024, 128, device="cuda")) for _ in range(3))
     fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     monkeypatch.setenv("ATTENTION_GLUON", "0")
@@ -198,17 +229,17 @@ def test_fp8_prefill_takes_the_pingpong_variant_when_switched_on(monkeypatch):
     PLANS.clear()
     for _ in range(3):
         out = attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
-    assert taken == ["pingpong"] * 3
+    assert taken == ["pingpong", "pingpong", "bound"]  # (the second call bound the ping-pong launch)
     torch.testing.assert_close(out.float(), expected.float(), rtol=0.05, atol=0.05)
     q16 = torch.randn(2, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
     attention(q16, k8, v8, backend="triton", k_descale=kd, v_descale=vd)  # (decode: the tl kernel)
-    assert taken == ["pingpong"] * 3
+    assert len(taken) == 3
     monkeypatch.setenv("ATTENTION_GLUON", "")
     PLANS.clear()
     attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
     chosen = get_backend("triton").configs.lookup_gluon(128, torch.float8_e4m3fn, True, 1024)
     by_default = chosen != "tl" and ga.large_enough(2, 4, 1024, 1024, 128, True)
-    assert taken == ["pingpong"] * 3 + ([chosen] if by_default else [])
+    assert taken == ["pingpong", "pingpong", "bound"] + ([chosen] if by_default else [])
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")

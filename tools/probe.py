@@ -1411,23 +1411,42 @@ def gluon_fp8():
 
 
 def gluon_host():
-    """Whether the Gluon path's per-call host work (descriptors built and Triton's JIT launch each call,
-    where the tl kernel's layouts launch bound) shows in a user's loop: wall time per call (plain loop)
-    against do_bench, attention() with the config table's dispatch and with the tl kernel, D 128 bf16
-    causal, from shapes whose kernels take tens of µs to ones of milliseconds."""
+    """What a call of the Gluon path costs in a user's loop (its launch bound from a layout's second call,
+    as the tl kernel's): wall time per call (plain loop) against do_bench, attention() with the Gluon kernel
+    forced (ATTENTION_GLUON=1), with the tl kernel, and with the config table's dispatch (size guard
+    included), bf16, from shapes whose kernels take tens of µs to ones of milliseconds: where the
+    Gluon path starts to pay in a loop (``gluon_attention.MIN_FLOPS``)."""
     from impl_triton import gluon_attention as ga
 
-    for B, H, L in ((1, 32, 512), (1, 32, 1024), (4, 32, 1024), (1, 32, 4096), (4, 32, 4096)):
-        q, k, v = (torch.randn(B, H, L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        chosen = resolve("triton").configs.lookup_gluon(128, torch.bfloat16, True, L)
-        line = [f"({B}, {H}, {L}, 128) causal, table: {chosen}"]
-        for name, fn in (("dispatch", lambda: attention(q, k, v, is_causal=True, backend="triton")),
-                         ("tl", lambda: _tl_kernel(q, k, v, is_causal=True, backend="triton"))):
-            fn()
-            line.append(f"{name} wall {wall_time_us(fn):.0f} µs, do_bench {gpu_time_ms(fn) * 1e3:.0f} µs")
-        ms = gpu_time_ms(lambda: ga.forward(q, k, v, 128 ** -0.5, 0, False, pingpong=True))
-        line.append(f"ping-pong kernel alone (do_bench) {ms * 1e3:.0f} µs")
+    shapes = [(B, H, L, 128, True) for B, H, L in ((1, 32, 512), (1, 32, 1024), (2, 32, 1024), (4, 32, 1024),
+                                                   (2, 32, 2048), (1, 32, 4096), (4, 32, 4096))]
+    shapes += [(B, 32, L, 64, False) for B, L in ((2, 1024), (4, 1024), (2, 2048), (1, 4096), (4, 4096))]
+    for B, H, L, D, causal in shapes:
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        chosen = resolve("triton").configs.lookup_gluon(D, torch.bfloat16, causal, L)
+        flops = 4 * B * H * L * L * D / (2 if causal else 1)
+        line = [f"({B}, {H}, {L}, {D}) {'causal' if causal else 'full'} {flops:.1e} FLOPs, table: {chosen} "
+                f"(large enough: {ga.large_enough(B, H, L, L, D, causal)})"]
+        for name, switch in (("gluon", "1"), ("tl", "0"), ("dispatch", None)):
+            with _gluon_switch(switch):
+                fn = lambda: attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
+                fn()
+                line.append(f"{name} wall {wall_time_us(fn):.0f} µs, do_bench {gpu_time_ms(fn) * 1e3:.0f} µs")
         print("; ".join(line), flush=True)
+
+
+@contextlib.contextmanager
+def _gluon_switch(value):
+    """ATTENTION_GLUON set to ``value`` (None: unset) inside the block."""
+    saved = os.environ.pop("ATTENTION_GLUON", None)
+    if value is not None:
+        os.environ["ATTENTION_GLUON"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("ATTENTION_GLUON", None)
+        if saved is not None:
+            os.environ["ATTENTION_GLUON"] = saved
 
 
 def _tl_kernel(*args, **kwargs):
