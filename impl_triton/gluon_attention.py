@@ -436,9 +436,9 @@ def _tma_ready(t: torch.Tensor) -> bool:
 # (common.configs.ConfigTable.lookup_gluon, written by ``tune --passes gluon``); 0: the tl kernel everywhere.
 FORCED = {64: "pingpong", 128: "pingpong", 256: "producer"}
 # Unset, a plan smaller than this (FLOPs, 4·B·H·Lq·Lk·D, half where causal) stays on the tl kernel whatever
-# the table says: the table is timed on large batches, where the Gluon path's host work a call (its launch is
-# not bound: descriptors and Triton's launch each call) hides behind the kernel, and a small call's would
-# not (benchmarks/NOTES.md; tools/probe.py gluon_host measures it).
+# the table says: the table is timed on large batches, and below this size the Gluon path's launch (bound, but
+# four descriptors a call) costs a user's loop more than its kernel saves (tools/probe.py gluon_host,
+# benchmarks/NOTES.md).
 MIN_FLOPS = 3e10
 VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True}}
 
