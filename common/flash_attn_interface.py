@@ -63,9 +63,6 @@ the output does not require grad). Its caches:
 - ``cache_leftpad`` (int32 (batch,), contiguous caches only, as FlashAttention's): sequence
   b's keys start at ``cache_leftpad[b]``; positions (causality, windows, ALiBi, the rotary
   angles) stay the cache's.
-
-Not here yet (raises NotImplementedError naming the argument): ``alibi_slopes`` in the
-variable-length functions without ``block_table``.
 """
 
 from __future__ import annotations

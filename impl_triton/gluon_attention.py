@@ -19,8 +19,8 @@ strides TMA takes (unit last stride, 16-byte aligned rows and base). Everything 
 kernel (``serves``); of what it serves, the Triton backend sends it the head dims and lengths where it is
 faster (``variant``: the config table's gluon section; ``ATTENTION_GLUON=1`` every plan it serves, ``0``
 none). The ping-pong variant also takes FP8 inputs (``forward(..., pingpong=True, descales=...)``: e4m3 q,
-k and v at D 64 and 128, the values column-major); no plan is sent to it until its GPU tests have run
-and it is measured against the tl kernel's FP8 forward (benchmarks/NOTES.md).
+k and v at D 64 and 128, the values column-major); the config table sends no FP8 plan to it (measured
+slower than or at par with the tl kernel's FP8 forward, benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ is written to the project.
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 - gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
 - gluon_tiles: the Gluon forward's tiles swept at L 4096 (the three variants), SDPA beside.
+- gluon_tiles_fp8: the Gluon ping-pong forward's FP8 tiles swept at L 4096, the tl FP8 forward and SDPA beside.
 - gluon_host: what a call of the Gluon path costs the host (it is launched through Triton's JIT each call,
   not bound): wall time per call and do_bench of attention() with the table's dispatch and with the tl
   kernel (ATTENTION_GLUON=0) at small and mid shapes, D 128 bf16 causal.
@@ -1270,7 +1271,7 @@ def gluon_tiles():
     from impl_triton import gluon_attention as ga
 
     candidates = {64: [(128, 64, 2, 4), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 3, 8), (128, 128, 4, 8),
-                       (64, 128, 3, 4)],
+                       (64, 128, 3, 4), (256, 64, 3, 8), (256, 64, 2, 8)],
                   128: [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 2, 4), (64, 128, 2, 4),
                         (128, 128, 3, 8)]}
     for (B, H, L, D) in ((4, 32, 4096, 64), (4, 16, 4096, 128)):
@@ -1281,14 +1282,47 @@ def gluon_tiles():
             line = [f"({B}, {H}, {L}, {D}) causal={causal}: sdpa {sdpa:.0f}"]
             for config in candidates[D]:
                 for variant, kw in (("", {}), (" ws", dict(specialized=True)), (" pp", dict(pingpong=True))):
-                    if kw.get("pingpong") and (config[0] != 128 or config[3] != 8):
-                        continue  # (ping-pong: two consumer warp groups of 64 rows)
+                    if kw.get("pingpong") != (config[0] == 256) and (config[0] == 256 or config[3] != 8):
+                        continue  # (ping-pong: two consumer warp groups of 64 or 128 rows; 256 rows ping-pong only)
                     try:
                         ms = do_bench(lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False,
                                                          config=config, **kw))
                         line.append(f"{config}{variant} {flops / ms * 1e-9:.0f}")
                     except Exception as error:  # noqa: BLE001 (a tile that does not build: the others still run)
                         line.append(f"{config}{variant} {type(error).__name__}")
+            print("; ".join(line), flush=True)
+
+
+def gluon_tiles_fp8():
+    """The Gluon ping-pong forward's FP8 tiles swept (BLOCK_M, BLOCK_N, STAGES, warps: consumers of 64 or
+    128 rows) at issue 44's L 4096 prefill shapes, causal and not, against the tl kernel's FP8 forward
+    (attention(), the Gluon kernel switched off) and SDPA's bf16: TFLOP/s each; a tile that does not
+    build or fit says why."""
+    from triton.testing import do_bench
+
+    from common import quantize_fp8
+    from impl_triton import gluon_attention as ga
+
+    candidates = [(128, 128, 3, 8), (128, 128, 2, 8), (128, 64, 4, 8), (256, 64, 3, 8), (256, 64, 2, 8)]
+    for (B, H, L, D) in ((4, 32, 4096, 64), (4, 16, 4096, 128)):
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t) for t in (q, k, v))
+        v8 = v8.transpose(2, 3).contiguous().transpose(2, 3)
+        for causal in (False, True):
+            flops = 4 * B * H * L * L * D / (2 if causal else 1)
+            rate = lambda fn: flops / do_bench(fn, warmup=25, rep=100) * 1e-9  # noqa: E731
+            sdpa = rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+            tl = rate(lambda: _tl_kernel(q8, k8, v8, is_causal=causal, backend="triton", q_descale=qd,
+                                         k_descale=kd, v_descale=vd))
+            line = [f"fp8 ({B}, {H}, {L}, {D}) causal={causal}: sdpa bf16 {sdpa:.0f}, tl fp8 {tl:.0f}"]
+            for config in candidates:
+                def pingpong(config=config):
+                    return ga.forward(q8, k8, v8, D ** -0.5, 0 if causal else None, False, pingpong=True,
+                                      descales=(qd, kd, vd), config=config)
+                try:
+                    line.append(f"{config} {rate(pingpong):.0f}")
+                except Exception as error:  # noqa: BLE001 (a tile that does not build: the others still run)
+                    line.append(f"{config} {type(error).__name__}")
             print("; ".join(line), flush=True)
 
 
