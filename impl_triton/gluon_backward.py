@@ -10,10 +10,13 @@ probabilities and dS passed in registers), the results written by TMA.
 - ``_gluon_bwd_dq``: one (batch, head, BLOCK_M rows) program. delta = rowsum(dO * O) - dlse stored
   for the second pass; over the key tiles the row sees, S = Q K^T and dP = dO V^T issued together,
   p = exp2(S * scale * log2(e) - m2) (m2 = lse * log2(e); +inf for a row with no key: p = 0),
-  dS = p * (dP - delta), dQ += dS K.
+  dS = p * (dP - delta), dQ += dS K, that last product issued behind the next tile's S and dP.
 - ``_gluon_bwd_dkdv``: one (batch, K/V head, BLOCK_N keys) program over the row blocks of each query
   head of its group that see those keys: S^T = K Q^T and dP^T = V dO^T, p^T, dV += p^T dO,
-  dS^T = p^T * (dP^T - delta), dK += dS^T Q.
+  dS^T = p^T * (dP^T - delta), dK += dS^T Q; with OVERLAP, dV's and dK's products are issued around
+  the next tile's S^T and dP^T (FlashAttention-3's overlap inside a warp group, as the forward's).
+
+The products accumulate in the same order either way: the gradients do not depend on the overlap.
 
 Rows past Lq and keys past Lk need no mask: TMA reads them as zeros, a row past Lq gets lse = +inf
 (p = 0), and a key past Lk only meets a zero row of K (dQ) or gives rows of dK and dV that are not
@@ -55,6 +58,20 @@ from impl_triton.gluon_attention import (
 from impl_triton.gluon_attention import descriptor as _descriptor
 
 HEAD_DIMS = (64, 128)
+
+
+@gluon.jit
+def _dq_ds(qk, dp, newer: gl.constexpr, m2, delta, qk_scale, offs_m, j, whole, causal_shift, BLOCK_N: gl.constexpr,
+           IS_CAUSAL: gl.constexpr, col_s: gl.constexpr, ds_layout: gl.constexpr, dtype: gl.constexpr):
+    """dS of key tile j as dQ's A operand (``dtype``), from its S and dP in flight (``newer``: the
+    groups issued since S, dP's the first): p waits for S alone, dS for dP."""
+    qk = warpgroup_mma_wait(num_outstanding=newer, deps=(qk, ))
+    p = gl.exp2(qk * qk_scale - m2[:, None])
+    if IS_CAUSAL and j >= whole:  # (keys past Lk need no mask: they meet zero rows of K)
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+        p = gl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=newer - 1, deps=(dp, ))
+    return gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
 
 
 @gluon.jit
@@ -124,27 +141,38 @@ def _gluon_bwd_dq(
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    for j in range(n_tiles):
-        slot = j % STAGES
-        mbarrier.wait(kv_bars.index(slot), (j // STAGES) & 1)
-        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        v = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        qk = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_tile, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
-        p = gl.exp2(qk * qk_scale - m2[:, None])
-        if IS_CAUSAL and j >= whole:  # (keys past Lk need no mask: they meet zero rows of K)
-            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-            p = gl.where(offs_n[None, :] <= offs_m[:, None] + causal_shift, p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
-        ds = p * (dp - delta[:, None])
-        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k, dq, is_async=True)
+    # Tile j's S and dP are issued before dQ's product of tile j - 1 (dS of tile j - 1 carried in
+    # registers), so the tensor cores run those three while the warps wait for S alone, then compute
+    # P under dP's product and dS under dQ's (``_dq_ds``); a slot is refilled once dQ's product of its
+    # tile is in. Tile 0 has no product before it.
+    if n_tiles > 0:
+        mbarrier.wait(kv_bars.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+        dp = warpgroup_mma(do_tile, v_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                           use_acc=False, is_async=True)
+        ds = _dq_ds(qk, dp, 1, m2, delta, qk_scale, offs_m, 0, whole, causal_shift, BLOCK_N, IS_CAUSAL, col_s,
+                    ds_layout, dtype)
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(kv_bars.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_tile, v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds, k_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+            ds = _dq_ds(qk, dp, 2, m2, delta, qk_scale, offs_m, j, whole, causal_shift, BLOCK_N, IS_CAUSAL, col_s,
+                        ds_layout, dtype)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            refill = j - 1 + STAGES
+            if refill < n_tiles:  # (tile j - 1's slot, read by its three products)
+                mbarrier.expect(kv_bars.index(prev), kv_bytes)
+                _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(prev), k_smem.index(prev))
+                _tma_load(v_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(prev), v_smem.index(prev))
+        last = (n_tiles - 1) % STAGES
+        dq = warpgroup_mma(ds, k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        refill = j + STAGES
-        if refill < n_tiles:  # (slot's tile read by all three products)
-            mbarrier.expect(kv_bars.index(slot), kv_bytes)
-            _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(slot), k_smem.index(slot))
-            _tma_load(v_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_bars.index(slot), v_smem.index(slot))
 
     # dQ leaves by TMA through Q's shared tile (every product that read Q is complete), clipped at Lq
     q_smem.reshape([BLOCK_M, HEAD_DIM]).store((dq * scale).to(dtype))
@@ -156,12 +184,44 @@ def _gluon_bwd_dq(
 
 
 @gluon.jit
+def _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV, GROUP, lo, row_blocks, t, Lq,
+               BLOCK_M: gl.constexpr, row_st: gl.constexpr):
+    """Row tile t of a dK/dV program (query head t // row_blocks of the group, row block lo + t %
+    row_blocks): its block, rows, m2 = lse * log2(e) (+inf for a row past Lq or with no key: p = 0)
+    and delta."""
+    off_h = off_h_kv * GROUP + t // row_blocks
+    block = lo + t % row_blocks
+    offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_st)
+    head = off_z.to(gl.int64) * H_KV * GROUP + off_h  # (in B·H: DELTA's rows)
+    lse = gl.load(LSE + off_z.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+                  + offs_m.to(gl.int64) * stride_lm, mask=offs_m < Lq, other=float("inf"))
+    delta = gl.load(DELTA + head * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    m2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return block, offs_m, m2, delta
+
+
+@gluon.jit
+def _dkdv_p_ds(qkT, dpT, newer: gl.constexpr, m2, delta, qk_scale, offs_kn, offs_m, block, full_lo, causal_shift,
+               IS_CAUSAL: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr):
+    """p^T and dS^T of a row tile as dV's and dK's A operands (``dtype``), from its S^T and dP^T in
+    flight (``newer``: the groups issued since S^T, dP^T's the first): p^T waits for S^T alone, dS^T
+    for dP^T. Causal row blocks before ``full_lo`` cross the diagonal: masked."""
+    qkT = warpgroup_mma_wait(num_outstanding=newer, deps=(qkT, ))
+    p = gl.exp2(qkT * qk_scale - m2[None, :])
+    if IS_CAUSAL and block < full_lo:
+        p = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, p, 0.0)
+    dpT = warpgroup_mma_wait(num_outstanding=newer - 1, deps=(dpT, ))
+    pT = gl.convert_layout(p.to(dtype), op_layout)
+    return pT, gl.convert_layout((p * (dpT - delta[None, :])).to(dtype), op_layout)
+
+
+@gluon.jit
 def _gluon_bwd_dkdv(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
     stride_lz, stride_lh, stride_lm,
     scale, H_KV, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
 ):
     """dK and dV of BLOCK_N keys of one (batch, K/V head), summed over its GROUP query heads (see the
     module docstring). Descriptors: k, v, dk, dv over (B, H_kv, Lk, D) with (1, 1, BLOCK_N, D)
@@ -220,37 +280,74 @@ def _gluon_bwd_dkdv(
     mbarrier.wait(kv_bar, 0)
     k = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v = v_smem.reshape([BLOCK_N, HEAD_DIM])
-    for t in range(n_tiles):
-        slot = t % STAGES
-        off_h = off_h_kv * GROUP + t // row_blocks
-        block = lo + t % row_blocks
-        offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_st)
-        head = off_z.to(gl.int64) * H_KV * GROUP + off_h  # (in B·H: DELTA's rows)
-        lse = gl.load(LSE + off_z.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
-                      + offs_m.to(gl.int64) * stride_lm, mask=offs_m < Lq, other=float("inf"))
-        delta = gl.load(DELTA + head * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-        m2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
-        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
-        pT = gl.exp2(qkT * qk_scale - m2[None, :])
-        if IS_CAUSAL and block < full_lo:
-            pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
-        dsT = pT * (dpT - delta[None, :])
-        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q, dk, is_async=True)
+    # Tile t's S^T and dP^T are issued before dV's and dK's products of tile t - 1 (its p^T and dS^T
+    # carried in registers), so the tensor cores run all four while the warps wait for S^T alone, then
+    # compute p^T under dP^T's product and dS^T under dV's and dK's (``_dkdv_p_ds``); a slot is refilled
+    # once both products of its tile are in. Tile 0 has no product before it. OVERLAP off: each tile's
+    # four products complete before the next tile's are issued (fewer registers live: at D 128 the
+    # overlap spills).
+    if OVERLAP and n_tiles > 0:
+        block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                              GROUP, lo, row_blocks, 0, Lq, BLOCK_M, row_st)
+        mbarrier.wait(q_bars.index(0), 0)
+        qkT = warpgroup_mma(k, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_st,
+                            use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_st,
+                            use_acc=False, is_async=True)
+        pT, dsT = _dkdv_p_ds(qkT, dpT, 1, m2, delta, qk_scale, offs_kn, offs_m, block, full_lo, causal_shift,
+                             IS_CAUSAL, op_layout, dtype)
+        for t in range(1, n_tiles):
+            slot = t % STAGES
+            prev = (t - 1) % STAGES
+            block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                                  GROUP, lo, row_blocks, t, Lq, BLOCK_M, row_st)
+            mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
+            dv = warpgroup_mma(pT, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+            qkT = warpgroup_mma(k, q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_st,
+                                use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v, do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), zero_st,
+                                use_acc=False, is_async=True)
+            dk = warpgroup_mma(dsT, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+            pT, dsT = _dkdv_p_ds(qkT, dpT, 2, m2, delta, qk_scale, offs_kn, offs_m, block, full_lo, causal_shift,
+                                 IS_CAUSAL, op_layout, dtype)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            refill = t - 1 + STAGES
+            if refill < n_tiles:  # (tile t - 1's slot, read by its four products)
+                off_h = off_h_kv * GROUP + refill // row_blocks
+                row = (lo + refill % row_blocks) * BLOCK_M
+                mbarrier.expect(q_bars.index(prev), qdo_bytes)
+                _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(prev), q_smem.index(prev))
+                _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(prev), do_smem.index(prev))
+        last = (n_tiles - 1) % STAGES
+        dv = warpgroup_mma(pT, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+        dk = warpgroup_mma(dsT, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        refill = t + STAGES
-        if refill < n_tiles:  # (slot's tiles read by all four products)
-            off_h = off_h_kv * GROUP + refill // row_blocks
-            row = (lo + refill % row_blocks) * BLOCK_M
-            mbarrier.expect(q_bars.index(slot), qdo_bytes)
-            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(slot), q_smem.index(slot))
-            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(slot), do_smem.index(slot))
+    elif not OVERLAP:
+        for t in range(n_tiles):
+            slot = t % STAGES
+            block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                                  GROUP, lo, row_blocks, t, Lq, BLOCK_M, row_st)
+            mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
+            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
+            pT = gl.exp2(qkT * qk_scale - m2[None, :])
+            if IS_CAUSAL and block < full_lo:
+                pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
+            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+            dsT = pT * (dpT - delta[None, :])
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q, dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            refill = t + STAGES
+            if refill < n_tiles:  # (slot's tiles read by all four products)
+                off_h = off_h_kv * GROUP + refill // row_blocks
+                row = (lo + refill % row_blocks) * BLOCK_M
+                mbarrier.expect(q_bars.index(slot), qdo_bytes)
+                _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(slot), q_smem.index(slot))
+                _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(slot), do_smem.index(slot))
 
     # dK and dV leave by TMA through K's and V's shared tiles (every product that read them is
     # complete), clipped at Lk
@@ -264,11 +361,15 @@ def _gluon_bwd_dkdv(
     _invalidate(q_bars, STAGES)
 
 
-def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-    """((BLOCK_M, BLOCK_N, STAGES, num_warps) of the dQ pass, the same of the dK/dV pass): the tl
-    backward's shapes (128 rows x 64 keys for dQ, 128 keys x 64 rows for dK/dV, two warp groups);
-    a first choice, to be measured."""
-    return (128, 64, 2, 8), (64, 128, 2, 8)
+def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
+    """((BLOCK_M, BLOCK_N, STAGES, num_warps) of the dQ pass, (BLOCK_M, BLOCK_N, STAGES, num_warps,
+    OVERLAP) of the dK/dV pass): the tl backward's shapes (128 rows x 64 keys for dQ, 128 keys x 64 rows
+    for dK/dV, two warp groups), three stages where a tile's products overlap the next tile's (a
+    slot is refilled a tile later); the dK/dV overlap off at D 128, where it spills (a first choice,
+    to be measured)."""
+    if head_dim == 64:
+        return (128, 64, 3, 8), (64, 128, 3, 8, True)
+    return (128, 64, 3, 8), (64, 128, 2, 8, False)
 
 
 def serves(q, k, v, out, grad_out, dq, dk, dv) -> bool:
@@ -282,7 +383,7 @@ def serves(q, k, v, out, grad_out, dq, dk, dv) -> bool:
 
 
 def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
-             dq=None, dk=None, dv=None, delta=None):
+             dq=None, dk=None, dv=None, delta=None, overlap: bool | None = None):
     """dq, dk, dv of attention(q, k, v) (q (B, H, Lq, D), k/v (B, H_kv, Lk, D); out and lse its forward's,
     lse (B, H, Lq) float32) given grad_out (and grad_lse, the gradient of the log-sum-exp, or None).
     ``causal_shift``: None (no mask) or s, row i seeing keys j <= i + s. Buffers given are written (dq
@@ -293,7 +394,8 @@ def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty(B * H, Lq, dtype=torch.float32, device=q.device) if delta is None else delta
-    (bm1, bn1, stages1, warps1), (bm2, bn2, stages2, warps2) = tiles(D)
+    (bm1, bn1, stages1, warps1), (bm2, bn2, stages2, warps2, overlap2) = tiles(D)
+    overlap2 = overlap2 if overlap is None else overlap
     is_causal, shift = causal_shift is not None, 0 if causal_shift is None else causal_shift
     dlse = grad_lse if grad_lse is not None else lse  # never read without WITH_DLSE
     _gluon_bwd_dq[(triton.cdiv(Lq, bm1), B * H)](
@@ -307,5 +409,6 @@ def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None
         _descriptor(q, bm2), _descriptor(k, bn2), _descriptor(v, bn2), _descriptor(grad_out, bm2),
         _descriptor(dk, bn2), _descriptor(dv, bn2), lse, delta, *lse.stride(),
         scale, H_kv, H // H_kv, Lq, Lk, shift,
-        BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=stages2, IS_CAUSAL=is_causal, num_warps=warps2)
+        BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=stages2, IS_CAUSAL=is_causal, OVERLAP=overlap2,
+        num_warps=warps2)
     return dq, dk, dv

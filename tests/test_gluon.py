@@ -19,11 +19,13 @@ VARIANTS = {"one-partition": {}, "producer-warp": {"specialized": True}, "ping-p
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_compiles_for_sm90_with_the_overlap(variant):
+def test_compiles_for_sm90_with_the_overlap(variant, tmp_path):
     """Built for sm_90 with the installed Triton: warp-group MMAs, TMA copies in (K, V, Q) and out (the
     output, once per consumer), no spills (a few words at most), and the loop waiting for a tile's S while the previous
     tile's P V is in flight."""
-    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal"]
+    # (each test its own output folder: tests running side by side would write the same files)
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal",
+               "--out", str(tmp_path)]
     command += [f"--{option}" for option in VARIANTS[variant]]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -37,11 +39,11 @@ def test_compiles_for_sm90_with_the_overlap(variant):
     assert fields["OVERLAP"] == "1", line
 
 
-def test_fp8_pingpong_compiles_for_sm90():
+def test_fp8_pingpong_compiles_for_sm90(tmp_path):
     """The ping-pong variant with FP8 inputs builds for sm_90 with the installed Triton (D 128, causal): FP8
     warp-group MMAs (QGMMA) for both products, TMA in and out, no spills, the in-warp-group overlap."""
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal", "--pingpong",
-               "--dtype", "float8_e4m3fn"]
+               "--dtype", "float8_e4m3fn", "--out", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     line = re.search(r"D=128 .*", result.stdout).group(0)
@@ -304,11 +306,12 @@ def test_switched_on_without_hopper_runs_the_tl_kernel(monkeypatch, device):
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-def test_backward_compiles_for_sm90_with_the_overlap():
+def test_backward_compiles_for_sm90_with_the_overlap(tmp_path):
     """The Gluon backward's two passes build for sm_90 with the installed Triton (at D 64, causal): warp-group
     MMAs, TMA copies in and out (dQ once; dK and dV), no spills, and each loop waiting for its first product
     while the next is in flight."""
-    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--backward", "--dims", "64", "--causal"]
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--backward", "--dims", "64", "--causal",
+               "--out", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {m.group(1): m.group(0) for m in re.finditer(r"pass=(\w+) D=64 .*", result.stdout)}

@@ -45,6 +45,8 @@ def main(argv=None) -> int:
                         help="the variant with two consumer warp groups in ping-pong and a producer warp")
     parser.add_argument("--backward", action="store_true",
                         help="the Gluon backward's two passes (impl_triton.gluon_backward) instead of the forward")
+    parser.add_argument("--dkdv-overlap", type=int, choices=[0, 1],
+                        help="with --backward: the dK/dV pass's OVERLAP instead of gluon_backward.tiles'")
     parser.add_argument("--config", nargs=4, type=int, metavar=("BLOCK_M", "BLOCK_N", "STAGES", "WARPS"),
                         help="a tile instead of gluon_attention.tile's")
     parser.add_argument("--out", default="/tmp/gluon_sass", help="where the TTGIR, PTX and SASS go")
@@ -113,7 +115,8 @@ def _backward(args, out_dir, dtype) -> int:
         q, o, do = (torch.randn(2, 8, 1000, D, dtype=dtype) for _ in range(3))
         k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
         lse, delta = torch.empty(2, 8, 1000), torch.empty(16, 1000)
-        (bm1, bn1, s1, w1), (bm2, bn2, s2, w2) = gb.tiles(D)
+        (bm1, bn1, s1, w1), (bm2, bn2, s2, w2, overlap) = gb.tiles(D)
+        overlap = overlap if args.dkdv_overlap is None else bool(args.dkdv_overlap)
         dq_kernel = gb._gluon_bwd_dq.warmup(
             descriptor(q, bm1), descriptor(k, bn1), descriptor(v, bn1), descriptor(do, bm1), descriptor(q, bm1),
             o, lse, lse, delta, *o.stride()[:3], *lse.stride(), *lse.stride(), 0.125, 8, 4, 1000, 1000, 0,
@@ -122,7 +125,8 @@ def _backward(args, out_dir, dtype) -> int:
         dkdv_kernel = gb._gluon_bwd_dkdv.warmup(
             descriptor(q, bm2), descriptor(k, bn2), descriptor(v, bn2), descriptor(do, bm2), descriptor(k, bn2),
             descriptor(v, bn2), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
-            BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=s2, IS_CAUSAL=args.causal, num_warps=w2, grid=(1,))
+            BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=s2, IS_CAUSAL=args.causal, OVERLAP=overlap, num_warps=w2,
+            grid=(1,))
         for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel)):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
             regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))

@@ -1514,9 +1514,14 @@ def gluon_bwd():
                 "tl": lambda: attention_backward(grad, q, k, v, out, lse, is_causal=causal, backend="triton"),
                 "sdpa": lambda: torch.autograd.grad(sdpa_out, (qs, ks, vs), grad, retain_graph=True),
             }
+            # (the dK/dV pass with the other OVERLAP than gluon_backward.tiles' for the head dim)
+            other = not gb.tiles(D)[1][4]
+            runs["other"] = lambda: gb.backward(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None,
+                                                overlap=other)
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
-            print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f}, "
+            print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f} "
+                  f"(dK/dV overlap {'on' if other else 'off'}: {tflops['other']:.0f}), "
                   f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/tl "
                   f"{tflops['gluon'] / tflops['tl']:.2f}, gluon/sdpa {tflops['gluon'] / tflops['sdpa']:.2f}; "
                   f"max |gluon - tl| {error:.1e}", flush=True)
