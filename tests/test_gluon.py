@@ -7,6 +7,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -278,6 +279,64 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     assert taken == {"": default, "0": [], "1": forced}[switch]
     # (the committed table sends some of these shapes to Gluon, and the size guard alone keeps one off it)
     assert switch != "" or (len(default) >= 2 and any(chosen != "tl" and not large for *_, chosen, large in named))
+
+
+@pytest.mark.parametrize("variant", ["one", "producer", "pingpong"])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with_lse):
+    """BoundGluon (CPU, the kernel and Triton's launcher stood in): the binding call's tensors are not
+    kept; a later call's first launch goes through the kernel's JIT with that call's tensors at their
+    places (descriptors rebased on q, k, v and the output, the log-sum-exp or the output in its slot,
+    ping-pong's never-read descale slots the output), the next launches the compiled kernel with their
+    addresses and the constexprs in signature order; a query off 16 bytes runs the fallback."""
+    from common import compat
+    from impl_triton import gluon_attention as ga
+
+    B, H, H_kv, L, D = 2, 4, 2, 256, 128
+
+    def tensors():
+        q = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, L, D, dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.empty(B, H, L) if with_lse else None
+        return q, k, v, torch.empty_like(q), lse
+
+    q, k, v, out, lse = tensors()
+    plan = types.SimpleNamespace(query=q, key=k, value=v, out=out, lse=lse, scale=0.1, band=(1 - L, 0),
+                                 with_lse=with_lse, descales=None)
+    fallback = []
+    bound = ga.BoundGluon(plan, variant, lambda t: fallback.append(t))
+    params = compat.jit_parameters(bound.kernel)
+    assert all(a is None or not isinstance(a, torch.Tensor) for a in bound.args)  # (the plan's not kept)
+    calls = []
+
+    class Compiled:
+        metadata = types.SimpleNamespace()
+
+        def run(self, *args):
+            pass
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(("jit", grid, args, meta)) or Compiled()
+
+    bound.kernel = Kernel()
+    monkeypatch.setattr(ga, "launch_compiled", lambda kernel, grid, args: calls.append(("compiled", grid, args)))
+    q, k, v, out, lse = tensors()
+    roles = (q, k, v, out, lse, None, None, None, None, None)
+    bound(roles)
+    bound(roles)
+    (_, grid, args, meta), (_, grid3, direct) = calls
+    assert [d.base for d in args[:4]] == [q, k, v, out] and args[0].shape == list(q.shape)
+    assert args[4] is (lse if with_lse else out) and meta["IS_CAUSAL"] and meta["WITH_LSE"] == with_lse
+    if variant == "pingpong":
+        assert all(a is out for a in args[5:8])
+    assert len(direct) == len(params) and grid3 == (*grid, 1)
+    assert direct[4] == (lse if with_lse else out).data_ptr() and direct[len(args):] == tuple(
+        meta[name] for name, _, constexpr, _ in params if constexpr)
+    assert [d.base for d in direct[:4]] == [q, k, v, out]
+    unaligned = torch.empty(q.numel() + 8, dtype=q.dtype)[1:q.numel() + 1].view(q.shape)
+    bound((unaligned, *roles[1:]))
+    assert len(calls) == 2 and len(fallback) == 1 and fallback[0][0] is unaligned
 
 
 def test_switch_takes_0_1_or_nothing(monkeypatch, device):
