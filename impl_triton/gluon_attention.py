@@ -10,8 +10,8 @@ stream through a ring of ``STAGES`` shared-memory slots, S = Q K^T and O += P V 
 (FlashAttention-3's in-warp-group overlap), the online softmax is the ``tl`` kernel's (names
 ``acc``, ``m_i``, ``l_i``, ``qk``, ``p``), and the output leaves by TMA through Q's shared tile.
 ``_gluon_attn_fwd``'s warps refill the ring themselves; ``_gluon_attn_fwd_ws`` gives that to a producer
-warp of its own (``warp_specialize``); ``_gluon_attn_fwd_pp`` adds FlashAttention-3's two consumer warp
-groups in ping-pong (one's softmax under the other's products).
+warp of its own (``warp_specialize``); ``_gluon_attn_fwd_pp`` adds FlashAttention-3's consumer warp
+groups taking turns, two in ping-pong or three in a ring (one's softmax under the others' products).
 
 It serves the plain forward only: float16 or bfloat16, D = Dv in {64, 128, 256}, causal (either
 alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inputs and output whose
@@ -188,12 +188,12 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     first, so waiting for all but the newest group returns it); O is rescaled once P V of tile
     j - 1 is in, before P V of tile j is issued.
 
-    The consumer owns BLOCK_M rows from ``row_start``. PINGPONG (FlashAttention-3's two consumer warp
-    groups, ``_gluon_attn_fwd_pp``): each round's products (S of tile j, P V of tile j - 1) are issued
-    only once the other consumer issued its own of the round before (``turn_wait``, completed by the
-    other's ``turn_arrive``), so one warp group's softmax runs under the other's products; TURN_FIRST:
-    1 for the consumer that goes first (its first wait passes on a fresh barrier's phase). Both
-    consumers run the same ``n_tiles`` rounds, or the turns would wait for ever. The tiles every row
+    The consumer owns BLOCK_M rows from ``row_start``. PINGPONG (FlashAttention-3's consumer warp
+    groups taking turns, ``_gluon_attn_fwd_pp``): each round's products (S of tile j, P V of tile j - 1)
+    are issued only once the consumer before it issued its own (``turn_wait``; this one's
+    ``turn_arrive`` lets the next go), so one warp group's softmax runs under the others' products;
+    TURN_FIRST: 1 for the consumer that goes first (its first wait passes on a fresh barrier's phase).
+    All consumers run the same ``n_tiles`` rounds, or the turns would wait for ever. The tiles every row
     sees whole skip the mask (``_softmax_step``; NEGATIVE_SCALE: the scale's sign).
 
     FP8 (float8_e4m3fn q, k, v: ``q_desc.dtype``): the scores' scale takes ``qk_descale`` (the query's
@@ -369,13 +369,15 @@ def _gluon_attn_fwd_pp(
     scale, H, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """FlashAttention-3's schedule: a program of 2 x BLOCK_M rows, two consumer warp groups of
-    ``num_warps`` warps (the default partition and a worker) owning BLOCK_M rows each, in ping-pong
-    (``_consume`` with PINGPONG: one's softmax under the other's products), and a producer warp
-    filling the K/V ring they share (``_ws_producer``; a slot goes back once both consumers are done
-    with it: ``kv_empty`` counts two arrivals). q_desc's blocks are (1, 1, BLOCK_M, D).
+    """FlashAttention-3's schedule: a program of CONSUMERS x BLOCK_M rows, CONSUMERS (2 or 3) consumer
+    warp groups of ``num_warps`` warps (the default partition and workers) owning BLOCK_M rows each, taking
+    turns (``_consume`` with PINGPONG: each one's products issued once the one before it issued its own,
+    consumer c waiting on turn c and completing turn c + 1, so one's softmax runs under the others'
+    products), and a producer warp filling the K/V ring they share (``_ws_producer``; a slot goes back once
+    every consumer is done with it: ``kv_empty`` counts CONSUMERS arrivals). q_desc's blocks are (1, 1,
+    BLOCK_M, D).
 
     FP8 (float8_e4m3fn q, k and v; v_desc over the column-major values seen as (B, H_kv, D, Lk)): QD, KD,
     VD are the (B, H_kv) float32 descales (FlashAttention-3's: the query's indexed by its K/V head), each
@@ -384,42 +386,64 @@ def _gluon_attn_fwd_pp(
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
     v_block: gl.constexpr = v_desc.block_type.shape
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, v_block[2], v_block[3]], v_desc.layout)
     if FP8:
         qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
                       * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
         v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
     else:
         qk_descale = 1.0
         v_descale = 1.0
         o_smem = q_smem
-    q_bars = _barriers(2, 1)
-    turns = _barriers(2, 1)
+    q_bars = _barriers(CONSUMERS, 1)
+    turns = _barriers(CONSUMERS, 1)
     kv_ready = _barriers(STAGES, 1)
-    kv_empty = _barriers(STAGES, 2)
+    kv_empty = _barriers(STAGES, CONSUMERS)
     fence_async_shared()
-    # both consumers run the rounds of the whole 2 x BLOCK_M block (their turns must pair up)
-    n_tiles = _key_tiles(Lk, start_m, causal_shift, 2 * BLOCK_M, BLOCK_N, IS_CAUSAL)
-    row_start = start_m * 2 * BLOCK_M
-    gl.warp_specialize([
-        (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready, kv_empty,
-                    turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale, v_descale, Lq,
-                    Lk,
-                    causal_shift, off_z, off_h, off_h_kv, off_hz, row_start, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM,
-                    STAGES, IS_CAUSAL, WITH_LSE, True, True, 1, NEGATIVE_SCALE)),
-        (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready, kv_empty,
-                    turns.index(1), turns.index(0), o_desc, o_smem.index(1), Lse, scale, qk_descale, v_descale, Lq,
-                    Lk,
-                    causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M, n_tiles, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0, NEGATIVE_SCALE)),
-        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
-                        STAGES)),
-    ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _invalidate(q_bars, 2)
-    _invalidate(turns, 2)
+    # every consumer runs the rounds of the whole CONSUMERS x BLOCK_M block (their turns must pair up)
+    n_tiles = _key_tiles(Lk, start_m, causal_shift, CONSUMERS * BLOCK_M, BLOCK_N, IS_CAUSAL)
+    row_start = start_m * CONSUMERS * BLOCK_M
+    # consumer c waits on turn c and completes turn c + 1 (the first's first wait passes at once)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready,
+                        kv_empty, turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale,
+                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start,
+                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 1,
+                        NEGATIVE_SCALE)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready,
+                        kv_empty, turns.index(1), turns.index(0), o_desc, o_smem.index(1), Lse, scale, qk_descale,
+                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M,
+                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
+                        NEGATIVE_SCALE)),
+            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
+                            STAGES)),
+        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready,
+                        kv_empty, turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale,
+                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start,
+                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 1,
+                        NEGATIVE_SCALE)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready,
+                        kv_empty, turns.index(1), turns.index(2), o_desc, o_smem.index(1), Lse, scale, qk_descale,
+                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M,
+                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
+                        NEGATIVE_SCALE)),
+            (_consume, (q_desc, k_desc, v_desc, q_smem.index(2), k_smem, v_smem, q_bars.index(2), kv_ready,
+                        kv_empty, turns.index(2), turns.index(0), o_desc, o_smem.index(2), Lse, scale, qk_descale,
+                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + 2 * BLOCK_M,
+                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
+                        NEGATIVE_SCALE)),
+            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
+                            STAGES)),
+        ], [num_warps, num_warps, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    _invalidate(q_bars, CONSUMERS)
+    _invalidate(turns, CONSUMERS)
     _invalidate(kv_ready, STAGES)
     _invalidate(kv_empty, STAGES)
 
@@ -627,8 +651,8 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
     top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp. ``config``:
     (BLOCK_M, BLOCK_N, STAGES, num_warps) instead of ``tile``'s (a probe's sweep). ``pingpong``: the
-    variant with two consumer warp groups in ping-pong (and a producer warp), each BLOCK_M / 2 rows
-    of num_warps / 2 warps.
+    variant with num_warps / 4 consumer warp groups (two in ping-pong, or three in a ring) and a
+    producer warp, each consumer BLOCK_M / consumers rows.
 
     FP8 (ping-pong only): q, k, v float8_e4m3fn, v column-major (``v.stride(2) == 1``: the layout
     ``common.plan.value_columns`` makes), ``descales`` their (B, H_kv) float32 descales (q's indexed by
@@ -666,24 +690,29 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
         if specialized:
             return _gluon_attn_fwd_ws, grid, (*descs, lse_arg, *scalars), dict(meta, PRODUCER_REGS=PRODUCER_REGS)
         return _gluon_attn_fwd, grid, (*descs, lse_arg, *scalars), meta
-    # ping-pong: programs of block_m rows, two consumers of block_m / 2 rows and num_warps / 2 warps each
-    half = block_m // 2
-    descs = (descriptor(q, half), descriptor(k, block_n), value_descriptor(v, block_n), descriptor(out, half))
+    # ping-pong: programs of block_m rows, num_warps / 4 consumer warp groups (2 or 3) of block_m / consumers rows
+    consumers = num_warps // 4
+    rows = block_m // consumers
+    descs = (descriptor(q, rows), descriptor(k, block_n), value_descriptor(v, block_n), descriptor(out, rows))
     if descales is not None:
         qd, kd, vd = descales
         descale_args = (qd, kd, vd, *qd.stride(), *kd.stride(), *vd.stride())
     else:
         descale_args = (out, out, out, 0, 0, 0, 0, 0, 0)  # (never read)
-    meta.update(BLOCK_M=half, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // 2)
+    meta.update(BLOCK_M=rows, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS[consumers], CONSUMERS=consumers,
+                num_warps=4)
     return _gluon_attn_fwd_pp, grid, (*descs, lse_arg, *descale_args, *scalars), meta
 
 
-CONSUMER_REGS = 240  # each ping-pong consumer warp group's registers (S, P and O of its 64 rows)
+# each ping-pong consumer warp group's registers (S, P and O of its rows), by the number of consumers: three
+# warp groups and the producer warp share the register file at 160 each (FlashAttention-3's split at D 64)
+CONSUMER_REGS = {2: 240, 3: 160}
 
 
 def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the ping-pong variant: the program's rows and warps,
-    half to each consumer. At D 128 keys of 128 a tile with three stages where triton 3.6 compiles it
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the ping-pong variant: the program's rows and its
+    consumers' warps, two warp groups (three with 12 warps: a tile ``tools/probe.py gluon_tiles`` sweeps at
+    D 64, not yet measured). At D 128 keys of 128 a tile with three stages where triton 3.6 compiles it
     (measured fastest, benchmarks/NOTES.md); later Triton spills each consumer's S and O there, so keys
     of 64 until measured. FP8 tiles (half the bytes): keys of 128 at
     D 64 and 128 (a first choice, to be measured)."""

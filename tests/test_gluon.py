@@ -40,6 +40,18 @@ def test_compiles_for_sm90_with_the_overlap(variant, tmp_path):
     assert fields["OVERLAP"] == "1", line
 
 
+def test_three_consumer_pingpong_compiles_for_sm90(tmp_path):
+    """Ping-pong with three consumer warp groups (D 64, 192 rows, keys of 64, 12 warps at 160 registers
+    each) builds for sm_90 with the installed Triton: no spill, the overlap, TMA in and out."""
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "64", "--causal", "--pingpong",
+               "--config", "192", "64", "4", "12", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    fields = dict(item.split("=") for item in re.search(r"D=64 .*", result.stdout).group(0).split())
+    assert int(fields["STACK"]) == 0 and int(fields["HGMMA"]) > 0 and fields["OVERLAP"] == "1", fields
+    assert int(fields["UTMALDG"]) > 0 and int(fields["UTMASTG"]) >= 2, fields
+
+
 def test_fp8_pingpong_compiles_for_sm90(tmp_path):
     """The ping-pong variant with FP8 inputs builds for sm_90 with the installed Triton (D 128, causal): FP8
     warp-group MMAs (QGMMA) for both products, TMA in and out, no spills, the in-warp-group overlap."""
@@ -67,6 +79,23 @@ CASES = [  # (B, H, H_kv, Lq, Lk, scale)
 @pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}" for c in CASES])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gluon_forward_matches_sdpa(D, dtype, causal, case, variant):
+    _check_forward(D, dtype, causal, case, **VARIANTS[variant])
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}" for c in CASES])
+@pytest.mark.parametrize("config", [(192, 64, 4, 12), (192, 128, 2, 12)], ids=["keys64", "keys128"])
+def test_three_consumer_pingpong_matches_sdpa(dtype, causal, case, config):
+    """The ping-pong variant with three consumer warp groups of 64 rows (12 warps: FlashAttention-3's tile
+    at D 64, taking turns in a ring), as the other variants."""
+    _check_forward(64, dtype, causal, case, pingpong=True, config=config)
+
+
+def _check_forward(D, dtype, causal, case, **variant):
+    """``gluon_attention.forward`` (``variant``: its keywords) against float32 attention: every row written
+    (poisoned), the output and the log-sum-exp within the dtype's tolerance, -inf exactly where no key."""
     from impl_triton import gluon_attention as ga
 
     B, H, H_kv, Lq, Lk, scale = case
@@ -75,7 +104,7 @@ def test_gluon_forward_matches_sdpa(D, dtype, causal, case, variant):
     out = torch.full((B, H, Lq, D), float("nan"), device="cuda", dtype=dtype)  # poisoned: every row is written
     lse = torch.full((B, H, Lq), float("nan"), device="cuda")
     shift = None if causal is None else (Lk - Lq if causal == "bottom_right" else 0)
-    ga.forward(q, k, v, scale, shift, True, out=out, lse=lse, **VARIANTS[variant])
+    ga.forward(q, k, v, scale, shift, True, out=out, lse=lse, **variant)
     qf, kf, vf = (t.float().repeat_interleave(H // t.shape[1], 1) if t is not q else t.float() for t in (q, k, v))
     s = qf @ kf.transpose(-1, -2) * scale
     if causal is not None:

@@ -78,23 +78,13 @@ def main(argv=None) -> int:
         q = torch.randn(2, 8, L, D).to(dtype)
         k = torch.randn(2, 2, L, D).to(dtype)
         v = torch.randn(2, 2, D, L).to(dtype).transpose(2, 3) if fp8 else torch.randn(2, 2, L, D, dtype=dtype)
-        block_m, block_n, stages, num_warps = args.config or (
-            ga.pingpong_tile(D, dtype) if args.pingpong else ga.tile(D))
-        if args.pingpong:  # (each consumer: half the rows and half the warps)
-            block_m, num_warps = block_m // 2, num_warps // 2
         out, lse = torch.empty(2, 8, L, D, dtype=torch.bfloat16 if fp8 else dtype), torch.empty(2, 8, L)
-        q_desc, k_desc, o_desc = ga.descriptor(q, block_m), ga.descriptor(k, block_n), ga.descriptor(out, block_m)
-        v_desc = ga.value_descriptor(v, block_n)
-        descales = torch.ones(2, 2)
-        fn, extra = ((ga._gluon_attn_fwd_pp, dict(PRODUCER_REGS=ga.PRODUCER_REGS, CONSUMER_REGS=ga.CONSUMER_REGS))
-                     if args.pingpong else (ga._gluon_attn_fwd_ws, dict(PRODUCER_REGS=ga.PRODUCER_REGS))
-                     if args.specialized else (ga._gluon_attn_fwd, {}))
-        pp_args = (descales, descales, descales, 2, 1, 2, 1, 2, 1) if args.pingpong else ()
-        kernel = fn.warmup(
-            q_desc, k_desc, v_desc, o_desc, lse, *pp_args, 0.125, 8, 4, L, L, 0,
-            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=args.causal, WITH_LSE=True,
-            NEGATIVE_SCALE=False,
-            num_warps=num_warps, grid=(1,), **extra)
+        descales = (torch.ones(2, 2),) * 3 if fp8 else None
+        variant = dict(pingpong=True) if args.pingpong else dict(specialized=True) if args.specialized else {}
+        fn, _, launch_args, meta = ga._launch(q, k, v, out, lse, 0.125, 0 if args.causal else None, True,
+                                              config=tuple(args.config) if args.config else None, descales=descales,
+                                              **variant)
+        kernel = fn.warmup(*launch_args, grid=(1,), **meta)
         sass, usage = disassemble(kernel, out_dir, f"gluon_fwd_d{D}")
         regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
         overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))

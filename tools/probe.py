@@ -1263,15 +1263,15 @@ def repeat_varlen_bwd():
 
 
 def gluon_tiles():
-    """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants) at the benchmark's
-    L 4096 shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit
-    says why."""
+    """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants; ping-pong with
+    12 warps: three consumer warp groups, FlashAttention-3's tile at D 64) at the benchmark's L 4096
+    shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
 
     candidates = {64: [(128, 64, 2, 4), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 3, 8), (128, 128, 4, 8),
-                       (64, 128, 3, 4), (256, 64, 3, 8), (256, 64, 2, 8)],
+                       (64, 128, 3, 4), (256, 64, 3, 8), (256, 64, 2, 8), (192, 64, 4, 12), (192, 128, 2, 12)],
                   128: [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 2, 4), (64, 128, 2, 4),
                         (128, 128, 3, 8)]}
     for (B, H, L, D) in ((4, 32, 4096, 64), (4, 16, 4096, 128)):
@@ -1282,8 +1282,12 @@ def gluon_tiles():
             line = [f"({B}, {H}, {L}, {D}) causal={causal}: sdpa {sdpa:.0f}"]
             for config in candidates[D]:
                 for variant, kw in (("", {}), (" ws", dict(specialized=True)), (" pp", dict(pingpong=True))):
-                    if kw.get("pingpong") != (config[0] == 256) and (config[0] == 256 or config[3] != 8):
-                        continue  # (ping-pong: two consumer warp groups of 64 or 128 rows; 256 rows ping-pong only)
+                    # (ping-pong: two or three consumer warp groups of 64 or 128 rows each; the others at most
+                    # 128 rows and 8 warps)
+                    consumers = config[3] // 4
+                    if (kw.get("pingpong") and (consumers not in (2, 3) or config[0] // consumers not in (64, 128))
+                            or not kw.get("pingpong") and (config[0] > 128 or config[3] > 8)):
+                        continue
                     try:
                         ms = do_bench(lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False,
                                                          config=config, **kw))
