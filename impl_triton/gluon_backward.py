@@ -58,6 +58,8 @@ from impl_triton.gluon_attention import (
 from impl_triton.gluon_attention import descriptor as _descriptor
 
 HEAD_DIMS = (64, 128)
+# (a barrier of the CTA's threads: triton 3.6 names it thread_barrier, later versions barrier)
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
@@ -361,6 +363,126 @@ def _gluon_bwd_dkdv(
     _invalidate(q_bars, STAGES)
 
 
+@gluon.jit
+def _gluon_bwd_fused(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, DELTA,
+    stride_dqz, stride_dqh, stride_dqm, stride_lz, stride_lh, stride_lm,
+    scale, H_KV, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``_gluon_bwd_dkdv``'s program (dK and dV of BLOCK_N keys, summed over the group's query heads)
+    that also adds each row tile's share of dQ, dS K, into DQ (float32 (B, H, Lq, D), zeroed by the
+    caller; its unscaled sum) by atomics: five products a tile pair where the two passes take seven
+    (FlashAttention-2's and -3's scheme). dS^T goes through shared memory (dS K's A operand, read
+    transposed); the dQ product is split over the warp groups by columns. The order of dQ's additions
+    is the GPU's: dQ is not bitwise reproducible from run to run."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_n = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_z = off_hz // H_KV
+    off_h_kv = off_hz % H_KV
+    key_start = start_n * BLOCK_N
+    GROUPS: gl.constexpr = num_warps // 4  # (warp groups: dQ's columns split among them)
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+                                                        instr_shape=[16, HEAD_DIM // GROUPS, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ds_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_M * 2), element_bitwidth=16,
+                                                   rank=2)
+    key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
+    row_st: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
+    kv_bars = _barriers(1, 1)
+    q_bars = _barriers(STAGES, 1)
+    fence_async_shared()
+    kv_bar = kv_bars.index(0)
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
+    lo = 0
+    full_lo = 0
+    if IS_CAUSAL:
+        lo = gl.maximum(key_start - causal_shift, 0) // BLOCK_M
+        full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
+    row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
+    n_tiles = GROUP * row_blocks
+    qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    for s in gl.static_range(STAGES):
+        if s < n_tiles:
+            off_h = off_h_kv * GROUP + s // row_blocks
+            row = (lo + s % row_blocks) * BLOCK_M
+            mbarrier.expect(q_bars.index(s), qdo_bytes)
+            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(s), q_smem.index(s))
+            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(s), do_smem.index(s))
+
+    qk_scale = scale * LOG2E
+    offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    for t in range(n_tiles):
+        slot = t % STAGES
+        block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                              GROUP, lo, row_blocks, t, Lq, BLOCK_M, row_st)
+        mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
+        pT = gl.exp2(qkT * qk_scale - m2[None, :])
+        if IS_CAUSAL and block < full_lo:
+            pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+        dsT = (pT * (dpT - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)
+        # dS^T to shared memory for dQ's product (every warp's rows of it before any warp group reads)
+        ds_smem.store(dsT)
+        fence_async_shared()
+        _cta_barrier()
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
+        dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
+        _cta_barrier()  # (every warp group's dQ product has read dS^T before the next tile's is stored)
+        off_h = off_h_kv * GROUP + t // row_blocks
+        rows = block * BLOCK_M + dq_rows
+        gl.atomic_add(DQ + off_z.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+                      + rows.to(gl.int64)[:, None] * stride_dqm + dq_cols[None, :], dq,
+                      mask=rows[:, None] < Lq, sem="relaxed")
+        refill = t + STAGES
+        if refill < n_tiles:  # (slot's tiles read by all five products)
+            off_h = off_h_kv * GROUP + refill // row_blocks
+            row = (lo + refill % row_blocks) * BLOCK_M
+            mbarrier.expect(q_bars.index(slot), qdo_bytes)
+            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(slot), q_smem.index(slot))
+            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(slot), do_smem.index(slot))
+
+    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
+    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
+    fence_async_shared()
+    _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
+    _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
+    tma.store_wait(0)
+    _invalidate(kv_bars, 1)
+    _invalidate(q_bars, STAGES)
+
+
 def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
     """((BLOCK_M, BLOCK_N, STAGES, num_warps) of the dQ pass, (BLOCK_M, BLOCK_N, STAGES, num_warps,
     OVERLAP) of the dK/dV pass): the tl backward's shapes (128 rows x 64 keys for dQ, 128 keys x 64 rows
@@ -412,3 +534,31 @@ def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None
         BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=stages2, IS_CAUSAL=is_causal, OVERLAP=overlap2,
         num_warps=warps2)
     return dq, dk, dv
+
+
+def fused_tile(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the one-pass backward: the dK/dV pass's (a first choice)."""
+    return 64, 128, 2, 8
+
+
+def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
+                   dk=None, dv=None):
+    """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta computed first (torch), dQ summed
+    in float32 by atomics, then scaled and cast (a new tensor); ``dk``, ``dv``: buffers to write, else
+    allocated. Not bitwise reproducible (dQ's additions); not dispatched."""
+    B, H, Lq, D = q.shape
+    H_kv, Lk = k.shape[1], k.shape[2]
+    delta = (out.float() * grad_out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    delta = delta.reshape(B * H, Lq).contiguous()
+    dq_sum = torch.zeros(B, H, Lq, D, dtype=torch.float32, device=q.device)
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    bm, bn, stages, warps = fused_tile(D)
+    _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
+        _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, lse, delta, *dq_sum.stride()[:3], *lse.stride(),
+        scale, H_kv, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
+        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, num_warps=warps)
+    return (dq_sum * scale).to(q.dtype), dk, dv

@@ -395,15 +395,15 @@ def test_switched_on_without_hopper_runs_the_tl_kernel(monkeypatch, device):
 
 
 def test_backward_compiles_for_sm90_with_the_overlap(tmp_path):
-    """The Gluon backward's two passes build for sm_90 with the installed Triton (at D 64, causal): warp-group
-    MMAs, TMA copies in and out (dQ once; dK and dV), no spills, and each loop waiting for its first product
-    while the next is in flight."""
+    """The Gluon backward's two passes and its one-pass scheme build for sm_90 with the installed Triton (at
+    D 64, causal): warp-group MMAs, TMA copies in and out (dQ once; dK and dV), no spills, and each loop
+    waiting for its first product while the next is in flight."""
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--backward", "--dims", "64", "--causal",
                "--out", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {m.group(1): m.group(0) for m in re.finditer(r"pass=(\w+) D=64 .*", result.stdout)}
-    assert set(lines) == {"dq", "dkdv"}, result.stdout
+    assert set(lines) == {"dq", "dkdv", "fused"}, result.stdout
     for name, line in lines.items():
         fields = dict(item.split("=") for item in line.split())
         assert int(fields["STACK"]) == 0 and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
@@ -424,9 +424,11 @@ BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum
 @pytest.mark.parametrize("case", BACKWARD_CASES,
                          ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}-dlse{int(c[6])}"
                               for c in BACKWARD_CASES])
-def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal, case):
-    """dq, dk, dv of the Gluon backward (every element written: poisoned buffers) against float64 autograd
-    of the same attention, each within twice the tl backward's own error (plus a hair) on the same inputs."""
+@pytest.mark.parametrize("scheme", ["two-pass", "one-pass"])
+def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal, case, scheme):
+    """dq, dk, dv of the Gluon backward (every element written: poisoned buffers; the one-pass scheme's
+    dq is summed from zeros) against float64 autograd of the same attention, each within twice the tl
+    backward's own error (plus a hair) on the same inputs."""
     from common import attention_backward
     from impl_triton import gluon_backward as gb
 
@@ -449,7 +451,10 @@ def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal,
     expected = torch.autograd.grad(loss, (qf, kf, vf))
     out, lse = out64.detach().to(dtype), lse64.detach().float()
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    gb.backward(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv)
+    if scheme == "two-pass":
+        gb.backward(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv)
+    else:
+        dq = gb.backward_fused(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dk=dk, dv=dv)[0]
     tl_grads = attention_backward(grad_out, q, k, v, out, lse, is_causal=shift is not None, scale=scale,
                                   enable_gqa=True, backend="triton", grad_lse=grad_lse,
                                   alignment="bottom_right" if causal == "bottom_right" else "top_left")

@@ -1496,10 +1496,11 @@ def _tl_kernel(*args, **kwargs):
 
 
 def gluon_bwd():
-    """Issue 43: the Gluon backward's two passes against the tl backward (attention_backward, triton) and
-    SDPA's backward (its default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at
-    2.5x the forward's FLOPs (causal half), do_bench median, bf16; and the largest gradient difference
-    from the tl backward's."""
+    """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
+    scheme (dQ by atomics) against the tl backward (attention_backward, triton) and SDPA's backward (its
+    default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's
+    FLOPs (causal half), do_bench median, bf16; and the largest gradient difference from the tl
+    backward's."""
     from triton.testing import do_bench
 
     from common import attention_backward
@@ -1522,10 +1523,14 @@ def gluon_bwd():
             other = not gb.tiles(D)[1][4]
             runs["other"] = lambda: gb.backward(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None,
                                                 overlap=other)
+            runs["one-pass"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None)
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
+            fused_error = max((a.float() - b.float()).abs().max().item()
+                              for a, b in zip(runs["one-pass"](), runs["tl"]()))
             print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f} "
-                  f"(dK/dV overlap {'on' if other else 'off'}: {tflops['other']:.0f}), "
+                  f"(dK/dV overlap {'on' if other else 'off'}: {tflops['other']:.0f}; one pass with atomic dQ: "
+                  f"{tflops['one-pass']:.0f}, max |one-pass - tl| {fused_error:.1e}), "
                   f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/tl "
                   f"{tflops['gluon'] / tflops['tl']:.2f}, gluon/sdpa {tflops['gluon'] / tflops['sdpa']:.2f}; "
                   f"max |gluon - tl| {error:.1e}", flush=True)
