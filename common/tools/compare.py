@@ -46,7 +46,7 @@ KERNEL_FUNCTIONS = {
     },
 }
 HOST_FUNCTIONS = {
-    "triton": ["forward", "_forward_launch", "bind_forward", "backward", "paged_forward", "append_kv"],
+    "triton": ["forward", "_forward_launch", "bind_forward", "_bind_tl", "backward", "paged_forward", "append_kv"],
     "ninetoothed": ["_flags", "_attention_inputs", "_key_blocks_inputs", "premake", "premake_combine", "premake_dq",
                     "premake_dkdv", "premake_paged", "premake_append", "_make", "_absent", "blocked_keys",
                     "_row_blocks", "forward", "_is_stand_in", "bind_forward", "backward", "paged_forward", "append_kv"],
@@ -187,8 +187,8 @@ LEVELS = [
      "every offset, pointer, mask and loop bound, block by block; the compiler chooses the layouts, the "
      "shared memory, the copies' pipelining and when each product waits"),
     ("warp-group-oriented: Gluon (sm_90)", "impl_triton.gluon_attention",
-     ["_softmax_step", "_whole_tiles", "_gluon_attn_fwd", "_program", "_key_tiles", "_consume", "_v_coord",
-      "_v_operand", "_ws_producer", "_gluon_attn_fwd_ws", "_gluon_attn_fwd_pp"],
+     ["_softmax_step", "_whole_tiles", "_barriers", "_invalidate", "_gluon_attn_fwd", "_program", "_key_tiles",
+      "_consume", "_v_coord", "_v_operand", "_ws_producer", "_gluon_attn_fwd_ws", "_gluon_attn_fwd_pp"],
      "the register layouts of S, O and P, the shared-memory ring and its barriers, each TMA copy, when each "
      "asynchronous warp-group MMA is issued and waited for, and which warps copy and which compute"),
 ]
@@ -224,8 +224,9 @@ def levels_section() -> str:
     out += ["", "Not like for like: the first two forwards carry every feature (masks, dropout, windows, "
             "soft-capping, sinks, ALiBi, split keys and their merge); the Gluon one serves the plain forward "
             "(float16/bfloat16, D = Dv 64/128/256, causal or not, grouped heads, the log-sum-exp), written three "
-            "ways (one partition; with a producer warp; with a producer warp and two consumer warp groups in "
-            "FlashAttention-3's ping-pong; that one also takes FP8 inputs, not yet run on the GPU). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
+            "ways (one partition; with a producer warp; with a producer warp and two or three consumer warp groups "
+            "taking turns, FlashAttention-3's ping-pong; that one also takes FP8 inputs, at 0.80-1.01x the `tl` "
+            "kernel's FP8 forward on the H200). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
             "producer-warp variant runs 1.24-1.37x the `tl` kernel at D 256, and ping-pong 1.18-1.24x it at D 128 "
             "and 1.02-1.09x at D 64 from L 4k (0.94-0.95x at 1k): the triton backend sends it the plans its config "
             "table's gluon section names, as `tune --passes gluon` timed them on sm_90 (`ATTENTION_GLUON=1`: "
