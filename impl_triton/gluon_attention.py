@@ -549,7 +549,9 @@ class BoundGluon:
             **VARIANTS[chosen])
         self.grid = (*grid, 1)
         self.fallback = fallback
-        self.templates = args[:4]  # (their bases are the plan's tensors: replaced every call)
+        self.templates = args[:4]  # (rebased on each call's tensors; the plan's are not kept)
+        for template in self.templates:
+            template.base = None
         # the tensor each pointer argument takes (its role's index): the log-sum-exp (or the output,
         # never written), then ping-pong's three descales (or the output, never read)
         out, lse = 3, 4
