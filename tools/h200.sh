@@ -3,7 +3,8 @@
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
 # stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
-#         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes)
+#         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
+#         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA)
 #         gluon-fp8 (both stages' tests side by side, then both probes)
 #         owed (the FP8 decode probe, NineToothed's small backward)
@@ -63,6 +64,13 @@ for stage in "$@"; do
                 timeout 150 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log"
                 timeout 150 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log"
                 timeout 90 python3 tools/probe.py gluon_host 2>&1 | tee "$OUT/gluon_host.log" ;;
+    # what the Gluon work after the device time of 2026-12-04 owes the GPU: the Gluon tests (the overlapped and
+    # one-pass backward, three consumer warp groups), then the backward's probe (both overlaps, one pass) and
+    # the tile sweeps (16-bit with three consumers and consumers of 128 rows; FP8)
+    gluon-owed2) timeout 200 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -25 | tee "$OUT/gluon_tests.log"
+                 timeout 170 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log"
+                 timeout 150 python3 tools/probe.py gluon_tiles 2>&1 | tee "$OUT/gluon_tiles.log"
+                 timeout 80 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
     # the probes that time host work a call (the FP8 decode's wall time, NineToothed's small backward); run
     # beside the suite's parts on a tree with the owed branches merged: owed test1, then rest
     owed) timeout 120 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log"
