@@ -287,13 +287,27 @@ def test_flash_forward_sinks_window_softcap(backend, device):
         common.hf._flash_forward(backend, module, q, k, v, torch.ones(2, 1, 5, 9, dtype=torch.bool, device=device))
 
 
-def test_continuous_batching_matches_generate(registered, backend, device, monkeypatch):
+def tiny_qwen3(dtype, device, implementation):
+    """A Qwen3 (RMS-normed queries and keys, a head dim of its own) of tiny_llama's size."""
+    config = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+    )
+    return build(transformers.Qwen3ForCausalLM, config, implementation, device, dtype)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_continuous_batching_matches_generate(registered, backend, device, monkeypatch, model):
     """transformers' continuous batching (``generate_batch``: prompts of different lengths packed
     into each step, keys read from its paged cache) on flash_<backend> gives each prompt the
     tokens that greedy ``generate`` on SDPA gives it alone, through our varlen kernels and,
-    where transformers hands us its cache, our paged kernels over its blocks."""
+    where transformers hands us its cache, our paged kernels over its blocks (Llama, and Qwen3:
+    the models issue 45 names)."""
     if not hasattr(transformers.LlamaForCausalLM, "generate_batch"):
         pytest.skip("this transformers has no continuous batching")
+    if model == "qwen3" and not hasattr(transformers, "Qwen3ForCausalLM"):
+        pytest.skip("this transformers has no Qwen3")
+    tiny = {"llama": tiny_llama, "qwen3": tiny_qwen3}[model]
     from common.paged import paged_attention
     from common.varlen import varlen_attention
 
@@ -305,16 +319,16 @@ def test_continuous_batching_matches_generate(registered, backend, device, monke
     monkeypatch.setattr(common.hf, "_cache_pages", lambda *a: paged_route.append(1) or cache_pages(*a))
     prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 13)]
     config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    model = tiny_llama(torch.float32, device, f"flash_{backend}")
+    built = tiny(torch.float32, device, f"flash_{backend}")
     # (the cache sized here: transformers sizes it from free memory, which it may not read on a CPU; steps
     # of 8 tokens at most chunk the prompts' prefill, and blocks of 16 give a sequence two pages)
     sizes = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=8, block_size=16)
     with torch.no_grad():
-        batch = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=sizes)
+        batch = built.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=sizes)
     assert calls or paged_calls, "continuous batching did not reach our kernels"
     if paged_route:  # (transformers 5.17's "paged|flash_<name>": decoding steps read the keys in its pages)
         assert paged_calls, "decoding steps did not reach our paged kernels"
-    reference = tiny_llama(torch.float32, device, "sdpa")
+    reference = tiny(torch.float32, device, "sdpa")
     for request, prompt in zip(sorted(batch), prompts):
         with torch.no_grad():
             alone = reference.generate(input_ids=torch.tensor([prompt], device=device), generation_config=config)
