@@ -379,6 +379,23 @@ def test_switch_takes_0_1_or_nothing(monkeypatch, device):
         attention(q, q, q, backend="triton")
 
 
+def test_plans_are_kept_per_switch_setting(monkeypatch, device):
+    """attention()'s kept plans are keyed by ATTENTION_GLUON too: a layout bound under one setting (the
+    Gluon kernel's launch on sm_90, the tl kernel's elsewhere) is planned again under another, not reused."""
+    from common import attention
+    from common.reuse import PLANS
+
+    q, k, v = (torch.randn(1, 2, 40, 64, device=device, dtype=torch.float16) for _ in range(3))
+    PLANS.clear()
+    for switch in ("", "0", "", "1"):
+        monkeypatch.setenv("ATTENTION_GLUON", switch)
+        for _ in range(2):
+            out = attention(q, k, v, is_causal=True, backend="triton")
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    assert len(PLANS) == 3  # (unset, 0 and 1: three keys; the second unset found its plan)
+
+
 def test_switched_on_without_hopper_runs_the_tl_kernel(monkeypatch, device):
     """ATTENTION_GLUON=1 where the Gluon kernel cannot run (no sm_90 GPU, the interpreter): the tl
     kernel, the same answer."""
