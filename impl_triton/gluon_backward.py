@@ -487,8 +487,8 @@ def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int
     """((BLOCK_M, BLOCK_N, STAGES, num_warps) of the dQ pass, (BLOCK_M, BLOCK_N, STAGES, num_warps,
     OVERLAP) of the dK/dV pass): the tl backward's shapes (128 rows x 64 keys for dQ, 128 keys x 64 rows
     for dK/dV, two warp groups), three stages where a tile's products overlap the next tile's (a
-    slot is refilled a tile later); the dK/dV overlap off at D 128, where it spills (a first choice,
-    to be measured)."""
+    slot is refilled a tile later); the dK/dV overlap off at D 128, where it spills at row tiles of 64
+    (at 32 it does not: ``tools/probe.py gluon_bwd`` times the three; a first choice, to be measured)."""
     if head_dim == 64:
         return (128, 64, 3, 8), (64, 128, 3, 8, True)
     return (128, 64, 3, 8), (64, 128, 2, 8, False)
@@ -505,19 +505,21 @@ def serves(q, k, v, out, grad_out, dq, dk, dv) -> bool:
 
 
 def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
-             dq=None, dk=None, dv=None, delta=None, overlap: bool | None = None):
+             dq=None, dk=None, dv=None, delta=None, dkdv: tuple | None = None):
     """dq, dk, dv of attention(q, k, v) (q (B, H, Lq, D), k/v (B, H_kv, Lk, D); out and lse its forward's,
     lse (B, H, Lq) float32) given grad_out (and grad_lse, the gradient of the log-sum-exp, or None).
     ``causal_shift``: None (no mask) or s, row i seeing keys j <= i + s. Buffers given are written (dq
-    (B, H, Lq, D), dk/dv (B, H_kv, Lk, D), delta (B·H, Lq) float32 scratch); the rest are allocated."""
+    (B, H, Lq, D), dk/dv (B, H_kv, Lk, D), delta (B·H, Lq) float32 scratch); the rest are allocated.
+    ``dkdv``: the dK/dV pass's (BLOCK_M, BLOCK_N, STAGES, num_warps, OVERLAP) instead of ``tiles``' (a
+    probe's comparison, a test's)."""
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty(B * H, Lq, dtype=torch.float32, device=q.device) if delta is None else delta
-    (bm1, bn1, stages1, warps1), (bm2, bn2, stages2, warps2, overlap2) = tiles(D)
-    overlap2 = overlap2 if overlap is None else overlap
+    (bm1, bn1, stages1, warps1), default_dkdv = tiles(D)
+    bm2, bn2, stages2, warps2, overlap2 = dkdv or default_dkdv
     is_causal, shift = causal_shift is not None, 0 if causal_shift is None else causal_shift
     dlse = grad_lse if grad_lse is not None else lse  # never read without WITH_DLSE
     _gluon_bwd_dq[(triton.cdiv(Lq, bm1), B * H)](

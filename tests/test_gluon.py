@@ -442,7 +442,7 @@ BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum
 @pytest.mark.parametrize("case", BACKWARD_CASES,
                          ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}-dlse{int(c[6])}"
                               for c in BACKWARD_CASES])
-@pytest.mark.parametrize("scheme", ["two-pass", "one-pass"])
+@pytest.mark.parametrize("scheme", ["two-pass", "two-pass-overlap-32", "one-pass"])
 def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal, case, scheme):
     """dq, dk, dv of the Gluon backward (every element written: poisoned buffers; the one-pass scheme's
     dq is summed from zeros) against float64 autograd of the same attention, each within twice the tl
@@ -469,8 +469,9 @@ def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal,
     expected = torch.autograd.grad(loss, (qf, kf, vf))
     out, lse = out64.detach().to(dtype), lse64.detach().float()
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    if scheme == "two-pass":
-        gb.backward(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv)
+    if scheme.startswith("two-pass"):  # (-overlap-32: the dK/dV pass's overlap at row tiles of 32)
+        dkdv = (32, 128, 4, 8, True) if scheme.endswith("32") else None
+        gb.backward(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv, dkdv=dkdv)
     else:
         dq = gb.backward_fused(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dk=dk, dv=dv)[0]
     tl_grads = attention_backward(grad_out, q, k, v, out, lse, is_causal=shift is not None, scale=scale,

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true",
                         help="the Gluon backward's two passes (impl_triton.gluon_backward) instead of the forward")
     parser.add_argument("--dkdv-overlap", type=int, choices=[0, 1],
-                        help="with --backward: the dK/dV pass's OVERLAP instead of gluon_backward.tiles'")
+                        help="with --backward: the dK/dV pass with the overlap (row tiles of 32, four stages) or without "
+                        "(row tiles of 64, two stages) instead of gluon_backward.tiles'")
     parser.add_argument("--config", nargs=4, type=int, metavar=("BLOCK_M", "BLOCK_N", "STAGES", "WARPS"),
                         help="a tile instead of gluon_attention.tile's")
     parser.add_argument("--out", default="/tmp/gluon_sass", help="where the TTGIR, PTX and SASS go")
@@ -106,7 +107,8 @@ def _backward(args, out_dir, dtype) -> int:
         k, v = (torch.randn(2, 2, 1000, D, dtype=dtype) for _ in range(2))
         lse, delta = torch.empty(2, 8, 1000), torch.empty(16, 1000)
         (bm1, bn1, s1, w1), (bm2, bn2, s2, w2, overlap) = gb.tiles(D)
-        overlap = overlap if args.dkdv_overlap is None else bool(args.dkdv_overlap)
+        if args.dkdv_overlap is not None:  # (the overlap's own tile: row tiles of 32, four stages)
+            bm2, s2, overlap = (32, 4, True) if args.dkdv_overlap else (64, 2, False)
         dq_kernel = gb._gluon_bwd_dq.warmup(
             descriptor(q, bm1), descriptor(k, bn1), descriptor(v, bn1), descriptor(do, bm1), descriptor(q, bm1),
             o, lse, lse, delta, *o.stride()[:3], *lse.stride(), *lse.stride(), 0.125, 8, 4, 1000, 1000, 0,

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -1519,17 +1520,20 @@ def gluon_bwd():
                 "tl": lambda: attention_backward(grad, q, k, v, out, lse, is_causal=causal, backend="triton"),
                 "sdpa": lambda: torch.autograd.grad(sdpa_out, (qs, ks, vs), grad, retain_graph=True),
             }
-            # (the dK/dV pass with the other OVERLAP than gluon_backward.tiles' for the head dim)
-            other = not gb.tiles(D)[1][4]
-            runs["other"] = lambda: gb.backward(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None,
-                                                overlap=other)
+            # (the dK/dV pass's other tiles: the overlap at row tiles of 64 and 32, or none)
+            for name, dkdv in (("overlap 64", (64, 128, 3, 8, True)), ("overlap 32", (32, 128, 4, 8, True)),
+                               ("no overlap", (64, 128, 2, 8, False))):
+                if dkdv != gb.tiles(D)[1]:
+                    runs[name] = functools.partial(gb.backward, q, k, v, out, grad, lse, D ** -0.5,
+                                                   0 if causal else None, dkdv=dkdv)
             runs["one-pass"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None)
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
             fused_error = max((a.float() - b.float()).abs().max().item()
                               for a, b in zip(runs["one-pass"](), runs["tl"]()))
+            others = ", ".join(f"{name} {tflops[name]:.0f}" for name in runs if name.startswith(("overlap", "no ")))
             print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f} "
-                  f"(dK/dV overlap {'on' if other else 'off'}: {tflops['other']:.0f}; one pass with atomic dQ: "
+                  f"(dK/dV {others}; one pass with atomic dQ: "
                   f"{tflops['one-pass']:.0f}, max |one-pass - tl| {fused_error:.1e}), "
                   f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/tl "
                   f"{tflops['gluon'] / tflops['tl']:.2f}, gluon/sdpa {tflops['gluon'] / tflops['sdpa']:.2f}; "
