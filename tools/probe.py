@@ -1299,8 +1299,8 @@ def gluon_tiles():
 
 
 def gluon_tiles_fp8():
-    """The Gluon ping-pong forward's FP8 tiles swept (BLOCK_M, BLOCK_N, STAGES, warps: consumers of 64 or
-    128 rows) at issue 44's L 4096 prefill shapes, causal and not, against the tl kernel's FP8 forward
+    """The Gluon ping-pong forward's FP8 tiles swept (BLOCK_M, BLOCK_N, STAGES, warps: two consumers of 64
+    or 128 rows, or three of 64) at issue 44's L 4096 prefill shapes, causal and not, against the tl kernel's FP8 forward
     (attention(), the Gluon kernel switched off) and SDPA's bf16: TFLOP/s each; a tile that does not
     build or fit says why."""
     from triton.testing import do_bench
@@ -1308,7 +1308,8 @@ def gluon_tiles_fp8():
     from common import quantize_fp8
     from impl_triton import gluon_attention as ga
 
-    candidates = [(128, 128, 3, 8), (128, 128, 2, 8), (128, 64, 4, 8), (256, 64, 3, 8), (256, 64, 2, 8)]
+    candidates = [(128, 128, 3, 8), (128, 128, 2, 8), (128, 64, 4, 8), (256, 64, 3, 8), (256, 64, 2, 8),
+                  (192, 128, 3, 12)]
     for (B, H, L, D) in ((4, 32, 4096, 64), (4, 16, 4096, 128)):
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t) for t in (q, k, v))
