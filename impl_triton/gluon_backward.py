@@ -369,14 +369,16 @@ def _gluon_bwd_fused(
     stride_dqz, stride_dqh, stride_dqm, stride_lz, stride_lh, stride_lm,
     scale, H_KV, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_gluon_bwd_dkdv``'s program (dK and dV of BLOCK_N keys, summed over the group's query heads)
     that also adds each row tile's share of dQ, dS K, into DQ (float32 (B, H, Lq, D), zeroed by the
     caller; its unscaled sum) by atomics: five products a tile pair where the two passes take seven
-    (FlashAttention-2's and -3's scheme). dS^T goes through shared memory (dS K's A operand, read
-    transposed); the dQ product is split over the warp groups by columns. The order of dQ's additions
-    is the GPU's: dQ is not bitwise reproducible from run to run."""
+    (FlashAttention-2's and -3's scheme). dS^T goes through shared memory: read transposed as dS K's A
+    operand, the product split over the warp groups by columns; or, DQ_T, as the B operand of
+    dQ^T = K^T dS^T (K read transposed), whose rows are the head dim: row tiles narrower than a warp
+    group's 64 (fewer registers at D 128). The order of dQ's additions is the GPU's: dQ is not bitwise
+    reproducible from run to run."""
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0)
     off_hz = gl.program_id(1)
@@ -388,8 +390,12 @@ def _gluon_bwd_fused(
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
-                                                        instr_shape=[16, HEAD_DIM // GROUPS, 16])
+    if DQ_T:  # (dQ^T: HEAD_DIM x BLOCK_M, rows over all the warps)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+    else:  # (dQ: BLOCK_M x HEAD_DIM, columns over the warp groups)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+                                                            instr_shape=[16, HEAD_DIM // GROUPS, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     ds_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_M * 2), element_bitwidth=16,
                                                    rank=2)
@@ -428,9 +434,14 @@ def _gluon_bwd_fused(
     qk_scale = scale * LOG2E
     offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
-    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    if DQ_T:
+        zero_dq = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=dq_layout)
+        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, dq_layout))
+        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, dq_layout))
+    else:
+        zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_bar, 0)
@@ -457,14 +468,21 @@ def _gluon_bwd_fused(
         ds_smem.store(dsT)
         fence_async_shared()
         _cta_barrier()
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
+        if DQ_T:
+            dq = warpgroup_mma(k.permute((1, 0)), ds_smem, zero_dq, use_acc=False, is_async=True)
+        else:
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
         dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
         _cta_barrier()  # (every warp group's dQ product has read dS^T before the next tile's is stored)
         off_h = off_h_kv * GROUP + t // row_blocks
         rows = block * BLOCK_M + dq_rows
-        gl.atomic_add(DQ + off_z.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
-                      + rows.to(gl.int64)[:, None] * stride_dqm + dq_cols[None, :], dq,
-                      mask=rows[:, None] < Lq, sem="relaxed")
+        base = DQ + off_z.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+        if DQ_T:
+            gl.atomic_add(base + rows.to(gl.int64)[None, :] * stride_dqm + dq_cols[:, None], dq,
+                          mask=rows[None, :] < Lq, sem="relaxed")
+        else:
+            gl.atomic_add(base + rows.to(gl.int64)[:, None] * stride_dqm + dq_cols[None, :], dq,
+                          mask=rows[:, None] < Lq, sem="relaxed")
         refill = t + STAGES
         if refill < n_tiles:  # (slot's tiles read by all five products)
             off_h = off_h_kv * GROUP + refill // row_blocks
@@ -538,9 +556,11 @@ def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None
     return dq, dk, dv
 
 
-def fused_tile(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the one-pass backward: the dK/dV pass's (a first choice)."""
-    return 64, 128, 2, 8
+def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the one-pass backward: the dK/dV pass's at D 64; at
+    D 128 row tiles of 32 and dQ^T's product (80-88 bytes of stack under triton 3.6, where 64 rows spill
+    120-288; a first choice, to be measured)."""
+    return (64, 128, 2, 8, False) if head_dim == 64 else (32, 128, 3, 8, True)
 
 
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
@@ -557,10 +577,11 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     dq_sum = torch.zeros(B, H, Lq, D, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    bm, bn, stages, warps = fused_tile(D)
+    bm, bn, stages, warps, dq_t = fused_tile(D)
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
         _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, lse, delta, *dq_sum.stride()[:3], *lse.stride(),
         scale, H_kv, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
-        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, num_warps=warps)
+        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
+        num_warps=warps)
     return (dq_sum * scale).to(q.dtype), dk, dv

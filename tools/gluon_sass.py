@@ -119,12 +119,12 @@ def _backward(args, out_dir, dtype) -> int:
             descriptor(v, bn2), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
             BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=s2, IS_CAUSAL=args.causal, OVERLAP=overlap, num_warps=w2,
             grid=(1,))
-        bm3, bn3, s3, w3 = gb.fused_tile(D)
+        bm3, bn3, s3, w3, dq_t = gb.fused_tile(D)
         fused_kernel = gb._gluon_bwd_fused.warmup(
             descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
             descriptor(v, bn3), lse.new_empty(2, 8, 1000, D), lse, delta, *q.stride()[:3], *lse.stride(), 0.125, 2, 4,
-            1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3, IS_CAUSAL=args.causal, num_warps=w3,
-            grid=(1,))
+            1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3, IS_CAUSAL=args.causal, DQ_T=dq_t,
+            num_warps=w3, grid=(1,))
         for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), ("fused", fused_kernel)):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
             regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
