@@ -4,7 +4,8 @@
 # stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
-#         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps)
+#         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
+#         test and test3's last files)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA)
 #         gluon-fp8 (both stages' tests side by side, then both probes)
 #         owed (the FP8 decode probe, NineToothed's small backward)
@@ -64,6 +65,12 @@ for stage in "$@"; do
                 timeout 150 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log"
                 timeout 150 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log"
                 timeout 90 python3 tools/probe.py gluon_host 2>&1 | tee "$OUT/gluon_host.log" ;;
+    # test1 beside the memory test and the transformers, README and reliability tests (what test3 reaches last):
+    # with test2 and test3 run the call before, the suite in two calls
+    test1-tail) (timeout -s INT 540 python3 -m pytest tests/test_transformers.py tests/test_readme.py tests/test_reliability.py --deselect "$MEMTEST[triton]" --deselect "$MEMTEST[ninetoothed]" -v -n 2 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest_tail.log" 2>&1; tail -8 "$OUT/pytest_tail.log" > "$OUT/tail.out") &
+                (bash "$0" memtest > "$OUT/memtest.out" 2>&1) &
+                TEST_TIMEOUT=545 bash "$0" test1 > "$OUT/test1.out" 2>&1; wait
+                tail -24 "$OUT/test1.out"; cat "$OUT/tail.out"; tail -8 "$OUT/memtest.out" ;;
     # what the Gluon work after the device time of 2026-12-04 owes the GPU: the Gluon tests (the overlapped and
     # one-pass backward, three consumer warp groups), then the backward's probe (both overlaps, one pass) and
     # the tile sweeps (16-bit with three consumers and consumers of 128 rows; FP8)
