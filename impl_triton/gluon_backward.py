@@ -218,6 +218,82 @@ def _dkdv_p_ds(qkT, dpT, newer: gl.constexpr, m2, delta, qk_scale, offs_kn, offs
 
 
 @gluon.jit
+def _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks, t,
+                   BLOCK_M: gl.constexpr):
+    """Q and dO of row tile t of a key block's program (query head t // row_blocks of the group, row block
+    lo + t % row_blocks) by TMA into ring slot ``slot``, completing on its barrier."""
+    off_h = off_h_kv * GROUP + t // row_blocks
+    row = (lo + t % row_blocks) * BLOCK_M
+    mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(slot), q_smem.index(slot))
+    _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _key_block_start(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_bars, off_z, off_h_kv,
+                     key_start, GROUP, Lq, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """A key block's program (the dK/dV pass, the one-pass backward) starts: its K and V tiles by TMA, the
+    row blocks that see its keys (causal: from the first row at or past key_start - causal_shift; those
+    before ``full_lo`` cross the diagonal: masked; the rest see every key here) and the ring's first row
+    tiles in flight. Returns (lo, full_lo, row_blocks, n_tiles)."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
+    lo = 0
+    full_lo = 0
+    if IS_CAUSAL:
+        lo = gl.maximum(key_start - causal_shift, 0) // BLOCK_M
+        full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
+    row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
+    n_tiles = GROUP * row_blocks
+    for s in gl.static_range(STAGES):
+        if s < n_tiles:
+            _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, s, off_z, off_h_kv, GROUP, lo, row_blocks, s,
+                           BLOCK_M)
+    return lo, full_lo, row_blocks, n_tiles
+
+
+@gluon.jit
+def _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, q_bars, off_z, off_h_kv, key_start,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """dK (scaled) and dV leave by TMA through K's and V's shared tiles (every product that read them is
+    complete), clipped at Lk; the barriers are invalidated."""
+    dtype: gl.constexpr = k_smem.dtype
+    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
+    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
+    fence_async_shared()
+    _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
+    _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
+    tma.store_wait(0)
+    _invalidate(kv_bars, 1)
+    _invalidate(q_bars, STAGES)
+
+
+@gluon.jit
+def _dkdv_tile(k, v, q_tile, do_tile, dk, dv, zero_st, m2, delta, qk_scale, offs_kn, offs_m, block, full_lo,
+               causal_shift, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               op_layout: gl.constexpr):
+    """One row tile of a key block, each product after the one before (no overlap with the next tile):
+    S^T and dP^T issued together, p^T under dP^T's product, dV's product issued, dS^T, dK's product
+    issued. Returns (dk, dv) in flight and dS^T (the inputs' dtype)."""
+    dtype: gl.constexpr = k.dtype
+    q = q_tile.reshape([BLOCK_M, HEAD_DIM])
+    do = do_tile.reshape([BLOCK_M, HEAD_DIM])
+    qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
+    pT = gl.exp2(qkT * qk_scale - m2[None, :])
+    if IS_CAUSAL and block < full_lo:
+        pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
+    dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+    dsT = (pT * (dpT - delta[None, :])).to(dtype)
+    dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)
+    return dk, dv, dsT
+
+
+@gluon.jit
 def _gluon_bwd_dkdv(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
     stride_lz, stride_lh, stride_lm,
@@ -253,26 +329,9 @@ def _gluon_bwd_dkdv(
     fence_async_shared()
     kv_bar = kv_bars.index(0)
 
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
-    _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
-    # the row blocks that see these keys: causal, from the first row at or past key_start - causal_shift
-    # (those before full_lo cross the diagonal: masked); the rest see every key here
-    lo = 0
-    full_lo = 0
-    if IS_CAUSAL:
-        lo = gl.maximum(key_start - causal_shift, 0) // BLOCK_M
-        full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
-    row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
-    n_tiles = GROUP * row_blocks
-    qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    for s in gl.static_range(STAGES):
-        if s < n_tiles:
-            off_h = off_h_kv * GROUP + s // row_blocks
-            row = (lo + s % row_blocks) * BLOCK_M
-            mbarrier.expect(q_bars.index(s), qdo_bytes)
-            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(s), q_smem.index(s))
-            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(s), do_smem.index(s))
+    lo, full_lo, row_blocks, n_tiles = _key_block_start(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem,
+                                                        do_smem, kv_bar, q_bars, off_z, off_h_kv, key_start, GROUP,
+                                                        Lq, causal_shift, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
 
     qk_scale = scale * LOG2E
     offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
@@ -315,11 +374,8 @@ def _gluon_bwd_dkdv(
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
             refill = t - 1 + STAGES
             if refill < n_tiles:  # (tile t - 1's slot, read by its four products)
-                off_h = off_h_kv * GROUP + refill // row_blocks
-                row = (lo + refill % row_blocks) * BLOCK_M
-                mbarrier.expect(q_bars.index(prev), qdo_bytes)
-                _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(prev), q_smem.index(prev))
-                _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(prev), do_smem.index(prev))
+                _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, prev, off_z, off_h_kv, GROUP, lo, row_blocks,
+                               refill, BLOCK_M)
         last = (n_tiles - 1) % STAGES
         dv = warpgroup_mma(pT, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(dsT, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
@@ -330,37 +386,17 @@ def _gluon_bwd_dkdv(
             block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
                                                   GROUP, lo, row_blocks, t, Lq, BLOCK_M, row_st)
             mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
-            q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
-            pT = gl.exp2(qkT * qk_scale - m2[None, :])
-            if IS_CAUSAL and block < full_lo:
-                pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
-            dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
-            dsT = pT * (dpT - delta[None, :])
-            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q, dk, is_async=True)
+            dk, dv, _ = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta,
+                                   qk_scale, offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM,
+                                   IS_CAUSAL, op_layout)
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
             refill = t + STAGES
             if refill < n_tiles:  # (slot's tiles read by all four products)
-                off_h = off_h_kv * GROUP + refill // row_blocks
-                row = (lo + refill % row_blocks) * BLOCK_M
-                mbarrier.expect(q_bars.index(slot), qdo_bytes)
-                _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(slot), q_smem.index(slot))
-                _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(slot), do_smem.index(slot))
+                _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks,
+                               refill, BLOCK_M)
 
-    # dK and dV leave by TMA through K's and V's shared tiles (every product that read them is
-    # complete), clipped at Lk
-    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
-    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
-    fence_async_shared()
-    _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
-    _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
-    tma.store_wait(0)
-    _invalidate(kv_bars, 1)
-    _invalidate(q_bars, STAGES)
+    _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, q_bars, off_z, off_h_kv, key_start,
+                      BLOCK_N, HEAD_DIM, STAGES)
 
 
 @gluon.jit
@@ -412,24 +448,9 @@ def _gluon_bwd_fused(
     fence_async_shared()
     kv_bar = kv_bars.index(0)
 
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
-    _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
-    lo = 0
-    full_lo = 0
-    if IS_CAUSAL:
-        lo = gl.maximum(key_start - causal_shift, 0) // BLOCK_M
-        full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
-    row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
-    n_tiles = GROUP * row_blocks
-    qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    for s in gl.static_range(STAGES):
-        if s < n_tiles:
-            off_h = off_h_kv * GROUP + s // row_blocks
-            row = (lo + s % row_blocks) * BLOCK_M
-            mbarrier.expect(q_bars.index(s), qdo_bytes)
-            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(s), q_smem.index(s))
-            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(s), do_smem.index(s))
+    lo, full_lo, row_blocks, n_tiles = _key_block_start(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem,
+                                                        do_smem, kv_bar, q_bars, off_z, off_h_kv, key_start, GROUP,
+                                                        Lq, causal_shift, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
 
     qk_scale = scale * LOG2E
     offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
@@ -452,18 +473,8 @@ def _gluon_bwd_fused(
         block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
                                               GROUP, lo, row_blocks, t, Lq, BLOCK_M, row_st)
         mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
-        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
-        pT = gl.exp2(qkT * qk_scale - m2[None, :])
-        if IS_CAUSAL and block < full_lo:
-            pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
-        dsT = (pT * (dpT - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)
+        dk, dv, dsT = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta, qk_scale,
+                                 offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM, IS_CAUSAL, op_layout)
         # dS^T to shared memory for dQ's product (every warp's rows of it before any warp group reads)
         ds_smem.store(dsT)
         fence_async_shared()
@@ -485,20 +496,11 @@ def _gluon_bwd_fused(
                           mask=rows[:, None] < Lq, sem="relaxed")
         refill = t + STAGES
         if refill < n_tiles:  # (slot's tiles read by all five products)
-            off_h = off_h_kv * GROUP + refill // row_blocks
-            row = (lo + refill % row_blocks) * BLOCK_M
-            mbarrier.expect(q_bars.index(slot), qdo_bytes)
-            _tma_load(q_desc, [off_z, off_h, row, 0], q_bars.index(slot), q_smem.index(slot))
-            _tma_load(do_desc, [off_z, off_h, row, 0], q_bars.index(slot), do_smem.index(slot))
+            _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks,
+                           refill, BLOCK_M)
 
-    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
-    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
-    fence_async_shared()
-    _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
-    _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
-    tma.store_wait(0)
-    _invalidate(kv_bars, 1)
-    _invalidate(q_bars, STAGES)
+    _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, q_bars, off_z, off_h_kv, key_start,
+                      BLOCK_N, HEAD_DIM, STAGES)
 
 
 def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
