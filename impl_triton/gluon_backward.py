@@ -560,8 +560,8 @@ def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None
 
 def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the one-pass backward: the dK/dV pass's at D 64; at
-    D 128 row tiles of 32 and dQ^T's product (80-88 bytes of stack under triton 3.6, where 64 rows spill
-    120-288; a first choice, to be measured)."""
+    D 128 row tiles of 32 and dQ^T's product, which spill least (benchmarks/NOTES.md; a first choice, to
+    be measured)."""
     return (64, 128, 2, 8, False) if head_dim == 64 else (32, 128, 3, 8, True)
 
 
