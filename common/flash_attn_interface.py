@@ -22,9 +22,15 @@ semantics:
 - ``softmax_scale=None`` is ``1 / sqrt(head_dim)``; ``dropout_p`` applies whenever it is > 0.
 - ``deterministic`` is accepted and has nothing to choose: our backward is always
   deterministic (no atomics), bit for bit from one run to the next.
-- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``; ``S_dmask``
-  is FlashAttention's empty tensor without dropout, and with dropout we do not
-  produce the probabilities (a ValueError says so).
+- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``. Without dropout
+  ``S_dmask`` is FlashAttention's empty tensor. With dropout it is what FlashAttention's
+  tests read (it says: for testing only): (batch, nheads, seqlen_q, seqlen_k), each rounded
+  up to 128, in q's dtype, each visible score's ``exp(s - m)`` (``m``: its row's maximum,
+  so ``_get_block_size_n`` gives one block longer than any row), negated where dropout
+  dropped it, 0 elsewhere. It is recomputed in torch from the inputs and the call's
+  dropout seed (materialising the scores; a host sync); the output comes from the kernels
+  as ever, and dropped exactly those. The "torch" backend (SDPA's own dropout, whose mask
+  is not exposed) refuses it.
 
 Beyond FlashAttention 2: float32 inputs, a value head dim other than the query's,
 and ``backend=`` (keyword only, after FlashAttention's arguments; None chooses as
@@ -69,14 +75,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 
 import torch
 
-from common import paged
+from common import ops, paged
 from common.backends import ANY_PAGE, resolve
 from common.dispatch import attention
 from common.paged import append_kv, paged_attention
 from common.plan import force_splits
+from common.reference import dropout_keep
 from common.rotary import apply_rotary
 from common.validation import _check_real
 from common.varlen import _check_cu_seqlens, varlen_attention
@@ -103,14 +111,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _refuse(deterministic=deterministic)
     Lq, Lk = q.shape[1], k.shape[1]
     is_causal, window, alignment = _mask(causal, window_size, Lq, Lk, alibi_slopes is not None)
-    with_lse = _wants_probs(return_attn_probs, dropout_p)
+    with_lse = _wants_probs(return_attn_probs)
+    seed = _probs_seed(backend, q, dropout_p) if with_lse else None
     result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, softmax_scale,
                        dropout_p=dropout_p, enable_gqa=True, backend=backend, return_lse=with_lse,
-                       alignment=alignment, window=window, softcap=_softcap(softcap), alibi_slopes=alibi_slopes)
+                       alignment=alignment, window=window, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+                       dropout_seed=seed)
     if not with_lse:
         return result.transpose(1, 2).contiguous()
     out, lse = result
-    return out.transpose(1, 2).contiguous(), _flash_lse(lse), _no_probs(q)
+    probs = _no_probs(q)
+    if seed is not None:  # (a host sync: S_dmask is for tests)
+        keep = dropout_keep(int(seed.item()), q.shape[0], q.shape[2], Lq, Lk, dropout_p, device=q.device)
+        probs = q.new_zeros(_s_dmask_shape(q.shape[0], q.shape[2], Lq, Lk))
+        probs[:, :, :Lq, :Lk] = _dropped_probs(q, k, keep, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    return out.transpose(1, 2).contiguous(), _flash_lse(lse), probs
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -156,15 +171,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_dims(q=(q, 3), k=(k, 3), v=(v, 3))
     _refuse(deterministic=deterministic)
     is_causal, window, alignment = _mask(causal, window_size, None, None, alibi_slopes is not None)
-    with_lse = _wants_probs(return_attn_probs, dropout_p)
+    with_lse = _wants_probs(return_attn_probs)
+    seed = _probs_seed(backend, q, dropout_p) if with_lse else None
     result = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                               softmax_scale, enable_gqa=True, backend=backend, return_lse=with_lse,
                               alignment=alignment, window=window, softcap=_softcap(softcap), dropout_p=dropout_p,
-                              alibi_slopes=alibi_slopes)
+                              alibi_slopes=alibi_slopes, dropout_seed=seed)
     if not with_lse:
         return result.contiguous()
     out, lse = result
-    return out.contiguous(), _flash_lse(lse), _no_probs(q)
+    probs = _no_probs(q)
+    if seed is not None:  # sequence by sequence, its draws counted by packed positions (host syncs: for tests)
+        probs = q.new_zeros(_s_dmask_shape(cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k))
+        starts_q, starts_k, key = cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), int(seed.item())
+        for b in range(len(starts_q) - 1):
+            (r0, r1), (c0, c1) = starts_q[b:b + 2], starts_k[b:b + 2]
+            keep = dropout_keep(key, 1, q.shape[1], r1 - r0, c1 - c0, dropout_p, device=q.device,
+                                row_start=r0, key_start=c0)
+            slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+            probs[b:b + 1, :, :r1 - r0, :c1 - c0] = _dropped_probs(
+                q[None, r0:r1], k[None, c0:c1], keep, softmax_scale, causal, window_size, softcap, slopes)
+    return out.contiguous(), _flash_lse(lse), probs
 
 
 def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
@@ -180,7 +207,7 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise ValueError(f"dropout_p must be 0 with block_table: a paged cache is read at inference, forward only "
                          f"(got {dropout_p!r})")
-    with_lse = _wants_probs(return_attn_probs, 0.0)
+    with_lse = _wants_probs(return_attn_probs)
     chosen = resolve(backend)
     cu_q, cu_k = _cu_lengths(cu_seqlens_q, cu_seqlens_k, q)
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
@@ -276,12 +303,19 @@ def _check_flag(name: str, value) -> None:
 
 
 def _window_size(window_size) -> tuple[int, int]:
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(type(w) is not int for w in window_size)):
+    """(left, right) as Python ints from a pair of integers: a tuple or list of ints, or what
+    FlashAttention's own tests pass, a (2,) integer tensor (``torch.randint(0, seqlen_k, (2,))``)."""
+    pair = window_size.tolist() if isinstance(window_size, torch.Tensor) and window_size.dim() == 1 else window_size
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or any(isinstance(w, bool) or not isinstance(w, (int, torch.Tensor)) for w in pair)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
-    left, right = window_size
+    try:
+        left, right = (operator.index(w) for w in pair)  # (a 0-d integer tensor too; no float, no bool tensor)
+    except TypeError:
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}") \
+            from None
     if left < -1 or right < -1:
-        raise ValueError(f"window_size must hold ints >= -1 (-1: unbounded), got {tuple(window_size)}")
+        raise ValueError(f"window_size must hold ints >= -1 (-1: unbounded), got {(left, right)}")
     return left, right
 
 
@@ -292,13 +326,69 @@ def _softcap(softcap):
     return float(softcap) if softcap > 0 else None
 
 
-def _wants_probs(return_attn_probs, dropout_p) -> bool:
+def _wants_probs(return_attn_probs) -> bool:
     _check_flag("return_attn_probs", return_attn_probs)
-    if return_attn_probs and not isinstance(dropout_p, bool) and isinstance(dropout_p, (int, float)) and dropout_p > 0:
-        raise ValueError("return_attn_probs=True with dropout_p > 0 asks for the dropped attention probabilities "
-                         "(S_dmask), which these kernels never form; call with return_attn_probs=False, or "
-                         "dropout_p=0 for the log-sum-exp")
     return return_attn_probs
+
+
+# -- S_dmask: the probabilities and dropout's choices, recomputed for FlashAttention's tests ------
+
+_S_DMASK_BLOCK = 1 << 30  # S_dmask relates a row's entries to its maximum over all keys: one block
+
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key block by which FlashAttention's tests renormalise ``S_dmask`` (a block's entries
+    are relative to the running maximum its kernel had reached there): ours are relative to
+    each row's maximum over all its keys, so one block, longer than any row."""
+    return _S_DMASK_BLOCK
+
+
+def _probs_seed(backend, q, dropout_p) -> torch.Tensor | None:
+    """The dropout seed a call that returns ``S_dmask`` fixes beforehand (None without dropout,
+    or for an invalid ``dropout_p``, which the call itself then refuses)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 < dropout_p < 1:
+        return None
+    if not resolve(backend).kernels:
+        raise ValueError("return_attn_probs=True with dropout_p > 0 returns the probabilities with the dropout "
+                         "mask the kernel drew (S_dmask); the 'torch' backend runs SDPA's dropout, whose mask "
+                         "it never exposes: use the 'triton' or 'ninetoothed' backend, or dropout_p=0")
+    return ops.new_seed(q.device)
+
+
+def _dropped_probs(q, k, keep, softmax_scale, causal, window_size, softcap, alibi_slopes) -> torch.Tensor:
+    """``S_dmask`` of (B, Lq, H, D) queries over (B, Lk, H_kv, D) keys, (B, H, Lq, Lk) in float32:
+    ``exp(s - m)`` for each score ``s`` a row sees (scaled, soft-capped, ALiBi's bias added, as the
+    kernels), ``m`` the row's maximum, negated where ``keep`` (the call's dropout mask) is False;
+    0 where the row does not see the key (causal and windows bottom-right, FlashAttention's)."""
+    B, Lq, H, D = q.shape
+    Lk = k.shape[1]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    keys = k.float().repeat_interleave(H // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), keys) * scale
+    softcap = _softcap(softcap)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    # row i sits at key position i + Lk - Lq; distance = position - key
+    distance = (torch.arange(Lq, device=q.device)[:, None] + (Lk - Lq)
+                - torch.arange(Lk, device=q.device)[None, :])
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.float().view(-1, H, 1, 1) * distance.abs()
+    left, right = _window_size(window_size)
+    right = 0 if causal else right
+    seen = torch.ones_like(distance, dtype=torch.bool)
+    if right >= 0:
+        seen &= distance >= -right
+    if left >= 0:
+        seen &= distance <= left
+    s = s.masked_fill(~seen, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0))
+    return torch.where(keep, p, -p)
+
+
+def _s_dmask_shape(B, H, Lq, Lk) -> tuple[int, int, int, int]:
+    """FlashAttention's S_dmask shape: both lengths rounded up to 128 (zeros past them)."""
+    return B, H, -(-Lq // 128) * 128, -(-Lk // 128) * 128
 
 
 def _refuse(deterministic=False, **unsupported) -> None:

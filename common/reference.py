@@ -106,15 +106,18 @@ def _philox(seed: int, c0, c1, c2, c3):
     return c0, c1, c2, c3
 
 
-def dropout_keep(seed: int, B: int, H: int, Lq: int, Lk: int, dropout_p: float, device="cpu") -> torch.Tensor:
+def dropout_keep(seed: int, B: int, H: int, Lq: int, Lk: int, dropout_p: float, device="cpu", *,
+                 row_start: int = 0, key_start: int = 0) -> torch.Tensor:
     """The kernels' dropout mask, (B, H, Lq, Lk) bool (True = kept), written from
     the definition (not from the kernels): Philox-4x32-10 with key ``seed`` and
     counter (j // 4, i, b·H + h, 0) gives four outputs, the (j % 4)-th of which
     decides score (b, h, i, j); its top 24 bits, times 2^-24, are a uniform u;
     the score is kept when u >= dropout_p (compared in float32, as the kernels
-    do). For tests: materialises (B, H, Lq, Lk)."""
-    rows = torch.arange(Lq, dtype=torch.int64, device=device).view(1, 1, Lq, 1)
-    keys = torch.arange(Lk, dtype=torch.int64, device=device).view(1, 1, 1, Lk)
+    do). ``row_start``/``key_start``: the mask of rows i and keys j from there on (one
+    sequence of a packed varlen batch, whose draws count packed positions). Materialises
+    (B, H, Lq, Lk): for tests, and FlashAttention's ``S_dmask``."""
+    rows = torch.arange(row_start, row_start + Lq, dtype=torch.int64, device=device).view(1, 1, Lq, 1)
+    keys = torch.arange(key_start, key_start + Lk, dtype=torch.int64, device=device).view(1, 1, 1, Lk)
     heads = torch.arange(B * H, dtype=torch.int64, device=device).view(B, H, 1, 1)
     zero = torch.zeros((B, H, Lq, Lk), dtype=torch.int64, device=device)
     outputs = torch.stack(_philox(int(seed), keys // 4 + zero, rows + zero, heads + zero, zero))

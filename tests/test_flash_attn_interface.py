@@ -22,9 +22,11 @@ from tests.conftest import DEVICE
 f32 = torch.float32
 
 
-def _reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, alibi_slopes=None):
+def _reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, alibi_slopes=None, keep=None,
+               dropout_p=0.0, with_probs=False):
     """FlashAttention's forward in float64 on (B, Lq, H, D), (B, Lk, H_kv, D), (B, Lk, H_kv, Dv):
-    (out (B, Lq, H, Dv), lse (B, H, Lq))."""
+    (out (B, Lq, H, Dv), lse (B, H, Lq)); with ``keep`` ((B, H, Lq, Lk) bool), the probabilities
+    dropout keeps, scaled by 1 / (1 - dropout_p); ``with_probs``: the softmax (B, H, Lq, Lk) too."""
     q, k, v = (t.double() for t in (q, k, v))
     B, Lq, H, D = q.shape
     Lk, H_kv = k.shape[1], k.shape[2]
@@ -47,8 +49,10 @@ def _reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, 
     s = s.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # (a row with no key: 0)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
-    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+    dropped = p if keep is None else p * keep / (1 - dropout_p)
+    out = torch.einsum("bhqk,bkhd->bqhd", dropped, v)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    return (out, lse, p) if with_probs else (out, lse)
 
 
 def _inputs(B, Lq, Lk, H, H_kv, D, Dv=None, dtype=f32, grad=False):
@@ -90,6 +94,10 @@ def test_func_matches_flash_attention(backend, Lq, Lk, causal, window, softcap):
     _close(lse, expected_lse)  # (+inf where a row sees no key)
     plain = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, backend=backend)
     torch.testing.assert_close(plain, out, rtol=0, atol=0)
+    # the window as FlashAttention's own tests pass it: a (2,) integer tensor
+    as_tensor = fa.flash_attn_func(q, k, v, causal=causal, window_size=torch.tensor(window), softcap=softcap,
+                                   backend=backend)
+    torch.testing.assert_close(as_tensor, out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("Lq,Lk,causal,window,softcap,per_batch", [
@@ -195,6 +203,68 @@ def test_varlen_matches_flash_attention(backend, causal, window, softcap):
     _check_grads(out, expected, (q, k, v), leaves)
 
 
+def _check_s_dmask(S, q, k, v, p, **mask):
+    """One sequence's S_dmask (B, H, Lq, Lk) against the float64 reference: |S| over its row sums is
+    the softmax, nonzero exactly where a row sees a key; its sign is the dropout mask, by which the
+    reference then drops. Returns that reference's (out, leaves, number of scores seen, dropped)."""
+    S = S.double()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected, _, weights = _reference(*leaves, keep=S >= 0, dropout_p=p, with_probs=True, **mask)
+    seen = weights.detach() > 0
+    assert torch.equal(S != 0, seen)
+    _close(S.abs() / S.abs().sum(-1, keepdim=True).clamp_min(1e-300), weights.detach())
+    return expected, leaves, int(seen.sum()), int((S < 0).sum())
+
+
+@pytest.mark.parametrize("Lq,Lk,causal,window,alibi", [
+    (7, 11, True, (-1, -1), False),  # rows at the bottom of the keys
+    (9, 5, False, (2, 1), True),  # a window both ways, ALiBi
+    (12, 12, False, (-1, -1), False),
+])
+def test_func_dropout_probs_are_its_mask(backend, Lq, Lk, causal, window, alibi):
+    """return_attn_probs with dropout (what FlashAttention's own tests read): S_dmask of shape (B, H,
+    Lq, Lk) rounded up to 128, q's dtype, 0 past the lengths; the probabilities, and the mask by which
+    the output and its gradients were dropped (``_check_s_dmask``); about p of the scores dropped."""
+    B, H, p = 2, 4, 0.3
+    q, k, v = _inputs(B, Lq, Lk, H, 2, 16, grad=True)
+    slopes = torch.rand(H, device=DEVICE) * 0.5 + 0.1 if alibi else None
+    out, lse, probs = fa.flash_attn_func(q, k, v, p, causal=causal, window_size=window, alibi_slopes=slopes,
+                                         return_attn_probs=True, backend=backend)
+    assert probs.shape == (B, H, 128, 128) and probs.dtype == q.dtype
+    assert not probs[:, :, Lq:].any() and not probs[:, :, :, Lk:].any()
+    expected, leaves, seen, dropped = _check_s_dmask(probs[:, :, :Lq, :Lk], q, k, v, p, causal=causal,
+                                                     window=window, alibi_slopes=slopes)
+    _close(out, expected)
+    _check_grads(out, expected, (q, k, v), leaves)
+    assert abs(dropped / seen - p) < 0.12  # (some 300-1200 scores: 5 standard deviations)
+
+
+def test_varlen_dropout_probs_are_its_mask(backend):
+    """S_dmask of packed sequences: (batch, H, max_seqlen_q, max_seqlen_k) rounded up to 128, sequence
+    b's probabilities and mask in its corner (its draws counted by packed positions), 0 elsewhere."""
+    lens_q, lens_k, p = [3, 0, 7, 4], [5, 2, 4, 9], 0.4
+    q = torch.randn(sum(lens_q), 4, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), 2, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    out, _, probs = fa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), 7, 9, p, causal=True,
+                                              return_attn_probs=True, backend=backend)
+    assert probs.shape == (4, 4, 128, 128) and probs.dtype == q.dtype
+    cu_q, cu_k = _cu(lens_q).tolist(), _cu(lens_k).tolist()
+    seen = dropped = 0
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        assert not probs[b, :, lq:].any() and not probs[b, :, :, lk:].any()
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        expected, leaves, n_seen, n_dropped = _check_s_dmask(probs[b:b + 1, :, :lq, :lk], q[None, rows],
+                                                             k[None, keys], v[None, keys], p, causal=True)
+        seen, dropped = seen + n_seen, dropped + n_dropped
+        _close(out[rows], expected[0])
+        expected.backward(grad[None, rows].double())
+        for got, leaf, part in zip((q, k, v), leaves, (rows, keys, keys)):
+            _close(got.grad[part], leaf.grad[0], 1e-3)
+    assert abs(dropped / seen - p) < 0.15
+
+
 def test_varlen_dropout_is_seeded_and_applied(backend):
     lens = [5, 3]
     q, k, v = (torch.randn(8, 2, 16, device=DEVICE) for _ in range(3))
@@ -257,7 +327,7 @@ def test_varlen_with_alibi(backend, causal, window, per_seq):
 
 
 def test_arguments_it_does_not_take_yet_are_refused():
-    """What block_table refuses; S_dmask with dropout."""
+    """What block_table refuses; S_dmask with dropout on the torch backend."""
     q, k, v = _inputs(1, 4, 4, 2, 2, 16)
     packed = q[0], k[0], v[0]
     cu = _cu([4])
@@ -269,14 +339,16 @@ def test_arguments_it_does_not_take_yet_are_refused():
         fa.flash_attn_varlen_func(*packed, cu, cu, 4, 4, block_table=table)
     with pytest.raises(ValueError, match="max_seqlen_q is 0"):
         fa.flash_attn_varlen_func(packed[0], pages, pages, cu, cu, 0, 4, block_table=table)
-    with pytest.raises(ValueError, match="S_dmask"):
-        fa.flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True)
+    with pytest.raises(ValueError, match="S_dmask"):  # (SDPA's dropout mask is not exposed)
+        fa.flash_attn_func(q, k, v, dropout_p=0.2, return_attn_probs=True, backend="torch")
 
 
 @pytest.mark.parametrize("call,error,words", [
     (lambda q, k, v: fa.flash_attn_func(q[0], k, v), ValueError, "q must have 4 dimensions"),
     (lambda q, k, v: fa.flash_attn_func(q, k, v, window_size=(2,)), TypeError, "window_size"),
     (lambda q, k, v: fa.flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
+    (lambda q, k, v: fa.flash_attn_func(q, k, v, window_size=torch.tensor([2.0, 1.0])), TypeError, "window_size"),
+    (lambda q, k, v: fa.flash_attn_func(q, k, v, window_size=(True, 0)), TypeError, "window_size"),
     (lambda q, k, v: fa.flash_attn_func(q, k, v, softcap="none"), TypeError, "softcap"),
     (lambda q, k, v: fa.flash_attn_func(q, k, v, causal=1), TypeError, "causal"),
     (lambda q, k, v: fa.flash_attn_func(q, k, v, deterministic=None), TypeError, "deterministic"),
