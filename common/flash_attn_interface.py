@@ -355,11 +355,13 @@ def _probs_seed(backend, q, dropout_p) -> torch.Tensor | None:
     return ops.new_seed(q.device)
 
 
+@torch.no_grad()
 def _dropped_probs(q, k, keep, softmax_scale, causal, window_size, softcap, alibi_slopes) -> torch.Tensor:
     """``S_dmask`` of (B, Lq, H, D) queries over (B, Lk, H_kv, D) keys, (B, H, Lq, Lk) in float32:
     ``exp(s - m)`` for each score ``s`` a row sees (scaled, soft-capped, ALiBi's bias added, as the
     kernels), ``m`` the row's maximum, negated where ``keep`` (the call's dropout mask) is False;
-    0 where the row does not see the key (causal and windows bottom-right, FlashAttention's)."""
+    0 where the row does not see the key (causal and windows bottom-right, FlashAttention's).
+    Outside autograd: S_dmask, as FlashAttention's, has no gradient."""
     B, Lq, H, D = q.shape
     Lk = k.shape[1]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale

@@ -230,7 +230,7 @@ def test_func_dropout_probs_are_its_mask(backend, Lq, Lk, causal, window, alibi)
     slopes = torch.rand(H, device=DEVICE) * 0.5 + 0.1 if alibi else None
     out, lse, probs = fa.flash_attn_func(q, k, v, p, causal=causal, window_size=window, alibi_slopes=slopes,
                                          return_attn_probs=True, backend=backend)
-    assert probs.shape == (B, H, 128, 128) and probs.dtype == q.dtype
+    assert probs.shape == (B, H, 128, 128) and probs.dtype == q.dtype and not probs.requires_grad
     assert not probs[:, :, Lq:].any() and not probs[:, :, :, Lk:].any()
     expected, leaves, seen, dropped = _check_s_dmask(probs[:, :, :Lq, :Lk], q, k, v, p, causal=causal,
                                                      window=window, alibi_slopes=slopes)
@@ -247,7 +247,7 @@ def test_varlen_dropout_probs_are_its_mask(backend):
     k, v = (torch.randn(sum(lens_k), 2, 16, device=DEVICE, requires_grad=True) for _ in range(2))
     out, _, probs = fa.flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), 7, 9, p, causal=True,
                                               return_attn_probs=True, backend=backend)
-    assert probs.shape == (4, 4, 128, 128) and probs.dtype == q.dtype
+    assert probs.shape == (4, 4, 128, 128) and probs.dtype == q.dtype and not probs.requires_grad
     cu_q, cu_k = _cu(lens_q).tolist(), _cu(lens_k).tolist()
     seen = dropped = 0
     grad = torch.randn_like(out)
