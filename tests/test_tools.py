@@ -815,3 +815,71 @@ def test_every_probe_the_docstring_lists_exists():
     functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     listed = re.findall(r"^- (\w+):", ast.get_docstring(tree), flags=re.MULTILINE)
     assert len(listed) > 20 and set(listed) <= functions, sorted(set(listed) - functions)
+
+
+# -- tools/fa_suite: FlashAttention's own tests against our interface ---------------------------
+
+_FA_STYLE_MODULE = '''
+import torch
+from flash_attn import flash_attn_func
+from flash_attn.bert_padding import pad_input, unpad_input
+from flash_attn.flash_attn_interface import _get_block_size_n
+
+is_sm90 = torch.cuda.get_device_capability("cuda") == (9, 0)
+
+
+def test_as_flash_attention_tests_are_written():
+    device = "cuda"
+    assert is_sm90
+    x = torch.randn(2, 5, 3, 4, device=device)
+    mask = torch.arange(5, device=device)[None] < torch.tensor([[3], [5]], device=device)
+    rows, indices, cu_seqlens, max_seqlen, used = unpad_input(x, mask)
+    assert rows.shape == (8, 3, 4) and cu_seqlens.tolist() == [0, 3, 8] and max_seqlen == 5
+    assert used.tolist() == [3, 5]
+    assert torch.equal(pad_input(rows, indices, 2, 5), x * mask[..., None, None])
+    q = torch.randn(1, 4, 2, 16, device=device)
+    out, lse, S_dmask = flash_attn_func(q, q, q, 0.5, return_attn_probs=True)
+    assert S_dmask.shape == (1, 2, 128, 128) and _get_block_size_n(q.device, 16, True, False) >= 128
+'''
+
+
+def test_fa_suite_runs_a_module_written_as_flash_attentions_tests(tmp_path):
+    """tools/fa_suite/run.py --cpu: the module's "cuda" devices become "cpu", its device query answers
+    sm_90, and ``flash_attn`` resolves to our functions and the torch helpers beside them."""
+    import pathlib
+    import subprocess
+    import sys
+
+    module = tmp_path / "test_style.py"
+    module.write_text(_FA_STYLE_MODULE)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "tools/fa_suite/run.py", str(module), "--cpu", "-q"], cwd=root,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "1 passed" in result.stdout
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_fa_suite_rotary_reference_is_our_rotary(interleaved):
+    """The suite's apply_rotary_emb (FlashAttention's tests rotate their references with it) against
+    common.rotary's torch path: positions offset per sequence, a rotary dim short of the head dim."""
+    import importlib.util
+    import pathlib
+
+    import torch
+
+    from common.backends import resolve
+    from common.rotary import apply_rotary
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools/fa_suite/flash_attn/layers/rotary.py"
+    spec = importlib.util.spec_from_file_location("fa_suite_rotary", path)
+    rotary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rotary)
+    x = torch.randn(2, 5, 3, 32)
+    angle = torch.rand(12, 8) * 6.3
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    starts = torch.tensor([0, 4], dtype=torch.int32)
+    got = rotary.apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=starts)
+    expected = apply_rotary(resolve("torch"), x, cos, sin, starts, per_row=True, interleaved=interleaved)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[..., 16:], x[..., 16:])
