@@ -230,13 +230,23 @@ def _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_
 
 
 @gluon.jit
-def _key_block_start(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_bars, off_z, off_h_kv,
-                     key_start, GROUP, Lq, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """A key block's program (the dK/dV pass, the one-pass backward) starts: its K and V tiles by TMA, the
-    row blocks that see its keys (causal: from the first row at or past key_start - causal_shift; those
-    before ``full_lo`` cross the diagonal: masked; the rest see every key here) and the ring's first row
-    tiles in flight. Returns (lo, full_lo, row_blocks, n_tiles)."""
+def _key_block_start(q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                     IS_CAUSAL: gl.constexpr):
+    """A key block's program (the dK/dV pass, the one-pass backward) starts: its shared buffers (K and V
+    tiles, a ring of STAGES Q and dO row tiles, their barriers), its K and V tiles by TMA, the row blocks
+    that see its keys (causal: from the first row at or past key_start - causal_shift; those before
+    ``full_lo`` cross the diagonal: masked; the rest see every key here) and the ring's first row tiles in
+    flight. Returns (k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles)."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bars = _barriers(1, 1)
+    q_bars = _barriers(STAGES, 1)
+    fence_async_shared()
+    kv_bar = kv_bars.index(0)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
     _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
@@ -251,7 +261,7 @@ def _key_block_start(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do
         if s < n_tiles:
             _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, s, off_z, off_h_kv, GROUP, lo, row_blocks, s,
                            BLOCK_M)
-    return lo, full_lo, row_blocks, n_tiles
+    return k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles
 
 
 @gluon.jit
@@ -320,18 +330,10 @@ def _gluon_bwd_dkdv(
     key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
     row_st: gl.constexpr = gl.SliceLayout(0, st_layout)
 
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bars = _barriers(1, 1)
-    q_bars = _barriers(STAGES, 1)
-    fence_async_shared()
+    k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles = _key_block_start(
+        q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift, BLOCK_M, BLOCK_N,
+        HEAD_DIM, STAGES, IS_CAUSAL)
     kv_bar = kv_bars.index(0)
-
-    lo, full_lo, row_blocks, n_tiles = _key_block_start(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem,
-                                                        do_smem, kv_bar, q_bars, off_z, off_h_kv, key_start, GROUP,
-                                                        Lq, causal_shift, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
 
     qk_scale = scale * LOG2E
     offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
@@ -438,19 +440,11 @@ def _gluon_bwd_fused(
     key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
     row_st: gl.constexpr = gl.SliceLayout(0, st_layout)
 
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
-    kv_bars = _barriers(1, 1)
-    q_bars = _barriers(STAGES, 1)
-    fence_async_shared()
+    k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles = _key_block_start(
+        q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift, BLOCK_M, BLOCK_N,
+        HEAD_DIM, STAGES, IS_CAUSAL)
     kv_bar = kv_bars.index(0)
-
-    lo, full_lo, row_blocks, n_tiles = _key_block_start(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem,
-                                                        do_smem, kv_bar, q_bars, off_z, off_h_kv, key_start, GROUP,
-                                                        Lq, causal_shift, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
 
     qk_scale = scale * LOG2E
     offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
