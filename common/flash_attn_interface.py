@@ -83,7 +83,7 @@ from common import ops, paged
 from common.backends import ANY_PAGE, resolve
 from common.dispatch import attention
 from common.paged import append_kv, paged_attention
-from common.plan import force_splits
+from common.plan import alibi_bias, band, band_mask, force_splits
 from common.reference import dropout_keep
 from common.rotary import apply_rotary
 from common.validation import _check_real
@@ -370,19 +370,12 @@ def _dropped_probs(q, k, keep, softmax_scale, causal, window_size, softcap, alib
     softcap = _softcap(softcap)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    # row i sits at key position i + Lk - Lq; distance = position - key
-    distance = (torch.arange(Lq, device=q.device)[:, None] + (Lk - Lq)
-                - torch.arange(Lk, device=q.device)[None, :])
-    if alibi_slopes is not None:
-        s = s - alibi_slopes.float().view(-1, H, 1, 1) * distance.abs()
-    left, right = _window_size(window_size)
-    right = 0 if causal else right
-    seen = torch.ones_like(distance, dtype=torch.bool)
-    if right >= 0:
-        seen &= distance >= -right
-    if left >= 0:
-        seen &= distance <= left
-    s = s.masked_fill(~seen, float("-inf"))
+    if alibi_slopes is not None:  # (every row at its bottom-right position, as the kernels bias it)
+        slopes = alibi_slopes.float().expand(B, H)[:, :, None].expand(B, H, Lq)
+        s = s + alibi_bias(slopes, torch.full((Lq,), Lk - Lq, device=q.device), Lk)
+    seen = band(causal, _window_size(window_size), True, Lq, Lk)
+    if seen is not None:
+        s = s.masked_fill(~band_mask(seen, Lq, Lk, q.device), float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m.masked_fill(m == float("-inf"), 0.0))
     return torch.where(keep, p, -p)
