@@ -1572,32 +1572,44 @@ def serving():
         bench_prompts = [torch.randint(1, 8192, (128,), generator=generator).tolist() for _ in range(64)]
         greedy = transformers.GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=-1, pad_token_id=0)
         bench = transformers.GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        tokens, line = {}, [label]
+        # (the cache sized here, not from the GPU's free memory: 64 requests of 192 tokens need 192 blocks of 64)
+        sizes = dict(num_blocks=512, block_size=64, max_batch_tokens=2048)
+        if hasattr(transformers, "ContinuousBatchingConfig"):
+            batching = dict(continuous_batching_config=transformers.ContinuousBatchingConfig(**sizes))
+        else:  # (older transformers read the sizes from the generation config)
+            batching = {}
+            for generation in (greedy, bench):
+                for name, value in sizes.items():
+                    setattr(generation, name, value)
+        tokens = {}
         for name in names:
             torch.manual_seed(0)  # (the same float32 weights for each)
             model = model_class(config).to("cuda").eval()
             model.set_attn_implementation(name)
+            start = time.perf_counter()
             try:
                 with torch.no_grad():
-                    out = model.generate_batch(inputs=prompts, generation_config=greedy)
+                    out = model.generate_batch(inputs=prompts, generation_config=greedy, **batching)
                     tokens[name] = [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.split("_")[1]))]
+                    checked = time.perf_counter()
                     model.to(torch.bfloat16)
-                    model.generate_batch(inputs=bench_prompts[:8], generation_config=bench)  # warm-up
+                    model.generate_batch(inputs=bench_prompts[:8], generation_config=bench, **batching)  # warm-up
                     torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    out = model.generate_batch(inputs=bench_prompts, generation_config=bench)
+                    warm = time.perf_counter()
+                    out = model.generate_batch(inputs=bench_prompts, generation_config=bench, **batching)
                     torch.cuda.synchronize()
-                    elapsed = time.perf_counter() - start
+                    elapsed = time.perf_counter() - warm
             except Exception as error:  # noqa: BLE001 (one implementation's failure must not hide the others')
-                line.append(f"{name} failed: {type(error).__name__}: {str(error)[:300]}")
+                print(f"{label} {name} failed after {time.perf_counter() - start:.0f} s: {type(error).__name__}: "
+                      f"{str(error)[:300]}", flush=True)
                 continue
             generated = sum(len(r.generated_tokens) for r in out.values())
             match = ""
             if name != "sdpa" and "sdpa" in tokens:
                 pairs = [(a, b) for ours, ref in zip(tokens[name], tokens["sdpa"]) for a, b in zip(ours, ref)]
                 match = f", {sum(a == b for a, b in pairs) / len(pairs):.1%} of positions as sdpa (fp32)"
-            line.append(f"{name}: {generated / elapsed:.0f} tokens/s (bf16){match}")
-        print("; ".join(line), flush=True)
+            print(f"{label} {name}: {generated / elapsed:.0f} tokens/s (bf16){match}; float32 run "
+                  f"{checked - start:.1f} s, warm-up {warm - checked:.1f} s, timed {elapsed:.1f} s", flush=True)
 
 
 def static():
