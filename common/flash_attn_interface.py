@@ -11,8 +11,9 @@ semantics:
 
 - ``causal`` and ``window_size`` align bottom-right: query row i sits at key
   position ``i + seqlen_k - seqlen_q`` and sees keys ``[pos - window_size[0],
-  pos + window_size[1]]`` (``-1``: unbounded on that side; ``causal`` is a right
-  bound of 0). A row that sees no key gives 0 and a log-sum-exp of ``+inf``.
+  pos + window_size[1]]`` (``-1``, or any negative bound as FlashAttention takes it:
+  unbounded on that side; ``causal`` is a right bound of 0). A row that sees no key gives
+  0 and a log-sum-exp of ``+inf``.
 - ``softcap``: anything > 0 soft-caps the scaled scores, ``softcap * tanh(s / softcap)``;
   0 (or less) is none.
 - ``alibi_slopes`` (every function): float32, (nheads,) or (batch, nheads); adds
@@ -302,21 +303,22 @@ def _check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+_WINDOW_ERROR = "window_size must be a pair of ints (left, right), negative for unbounded; got {!r}"
+
+
 def _window_size(window_size) -> tuple[int, int]:
     """(left, right) as Python ints from a pair of integers: a tuple or list of ints, or what
-    FlashAttention's own tests pass, a (2,) integer tensor (``torch.randint(0, seqlen_k, (2,))``)."""
+    FlashAttention's own tests pass, a (2,) integer tensor (``torch.randint(0, seqlen_k, (2,))``).
+    A negative bound is unbounded, -1 (FlashAttention tests ``< 0``, so -2 means what -1 does)."""
     pair = window_size.tolist() if isinstance(window_size, torch.Tensor) and window_size.dim() == 1 else window_size
     if (not isinstance(pair, (tuple, list)) or len(pair) != 2
             or any(isinstance(w, bool) or not isinstance(w, (int, torch.Tensor)) for w in pair)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
+        raise TypeError(_WINDOW_ERROR.format(window_size))
     try:
         left, right = (operator.index(w) for w in pair)  # (a 0-d integer tensor too; no float, no bool tensor)
     except TypeError:
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}") \
-            from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size must hold ints >= -1 (-1: unbounded), got {(left, right)}")
-    return left, right
+        raise TypeError(_WINDOW_ERROR.format(window_size)) from None
+    return max(left, -1), max(right, -1)
 
 
 def _softcap(softcap):
