@@ -25,9 +25,9 @@ j <= i + causal_shift).
 
 It serves what the forward's Gluon kernel serves, less the head dim 256: float16 or bfloat16,
 D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-ready tensors.
-Not dispatched yet: the Triton backend's backward runs the tl kernels until this one has run its GPU
-tests and been measured against them (benchmarks/NOTES.md); ``backward`` is called by those tests and
-``tools/probe.py gluon_bwd``.
+Not dispatched: it passes its GPU tests, but on the H200 both schemes run slower than the tl
+backward (benchmarks/NOTES.md), so the Triton backend's backward stays the tl kernels; ``backward`` and
+``backward_fused`` are called by those tests and ``tools/probe.py gluon_bwd``.
 """
 
 from __future__ import annotations
@@ -501,8 +501,9 @@ def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int
     """((BLOCK_M, BLOCK_N, STAGES, num_warps) of the dQ pass, (BLOCK_M, BLOCK_N, STAGES, num_warps,
     OVERLAP) of the dK/dV pass): the tl backward's shapes (128 rows x 64 keys for dQ, 128 keys x 64 rows
     for dK/dV, two warp groups), three stages where a tile's products overlap the next tile's (a
-    slot is refilled a tile later); the dK/dV overlap off at D 128, where it spills at row tiles of 64
-    (at 32 it does not: ``tools/probe.py gluon_bwd`` times the three; a first choice, to be measured)."""
+    slot is refilled a tile later); the dK/dV overlap off at D 128, where it spills at row tiles of 64.
+    Measured on the H200 (``tools/probe.py gluon_bwd``): at D 128 no overlap beats the spilling one and
+    the one at row tiles of 32 (four stages), which also loses at D 64."""
     if head_dim == 64:
         return (128, 64, 3, 8), (64, 128, 3, 8, True)
     return (128, 64, 3, 8), (64, 128, 2, 8, False)
