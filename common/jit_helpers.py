@@ -146,6 +146,34 @@ def _widen(x, WIDEN: triton.language.constexpr):
 
 
 @triton.jit
+def _joined_columns(a, b):
+    """Tiles ``a`` and ``b`` of the same shape (m, n) as one (m, 2n) tile: a's columns, then b's
+    (the NineToothed paged kernel's scores of several pages' tiles, one softmax update)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _half_columns(x, HIGH: triton.language.constexpr):
+    """The first (or, HIGH, the second) half of the columns of ``x`` (m, 2n)."""
+    low, high = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+    if HIGH:
+        low = high
+    return low
+
+
+@triton.jit
+def _column_piece(x, g: triton.language.constexpr, PIECES: triton.language.constexpr):
+    """Columns g·n .. (g + 1)·n of ``x`` (m, PIECES·n), PIECES 1, 2, 4 or 8: halves taken in turn."""
+    if PIECES >= 8:
+        x = _half_columns(x, (g // 4) % 2)
+    if PIECES >= 4:
+        x = _half_columns(x, (g // 2) % 2)
+    if PIECES >= 2:
+        x = _half_columns(x, g % 2)
+    return x
+
+
+@triton.jit
 def _narrow_query(q, score_scale, WIDEN: triton.language.constexpr):
     """``(q, score_scale)`` for products with keys widened to float16 (WIDEN_F16): a bfloat16 query
     tile as float16 times 2^-e, e the power of two that brings its largest magnitude into [2^14, 2^15)
@@ -172,4 +200,4 @@ def _to_e4m3(x, descale):
 
 
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
-               _narrow_query, _to_e4m3)
+               _narrow_query, _to_e4m3, _joined_columns, _half_columns, _column_piece)

@@ -537,12 +537,19 @@ def bind_backward(plan):
     return BoundSequence(*bound)
 
 
-def paged_tiles(page: int, block_n: int) -> tuple[int, int]:
-    """(tile, tiles per step) of the paged kernel for pages of ``page`` keys (a multiple of
-    16) and steps of ``block_n``: the largest power of two that divides the page, at most a
-    step; a step of BLOCK_N keys (one tile where pages are larger than a step)."""
+# Tiles of small pages joined into one tile of keys a softmax update (paged_tiles), or each its own.
+# Off until timed on the GPU against the shipped form (tools/probe.py paged_join).
+PAGED_JOIN = False
+
+
+def paged_tiles(page: int, block_n: int) -> tuple[int, int, int]:
+    """(tile, tiles per step, tiles joined a softmax update) of the paged kernel for pages of
+    ``page`` keys (a multiple of 16) and steps of ``block_n``: the largest power of two that
+    divides the page, at most a step; a step of BLOCK_N keys (one tile where pages are larger than
+    a step); with PAGED_JOIN, the step's tiles joined into one (at most 8), else each its own."""
     tile = min(page & -page, block_n)
-    return tile, max(1, block_n // tile)
+    per_step = max(1, block_n // tile)
+    return tile, per_step, min(per_step, 8) if PAGED_JOIN else 1
 
 
 def paged_forward(plan):
@@ -557,7 +564,7 @@ def paged_forward(plan):
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, plan.lse if plan.with_lse else _absent(out, B, H, Lq)
-    tile, tiles_per_step = paged_tiles(kc.shape[1], config.block_n)
+    tile, tiles_per_step, join = paged_tiles(kc.shape[1], config.block_n)
     # (the table's tile per split: its pages)
     pages_per_split = plan.blocks_per_split * plan.split_block // kc.shape[1] if plan.split else None
     _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split,
@@ -573,7 +580,7 @@ def paged_forward(plan):
         plan.alibi if plan.alibi is not None else _absent(out, B, H, Lq),
         *(plan.descales if plan.descales is not None else (_absent(out, B, kc.shape[2]),) * 2), o, lse,
         BANDED=plan.band is not None, WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, SOFTCAP=int(plan.softcap_kind),
+        SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, JOIN=join, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
         WIDEN=int(Widen.FLOAT16 if plan.descales is not None else Widen.NONE),

@@ -16,7 +16,9 @@ from common.configs import padded_head_dim
 from common.jit_helpers import (
     _alibi_bias,
     _cap_factors,
+    _column_piece,
     _in_band,
+    _joined_columns,
     _key_stages,
     _narrow_query,
     _tanh,
@@ -50,7 +52,7 @@ def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
 def paged_arrangement(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
     band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
-    SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
+    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
     block_m, tile, block_d, block_dv, pages_per_split=None,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
@@ -95,19 +97,21 @@ def paged_arrangement(
         query_arranged, _pages(key_cache, batch, heads, m_blocks, tile, block_d, num_splits),
         _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, starts, new_tokens,
         scale, lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, *descales,
-        output_arranged, lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI,
-        LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
+        output_arranged, lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS,
+        ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
     )
 
 
 def paged_application(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
     band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
-    SPLIT, TILES_PER_STEP, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
+    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
-    an iteration, each its own dot and softmax update (``_paged_fwd`` of the Triton
-    kernel gathers one BLOCK_N tile of keys), as ``_paged_fwd``: packed row r is query row
+    an iteration, JOIN of them (1, 2, 4 or 8) joined into one tile of keys, each its own dot and
+    softmax update (``_paged_fwd`` of the Triton kernel gathers one BLOCK_N tile of keys from any
+    pages; here a gather reads one tile of one page, so keys of several pages meet in one product only
+    by joining loaded tiles), as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
     tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE and WIDEN as
@@ -160,13 +164,30 @@ def paged_application(
         # TILES_PER_STEP tiles an iteration, unrolled: their table entries and tiles are
         # independent loads, in flight together (one page of 16 keys an iteration left
         # the loop bound by each load's latency)
-        for g in triton.language.static_range(TILES_PER_STEP):
-            t = ntl.minimum(j + g, end - 1)  # past the last tile: a masked repeat of it
-            page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
-            offs_kn = (j + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])  # (inline: arange needs the constant)
+        for u in triton.language.static_range(TILES_PER_STEP // JOIN):
+            j0 = j + u * JOIN
+            for g in triton.language.static_range(JOIN):
+                t = ntl.minimum(j0 + g, end - 1)  # past the last tile: a masked repeat of it
+                page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
+                k = _widen(key_cache[page, t % per_page], WIDEN)
+                qk_t = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
+                # the JOIN tiles' scores joined in key order, as a binary counter: qk holds the
+                # group ending at tile g, qk_2 and qk_4 the pair and quad finished before it
+                if g % 2 == 0:
+                    qk = qk_t
+                else:
+                    qk = _joined_columns(qk, qk_t)
+                    if g % 4 == 1:
+                        qk_2 = qk
+                    else:
+                        qk = _joined_columns(qk_2, qk)
+                        if g % 8 == 3:
+                            qk_4 = qk
+                        else:
+                            qk = _joined_columns(qk_4, qk)
+            # (inline: arange needs the constant)
+            offs_kn = j0 * TILE + ntl.arange(0, JOIN * key_cache.dtype.shape[0])
             key_ok = (offs_kn < key_end) & (offs_kn >= key_start)
-            k = _widen(key_cache[page, t % per_page], WIDEN)
-            qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
             if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
                 qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
             else:
@@ -185,9 +206,15 @@ def paged_application(
             alpha = ntl.exp2(m_i - m_sub)
             l_i = l_i * alpha + ntl.sum(p, 1)
             acc = acc * alpha[:, None]
-            # (slots past the length: any bits)
-            v = ntl.where(key_ok[:, None], _widen(value_cache[page, t % per_page], WIDEN), 0.0)
-            acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            # each tile's values times its columns of p (the tiles' table entries read again)
+            for g in triton.language.static_range(JOIN):
+                t = ntl.minimum(j0 + g, end - 1)
+                page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
+                offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
+                value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
+                # (slots past the length: any bits)
+                v = ntl.where(value_ok[:, None], _widen(value_cache[page, t % per_page], WIDEN), 0.0)
+                acc = ntl.dot(_column_piece(p, g, JOIN).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
             m_i = m_ij
 
     if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
@@ -281,7 +308,7 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         *(_like(query.shape[:1], key_cache.shape[2]) for _ in range(2)),  # FP8 descales (B, H_kv) of key and value
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
-        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "SOFTCAP", "SINKS", "ALIBI",
+        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "JOIN", "SOFTCAP", "SINKS", "ALIBI",
                  "LEFTPADDED", "QUERY_LENGTHS", "DESCALE", "WIDEN"),
     )
     return arrangement_, paged_application, tensors

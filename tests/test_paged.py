@@ -613,6 +613,30 @@ def test_paged_features_half(backend, splits):
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("name, splits", [("all", None), ("all", 3), ("query_padding", None), ("lse", 3)])
+def test_ninetoothed_paged_joined_tiles(name, splits, monkeypatch):
+    """NineToothed's paged kernel with a step's tiles of small pages joined into one softmax update
+    (``PAGED_JOIN``, off by default until timed): the same answers as the reference, and the join
+    really taken (more than one tile a step)."""
+    import impl_ninetoothed.attention as nt
+
+    joins = []
+    shipped = nt.paged_tiles
+
+    def tiles(page, block_n):
+        result = shipped(page, block_n)
+        joins.append(result[2])
+        return result
+
+    monkeypatch.setattr(nt, "PAGED_JOIN", True)
+    monkeypatch.setattr(nt, "paged_tiles", tiles)
+    out, expected, lse, expected_lse = _feature_call("ninetoothed", name, splits)
+    assert joins and min(joins) > 1, joins
+    torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+    if lse is not None:
+        torch.testing.assert_close(lse.double(), expected_lse, rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("window, splits", [((20, 0), None), ((20, 0), 3), ((130, 0), 3)])
 def test_paged_window_reads_only_its_window(backend, window, splits):
     """A sliding-window decode visits only the key blocks its window reaches: keys and values in

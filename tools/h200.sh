@@ -2,7 +2,8 @@
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
 # stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
-#         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes)
+#         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes);
+#         serving-bench (generate_batch's tokens a second); paged-join (NineToothed's joined small-page tiles timed)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
 #         test and test3's last files)
@@ -141,6 +142,12 @@ for stage in "$@"; do
               tail -n 4 "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log ;;
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     fa-suite) for b in triton ninetoothed; do ATTENTION_BACKEND=$b FA_PER_TEST=${FA_PER_TEST:-100} timeout ${FA_TIMEOUT:-270} python3 tools/fa_suite/run.py .fa/test_flash_attn.py -q -n 8 -rfE --tb=short -k "not race_condition" > "$OUT/fa_suite_$b.log" 2>&1; tail -12 "$OUT/fa_suite_$b.log"; done ;;
+    # NineToothed's paged kernel with a step's tiles of small pages joined (PAGED_JOIN) against the shipped
+    # form and Triton's: bf16 pages of 16 and 64, then FP8 caches
+    paged-join) PROBE_PAGES="16 64" timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged_join.log"
+                timeout 200 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log" ;;
+    # continuous batching's tokens a second (generate_batch), nothing beside it: each implementation's line as it ends
+    serving-bench) timeout 420 python3 tools/probe.py serving 2>&1 | tee "$OUT/serving.log" ;;
     serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py tests/test_flash_attn_interface.py -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;
     ring-test) timeout 540 torchrun --nproc-per-node 2 -m tests.ring_worker triton ninetoothed torch 2>&1 | grep -v '^W1' | tail -40 | tee "$OUT/ring_test.log" ;;
     # issue 13's open points: 256k, and 64k causal with more calls per point

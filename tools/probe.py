@@ -307,7 +307,7 @@ def paged():
                 with _paged_variant(variant):
                     t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
                                                                backend=backend))
-                name = f"{backend}{variant or ''}"
+                name = f"{backend}{f' {variant}' if variant else ''}"
                 line.append(f"{name} page {page} {t * 1e3:.0f} us ({kv_bytes / t * 1e-9:.2f} TB/s, "
                             f"{dense / t:.2f}x)")
             new = torch.randn(B, H_kv, 1, D, dtype=torch.bfloat16, device="cuda")
@@ -369,9 +369,10 @@ def paged_extras():
         print(f"rotary {backend}: q of a decode step (8 x 32 heads) {t * 1e3:.1f} us", flush=True)
 
 
-# (backend, None: the shipped configuration, or (keys per step | None: the shipped one, warps, stages
-# [, maxnreg]))
-PAGED_VARIANTS = [("triton", None), ("ninetoothed", None)]
+# (backend, None: the shipped configuration, "joined": NineToothed's small pages' tiles joined into one
+# softmax update a step (impl_ninetoothed.attention.PAGED_JOIN), or (keys per step | None: the shipped one,
+# warps, stages [, maxnreg]))
+PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "joined")]
 
 
 @contextlib.contextmanager
@@ -379,6 +380,15 @@ def _paged_variant(variant):
     """paged_attention with another configuration (a sweep; the shipped one when None)."""
     import common.paged as paged_module
 
+    if variant == "joined":
+        import impl_ninetoothed.attention as nt
+
+        nt.PAGED_JOIN = True
+        try:
+            yield
+        finally:
+            nt.PAGED_JOIN = False
+        return
     shipped = paged_module.paged_config
 
     def config(*args):
@@ -825,19 +835,22 @@ def fp8_decode():
             walls = [wall_time_us(lambda: attention(q, *kv, enable_gqa=True, backend=backend, **d))
                      for kv, d in (((k, v), {}), ((k8, v8_cols), dict(k_descale=kd, v_descale=vd)))]
             line.append(f"wall per call: bf16 {walls[0]:.0f} us, fp8 {walls[1]:.0f} us")
-            for page in (16, 64):  # pages in a shuffled table; the value pages row-major, then column-major
+            # pages in a shuffled table; the value pages row-major, then column-major (NineToothed's pages of 16
+            # also with a step's tiles joined, PAGED_JOIN)
+            for page, variant in ((16, None), (64, None)) + (((16, "joined"),) if backend == "ninetoothed" else ()):
                 caches, table, lengths = _shuffled_pages(k, v, page)
-                paged16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
-                                                                 backend=backend), replays=20)
-                caches8, table, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
+                caches8, table8, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
                 key_cache, value_cache = (c.view(torch.float8_e4m3fn) for c in caches8)
                 value_columns = value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-                line.append(f"pages of {page}: bf16 {paged16 * 1e3:.0f} us")
-                for name, values in (("fp8", value_cache), ("fp8 value pages column-major", value_columns)):
-                    t = _graph_time_ms(lambda: paged_attention(q, key_cache, values, table, lengths, enable_gqa=True,
-                                                               k_descale=kd, v_descale=vd, backend=backend),
-                                       replays=20)
-                    line.append(f"{name} {t * 1e3:.0f} us {gb8 / t:.2f} TB/s {paged16 / t:.2f}x")
+                with _paged_variant(variant):
+                    paged16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                                     backend=backend), replays=20)
+                    line.append(f"pages of {page}{f' {variant}' if variant else ''}: bf16 {paged16 * 1e3:.0f} us")
+                    for name, values in (("fp8", value_cache), ("fp8 value pages column-major", value_columns)):
+                        t = _graph_time_ms(lambda: paged_attention(q, key_cache, values, table8, lengths,
+                                                                   enable_gqa=True, k_descale=kd, v_descale=vd,
+                                                                   backend=backend), replays=20)
+                        line.append(f"{name} {t * 1e3:.0f} us {gb8 / t:.2f} TB/s {paged16 / t:.2f}x")
             for tile in tiles:
                 for per_sm in (None, 1):
                     if tile is not None and tile[2] == 4 and per_sm == 1:
