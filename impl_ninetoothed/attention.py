@@ -537,8 +537,8 @@ def bind_backward(plan):
     return BoundSequence(*bound)
 
 
-# Tiles of small pages joined into one tile of keys a softmax update (paged_tiles), or each its own.
-# Off until timed on the GPU against the shipped form (tools/probe.py paged_join).
+# A step's tiles of small pages one softmax update, their scores joined (paged_tiles), or each tile its own.
+# Off until timed on the GPU against the shipped form (tools/h200.sh paged-join).
 PAGED_JOIN = False
 
 
@@ -546,7 +546,7 @@ def paged_tiles(page: int, block_n: int) -> tuple[int, int, int]:
     """(tile, tiles per step, tiles joined a softmax update) of the paged kernel for pages of
     ``page`` keys (a multiple of 16) and steps of ``block_n``: the largest power of two that
     divides the page, at most a step; a step of BLOCK_N keys (one tile where pages are larger than
-    a step); with PAGED_JOIN, the step's tiles joined into one (at most 8), else each its own."""
+    a step); with PAGED_JOIN, the step's tiles (at most 8) one softmax update, else each its own."""
     tile = min(page & -page, block_n)
     per_step = max(1, block_n // tile)
     return tile, per_step, min(per_step, 8) if PAGED_JOIN else 1

@@ -108,10 +108,10 @@ def paged_application(
     SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
-    an iteration, JOIN of them (1, 2, 4 or 8) joined into one tile of keys, each its own dot and
-    softmax update (``_paged_fwd`` of the Triton kernel gathers one BLOCK_N tile of keys from any
-    pages; here a gather reads one tile of one page, so keys of several pages meet in one product only
-    by joining loaded tiles), as ``_paged_fwd``: packed row r is query row
+    an iteration, each its own products (a gather here reads one tile of one page, where ``_paged_fwd``
+    of the Triton kernel gathers one BLOCK_N tile of keys from any pages), JOIN of them (1, 2, 4 or 8)
+    one softmax update: their scores joined into one block, the probabilities split back into each
+    tile's columns for its value product; as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
     tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE and WIDEN as
@@ -208,8 +208,10 @@ def paged_application(
             acc = acc * alpha[:, None]
             # each tile's values times its columns of p (the tiles' table entries read again)
             for g in triton.language.static_range(JOIN):
-                t = ntl.minimum(j0 + g, end - 1)
-                page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
+                if JOIN > 1:  # (one tile: its entry as read above)
+                    t = ntl.minimum(j0 + g, end - 1)
+                    page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0),
+                                       num_pages - 1)
                 offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
                 value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
                 # (slots past the length: any bits)
