@@ -540,16 +540,21 @@ def bind_backward(plan):
 # A step's tiles of small pages one softmax update, their scores joined (paged_tiles), or each tile its own.
 # Off until timed on the GPU against the shipped form (tools/h200.sh paged-join).
 PAGED_JOIN = False
+# Tiles unrolled a step, at most: each is a gather of its own, and the compile grows faster than their
+# count (under triton 3.9 an FP8 decode kernel of 16 tiles a step and 5 stages took 149 s, 137 of them in
+# its async-copy coalescing pass; 8 tiles, 21 s; under 3.6, 13 s), so a step of more keys takes this many.
+PAGED_TILES_PER_STEP = 8
 
 
 def paged_tiles(page: int, block_n: int) -> tuple[int, int, int]:
     """(tile, tiles per step, tiles joined a softmax update) of the paged kernel for pages of
     ``page`` keys (a multiple of 16) and steps of ``block_n``: the largest power of two that
     divides the page, at most a step; a step of BLOCK_N keys (one tile where pages are larger than
-    a step); with PAGED_JOIN, the step's tiles (at most 8) one softmax update, else each its own."""
+    a step), at most PAGED_TILES_PER_STEP tiles; with PAGED_JOIN, the step's tiles one softmax
+    update, else each its own."""
     tile = min(page & -page, block_n)
-    per_step = max(1, block_n // tile)
-    return tile, per_step, min(per_step, 8) if PAGED_JOIN else 1
+    per_step = min(max(1, block_n // tile), PAGED_TILES_PER_STEP)
+    return tile, per_step, per_step if PAGED_JOIN else 1
 
 
 def paged_forward(plan):

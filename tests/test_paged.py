@@ -613,6 +613,23 @@ def test_paged_features_half(backend, splits):
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-2, atol=1e-2)
 
 
+def test_ninetoothed_paged_step_tiles():
+    """NineToothed's paged step: the largest power of two dividing the page (at most the step) as its
+    tile, at most PAGED_TILES_PER_STEP such tiles unrolled (a longer step: that many), all of them one
+    softmax update with PAGED_JOIN."""
+    import impl_ninetoothed.attention as nt
+
+    assert nt.paged_tiles(16, 64) == (16, 4, 1)
+    assert nt.paged_tiles(48, 128) == (16, 8, 1)
+    assert nt.paged_tiles(16, 256) == (16, nt.PAGED_TILES_PER_STEP, 1) and nt.PAGED_TILES_PER_STEP == 8
+    assert nt.paged_tiles(256, 64) == (64, 1, 1)
+    nt.PAGED_JOIN = True
+    try:
+        assert nt.paged_tiles(16, 256) == (16, 8, 8) and nt.paged_tiles(32, 64) == (32, 2, 2)
+    finally:
+        nt.PAGED_JOIN = False
+
+
 @pytest.mark.parametrize("name, splits", [("all", None), ("all", 3), ("query_padding", None), ("lse", 3)])
 def test_ninetoothed_paged_joined_tiles(name, splits, monkeypatch):
     """NineToothed's paged kernel with a step's tiles of small pages joined into one softmax update

@@ -772,6 +772,28 @@ def test_fp8_kernels_compile_for_hopper(backend, call, tmp_path):
         assert "append" in result.stdout  # (the quantizing append compiled too)
 
 
+@pytest.mark.parametrize("backend, call", [
+    ("ninetoothed", ["2", "8", "2", "1", "300", "64", "--paged", "16", "--paged-join"]),
+    ("ninetoothed", ["2", "8", "2", "1", "300", "64", "--paged", "16", "--paged-join", "--fp8", "kv"]),
+    ("triton", ["2", "4", "2", "1", "70", "32", "--mask", "bool"]),
+    ("ninetoothed", ["2", "4", "2", "1", "70", "32", "--mask", "float"]),
+], ids=["nt_joined_pages", "nt_joined_fp8_pages", "triton_mask", "nt_mask"])
+def test_kernels_the_interpreter_runs_differently_compile_for_hopper(backend, call, tmp_path):
+    """What the interpreter runs but a GPU compiles its own way: NineToothed's paged kernel with a
+    step's tiles one softmax update (scores joined, probabilities split back: layouts the
+    interpreter does not have), over 16-bit and FP8 caches; a decode step under a mask (transformers'
+    static-cache decoding)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, *call,
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "registers" in result.stdout and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
+
+
 def test_cpu_sass_reads_the_loops_of_tensor_core_products():
     """tools/cpu_sass.py's loop report: a label to the last branch back to it, instructions
     counted by opcode (predicates and modifiers dropped); loops without MMAs and forward branches

@@ -8,7 +8,8 @@ this finds what differs between two kernels, or what a change did to one, before
 instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
-        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE [--value-columns]] [--varlen] [--capability 90] [--out DIR]
+        [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE [--value-columns] [--paged-join]]
+        [--varlen] [--mask {bool,float}] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
@@ -39,6 +40,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+# (this checkout's packages, not another one installed: the call compiles the kernels beside this file)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from common.interpret import _StandInDriver  # noqa: E402
 
 INSTRUCTIONS = r"HGMMA[.\w]*|HMMA[.\w]*|LDGSTS[.\w]*|UTMALDG[.\w]*|LDG[.\w]*|STG[.\w]*|ATOMG[.\w]*|RED[.\w]*|BAR[.\w]*"
@@ -97,6 +100,10 @@ def main(argv=None) -> int:
     parser.add_argument("--varlen", action="store_true", help="varlen_attention over B packed sequences of LQ "
                         "queries and LK keys each (with --fp8: descales per sequence)")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
+    parser.add_argument("--paged-join", action="store_true", help="with --paged, NineToothed's kernel with a step's "
+                        "tiles one softmax update (impl_ninetoothed.attention.PAGED_JOIN)")
+    parser.add_argument("--mask", choices=["bool", "float"], help="a (B, 1, LQ, LK) attention mask broadcast over "
+                        "the heads, boolean or additive (transformers' static-cache decoding passes one)")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
     args = parser.parse_args(argv)
 
@@ -145,10 +152,18 @@ def main(argv=None) -> int:
         fp8 = (ones if args.fp8 == "all" else None, ones, ones, None)
     backend = resolve(args.backend)
     if args.paged:
+        if args.paged_join:
+            import impl_ninetoothed.attention as nt
+
+            nt.PAGED_JOIN = True
         return _paged(args, backend, q, k, v, fp8, compiled)
     if args.varlen:
         return _varlen(args, backend, q, k, v, fp8, compiled)
-    call = validation.check_call(backend, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=args.causal,
+    mask = None
+    if args.mask:  # (the values do not matter: nothing runs)
+        mask = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+        mask = mask if args.mask == "bool" else torch.zeros(B, 1, Lq, Lk, dtype=dtype)
+    call = validation.check_call(backend, q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=args.causal,
                                  scale=None, enable_gqa=H_kv != H, return_lse=False, fp8=fp8)
     from common.configs import BackwardConfig, Config, override
     from common.plan import make_backward
