@@ -370,9 +370,10 @@ def paged_extras():
 
 
 # (backend, None: the shipped configuration, "joined": NineToothed's small pages' tiles joined into one
-# softmax update a step (impl_ninetoothed.attention.PAGED_JOIN), or (keys per step | None: the shipped one,
-# warps, stages [, maxnreg]))
-PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "joined")]
+# softmax update a step (impl_ninetoothed.attention.PAGED_JOIN), "tiles4": at most 4 of them unrolled a step
+# (PAGED_TILES_PER_STEP; 8 shipped), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
+PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "joined"), ("ninetoothed", "tiles4")]
+NT_PAGED_SWITCHES = {"joined": ("PAGED_JOIN", True), "tiles4": ("PAGED_TILES_PER_STEP", 4)}
 
 
 @contextlib.contextmanager
@@ -380,14 +381,16 @@ def _paged_variant(variant):
     """paged_attention with another configuration (a sweep; the shipped one when None)."""
     import common.paged as paged_module
 
-    if variant == "joined":
+    if variant in NT_PAGED_SWITCHES:
         import impl_ninetoothed.attention as nt
 
-        nt.PAGED_JOIN = True
+        name, value = NT_PAGED_SWITCHES[variant]
+        shipped_value = getattr(nt, name)
+        setattr(nt, name, value)
         try:
             yield
         finally:
-            nt.PAGED_JOIN = False
+            setattr(nt, name, shipped_value)
         return
     shipped = paged_module.paged_config
 
@@ -836,8 +839,9 @@ def fp8_decode():
                      for kv, d in (((k, v), {}), ((k8, v8_cols), dict(k_descale=kd, v_descale=vd)))]
             line.append(f"wall per call: bf16 {walls[0]:.0f} us, fp8 {walls[1]:.0f} us")
             # pages in a shuffled table; the value pages row-major, then column-major (NineToothed's pages of 16
-            # also with a step's tiles joined, PAGED_JOIN)
-            for page, variant in ((16, None), (64, None)) + (((16, "joined"),) if backend == "ninetoothed" else ()):
+            # also with a step's tiles joined, PAGED_JOIN, and with 4 tiles a step where 8 are shipped)
+            nt_variants = ((16, "joined"), (16, "tiles4")) if backend == "ninetoothed" else ()
+            for page, variant in ((16, None), (64, None)) + nt_variants:
                 caches, table, lengths = _shuffled_pages(k, v, page)
                 caches8, table8, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
                 key_cache, value_cache = (c.view(torch.float8_e4m3fn) for c in caches8)
