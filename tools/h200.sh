@@ -145,7 +145,7 @@ for stage in "$@"; do
     # NineToothed's paged kernel with a step's tiles of small pages joined (PAGED_JOIN) against the shipped
     # form and Triton's: bf16 pages of 16 and 64, then FP8 caches
     paged-join) PROBE_PAGES="16 64" timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged_join.log"
-                timeout 200 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log" ;;
+                timeout 260 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log" ;;
     # continuous batching's tokens a second (generate_batch), nothing beside it: each implementation's line as it ends
     serving-bench) timeout 420 python3 tools/probe.py serving 2>&1 | tee "$OUT/serving.log" ;;
     serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py tests/test_flash_attn_interface.py -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;
