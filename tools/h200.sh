@@ -142,8 +142,8 @@ for stage in "$@"; do
               tail -n 4 "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log ;;
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     fa-suite) for b in triton ninetoothed; do ATTENTION_BACKEND=$b FA_PER_TEST=${FA_PER_TEST:-100} timeout ${FA_TIMEOUT:-270} python3 tools/fa_suite/run.py .fa/test_flash_attn.py -q -n 8 -rfE --tb=short -k "not race_condition" > "$OUT/fa_suite_$b.log" 2>&1; tail -12 "$OUT/fa_suite_$b.log"; done ;;
-    # NineToothed's paged kernel with a step's tiles of small pages joined (PAGED_JOIN) against the shipped
-    # form and Triton's: bf16 pages of 16 and 64, then FP8 caches
+    # NineToothed's paged kernel with a step's tiles of small pages joined (PAGED_JOIN), and at 4 tiles a step,
+    # against the shipped form and Triton's: bf16 pages of 16 and 64, then FP8 caches
     paged-join) PROBE_PAGES="16 64" timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged_join.log"
                 timeout 260 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log" ;;
     # continuous batching's tokens a second (generate_batch), nothing beside it: each implementation's line as it ends
