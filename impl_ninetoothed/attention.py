@@ -541,8 +541,8 @@ def bind_backward(plan):
 # Off until timed on the GPU against the shipped form (tools/h200.sh paged-join).
 PAGED_JOIN = False
 # Tiles unrolled a step, at most: each is a gather of its own, and the compile grows faster than their
-# count (under triton 3.9 an FP8 decode kernel of 16 tiles a step and 5 stages took 149 s, 137 of them in
-# its async-copy coalescing pass; 8 tiles, 21 s; under 3.6, 13 s), so a step of more keys takes this many.
+# count (triton 3.9's async-copy coalescing pass: minutes for 16 at 5 stages; benchmarks/NOTES.md), so a
+# step of more keys takes this many.
 PAGED_TILES_PER_STEP = 8
 
 

@@ -717,8 +717,8 @@ def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, i
     measured no faster on the H200). At D 128 keys of 128 a tile with three stages where triton 3.6
     compiles it (measured fastest, benchmarks/NOTES.md); later Triton spills each consumer's S and O
     there, so keys of 64 until measured. FP8 tiles (half the bytes): keys of 128 at D 64 and 128, the
-    fastest of the six ``tools/probe.py gluon_tiles_fp8`` times, or within 3% of it, at three of its four
-    shapes (at D 64 without a mask three consumers ran 14% faster, still behind the tl kernel's FP8)."""
+    fastest of those ``tools/probe.py gluon_tiles_fp8`` times, or close to it, at three of its four shapes
+    (benchmarks/NOTES.md; FP8 runs here only with ``ATTENTION_GLUON=1``)."""
     if dtype == torch.float8_e4m3fn:
         return {64: (128, 128, 3, 8), 128: (128, 128, 3, 8)}[head_dim]
     wide = 128 if _TRITON[:2] <= (3, 6) else 64
