@@ -99,13 +99,8 @@ def _gluon_bwd_dq(
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
-    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bars = _barriers(1, 1)
-    kv_bars = _barriers(STAGES, 1)
-    fence_async_shared()
+    q_smem, do_smem, k_smem, v_smem, q_bars, kv_bars = _resident_and_ring(q_desc, do_desc, k_desc, v_desc, BLOCK_M,
+                                                                          BLOCK_N, HEAD_DIM, STAGES)
     q_bar = q_bars.index(0)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -230,6 +225,23 @@ def _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_
 
 
 @gluon.jit
+def _resident_and_ring(a_desc, b_desc, c_desc, d_desc, A_ROWS: gl.constexpr, C_ROWS: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Both passes' shared buffers: one tile each of a and b (the program's own rows: Q and dO in the
+    dQ pass, K and V in a key block's) on one mbarrier, and a ring of STAGES slots of c and d (the
+    tiles it walks) with a barrier each. Returns (a_smem, b_smem, c_smem, d_smem, ab_bars, cd_bars)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_smem = gl.allocate_shared_memory(dtype, [1, 1, A_ROWS, HEAD_DIM], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, [1, 1, A_ROWS, HEAD_DIM], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, C_ROWS, HEAD_DIM], c_desc.layout)
+    d_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, C_ROWS, HEAD_DIM], d_desc.layout)
+    ab_bars = _barriers(1, 1)
+    cd_bars = _barriers(STAGES, 1)
+    fence_async_shared()
+    return a_smem, b_smem, c_smem, d_smem, ab_bars, cd_bars
+
+
+@gluon.jit
 def _key_block_start(q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                      IS_CAUSAL: gl.constexpr):
@@ -238,14 +250,8 @@ def _key_block_start(q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start
     that see its keys (causal: from the first row at or past key_start - causal_shift; those before
     ``full_lo`` cross the diagonal: masked; the rest see every key here) and the ring's first row tiles in
     flight. Returns (k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles)."""
-    dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bars = _barriers(1, 1)
-    q_bars = _barriers(STAGES, 1)
-    fence_async_shared()
+    k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars = _resident_and_ring(k_desc, v_desc, q_desc, do_desc, BLOCK_N,
+                                                                          BLOCK_M, HEAD_DIM, STAGES)
     kv_bar = kv_bars.index(0)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
