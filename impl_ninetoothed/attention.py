@@ -538,7 +538,8 @@ def bind_backward(plan):
 
 
 # A step's tiles of small pages one softmax update, their scores joined (paged_tiles), or each tile its own.
-# Off until timed on the GPU against the shipped form (tools/h200.sh paged-join).
+# Joined: one row maximum and rescale a step instead of one a tile, faster at pages of 16 on the H200
+# (benchmarks/NOTES.md); off until the GPU suite has run the paged tests in this form (tools/h200.sh paged-joined).
 PAGED_JOIN = False
 # Tiles unrolled a step, at most: each is a gather of its own, and the compile grows faster than their
 # count (triton 3.9's async-copy coalescing pass: minutes for 16 at 5 stages; benchmarks/NOTES.md), so a

@@ -574,17 +574,20 @@ def test_paged_fp8_cache(backend, query_dtype, splits, value_columns):
         torch.testing.assert_close(lse[b:b + 1].double(), expected_lse, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("join", [True, False], ids=["joined", "per_tile"])
 @pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
-def test_ninetoothed_paged_fp8_joined_tiles(value_columns, monkeypatch):
-    """test_paged_fp8_cache's bound on NineToothed's paged kernel with a step's tiles of pages of 16
-    joined into one softmax update (``PAGED_JOIN``), the join really taken."""
+def test_ninetoothed_paged_fp8_step_forms(value_columns, join, monkeypatch):
+    """test_paged_fp8_cache's bound on NineToothed's paged kernel at pages of 16 in both its forms,
+    a step's tiles joined into one softmax update (``PAGED_JOIN``) or each its own (shipped), the
+    form asked for really taken."""
     import impl_ninetoothed.attention as nt
 
-    joins, shipped = [], nt.paged_tiles
-    monkeypatch.setattr(nt, "PAGED_JOIN", True)
-    monkeypatch.setattr(nt, "paged_tiles", lambda page, block_n: joins.append(shipped(page, block_n)) or joins[-1])
+    taken, shipped = [], nt.paged_tiles
+    monkeypatch.setattr(nt, "PAGED_JOIN", join)
+    monkeypatch.setattr(nt, "paged_tiles", lambda page, block_n: taken.append(shipped(page, block_n)) or taken[-1])
     test_paged_fp8_cache("ninetoothed", torch.bfloat16, 3, value_columns)
-    assert joins and min(join for _, _, join in joins) > 1, joins
+    assert taken and min(per_step for _, per_step, _ in taken) > 1, taken
+    assert all((joined == per_step) if join else joined == 1 for _, per_step, joined in taken), taken
 
 
 def test_paged_fp8_through_a_kept_plan(backend):

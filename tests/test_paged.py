@@ -613,42 +613,44 @@ def test_paged_features_half(backend, splits):
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-2, atol=1e-2)
 
 
-def test_ninetoothed_paged_step_tiles():
+def test_ninetoothed_paged_step_tiles(monkeypatch):
     """NineToothed's paged step: the largest power of two dividing the page (at most the step) as its
     tile, at most PAGED_TILES_PER_STEP such tiles unrolled (a longer step: that many), all of them one
-    softmax update with PAGED_JOIN."""
+    softmax update with PAGED_JOIN, each its own without."""
     import impl_ninetoothed.attention as nt
 
-    assert nt.paged_tiles(16, 64) == (16, 4, 1)
-    assert nt.paged_tiles(48, 128) == (16, 8, 1)
-    assert nt.paged_tiles(16, 256) == (16, nt.PAGED_TILES_PER_STEP, 1) and nt.PAGED_TILES_PER_STEP == 8
+    assert nt.PAGED_TILES_PER_STEP == 8
+    monkeypatch.setattr(nt, "PAGED_JOIN", True)
+    assert nt.paged_tiles(16, 64) == (16, 4, 4)
+    assert nt.paged_tiles(48, 128) == (16, 8, 8)
+    assert nt.paged_tiles(16, 256) == (16, 8, 8) and nt.paged_tiles(32, 64) == (32, 2, 2)
     assert nt.paged_tiles(256, 64) == (64, 1, 1)
-    nt.PAGED_JOIN = True
-    try:
-        assert nt.paged_tiles(16, 256) == (16, 8, 8) and nt.paged_tiles(32, 64) == (32, 2, 2)
-    finally:
-        nt.PAGED_JOIN = False
+    monkeypatch.setattr(nt, "PAGED_JOIN", False)
+    assert nt.paged_tiles(16, 64) == (16, 4, 1) and nt.paged_tiles(16, 256) == (16, 8, 1)
+    assert nt.paged_tiles(256, 64) == (64, 1, 1)
 
 
+@pytest.mark.parametrize("join", [True, False], ids=["joined", "per_tile"])
 @pytest.mark.parametrize("name, splits", [("all", None), ("all", 3), ("query_padding", None), ("lse", 3)])
-def test_ninetoothed_paged_joined_tiles(name, splits, monkeypatch):
-    """NineToothed's paged kernel with a step's tiles of small pages joined into one softmax update
-    (``PAGED_JOIN``, off by default until timed): the same answers as the reference, and the join
-    really taken (more than one tile a step)."""
+def test_ninetoothed_paged_step_forms(name, splits, join, monkeypatch):
+    """NineToothed's paged kernel at small pages in both its forms, a step's tiles joined into one
+    softmax update (``PAGED_JOIN``) or each its own (shipped): the same answers as the reference, and
+    the form asked for really taken (more than one tile a step, joined or not)."""
     import impl_ninetoothed.attention as nt
 
-    joins = []
+    taken = []
     shipped = nt.paged_tiles
 
     def tiles(page, block_n):
         result = shipped(page, block_n)
-        joins.append(result[2])
+        taken.append(result)
         return result
 
-    monkeypatch.setattr(nt, "PAGED_JOIN", True)
+    monkeypatch.setattr(nt, "PAGED_JOIN", join)
     monkeypatch.setattr(nt, "paged_tiles", tiles)
     out, expected, lse, expected_lse = _feature_call("ninetoothed", name, splits)
-    assert joins and min(joins) > 1, joins
+    assert taken and min(per_step for _, per_step, _ in taken) > 1, taken
+    assert all((joined == per_step) if join else joined == 1 for _, per_step, joined in taken), taken
     torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
     if lse is not None:
         torch.testing.assert_close(lse.double(), expected_lse, rtol=2e-4, atol=2e-4)

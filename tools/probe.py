@@ -18,6 +18,8 @@ is written to the project.
   dense kernel on each sequence and SDPA on the padded batch.
 - paged: paged decode (pages of 16 and 64 keys, shuffled) against our contiguous-cache
   decode on the same keys, kernel time by CUDA-graph replay, bandwidth of K/V read; append_kv.
+- paged_prefill: a chunk of 512 query rows a sequence through a paged cache of 4096 keys (B 4, 32
+  query heads over 8, D 128, bf16, causal, pages of 16 and 64, shuffled), each paged variant.
 - paged_extras: what ALiBi, left padding and per-sequence query lengths cost the paged kernels
   (decode and 4-row chunks, pages of 64, graph replay), and the rotary kernel of a decode step.
 - paged_sweep: paged decode with pages of PROBE_PAGES keys (default 16) under other key steps, warps
@@ -79,6 +81,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 import sys
@@ -317,6 +320,28 @@ def paged():
         print("; ".join(line), flush=True)
 
 
+def paged_prefill():
+    """A chunked prefill through the paged cache: each sequence's last 512 of 4096 keys are its query
+    rows (causal, bottom-right), B 4, 32 query heads over 8, D 128, bf16, pages of 16 and 64 in a
+    shuffled table; each of PAGED_VARIANTS, TFLOP/s by CUDA-graph replay."""
+    from common import paged_attention
+
+    B, H, H_kv, D, Lk, Lq = 4, 32, 8, 128, 4096, 512
+    k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    q = torch.randn(B, H, Lq, D, dtype=torch.bfloat16, device="cuda")
+    flops = 4 * B * H * Lq * (Lk - Lq / 2) * D
+    for page in (16, 64):
+        caches, table, lengths = _shuffled_pages(k, v, page)
+        line = []
+        for backend, variant in PAGED_VARIANTS:
+            with _paged_variant(variant):
+                t = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, True, enable_gqa=True,
+                                                           backend=backend))
+            line.append(f"{backend}{f' {variant}' if variant else ''} {t * 1e3:.0f} us "
+                        f"({flops / t * 1e-9:.0f} TFLOP/s)")
+        print(f"paged prefill Lq {Lq} Lk {Lk} page {page}: " + "; ".join(line), flush=True)
+
+
 def _shuffled_pages(k, v, page: int):
     """Dense keys and values (B, H_kv, Lk, D) as paged caches of ``page`` keys in a shuffled table:
     ([key_cache, value_cache], table (B, Lk / page) int32, lengths (B,) int32, all Lk)."""
@@ -372,7 +397,7 @@ def paged_extras():
 # (backend, None: the shipped configuration, "joined": NineToothed's small pages' tiles joined into one
 # softmax update a step (impl_ninetoothed.attention.PAGED_JOIN), "tiles4": at most 4 of them unrolled a step
 # (PAGED_TILES_PER_STEP; 8 shipped), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
-PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "joined"), ("ninetoothed", "tiles4")]
+PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "joined")]
 NT_PAGED_SWITCHES = {"joined": ("PAGED_JOIN", True), "tiles4": ("PAGED_TILES_PER_STEP", 4)}
 
 
@@ -839,8 +864,8 @@ def fp8_decode():
                      for kv, d in (((k, v), {}), ((k8, v8_cols), dict(k_descale=kd, v_descale=vd)))]
             line.append(f"wall per call: bf16 {walls[0]:.0f} us, fp8 {walls[1]:.0f} us")
             # pages in a shuffled table; the value pages row-major, then column-major (NineToothed's pages of 16
-            # also with a step's tiles joined, PAGED_JOIN, and with 4 tiles a step where 8 are shipped)
-            nt_variants = ((16, "joined"), (16, "tiles4")) if backend == "ninetoothed" else ()
+            # also with a step's tiles joined into one softmax update, PAGED_JOIN)
+            nt_variants = ((16, "joined"),) if backend == "ninetoothed" else ()
             for page, variant in ((16, None), (64, None)) + nt_variants:
                 caches, table, lengths = _shuffled_pages(k, v, page)
                 caches8, table8, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
@@ -1580,6 +1605,11 @@ def serving():
     }
     names = ["sdpa", "flash_triton", "flash_ninetoothed"]
     print("transformers", transformers.__version__, flush=True)
+    # (FlashAttention's own slot where the package is installed; it is not part of our requirements)
+    if importlib.util.find_spec("flash_attn") is not None:
+        names.append("flash_attention_2")
+    else:
+        print("flash_attention_2: not run (no flash_attn package here)", flush=True)
     for label in os.environ.get("PROBE_MODELS", "llama qwen3").split():
         config_class, model_class, sizes = shapes[label]
         config = config_class(vocab_size=8192, max_position_embeddings=4096, **sizes)
