@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true", help="the backward's kernels instead of the forward's")
     parser.add_argument("--fp8", choices=["all", "kv"], help="float8_e4m3fn query, keys and values (all), or keys "
                         "and values under a --dtype query (kv); with descales")
-    parser.add_argument("--value-columns", action="store_true", help="with --paged: the value pages column-major "
-                        "(each page's keys contiguous for a head and column)")
+    parser.add_argument("--value-columns", action="store_true", help="the values column-major (keys contiguous for "
+                        "a head and column); with --paged, the value pages")
     parser.add_argument("--paged", type=int, metavar="PAGE", help="paged_attention and append_kv over caches of "
                         "pages of PAGE keys holding the keys and values (with --fp8 kv: FP8 caches)")
     parser.add_argument("--varlen", action="store_true", help="varlen_attention over B packed sequences of LQ "
@@ -157,6 +157,8 @@ def main(argv=None) -> int:
 
             nt.PAGED_JOIN = True
         return _paged(args, backend, q, k, v, fp8, compiled)
+    if args.value_columns:  # (as a decode's FP8 values are best given: keys contiguous)
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
     if args.varlen:
         return _varlen(args, backend, q, k, v, fp8, compiled)
     mask = None

@@ -4,7 +4,8 @@
 # stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes);
 #         serving-bench (generate_batch's tokens a second); paged-join (NineToothed's joined small-page tiles timed);
-#         paged-joined (the joined form: a chunked prefill timed, NineToothed's paged tests with it on)
+#         paged-joined (the joined form: a chunked prefill timed, NineToothed's paged tests with it on);
+#         fp8-paged (the paged FP8 decode's tiles swept); serving-one (issue 45's serving figures in one call)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
 #         test and test3's last files)
@@ -153,6 +154,13 @@ for stage in "$@"; do
                 sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
                 grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
                 timeout 330 python3 -m pytest tests/test_paged.py tests/test_fp8.py -k "ninetoothed and paged" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/paged_tests.log" ;;
+    # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (Triton's kernel)
+    fp8-paged) timeout 330 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
+    # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
+    # continuous batching's tokens a second
+    serving-one) timeout 230 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log"
+                 timeout 165 python3 tools/probe.py static 2>&1 | tee "$OUT/static.log"
+                 timeout 180 python3 tools/probe.py serving 2>&1 | tee "$OUT/serving.log" ;;
     # continuous batching's tokens a second (generate_batch), nothing beside it: each implementation's line as it ends
     serving-bench) timeout 420 python3 tools/probe.py serving 2>&1 | tee "$OUT/serving.log" ;;
     serving) timeout 300 python3 -m pytest tests/test_paged.py tests/test_varlen.py tests/test_flash_attn_interface.py -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/serving_tests.log"; timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log" ;;

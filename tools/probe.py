@@ -24,6 +24,9 @@ is written to the project.
   (decode and 4-row chunks, pages of 64, graph replay), and the rotary kernel of a decode step.
 - paged_sweep: paged decode with pages of PROBE_PAGES keys (default 16) under other key steps, warps
   and stages, both backends (NineToothed's pages of 16 run at 0.57-0.64x of the contiguous decode).
+- paged_fp8_sweep: paged decode from FP8 caches (pages of PROBE_PAGES, default 16 and 64) under other key
+  steps, warps, stages and register caps (PROBE_BACKENDS, default triton), against bf16 pages and the
+  contiguous FP8 decode.
 - paged_batch: paged decode at a large batch, the paged plan's stages against 3, 2, and 2 with the
   dense path's register cap; beside dense decode and SDPA.
 - decode: split-KV decode shapes under several programs-per-SM targets and
@@ -458,6 +461,47 @@ def paged_sweep():
                                                                    backend=backend))
                     line.append(f"{variant or 'shipped'} {dense / t:.2f}x")
                 print(f"page {page} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
+
+
+PAGED_FP8_SWEEP = [None, (None, 4, 3), (None, 4, 4), (None, 4, 3, 168), (None, 8, 4), (256, 4, 3), (256, 8, 3),
+                   (64, 4, 5)]
+
+
+def paged_fp8_sweep():
+    """Issue 44's paged FP8 decode (B 8, 32 query heads over 8, D 128, bf16 query, FP8 caches, Lk 16k
+    and 64k, pages of PROBE_PAGES keys, default 16 and 64, shuffled) under PAGED_FP8_SWEEP's (key step,
+    warps, stages [, register cap]), the value pages row-major and column-major, PROBE_BACKENDS (default
+    triton);
+    against the same kernel's bf16 paged call (target 1.8x) and its contiguous FP8 decode with the
+    values column-major (where the paged kernel loses 0.75-0.80x, 2026-12-05)."""
+    from common import paged_attention, quantize_fp8
+
+    B, H, H_kv, D = 8, 32, 8, 128
+    for Lk in (16384, 65536):
+        k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        q = torch.randn(B, H, 1, D, dtype=torch.bfloat16, device="cuda")
+        (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
+        v8_cols = v8.transpose(2, 3).contiguous().transpose(2, 3)
+        for page in [int(p) for p in os.environ.get("PROBE_PAGES", "16 64").split()]:
+            caches, table, lengths = _shuffled_pages(k, v, page)
+            caches8, table8, _ = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
+            key_cache, value_cache = (c.view(torch.float8_e4m3fn) for c in caches8)
+            value_columns = value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+            for backend in os.environ.get("PROBE_BACKENDS", "triton").split():
+                bf16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
+                                                              backend=backend), replays=20)
+                dense8 = _graph_time_ms(lambda: attention(q, k8, v8_cols, enable_gqa=True, k_descale=kd,
+                                                          v_descale=vd, backend=backend), replays=20)
+                line = [f"bf16 paged {bf16 * 1e3:.0f} us, fp8 contiguous {dense8 * 1e3:.0f} us"]
+                for name, values in (("rows", value_cache), ("columns", value_columns)):
+                    for variant in PAGED_FP8_SWEEP:
+                        with _paged_variant(variant):
+                            t = _graph_time_ms(lambda: paged_attention(q, key_cache, values, table8, lengths,
+                                                                       enable_gqa=True, k_descale=kd,
+                                                                       v_descale=vd, backend=backend), replays=20)
+                        line.append(f"{name} {variant or 'shipped'} {t * 1e3:.0f} us {bf16 / t:.2f}x "
+                                    f"({dense8 / t:.2f}x contiguous)")
+                print(f"fp8 page {page} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
 
 
 def paged_batch():
