@@ -4,7 +4,7 @@
 # stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes);
 #         serving-bench (generate_batch's tokens a second); paged-join (NineToothed's joined small-page tiles timed);
-#         paged-joined (the joined form: a chunked prefill timed, NineToothed's paged tests with it on);
+#         paged-joined (the joined form: a chunked prefill timed, the paged tests with it on);
 #         fp8-paged (the paged FP8 decode's tiles swept); serving-one (issue 45's serving figures in one call)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
@@ -149,11 +149,11 @@ for stage in "$@"; do
     paged-join) PROBE_PAGES="16 64" timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged_join.log"
                 timeout 260 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log" ;;
     # NineToothed's joined paged form (PAGED_JOIN): a chunked prefill through pages of 16 and 64 timed, then
-    # NineToothed's paged tests (16-bit and FP8) with the join switched on in this copy of the tree
+    # the paged tests of both backends (16-bit and FP8) with the join switched on in this copy of the tree
     paged-joined) timeout 100 python3 tools/probe.py paged_prefill 2>&1 | tee "$OUT/paged_prefill.log"
                 sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
                 grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
-                timeout 330 python3 -m pytest tests/test_paged.py tests/test_fp8.py -k "ninetoothed and paged" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/paged_tests.log" ;;
+                timeout 400 python3 -m pytest tests/test_paged.py tests/test_fp8.py -k "paged" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/paged_tests.log" ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (Triton's kernel)
     fp8-paged) timeout 330 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
