@@ -154,8 +154,8 @@ for stage in "$@"; do
                 sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
                 grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
                 timeout 400 python3 -m pytest tests/test_paged.py tests/test_fp8.py -k "paged" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/paged_tests.log" ;;
-    # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (Triton's kernel)
-    fp8-paged) timeout 330 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
+    # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
+    fp8-paged) PROBE_BACKENDS="${PROBE_BACKENDS:-triton ninetoothed}" timeout 420 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
     # continuous batching's tokens a second
     serving-one) timeout 230 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log"
