@@ -5,7 +5,8 @@
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes);
 #         serving-bench (generate_batch's tokens a second); paged-join (NineToothed's joined small-page tiles timed);
 #         paged-joined (the joined form: a chunked prefill timed, the paged tests with it on);
-#         fp8-paged (the paged FP8 decode's tiles swept); serving-one (issue 45's serving figures in one call)
+#         fp8-paged (the paged FP8 decode's tiles swept); serving-one (issue 45's serving figures in one call);
+#         peel-tests (branch paged-peel's paged and FP8 tests, the join on, in one call)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
 #         test and test3's last files)
@@ -154,6 +155,14 @@ for stage in "$@"; do
                 sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
                 grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
                 timeout 400 python3 -m pytest tests/test_paged.py tests/test_fp8.py -k "paged" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/paged_tests.log" ;;
+    # branch paged-peel's tests in one call: the paged tests of both backends with the join switched on (in this
+    # copy of the tree), beside the FP8 tests and FP8-cache generation; then the chunked-prefill probe
+    peel-tests) sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
+                grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
+                (timeout 420 python3 -m pytest tests/test_paged.py tests/test_reliability.py -k "paged" -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/paged_tests.log" 2>&1) &
+                timeout 420 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 6 -p no:cacheprovider --tb=short -rfE > "$OUT/fp8_tests.log" 2>&1; wait
+                tail -8 "$OUT/paged_tests.log"; tail -8 "$OUT/fp8_tests.log"
+                timeout 100 python3 tools/probe.py paged_prefill 2>&1 | tee "$OUT/paged_prefill.log" ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
     fp8-paged) PROBE_BACKENDS="${PROBE_BACKENDS:-triton ninetoothed}" timeout 420 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
