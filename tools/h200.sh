@@ -37,6 +37,11 @@ HALF3="$REST --ignore=tests/test_paged.py --ignore=tests/test_varlen.py --ignore
 # the memory test compiles a kernel for each class of 10,000 calls' lengths, one after another (NineToothed's
 # pass ran past 400 s): a stage of its own, both backends at once, so that test3 fits a call
 MEMTEST="tests/test_reliability.py::test_no_growth_over_10000_calls"
+# NineToothed's joined paged form (PAGED_JOIN) switched on in this copy of the tree, for the stages that test it
+paged_join_on() {
+  sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
+  grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -152,13 +157,11 @@ for stage in "$@"; do
     # NineToothed's joined paged form (PAGED_JOIN): a chunked prefill through pages of 16 and 64 timed, then
     # the paged tests of both backends (16-bit and FP8) with the join switched on in this copy of the tree
     paged-joined) timeout 100 python3 tools/probe.py paged_prefill 2>&1 | tee "$OUT/paged_prefill.log"
-                sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
-                grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
+                paged_join_on
                 timeout 400 python3 -m pytest tests/test_paged.py tests/test_fp8.py -k "paged" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/paged_tests.log" ;;
     # branch paged-peel's tests in one call: the paged tests of both backends with the join switched on (in this
     # copy of the tree), beside the FP8 tests and FP8-cache generation; then the chunked-prefill probe
-    peel-tests) sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
-                grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
+    peel-tests) paged_join_on
                 (timeout 420 python3 -m pytest tests/test_paged.py tests/test_reliability.py -k "paged" -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/paged_tests.log" 2>&1) &
                 timeout 420 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 6 -p no:cacheprovider --tb=short -rfE > "$OUT/fp8_tests.log" 2>&1; wait
                 tail -8 "$OUT/paged_tests.log"; tail -8 "$OUT/fp8_tests.log"

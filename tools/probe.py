@@ -347,16 +347,24 @@ def paged_prefill():
 
 def _shuffled_pages(k, v, page: int):
     """Dense keys and values (B, H_kv, Lk, D) as paged caches of ``page`` keys in a shuffled table:
-    ([key_cache, value_cache], table (B, Lk / page) int32, lengths (B,) int32, all Lk)."""
+    ([key_cache, value_cache], table (B, Lk / page) int32, lengths (B,) int32, all Lk). FP8 tensors
+    are moved as their bytes (indexed assignment takes no float8)."""
     B, H_kv, Lk, D = k.shape
     pages = Lk // page
     table = torch.randperm(B * pages, device=k.device).view(B, pages).to(torch.int32)
     caches = []
     for x in (k, v):
         cache = torch.empty(B * pages, page, H_kv, D, dtype=x.dtype, device=x.device)
-        cache[table.long()] = x.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4)
+        as_bytes = x.dtype == torch.float8_e4m3fn
+        moved = (cache.view(torch.uint8), x.view(torch.uint8)) if as_bytes else (cache, x)
+        moved[0][table.long()] = moved[1].view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4)
         caches.append(cache)
     return caches, table, torch.full((B,), Lk, dtype=torch.int32, device=k.device)
+
+
+def _column_pages(cache):
+    """The same pages, each stored column-major (a page's keys contiguous for a head and column)."""
+    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
 def paged_extras():
@@ -470,9 +478,8 @@ def paged_fp8_sweep():
     """Issue 44's paged FP8 decode (B 8, 32 query heads over 8, D 128, bf16 query, FP8 caches, Lk 16k
     and 64k, pages of PROBE_PAGES keys, default 16 and 64, shuffled) under PAGED_FP8_SWEEP's (key step,
     warps, stages [, register cap]), the value pages row-major and column-major, PROBE_BACKENDS (default
-    triton);
-    against the same kernel's bf16 paged call (target 1.8x) and its contiguous FP8 decode with the
-    values column-major (where the paged kernel loses 0.75-0.80x, 2026-12-05)."""
+    triton); against the same kernel's bf16 paged call (target 1.8x) and its contiguous FP8 decode with
+    the values column-major."""
     from common import paged_attention, quantize_fp8
 
     B, H, H_kv, D = 8, 32, 8, 128
@@ -483,9 +490,8 @@ def paged_fp8_sweep():
         v8_cols = v8.transpose(2, 3).contiguous().transpose(2, 3)
         for page in [int(p) for p in os.environ.get("PROBE_PAGES", "16 64").split()]:
             caches, table, lengths = _shuffled_pages(k, v, page)
-            caches8, table8, _ = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
-            key_cache, value_cache = (c.view(torch.float8_e4m3fn) for c in caches8)
-            value_columns = value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+            (key_cache, value_cache), table8, _ = _shuffled_pages(k8, v8, page)
+            value_columns = _column_pages(value_cache)
             for backend in os.environ.get("PROBE_BACKENDS", "triton").split():
                 bf16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
                                                               backend=backend), replays=20)
@@ -867,8 +873,7 @@ def fp8():
                 caches, table, lengths = _shuffled_pages(k, v, page)
                 paged16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
                                                                  backend=backend), replays=20)
-                caches8, table, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
-                caches8 = [c.view(torch.float8_e4m3fn) for c in caches8]
+                caches8, table, lengths = _shuffled_pages(k8, v8, page)
                 paged8 = _graph_time_ms(lambda: paged_attention(q, *caches8, table, lengths, enable_gqa=True,
                                                                 k_descale=kd, v_descale=vd, backend=backend),
                                         replays=20)
@@ -911,9 +916,8 @@ def fp8_decode():
             nt_variants = ((16, "joined"),) if backend == "ninetoothed" else ()
             for page, variant in ((16, None), (64, None)) + nt_variants:
                 caches, table, lengths = _shuffled_pages(k, v, page)
-                caches8, table8, lengths = _shuffled_pages(k8.view(torch.uint8), v8.view(torch.uint8), page)
-                key_cache, value_cache = (c.view(torch.float8_e4m3fn) for c in caches8)
-                value_columns = value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+                (key_cache, value_cache), table8, lengths = _shuffled_pages(k8, v8, page)
+                value_columns = _column_pages(value_cache)
                 with _paged_variant(variant):
                     paged16 = _graph_time_ms(lambda: paged_attention(q, *caches, table, lengths, enable_gqa=True,
                                                                      backend=backend), replays=20)
