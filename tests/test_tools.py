@@ -819,10 +819,14 @@ def test_cpu_sass_reads_the_loops_of_tensor_core_products():
         ".L_x_2:",
         "        /*0060*/                   IADD3 R5, R5, 0x1, RZ ;",
         "        /*0070*/                   BRA `(.L_x_2) ;",  # a loop without MMAs
+        ".L_x_3:",
+        "        /*0072*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT ;",  # (FP8)
+        "        /*0074*/                   BRA `(.L_x_3) ;",
         ".L_x_9:",
         "        /*0080*/                   EXIT ;",
     ])
-    assert cpu_sass.mma_loops(sass) == [(".L_x_1", 4, [("FMUL", 2), ("HGMMA", 1), ("BRA", 1)])]
+    assert cpu_sass.mma_loops(sass) == [(".L_x_1", 4, [("FMUL", 2), ("HGMMA", 1), ("BRA", 1)]),
+                                        (".L_x_3", 2, [("QGMMA", 1), ("BRA", 1)])]
 
 
 def test_every_probe_the_docstring_lists_exists():
