@@ -85,6 +85,9 @@ class Widen(enum.IntEnum):
 
     NONE = 0  # kept in e4m3: an FP8 product on the tensor cores
     FLOAT16 = 1
+    # float16, values stored row-major (keys a row apart): widened before the P·V product's transpose
+    # (common.jit_helpers._keep_widened), which would otherwise move e4m3 bytes one by one
+    FLOAT16_ROWS = 2
 
 
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
@@ -593,6 +596,8 @@ def set_fp8(plan, call, planner: Planner) -> None:
     plan.descales = fp8_descales(call.descales, call.query, call.key)
     if call.query.dtype in (torch.float16, torch.bfloat16):  # FP8 keys and values under a 16-bit query
         plan.widen_k = plan.widen_v = Widen.FLOAT16
+        if call.value.stride(-1) == 1:
+            plan.widen_v = Widen.FLOAT16_ROWS
     elif not planner.fp8_pv:
         plan.widen_v = Widen.FLOAT16
 

@@ -30,7 +30,8 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import DESCALE_ROWS, ForwardPlan, Widen
+from common.paged import cache_widen
+from common.plan import DESCALE_ROWS, ForwardPlan
 from common.validation import OFFSET_LIMIT
 from impl_ninetoothed.kernels import (
     _COMBINE_SPLIT_COUNT_ARGS,
@@ -589,7 +590,7 @@ def paged_forward(plan):
         SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, JOIN=join, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
-        WIDEN=int(Widen.FLOAT16 if plan.descales is not None else Widen.NONE),
+        WIDEN=int(cache_widen(plan.descales, vc)),
     )
     if plan.split:
         merge = plan.merge

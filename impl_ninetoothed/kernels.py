@@ -50,6 +50,7 @@ from common.jit_helpers import (
     _cap_factors,
     _dropout_keep,
     _in_band,
+    _keep_widened,
     _key_stages,
     _narrow_query,
     _scores,
@@ -74,10 +75,12 @@ from impl_ninetoothed.tiles import (
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
+WIDEN_F16_ROWS = int(Widen.FLOAT16_ROWS)
 _SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed copies them with _scores)
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX, WIDEN_F16=int(Widen.FLOAT16),
+                        WIDEN_F16_ROWS=WIDEN_F16_ROWS,
                         ROW_BANDS=ROW_BANDS, DESCALE_ROWS=DESCALE_ROWS, ONE_STAGE=ONE_STAGE)
 
 
@@ -216,6 +219,8 @@ def _attn_fwd_inner(
             p = ntl.where(keep, p, 0.0)
         v = value[j - first]
         v = _widen(v, WIDEN_V)
+        if WIDEN_V == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+            v = _keep_widened(v, value[j - first].offsets(-1) < value.source.shape[-1])
         acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
         m_i = m_ij
     return acc, l_i, m_i

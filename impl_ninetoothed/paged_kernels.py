@@ -19,6 +19,7 @@ from common.jit_helpers import (
     _column_piece,
     _in_band,
     _joined_columns,
+    _keep_widened,
     _key_stages,
     _narrow_query,
     _tanh,
@@ -26,7 +27,7 @@ from common.jit_helpers import (
     _widen,
 )
 from common.plan import LN2, LOG2E
-from impl_ninetoothed.kernels import TANH_APPROX, _flags, _like, _rows_like
+from impl_ninetoothed.kernels import TANH_APPROX, WIDEN_F16_ROWS, _flags, _like, _rows_like
 from impl_ninetoothed.tiles import _per_kv_head, _per_split, _row_slices, _rows
 
 # -- a paged KV cache ----------------------------------------------------------------------
@@ -227,6 +228,9 @@ def paged_application(
                         offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
                         value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
                         v = _widen(value_cache[page, t % per_page], WIDEN)
+                        if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+                            cols = ntl.arange(0, value_cache.dtype.shape[1])  # (inline: arange needs the constant)
+                            v = _keep_widened(v, cols < value_cache.source.shape[-1])
                         if phase != 1:  # (a slot past the length or before a left pad: any bits, NaN too)
                             v = ntl.where(value_ok[:, None], v, 0.0)
                         acc = ntl.dot(_column_piece(p, g, JOIN).to(v.dtype), v, acc, input_precision=DOT_PRECISION)

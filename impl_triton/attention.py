@@ -25,7 +25,8 @@ from common.launch import (
     int_classes,
     ticket_counters,
 )
-from common.plan import ForwardPlan, Widen
+from common.paged import cache_widen
+from common.plan import ForwardPlan
 from impl_triton import gluon_attention
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _copy_values, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
@@ -434,7 +435,7 @@ def paged_forward(plan):
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, MERGE_LSE=plan.split and plan.with_lse,
         ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
-        WIDEN=int(Widen.FLOAT16 if plan.descales is not None else Widen.NONE),
+        WIDEN=int(cache_widen(plan.descales, vc)),
     )
     if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))

@@ -76,7 +76,17 @@ import triton
 import triton.language as tl
 
 from common import plan as _plan
-from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _narrow_query, _scores, _widen
+from common.jit_helpers import (
+    WIDEN_F16_ROWS,
+    _cap_factors,
+    _dropout_keep,
+    _in_band,
+    _keep_widened,
+    _key_stages,
+    _narrow_query,
+    _scores,
+    _widen,
+)
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
@@ -208,6 +218,8 @@ def _attn_fwd_inner(
             p = tl.where(keep, p, 0.0)
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         v = _widen(v, WIDEN_V)
+        if WIDEN_V == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+            v = _keep_widened(v, dv_ok)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
         m_i = m_ij
     return acc, l_i, m_i

@@ -15,9 +15,11 @@ import triton.language as tl
 
 from common.jit_helpers import (
     TANH_APPROX,
+    WIDEN_F16_ROWS,
     _alibi_bias,
     _cap_factors,
     _in_band,
+    _keep_widened,
     _key_stages,
     _narrow_query,
     _tanh,
@@ -194,6 +196,8 @@ def _paged_fwd(
                         v = tl.where(key_ok[:, None], v, 0.0)
                 else:
                     v = _widen(tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0), WIDEN)
+                    if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+                        v = _keep_widened(v, dv_ok)
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
                 m_i = m_ij
 

@@ -96,6 +96,38 @@ def test_fp8_probabilities_rounding_choice(backend, fp8_pv):
     assert ((out.double() - expected).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
+def test_fp8_values_widened_by_their_layout(backend, value_columns):
+    """A 16-bit query over FP8 keys and values: values stored row-major (keys a row apart) are widened
+    as Widen.FLOAT16_ROWS (kept in registers through a no-op select until widened, so that the P·V
+    product's transpose moves float16 pairs, not e4m3 bytes), column-major ones as FLOAT16; keys always
+    as FLOAT16. The plan says so, and the answer keeps the float64 bound either way. Paged caches:
+    the same rule on the value pages, at each launch (common.paged.cache_widen)."""
+    from common import validation
+    from common.backends import resolve
+    from common.paged import cache_widen
+    from common.plan import Widen, make_forward
+
+    B, H, H_kv, Lq, Lk, D = 2, 4, 2, 1, 77, 32
+    q, k, v, _, kd, vd, q_real, k_real, v_real = _inputs(B, H, H_kv, Lq, Lk, D, D, torch.bfloat16)
+    if value_columns:
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    call = validation.check_call(resolve(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=True, return_lse=False, fp8=(None, kd, vd, None))
+    plan = make_forward(call, resolve(backend), with_lse=False)
+    assert (plan.widen_k, plan.widen_v) == (Widen.FLOAT16, Widen.FLOAT16 if value_columns else Widen.FLOAT16_ROWS)
+    out = attention(q, k, v, enable_gqa=True, k_descale=kd, v_descale=vd, backend=backend)
+    expected = reference(q_real, k_real, v_real, enable_gqa=True)
+    bound = fp8_error_bound(reference_probs(q_real, k_real), v_real, expected, torch.bfloat16,
+                            _pv_rounding(torch.bfloat16), 0.0)
+    assert ((out.double() - expected).abs() <= bound).all()
+    pages = v.view(torch.uint8).permute(0, 2, 1, 3)[:, :64].contiguous().view(torch.float8_e4m3fn)  # (B, 64, H_kv, D)
+    descales = (kd, vd)
+    assert cache_widen(descales, pages) == Widen.FLOAT16_ROWS
+    assert cache_widen(descales, pages.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)) == Widen.FLOAT16
+    assert cache_widen(None, pages.view(torch.uint8).to(torch.bfloat16)) == Widen.NONE
+
+
 # Features that combine with FP8: compared with the same call on the dequantized inputs in float32
 # (the same backend, the same features, nothing rounded to e4m3), within the bound with every
 # probability at most 1 and summing to at most 1: v_descale * max|v| * (u + Lk * a).
