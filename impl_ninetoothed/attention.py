@@ -32,7 +32,7 @@ from common.launch import (
 )
 from common.paged import cache_widen
 from common.plan import DESCALE_ROWS, ForwardPlan
-from common.validation import OFFSET_LIMIT
+from common.validation import in_wide_storage
 from impl_ninetoothed.kernels import (
     _COMBINE_SPLIT_COUNT_ARGS,
     _SPLIT_COUNT_ARGS,
@@ -62,7 +62,7 @@ def _wide(*tensors) -> bool:
     strides: made wide, every kernel ran slower (benchmarks/NOTES.md, "nt-offsets64 on the H200
     and merged"); each batch and head stays under 2^31 elements either way
     (``common.validation.slice_span``)."""
-    return any(t is not None and t.untyped_storage().nbytes() >= OFFSET_LIMIT * t.element_size() for t in tensors)
+    return in_wide_storage(*tensors)
 
 
 def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | None = None, wide: bool = False):

@@ -27,6 +27,7 @@ from common.launch import (
 )
 from common.paged import cache_widen
 from common.plan import ForwardPlan
+from common.validation import in_wide_storage
 from impl_triton import gluon_attention
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _copy_values, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
@@ -436,6 +437,7 @@ def paged_forward(plan):
         ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
         WIDEN=int(cache_widen(plan.descales, vc)),
+        WIDE_PAGES=in_wide_storage(kc, vc),
     )
     if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))

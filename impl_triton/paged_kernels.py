@@ -50,6 +50,7 @@ def _paged_fwd(
     WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
     LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr, DESCALE: tl.constexpr, WIDEN: tl.constexpr,
+    WIDE_PAGES: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
@@ -80,7 +81,8 @@ def _paged_fwd(
     WITH_LSE: the log-sum-exp (natural log) of each row into LSE, (B, H, Lq) or, SPLIT,
     the partials' (B, H, Lq, NUM_SPLITS), contiguous. SPLIT: O and LSE are the float32
     partials that the last program of each row block merges into OUT and, MERGE_LSE,
-    LSE_OUT (B, H, Lq) (as in _attn_fwd).
+    LSE_OUT (B, H, Lq) (as in _attn_fwd). WIDE_PAGES: a cache's storage holds 2^31 elements or
+    more, so a key's offset within it (page, slot) is taken in 64 bits; in 32 otherwise.
     """
     start_m = tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
@@ -165,8 +167,9 @@ def _paged_fwd(
                 if VALUE_COLUMNS:
                     # aligned runs of PAGE_RUN keys share an entry: each column of a value page loads in vectors
                     page = tl.max_constancy(page, PAGE_RUN)
-                page = page.to(tl.int64)
-                slot = (offs_kn % PAGE).to(tl.int64)
+                slot = offs_kn % PAGE
+                if WIDE_PAGES:  # (a cache of 2^31 elements or more; 32-bit offsets take fewer instructions)
+                    page, slot = page.to(tl.int64), slot.to(tl.int64)
                 k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None],
                             mask=key_ok[:, None] & d_ok[None, :], other=0.0)
                 k = _widen(k, WIDEN)
