@@ -196,9 +196,10 @@ def _sign_unknown(scale, ROWS: triton.language.constexpr):
     each row's) is not positive in every row. Where it is, a row's largest score is its largest
     product times the scale, taken before scaling (one FMA a score then scales and subtracts it);
     elsewhere the scores are scaled first (real descales are positive: the rare case)."""
+    lowest = scale
     if ROWS:
-        return tl.min(tl.min(scale, 1), 0) <= 0
-    return scale <= 0
+        lowest = tl.min(tl.min(scale, 1), 0)
+    return lowest <= 0
 
 
 @triton.jit

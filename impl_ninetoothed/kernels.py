@@ -294,38 +294,39 @@ def application(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K, WIDEN_V,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
         )
-    # (FP8: a descale's sign is the GPU's; where not every row's scale is positive, these blocks
-    # take their maximum from the scaled scores, in a loop that is not pipelined: the rare case
-    # keeps the common one's shared memory)
-    scale_first = False  # (a constant: one loop)
+    fast_hi = full_hi
     if DESCALE:
-        scale_first = _sign_unknown(score_scale, DESCALE == DESCALE_ROWS)
-    if scale_first:
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
-            cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K, WIDEN_V,
-        )
-    elif BLOCKED:
+        # A descale's sign is the GPU's: where not every row's scale is positive, the whole blocks
+        # take their maxima from the scaled scores, in a loop of their own after these (the rare
+        # case); otherwise that loop is empty. (Bounds, not a branch: loops under a branch had
+        # ptxas serialise the MMAs.)
+        fast_hi = ntl.where(_sign_unknown(score_scale, DESCALE == DESCALE_ROWS), full_lo, full_hi)
+    if BLOCKED:
         # The whole blocks from their own view, whose block size is a constant: their loads carry
         # no per-key bounds check (an unsplit launch without dropout or ALiBi; the blocks count from 0).
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi,
+            acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, fast_hi, lo, row_lo, row_hi,
             qk_scale, cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False,
             NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False, DESCALE, False, WIDEN_K, WIDEN_V,
         )
     else:
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, fast_hi, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
             DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
+        )
+    if DESCALE:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, fast_hi, full_hi, lo, row_lo, row_hi, qk_scale,
+            cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K, WIDEN_V,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, row_lo, row_hi, qk_scale,
         cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K, WIDEN_V,
+        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
     )
 
     if WITH_LSE:

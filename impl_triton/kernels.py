@@ -368,36 +368,36 @@ def _attn_fwd(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
             offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-            MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K,
+            MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K,
             WIDEN_V,
         )
-    # (FP8: a descale's sign is the GPU's; where not every row's scale is positive, these blocks
-    # take their maximum from the scaled scores, in a loop that is not pipelined: the rare case
-    # keeps the common one's shared memory)
-    scale_first = False  # (a constant: one loop)
+    fast_hi = full_hi
     if DESCALE:
-        scale_first = _sign_unknown(score_scale, DESCALE == DESCALE_ROWS)
-    if scale_first:
+        # A descale's sign is the GPU's: where not every row's scale is positive, the whole blocks
+        # take their maxima from the scaled scores, in a loop of their own after these (not
+        # pipelined: the rare case); otherwise that loop is empty. (Bounds, not a branch: loops
+        # under a branch had ptxas serialise the MMAs.)
+        fast_hi = tl.where(_sign_unknown(score_scale, DESCALE == DESCALE_ROWS), full_lo, full_hi)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, fast_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
+        alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
+        MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K,
+        WIDEN_V,
+    )
+    if DESCALE:
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-            offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
+            offs_m, offs_n, offs_d, offs_dv, fast_hi, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
             MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K,
-            WIDEN_V,
-        )
-    else:
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-            offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
-            alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-            MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K,
             WIDEN_V,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-        MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K,
+        MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K,
         WIDEN_V,
     )
 
