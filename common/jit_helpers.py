@@ -201,6 +201,18 @@ def _narrow_query(q, score_scale, WIDEN: triton.language.constexpr):
 
 
 @triton.jit
+def _sign_unknown(scale, ROWS: triton.language.constexpr):
+    """Whether an FP8 call's scores' scale (its descales', a scalar, or ROWS: an (M, 1) column of
+    each row's) is not positive in every row. Where it is, a row's largest score is its largest
+    product times the scale, taken before scaling (one FMA a score then scales and subtracts it);
+    elsewhere the scores are scaled first (real descales are positive: the rare case)."""
+    lowest = scale
+    if ROWS:
+        lowest = tl.min(tl.min(scale, 1), 0)
+    return lowest <= 0
+
+
+@triton.jit
 def _to_e4m3(x, descale):
     """x / descale (correctly rounded) as float8_e4m3fn: rounded to nearest even, saturated at
     +-448 (infinities too), NaN kept (``common.quantize_fp8``'s rule)."""
@@ -210,4 +222,5 @@ def _to_e4m3(x, descale):
 
 
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
-               _keep_widened, _narrow_query, _to_e4m3, _joined_columns, _half_columns, _column_piece)
+               _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _half_columns,
+               _column_piece)

@@ -368,6 +368,12 @@ class ForwardPlan:
         return DESCALE_ROWS if self.descales[0].ndim == 3 else 1
 
     @property
+    def negative_scale(self) -> bool:
+        """The kernels' NEGATIVE_SCALE: the scores' scale is negative, a constant. Never with FP8
+        inputs, whose scale holds descales of a sign the kernels read on the GPU."""
+        return self.scale < 0 and self.descales is None
+
+    @property
     def kernel_lse(self) -> bool:
         """Whether the attention kernel writes log-sum-exps (the merge needs them too)."""
         return self.with_lse or self.num_splits > 1

@@ -270,8 +270,9 @@ def _attention_launch(plan) -> tuple:
               *_alibi_args(plan), *_descale_args(plan), o, lse)
     return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
-        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan), DROPOUT=plan.dropout,
-        SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume, BLOCKED=blocked,
+        NEGATIVE_SCALE=plan.negative_scale, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan),
+        DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume,
+        BLOCKED=blocked,
         ALIBI=plan.alibi is not None, DESCALE=plan.descale_kind, WIDEN_K=int(plan.widen_k),
         WIDEN_V=int(plan.widen_v),
     )

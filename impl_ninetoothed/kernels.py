@@ -42,6 +42,7 @@ import functools
 import inspect
 
 import ninetoothed.language as ntl
+import triton
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
@@ -54,6 +55,7 @@ from common.jit_helpers import (
     _key_stages,
     _narrow_query,
     _scores,
+    _sign_unknown,
     _tanh,
     _widen,
 )
@@ -156,7 +158,7 @@ def arrangement(
 def _attn_fwd_inner(
     acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, cap_in, cap_out,
     alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
-    DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+    DROPOUT, SOFTCAP, ALIBI, DESCALE, SCALE_FIRST, WIDEN_K, WIDEN_V,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
@@ -165,15 +167,16 @@ def _attn_fwd_inner(
     past Lk or, when BANDED, outside a row's band (row i sees keys i + band_lo
     .. i + band_hi); mask them. Unmasked blocks
     skip every comparison. DROPOUT: the row sums take every probability, the
-    output only the kept ones. DESCALE (FP8 inputs): qk_scale holds the descales,
-    whose sign no constant knows, so scores are scaled before their maximum is taken;
-    WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
+    output only the kept ones. DESCALE (FP8 inputs): qk_scale holds the descales (per row for
+    DESCALE_ROWS: an (M, 1) column); SCALE_FIRST: their sign is unknown (:func:`_sign_unknown`):
+    scores are scaled before their maximum is taken, in a loop that is not pipelined (the rare
+    case); WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
     """
-    for j in range(lo, hi):
+    for j in triton.language.range(lo, hi, num_stages=1 if SCALE_FIRST else None):
         k = key[j - first]
         k = _widen(k, WIDEN_K)
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or DESCALE:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or SCALE_FIRST:
             # soft-capped (or scaled) and ALiBi's bias added, in base 2
             qk, cap = _scores(qk, offs_m, key[j - first].offsets(-2), qk_scale, cap_in, cap_out, alibi, shift,
                               SOFTCAP, ALIBI)
@@ -203,10 +206,13 @@ def _attn_fwd_inner(
             # No mask: scale and subtract the maximum in one FMA per score. The
             # row maximum of qk * qk_scale is max(qk) * qk_scale, or min(qk) *
             # qk_scale for a negative scale.
+            row_scale = qk_scale
+            if DESCALE == DESCALE_ROWS:
+                row_scale = ntl.max(qk_scale, 1)  # (each row's scale: the column as a vector)
             if NEGATIVE_SCALE:
-                m_ij = ntl.maximum(m_i, ntl.min(qk, 1) * qk_scale)
+                m_ij = ntl.maximum(m_i, ntl.min(qk, 1) * row_scale)
             else:
-                m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * qk_scale)
+                m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * row_scale)
             m_sub = m_ij
             qk = qk * qk_scale - m_sub[:, None]
         p = ntl.exp2(qk)
@@ -293,26 +299,39 @@ def application(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
         )
+    fast_hi = full_hi
+    if DESCALE:
+        # A descale's sign is the GPU's: where not every row's scale is positive, the whole blocks
+        # take their maxima from the scaled scores, in a loop of their own after these (the rare
+        # case); otherwise that loop is empty. (Bounds, not a branch: loops under a branch had
+        # ptxas serialise the MMAs.)
+        fast_hi = ntl.where(_sign_unknown(score_scale, DESCALE == DESCALE_ROWS), full_lo, full_hi)
     if BLOCKED:
         # The whole blocks from their own view, whose block size is a constant: their loads carry
         # no per-key bounds check (an unsplit launch without dropout or ALiBi; the blocks count from 0).
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi,
+            acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, fast_hi, lo, row_lo, row_hi,
             qk_scale, cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False,
-            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False, DESCALE, WIDEN_K, WIDEN_V,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False, DESCALE, False, WIDEN_K, WIDEN_V,
         )
     else:
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, fast_hi, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
+        )
+    if DESCALE:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, fast_hi, full_hi, lo, row_lo, row_hi, qk_scale,
+            cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K, WIDEN_V,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, row_lo, row_hi, qk_scale,
         cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
     )
 
     if WITH_LSE:

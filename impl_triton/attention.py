@@ -178,7 +178,7 @@ def _forward_launch(plan) -> tuple:
     ), dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
-        WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
+        WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.negative_scale, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
         RESUME=plan.resume, MERGE_LSE=plan.with_lse, ALIBI=plan.alibi is not None,
         DESCALE=plan.descale_kind, WIDEN_K=int(plan.widen_k), WIDEN_V=int(plan.widen_v),

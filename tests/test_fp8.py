@@ -169,6 +169,48 @@ def test_fp8_combines_with_features(backend, feature):
     assert ((lse - expected_lse).abs()[finite] <= slack[finite]).all()
 
 
+def _signed(descale, signs):
+    """``descale`` (rows, heads) times ``signs`` (rows, 2), each sign repeated over its half of the heads."""
+    return descale * signs.repeat_interleave(descale.shape[1] // 2, dim=1).to(descale.device)
+
+
+# Signs of the descales per (batch or sequence, K/V head): every combination of the query's and the
+# keys' (their product: -, -, +, +), and the values' flipped beside them.
+Q_SIGNS = torch.tensor([[-1.0, 1.0], [-1.0, 1.0]])
+K_SIGNS = torch.tensor([[1.0, -1.0], [-1.0, 1.0]])
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16_query"])
+@pytest.mark.parametrize("scale", [None, -0.2], ids=["scale", "negative_scale"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_fp8_descales_of_either_sign(backend, query_dtype, scale, is_causal):
+    """A real value is its stored one times its descale, whatever the descale's sign. The kernels
+    move the sign of a row's scores' scale onto the query's row so that the key blocks every row sees
+    whole take their maximum from the raw products (one FMA a score); with the query's and keys'
+    descales of each sign (and a negative scale on top) each head matches float64 attention of the
+    real values within the bound."""
+    B, H, H_kv, Lq, Lk, D = 2, 4, 2, 21, 300, 32  # (keys past the interpreter's block of 128: whole blocks)
+    q, k, v, qd, kd, vd, *_ = _inputs(B, H, H_kv, Lq, Lk, D, D, query_dtype)
+    kd, vd = _signed(kd, K_SIGNS), _signed(vd, -K_SIGNS)
+    q_real = q.double()
+    if qd is not None:
+        qd = _signed(qd, Q_SIGNS)
+        q_real = dequantize_fp8(q, qd, torch.float64)
+    k_real, v_real = dequantize_fp8(k, kd, torch.float64), dequantize_fp8(v, vd, torch.float64)
+    out = attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, q_descale=qd, k_descale=kd,
+                    v_descale=vd, alignment="bottom_right", backend=backend)
+    out_dtype = torch.bfloat16 if qd is not None else query_dtype
+    mask = torch.ones(Lq, Lk, dtype=torch.bool, device=DEVICE).tril(Lk - Lq) if is_causal else None
+    expected = reference(q_real, k_real, v_real, attn_mask=mask, scale=scale, enable_gqa=True)
+    scale = D**-0.5 if scale is None else scale
+    probs = reference_probs(q_real, k_real, attn_mask=mask, scale=scale)
+    score_error = _score_error(q_real, k_real, scale) if qd is not None else 0.0
+    bound = fp8_error_bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
+    error = (out.double() - expected).abs()
+    assert torch.isfinite(out).all()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, max excess {(error - bound).max():.3g}"
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp8_decode_with_split_keys(backend, splits):
     """A 16-bit query row against an FP8 cache (decoding), the keys split across programs or not."""
@@ -494,6 +536,35 @@ def test_varlen_fp8_descales_per_sequence(backend, query_dtype, lengths, is_caus
         fp8_query = query_dtype == torch.float8_e4m3fn
         score_error = _score_error(q_real, k_real, D**-0.5) if fp8_query else 0.0
         bound = fp8_error_bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
+        error = (rows - expected).abs()
+        assert torch.isfinite(rows).all()
+        assert (error <= bound).all(), f"sequence {b}: max error {error.max():.3g}, excess {(error - bound).max():.3g}"
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16_query"])
+def test_varlen_fp8_descales_of_either_sign(backend, query_dtype):
+    """Descales per sequence of either sign (each row's scale a column in the kernels, its sign moved
+    onto the row of the query): each sequence matches float64 attention of its real values."""
+    from common import varlen_attention
+
+    H, H_kv, D = 4, 2, 32
+    lengths = ((256, 40), (300, 270))  # (rows and keys past the interpreter's blocks of 128: whole blocks)
+    (q, k, v), (qd, kd, vd), (cu_q, cu_k), real = _packed_fp8(*lengths, H, H_kv, D, query_dtype)
+    kd, vd = _signed(kd, K_SIGNS), _signed(vd, -K_SIGNS)
+    qd = _signed(qd, Q_SIGNS) if qd is not None else None
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lengths[0]), max(lengths[1]), enable_gqa=True, q_descale=qd,
+                           k_descale=kd, v_descale=vd, backend=backend)
+    for b, (q_real, k_real, v_real) in enumerate(real):
+        q_signs, k_signs = (signs[b].repeat_interleave(H_kv // 2).to(DEVICE) for signs in (Q_SIGNS, K_SIGNS))
+        if qd is not None:
+            q_real = q_real * q_signs.repeat_interleave(H // H_kv)[None, :, None, None].double()
+        k_real = k_real * k_signs[None, :, None, None].double()
+        v_real = v_real * -k_signs[None, :, None, None].double()
+        rows = out[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None].double()
+        expected = reference(q_real, k_real, v_real, enable_gqa=True)
+        score_error = _score_error(q_real, k_real, D**-0.5) if qd is not None else 0.0
+        bound = fp8_error_bound(reference_probs(q_real, k_real), v_real, expected, out.dtype,
+                                _pv_rounding(query_dtype), score_error)
         error = (rows - expected).abs()
         assert torch.isfinite(rows).all()
         assert (error <= bound).all(), f"sequence {b}: max error {error.max():.3g}, excess {(error - bound).max():.3g}"

@@ -772,6 +772,29 @@ def test_fp8_kernels_compile_for_hopper(backend, call, tmp_path):
         assert "append" in result.stdout  # (the quantizing append compiled too)
 
 
+@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+def test_fp8_whole_key_blocks_scale_in_one_fma(backend, tmp_path):
+    """Compiled for sm_90, an FP8 forward's loop over the key blocks every row sees whole scales a
+    score and subtracts its row maximum in one FMA, the maximum taken from the raw products: no FMUL
+    a score (what FMULs remain rescale the output, one per element of Dv <= BLOCK_N). The descales'
+    sign is read on the GPU; a second loop, taken where a scale is not positive, scales first."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, "1", "2", "2", "256",
+                             "1024", "64", "--fp8", "all", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    loops = re.findall(r"loop \.L_x_\d+: \d+ instructions a step \((.*)\)", result.stdout)
+    counts = [dict((op, int(n)) for n, op in re.findall(r"(\d+) (\w+)", mix)) for mix in loops]
+    assert len(counts) >= 2, result.stdout
+    assert any(c.get("FFMA", 0) >= c["MUFU"] > 0 and c.get("FMUL", 0) <= c["MUFU"] for c in counts), result.stdout
+    assert any(c.get("FMUL", 0) > c["MUFU"] > 0 for c in counts), result.stdout  # (the loop that scales first)
+
+
 @pytest.mark.parametrize("backend, call", [
     ("ninetoothed", ["2", "8", "2", "1", "300", "64", "--paged", "16", "--paged-join"]),
     ("ninetoothed", ["2", "8", "2", "1", "300", "64", "--paged", "16", "--paged-join", "--fp8", "kv"]),
@@ -819,10 +842,14 @@ def test_cpu_sass_reads_the_loops_of_tensor_core_products():
         ".L_x_2:",
         "        /*0060*/                   IADD3 R5, R5, 0x1, RZ ;",
         "        /*0070*/                   BRA `(.L_x_2) ;",  # a loop without MMAs
+        ".L_x_3:",
+        "        /*0072*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT ;",  # (FP8)
+        "        /*0074*/                   BRA `(.L_x_3) ;",
         ".L_x_9:",
         "        /*0080*/                   EXIT ;",
     ])
-    assert cpu_sass.mma_loops(sass) == [(".L_x_1", 4, [("FMUL", 2), ("HGMMA", 1), ("BRA", 1)])]
+    assert cpu_sass.mma_loops(sass) == [(".L_x_1", 4, [("FMUL", 2), ("HGMMA", 1), ("BRA", 1)]),
+                                        (".L_x_3", 2, [("QGMMA", 1), ("BRA", 1)])]
 
 
 def test_every_probe_the_docstring_lists_exists():

@@ -44,7 +44,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from common.interpret import _StandInDriver  # noqa: E402
 
-INSTRUCTIONS = r"HGMMA[.\w]*|HMMA[.\w]*|LDGSTS[.\w]*|UTMALDG[.\w]*|LDG[.\w]*|STG[.\w]*|ATOMG[.\w]*|RED[.\w]*|BAR[.\w]*"
+INSTRUCTIONS = r"HGMMA[.\w]*|QGMMA[.\w]*|HMMA[.\w]*|LDGSTS[.\w]*|UTMALDG[.\w]*|LDG[.\w]*|STG[.\w]*|ATOMG[.\w]*|RED[.\w]*|BAR[.\w]*"
 
 
 NVIDIA_TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm, cuobjdump
@@ -259,7 +259,7 @@ def mma_loops(sass: str) -> list:
     for label, end in ends.items():
         body = instructions[labels[label]:end + 1]
         opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
-        if opcodes["HGMMA"] or opcodes["HMMA"]:
+        if opcodes["HGMMA"] or opcodes["QGMMA"] or opcodes["HMMA"]:  # (QGMMA: FP8 operands)
             loops.append((labels[label], label, len(body), opcodes.most_common(8)))
     return [loop[1:] for loop in sorted(loops)]
 

@@ -818,8 +818,11 @@ def fp8():
     """Issue 44's targets: the FP8 forward (B·L = 16k, H·D = 2048, D 64 and 128, L 4k and 16k) against our
     bf16 forward and SDPA's, V as given (row-major: the plan copies it column-major) and given column-major;
     tiles swept at L 4k; then decode (B 8, 32 query heads over 8, D 128) from an FP8 cache by CUDA-graph
-    replay, bf16 and fp16 queries, contiguous and in pages of 16 and 64."""
+    replay, bf16 and fp16 queries, contiguous and in pages of 16 and 64. PROBE_FP8 (default "prefill sweep
+    decode") names the parts run (an A/B of two trees: "prefill decode", the tiles left out)."""
     from common import paged_attention, quantize_fp8
+
+    parts = os.environ.get("PROBE_FP8", "prefill sweep decode").split()
 
     def fwd_tflops(fn, B, H, L, D, causal):
         ms = gpu_time_ms(fn)
@@ -827,7 +830,7 @@ def fp8():
 
     sweep = {64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4), (64, 128, 4, 4)],
              128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 256, 8, 2), (64, 128, 4, 3)]}
-    for D in (64, 128):
+    for D in (64, 128) if "prefill" in parts else ():
         H = 2048 // D
         for L in (4096, 16384):
             B = 16384 // L
@@ -844,7 +847,7 @@ def fp8():
                     cols = fwd_tflops(lambda: attention(q8, k8, v8_cols, **kw), B, H, L, D, causal)
                     line.append(f"{backend}: bf16 {bf16:.0f} fp8 {e4m3:.0f} ({e4m3 / bf16:.2f}x ours, "
                                 f"{e4m3 / sdpa:.2f}x sdpa) fp8 V given col-major {cols:.0f} ({cols / bf16:.2f}x)")
-                    if L == 4096 and backend == "triton":
+                    if L == 4096 and backend == "triton" and "sweep" in parts:
                         tiles = []
                         for config in sweep[D]:
                             with override(Config(*config)):
@@ -855,7 +858,7 @@ def fp8():
                                     tiles.append(f"{config} {type(error).__name__}")
                         line.append("tiles (V col-major): " + ", ".join(tiles))
                 print("  ".join(line), flush=True)
-    for Lk in (16384, 65536):
+    for Lk in (16384, 65536) if "decode" in parts else ():
         q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(8, 8, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
