@@ -59,36 +59,28 @@ PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr,
-                  SCALE_FIRST: gl.constexpr = False):
+                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr):
     """Key tile j's online-softmax update (base 2): the new row maxima, P (float32), the rescale
     factor of what came before, the new row sums. Past the first ``whole`` tiles (``_whole_tiles``)
     the raw scores are masked (keys past Lk; causal); the tiles before need no mask. The scores are
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
-    scores are +inf, so that scaled they are -inf). SCALE_FIRST (FP8 inputs: qk_scale holds the
-    descales, whose sign no constant knows): the scores are scaled first, as the tl kernel's DESCALE."""
-    if SCALE_FIRST:
-        qk = qk * qk_scale
+    scores are +inf, so that scaled they are -inf). (FP8 inputs' descales, whose sign no constant
+    knows, come here positive: ``_consume`` moves a negative scale onto Q.)"""
     if j >= whole:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         valid = offs_n[None, :] < Lk
         if IS_CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-        qk = gl.where(valid, qk, float("inf") if NEGATIVE_SCALE and not SCALE_FIRST else float("-inf"))
-    if SCALE_FIRST:
-        m_ij = gl.maximum(m_i, gl.max(qk, 1))
-    elif NEGATIVE_SCALE:
+        qk = gl.where(valid, qk, float("inf") if NEGATIVE_SCALE else float("-inf"))
+    if NEGATIVE_SCALE:
         m_ij = gl.maximum(m_i, gl.min(qk, 1) * qk_scale)
     else:
         m_ij = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_ij
     if j >= whole:
         m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-    if SCALE_FIRST:
-        p = gl.exp2(qk - m_sub[:, None])
-    else:
-        p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_ij, l_i, alpha
@@ -235,6 +227,16 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    if FP8:
+        # A descale's sign is the GPU's: a negative scale is moved onto Q (its signs flipped in shared
+        # memory once, exact), so that every tile takes its maximum from the raw products and scales a
+        # score in one FMA (the 16-bit kernel's step), whatever the descales' signs.
+        if qk_scale < 0:
+            q_regs: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+            bits = q.load(q_regs).to(gl.uint8, bitcast=True)
+            q.store((bits ^ 0x80).to(dtype, bitcast=True))
+            fence_async_shared()
+            qk_scale = -qk_scale
     if n_tiles > 0:
         mbarrier.wait(kv_ready.index(0), 0)
         if PINGPONG:
@@ -245,7 +247,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, FP8)
+                                           IS_CAUSAL, NEGATIVE_SCALE, col_s)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -260,7 +262,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 mbarrier.arrive(turn_arrive, count=1)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                               IS_CAUSAL, NEGATIVE_SCALE, col_s, FP8)
+                                               IS_CAUSAL, NEGATIVE_SCALE, col_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if PRODUCER:
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
@@ -684,7 +686,7 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
     block_m, block_n, stages, num_warps = config or (pingpong_tile(D, q.dtype) if pingpong else tile(D))
     grid = (triton.cdiv(Lq, block_m), B * H)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
-                WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, num_warps=num_warps)
+                WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0 and descales is None, num_warps=num_warps)
     scalars = (scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
     lse_arg = lse if with_lse else out
     if not pingpong:

@@ -131,10 +131,13 @@ FP8_CASES = [  # (B, H, H_kv, Lq, Lk, scale): keys in multiples of 16 (TMA's row
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}"
                                                  for c in FP8_CASES])
-def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case):
+@pytest.mark.parametrize("signs", ["positive", "mixed"])
+def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case, signs):
     """FP8 q, k, v (FlashAttention-3's descales, the values column-major) through the ping-pong variant:
     every output row written (poisoned), within twice the tl kernel's error against float64 attention of
-    the dequantized inputs (both round P to e4m3 for P V), and the log-sum-exp likewise."""
+    the dequantized inputs (both round P to e4m3 for P V), and the log-sum-exp likewise. ``mixed``: the
+    descales of either sign, the query's and keys' product negative for some (batch, K/V head) and
+    positive for others (a negative one moves onto Q in shared memory)."""
     from common import attention, quantize_fp8
     from common.fp8 import dequantize_fp8
     from impl_triton import gluon_attention as ga
@@ -144,6 +147,11 @@ def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case
     k8, kd = quantize_fp8(torch.randn(B, H_kv, Lk, D, device="cuda") * 3)
     v8, vd = quantize_fp8(torch.randn(B, H_kv, Lk, D, device="cuda"))
     v8 = v8.transpose(2, 3).contiguous().transpose(2, 3)  # (column-major: the layout the plan copies FP8 values to)
+    if signs == "mixed":  # (every case has pairs whose q·k descale is negative and pairs where it is positive)
+        pair = torch.arange(B * H_kv, device="cuda").view(B, H_kv)
+        qd = qd * torch.where(pair % 2 == 0, -1.0, 1.0)
+        kd = kd * torch.where(pair % 4 < 2, 1.0, -1.0)
+        vd = vd * torch.where(pair % 3 == 0, -1.0, 1.0)
     qf = dequantize_fp8(q8, qd, torch.float64)  # (qd per K/V head: each repeated over its group's heads)
     kf, vf = (dequantize_fp8(t, d, torch.float64).repeat_interleave(H // H_kv, 1) for t, d in ((k8, kd), (v8, vd)))
     shift = None if causal is None else (Lk - Lq if causal == "bottom_right" else 0)
