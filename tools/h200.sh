@@ -7,7 +7,7 @@
 #         paged-joined (the joined form: a chunked prefill timed, the paged tests with it on);
 #         fp8-paged (the paged FP8 decode's tiles swept); serving-one (issue 45's serving figures in one call);
 #         peel-tests (branch paged-peel's paged and FP8 tests, the join on, in one call);
-#         fma-tests (branch fp8-fma's tests, its A/B against main, the FP8 tiles)
+#         fma-tests, fma-tiles (branch fp8-fma's tests and its A/B against main; the FP8 tiles, tl and Gluon)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
 #         test and test3's last files)
@@ -167,13 +167,15 @@ for stage in "$@"; do
                 timeout 420 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 6 -p no:cacheprovider --tb=short -rfE > "$OUT/fp8_tests.log" 2>&1; wait
                 tail -8 "$OUT/paged_tests.log"; tail -8 "$OUT/fp8_tests.log"
                 timeout 100 python3 tools/probe.py paged_prefill 2>&1 | tee "$OUT/paged_prefill.log" ;;
-    # branch fp8-fma in one call: the FP8 tests and the FP8 compile tests, then the FP8 probe (prefill and decode,
-    # no tiles) in main's tree (carry "ab": `mkdir ab && git archive main | tar -x -C ab`) and in this one, then
-    # this tree's FP8 tile sweep (whether the D 64 table changes)
-    fma-tests) timeout 300 python3 -m pytest tests/test_fp8.py tests/test_tools.py -k "fp8 or sass" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/fma_tests.log"
+    # branch fp8-fma (in owed): the FP8 tests (tl and Gluon) and the FP8 compile tests, then the FP8 probe
+    # (prefill and decode, no tiles) in main's tree (carry "ab": `mkdir ab && git archive main | tar -x -C ab`)
+    # and in this one; fma-tiles: this tree's tl FP8 tiles (whether the D 64 table changes), then the Gluon
+    # FP8 tiles against the tl kernel's FP8 forward (whether FP8 goes to the Gluon kernel)
+    fma-tests) timeout 300 python3 -m pytest tests/test_fp8.py tests/test_tools.py tests/test_gluon.py -k "fp8 or sass" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/fma_tests.log"
                cp tools/probe.py ab/tools/probe.py  # (the same probe in both trees: PROBE_FP8 is this one's)
-               PROBE_FP8="prefill decode" AB_PROBES=fp8 bash "$0" ab
-               PROBE_FP8="prefill sweep" timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_sweep.log" ;;
+               PROBE_FP8="prefill decode" AB_PROBES=fp8 bash "$0" ab ;;
+    fma-tiles) PROBE_FP8="prefill sweep" timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_sweep.log"
+               timeout 250 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
     fp8-paged) PROBE_BACKENDS="${PROBE_BACKENDS:-triton ninetoothed}" timeout 420 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
