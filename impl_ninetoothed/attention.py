@@ -260,7 +260,8 @@ def _attention_launch(plan) -> tuple:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
     block_d = plan.block_d if plan.block_d != padded_head_dim(D) else None  # (the kernel's name unchanged)
     descale_rows = True if plan.descale_kind == DESCALE_ROWS else None  # (None: the kernel's name unchanged)
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d, descale_rows,
+    grouped = True if plan.group > 1 else None  # (one K/V head a query head: the keys take the query's sizes)
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d, descale_rows, grouped,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
                    wide=_wide(q, plan.key, plan.value, plan.attn_mask, o, lse))
     blocked = blocked_keys(plan)

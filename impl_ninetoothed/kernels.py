@@ -734,9 +734,12 @@ def _rows_like(query, *trailing, other=None):
     return _like(query.shape[:3], *trailing, other=other)
 
 
-def _attention_inputs(head_dim, head_dim_v):
+def _attention_inputs(head_dim, head_dim_v, grouped=True):
     """query, key, value and attn_mask, as every attention kernel takes them: the values of the
-    keys' (B, H_kv, Lk), the mask (B, H, Lq, Lk) of the query's and the keys'.
+    keys' (B, H_kv, Lk), the mask (B, H, Lq, Lk) of the query's and the keys'. ``grouped`` False:
+    one K/V head a query head (every call whose heads are packed, as the kernels see it), the keys
+    of the query's (B, H): fewer sizes, and the keys' coordinates unravelled from the program id by
+    the query's divisions.
 
     Out-of-range elements must read as 0 (padded head dims enter the dot
     products; past-the-end keys and values meet p = 0, and 0 * garbage may be
@@ -744,7 +747,7 @@ def _attention_inputs(head_dim, head_dim_v):
     integer to an 8-bit float, and FP8 inputs take these loads too.)
     """
     query = Tensor(shape=(None, None, None, head_dim), other=0.0)
-    key = Tensor(shape=(None, None, None, head_dim), other=0.0)
+    key = Tensor(shape=(None, None, None, head_dim) if grouped else (*query.shape[:2], None, head_dim), other=0.0)
     value = _like(key.shape[:3], head_dim_v, other=0.0)
     attn_mask = _rows_like(query, key.shape[2], other=0)
     return query, key, value, attn_mask
@@ -796,16 +799,18 @@ _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).in
 _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("stride", _LSE_PART, 0))
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None, descale_rows=None):
+def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None, descale_rows=None, grouped=None):
     """The forward; with ``split``, its split-KV variant (see ``arrangement``). ``block_d``: the
     head dim's tile where the plan widens it past ``padded_head_dim`` (an e4m3 Q·K product: 32).
-    ``descale_rows``: FP8 descales per query head and row (DESCALE_ROWS), not per K/V head."""
+    ``descale_rows``: FP8 descales per query head and row (DESCALE_ROWS), not per K/V head.
+    ``grouped``: query heads read K/V heads in groups (heads not packed); otherwise the keys take
+    the query's (B, H) sizes (``_attention_inputs``)."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n,
         block_d=block_d if block_d is not None else padded_head_dim(head_dim),
         block_dv=padded_head_dim(head_dim_v), split=split, descale_rows=bool(descale_rows),
     )
-    query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
+    query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v, grouped=bool(grouped))
     # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse ((B, H, Lq[, S])); read
     # too when RESUME (a running float32 output and its lse; rows past the end read as no key seen)
     output = _rows_like(query, *((None,) if split else ()), head_dim_v, other=0)

@@ -441,7 +441,8 @@ def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monk
 def test_ninetoothed_kernels_take_each_size_once():
     """Each NineToothed kernel takes as sizes only those that can differ between its tensors:
     tensors of equal sizes in every launch share their size symbols (the output, log-sum-exps,
-    gradients, bands and sinks the query's (B, H, Lq); the values the keys'; ...). NineToothed
+    gradients, bands and sinks the query's (B, H, Lq); the values the keys'; the keys the query's
+    (B, H) where each query head reads a K/V head of its own, as every packed call; ...). NineToothed
     unravels the program id from each tensor's own sizes, an integer division by a kernel
     argument apiece, so each size passed twice was work every program did twice (sm_90: 14-26
     divisions before the first key step where 6-7 remain)."""
@@ -453,8 +454,10 @@ def test_ninetoothed_kernels_take_each_size_once():
 
     query, key, cache = ({(name, d) for d in range(3)} for name in ("query", "key", "key_cache"))
     expected = {
-        (ntk.premake, (32, 32, 16, 16, False)): query | key | {("key_blocks", 2)},
-        (ntk.premake, (32, 32, 16, 16, True)): query | key | {("key_blocks", 2), ("output", 3)},
+        (ntk.premake, (32, 32, 16, 16, False)): query | {("key", 2), ("key_blocks", 2)},  # (keys of the query's heads)
+        (ntk.premake, (32, 32, 16, 16, True)): query | {("key", 2), ("key_blocks", 2), ("output", 3)},
+        (ntk.premake, (32, 32, 16, 16, False, None, None, True)): query | key | {("key_blocks", 2)},  # (grouped)
+        (ntk.premake, (32, 32, 16, 16, True, None, None, True)): query | key | {("key_blocks", 2), ("output", 3)},
         (ntk.premake_combine, (32, 16, 16)): {("o_part", 0), ("o_part", 1)},
         (ntk.premake_dq, (32, 32, 16, 16)): query | key | {("key_blocks", 2)},
         (ntk.premake_dkdv, (32, 32, 16, 16)): query | key | {("query_blocks", 2)},
