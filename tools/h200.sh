@@ -7,7 +7,8 @@
 #         paged-joined (the joined form: a chunked prefill timed, the paged tests with it on);
 #         fp8-paged (the paged FP8 decode's tiles swept); serving-one (issue 45's serving figures in one call);
 #         peel-tests (branch paged-peel's paged and FP8 tests, the join on, in one call);
-#         fma-tests, fma-tiles (branch fp8-fma's tests and its A/B against main; the FP8 tiles, tl and Gluon)
+#         fma-tests, fma-tiles (branch fp8-fma's tests and its A/B against main; the FP8 tiles, tl and Gluon);
+#         owed-ab (branch owed against main: the FP8 prefill, NineToothed's forward)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
 #         test and test3's last files)
@@ -176,6 +177,11 @@ for stage in "$@"; do
                PROBE_FP8="prefill decode" AB_PROBES=fp8 bash "$0" ab ;;
     fma-tiles) PROBE_FP8="prefill sweep" timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_sweep.log"
                timeout 250 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
+    # branch owed's A/B against main (carry "ab": `mkdir ab && git archive main | tar -x -C ab`): the FP8 prefill
+    # (fp8-fma; the same probe in both trees), then NineToothed's forward (nt-one-head; Triton's from main's tree)
+    owed-ab) cp tools/probe.py ab/tools/probe.py
+             for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD PROBE_FP8=prefill timeout ${AB_FP8_TIMEOUT:-150} python3 tools/probe.py fp8); done 2>&1 | tee "$OUT/owed_fp8.log"
+             AB_TREES=ab AB_HERE=ninetoothed AB_TIMEOUT=${AB_TIMEOUT:-140} bash "$0" ab-bench ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
     fp8-paged) PROBE_BACKENDS="${PROBE_BACKENDS:-triton ninetoothed}" timeout 420 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
