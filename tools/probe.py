@@ -1358,7 +1358,8 @@ def repeat_varlen_bwd():
 def gluon_tiles():
     """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants; ping-pong with
     12 warps: three consumer warp groups, FlashAttention-3's tile at D 64) at the benchmark's L 4096
-    shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why."""
+    shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why.
+    PROBE_GLUON_DIMS: the head dims swept ("64 128" unless set; 256 too)."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
@@ -1366,8 +1367,12 @@ def gluon_tiles():
     candidates = {64: [(128, 64, 2, 4), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 3, 8), (128, 128, 4, 8),
                        (64, 128, 3, 4), (256, 64, 3, 8), (256, 64, 2, 8), (192, 64, 4, 12), (192, 128, 2, 12)],
                   128: [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 2, 4), (64, 128, 2, 4),
-                        (128, 128, 3, 8)]}
-    for (B, H, L, D) in ((4, 32, 4096, 64), (4, 16, 4096, 128)):
+                        (128, 128, 3, 8)],
+                  256: [(128, 64, 2, 8), (128, 32, 2, 8), (128, 32, 3, 8), (128, 32, 4, 8), (64, 64, 2, 4),
+                        (64, 64, 3, 4)]}
+    shapes = {64: (4, 32, 4096, 64), 128: (4, 16, 4096, 128), 256: (4, 8, 4096, 256)}
+    dims = [int(d) for d in os.environ.get("PROBE_GLUON_DIMS", "64 128").split()]
+    for (B, H, L, D) in (shapes[d] for d in dims):
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for causal in (False, True):
             flops = 4 * B * H * L * L * D / (2 if causal else 1)
