@@ -136,8 +136,8 @@ def _gluon_attn_fwd(
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, o_desc, q_smem,
              Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
-             start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0,
-             NEGATIVE_SCALE)
+             start_m * BLOCK_M, n_tiles, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False,
+             0, NEGATIVE_SCALE)
     _invalidate(q_bars, 1)
     _invalidate(kv_bars, STAGES)
 
@@ -166,11 +166,13 @@ def _key_tiles(Lk, start_m, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn_wait, turn_arrive,
              o_desc, o_smem, Lse, scale, qk_descale, v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
-             row_start, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             row_start, n_tiles, base, q_phase, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr,
              PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
-    """The consumer warps' work, both kernels': Q by TMA, the online softmax over the K/V ring's
-    tiles (slot t % STAGES, ready on ``kv_ready``), the output and log-sum-exp stored. PRODUCER: a
+    """The consumer warps' work, every kernel's: Q by TMA (its ``q_bar`` completing phase ``q_phase``), the
+    online softmax over ``n_tiles`` tiles of the K/V ring (the ring's tile t in slot t % STAGES, ready on
+    ``kv_ready``; this row block's first is the ring's tile ``base``: a persistent program's ring runs on
+    across its row blocks), the output and log-sum-exp stored. PRODUCER: a
     producer warp fills the ring (``_ws_producer``), and a slot goes back to it on ``kv_empty`` once
     P V of its tile is in; otherwise these warps fill it themselves, the next tile of a slot
     issued into it as soon as its tile has been read.
@@ -225,7 +227,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
     if FP8:
         # A descale's sign is the GPU's: a negative scale is moved onto Q (its signs flipped in shared
@@ -238,22 +240,24 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             fence_async_shared()
             qk_scale = -qk_scale
     if n_tiles > 0:
-        mbarrier.wait(kv_ready.index(0), 0)
+        first = base % STAGES
+        mbarrier.wait(kv_ready.index(first), (base // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn_wait, TURN_FIRST)  # (round 0: the first consumer's wait passes at once)
-        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                           is_async=True)
+            # (a round a ring tile: the very first consumer's first wait passes at once)
+            mbarrier.wait(turn_wait, (base + TURN_FIRST) & 1)
+        qk = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                           use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
                                            IS_CAUSAL, NEGATIVE_SCALE, col_s)
         for j in range(1, n_tiles):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
+            slot = (base + j) % STAGES
+            prev = (base + j - 1) % STAGES
+            mbarrier.wait(kv_ready.index(slot), ((base + j) // STAGES) & 1)
             if PINGPONG:
-                mbarrier.wait(turn_wait, (j + TURN_FIRST) & 1)
+                mbarrier.wait(turn_wait, (base + j + TURN_FIRST) & 1)
             qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
@@ -273,7 +277,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_ready.index(prev), k_smem.index(prev))
                 _tma_load(v_desc, _v_coord(off_z, off_h_kv, refill * BLOCK_N, FP8), kv_ready.index(prev),
                           v_smem.index(prev))
-        last = (n_tiles - 1) % STAGES
+        last = (base + n_tiles - 1) % STAGES
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                             _v_operand(v_smem.index(last), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -313,15 +317,15 @@ def _v_operand(v_tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.co
 
 
 @gluon.jit
-def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles,
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The producer warp: K and V tiles into the ring, tile t into slot t % STAGES once the
-    consumers released that slot's previous tile (its first round passes: a fresh barrier's
-    phase before 0 counts as complete)."""
+    """The producer warp: a row block's ``n_tiles`` K and V tiles into the ring, its tile t being the
+    ring's tile base + t, into slot (base + t) % STAGES once the consumers released that slot's previous
+    tile (the ring's first round passes: a fresh barrier's phase before 0 counts as complete)."""
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     for t in range(n_tiles):
-        slot = t % STAGES
-        mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        slot = (base + t) % STAGES
+        mbarrier.wait(kv_empty.index(slot), (((base + t) // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(slot), kv_bytes)
         _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
         _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, v_desc.dtype.primitive_bitwidth == 8),
@@ -354,9 +358,9 @@ def _gluon_attn_fwd_ws(
     gl.warp_specialize([
         (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, o_desc,
                     q_smem, Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
-                    start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, False,
-                    0, NEGATIVE_SCALE)),
-        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
+                    start_m * BLOCK_M, n_tiles, 0, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True,
+                    False, 0, NEGATIVE_SCALE)),
+        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, 0, BLOCK_N,
                         STAGES)),
     ], [1], [PRODUCER_REGS])
     _invalidate(q_bars, 1)
@@ -365,13 +369,97 @@ def _gluon_attn_fwd_ws(
 
 
 @gluon.jit
+def _pp_tile(t, n_blocks, BH, H, GROUP):
+    """A persistent program's work item t: (row block, batch·head, batch, head, K/V head). Every head's
+    last row block comes first, then every head's one before it (causal: the longest row blocks first,
+    the shortest left for the tail)."""
+    start_m = n_blocks - 1 - t // BH
+    off_hz = t % BH
+    off_h = off_hz % H
+    return start_m, off_hz, off_hz // H, off_h, off_h // GROUP
+
+
+@gluon.jit
+def _pp_consumer(q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz, stride_kdh,
+                 stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns, kv_ready, kv_empty, scale, H,
+                 GROUP, Lq, Lk, causal_shift, BH, C: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer warp group C of ``_gluon_attn_fwd_pp``: rows C·BLOCK_M on of each row block it runs (one, or
+    a persistent program's every ``_pp_tile``), waiting on turn C and completing turn C + 1 (the first's
+    first wait passes at once). Every consumer runs the rounds of the whole row block (their turns must
+    pair up), and the ring's tiles run on across row blocks (``_consume``'s ``base``)."""
+    FP8: gl.constexpr = q_desc.dtype.primitive_bitwidth == 8
+    ROWS: gl.constexpr = CONSUMERS * BLOCK_M
+    n_blocks = gl.cdiv(Lq, ROWS)
+    if PERSISTENT:
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+        count = n_blocks * BH
+    else:
+        first = 0
+        step = 1
+        count = 1
+    base = 0
+    i = 0
+    for t in range(first, count, step):
+        if PERSISTENT:
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, BH, H, GROUP)
+        else:
+            start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
+        if FP8:
+            qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
+                          * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
+            v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
+        else:
+            qk_descale = 1.0
+            v_descale = 1.0
+        n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
+        _consume(q_desc, k_desc, v_desc, q_smem.index(C), k_smem, v_smem, q_bars.index(C), kv_ready, kv_empty,
+                 turns.index(C), turns.index((C + 1) % CONSUMERS), o_desc, o_smem.index(C), Lse, scale, qk_descale,
+                 v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m * ROWS + C * BLOCK_M,
+                 n_tiles, base, i & 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True,
+                 1 if C == 0 else 0, NEGATIVE_SCALE)
+        base += n_tiles
+        i += 1
+
+
+@gluon.jit
+def _pp_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift, BH,
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 PERSISTENT: gl.constexpr):
+    """The producer warp of ``_gluon_attn_fwd_pp``: the K/V tiles of each row block it runs (one, or a
+    persistent program's every ``_pp_tile``) into the ring, the next row block's as soon as slots free
+    up (they load under the consumers' last tiles and epilogue)."""
+    n_blocks = gl.cdiv(Lq, ROWS)
+    if PERSISTENT:
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+        count = n_blocks * BH
+    else:
+        first = 0
+        step = 1
+        count = 1
+    base = 0
+    for t in range(first, count, step):
+        if PERSISTENT:
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, BH, H, GROUP)
+        else:
+            start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
+        n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
+        _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base, BLOCK_N,
+                     STAGES)
+        base += n_tiles
+
+
+@gluon.jit
 def _gluon_attn_fwd_pp(
     q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD,
     stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
-    scale, H, GROUP, Lq, Lk, causal_shift,
+    scale, H, GROUP, Lq, Lk, causal_shift, BH,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """FlashAttention-3's schedule: a program of CONSUMERS x BLOCK_M rows, CONSUMERS (2 or 3) consumer
     warp groups of ``num_warps`` warps (the default partition and workers) owning BLOCK_M rows each, taking
@@ -379,70 +467,66 @@ def _gluon_attn_fwd_pp(
     consumer c waiting on turn c and completing turn c + 1, so one's softmax runs under the others'
     products), and a producer warp filling the K/V ring they share (``_ws_producer``; a slot goes back once
     every consumer is done with it: ``kv_empty`` counts CONSUMERS arrivals). q_desc's blocks are (1, 1,
-    BLOCK_M, D).
+    BLOCK_M, D). BH: B·H.
+
+    PERSISTENT (FlashAttention-3's persistent programs): a grid of at most one program an SM, program p
+    running row blocks p, p + P, ... of ``_pp_tile``'s order, its barriers, ring and turns carried from
+    one to the next, so that the next row block's keys load under this one's last tiles and epilogue
+    instead of a new program starting cold. Otherwise one program a row block, grid (row blocks, B·H).
 
     FP8 (float8_e4m3fn q, k and v; v_desc over the column-major values seen as (B, H_kv, D, Lk)): QD, KD,
     VD are the (B, H_kv) float32 descales (FlashAttention-3's: the query's indexed by its K/V head), each
     with its two strides; the output, 16-bit, gets tiles of its own. Otherwise they are not read."""
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
-    start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
     v_block: gl.constexpr = v_desc.block_type.shape
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, v_block[2], v_block[3]], v_desc.layout)
     if FP8:
-        qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
-                      * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
-        v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
     else:
-        qk_descale = 1.0
-        v_descale = 1.0
         o_smem = q_smem
     q_bars = _barriers(CONSUMERS, 1)
     turns = _barriers(CONSUMERS, 1)
     kv_ready = _barriers(STAGES, 1)
     kv_empty = _barriers(STAGES, CONSUMERS)
     fence_async_shared()
-    # every consumer runs the rounds of the whole CONSUMERS x BLOCK_M block (their turns must pair up)
-    n_tiles = _key_tiles(Lk, start_m, causal_shift, CONSUMERS * BLOCK_M, BLOCK_N, IS_CAUSAL)
-    row_start = start_m * CONSUMERS * BLOCK_M
-    # consumer c waits on turn c and completes turn c + 1 (the first's first wait passes at once)
+    # (each warp group's arguments written out: a partition's function and arguments cannot be a value)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready,
-                        kv_empty, turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 1,
-                        NEGATIVE_SCALE)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready,
-                        kv_empty, turns.index(1), turns.index(0), o_desc, o_smem.index(1), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
-                        NEGATIVE_SCALE)),
-            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
-                            STAGES)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                                   stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                                   kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 0, CONSUMERS,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                                   PERSISTENT)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                                   stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                                   kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 1, CONSUMERS,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                                   PERSISTENT)),
+            (_pp_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift,
+                            BH, CONSUMERS * BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PERSISTENT)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready,
-                        kv_empty, turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 1,
-                        NEGATIVE_SCALE)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready,
-                        kv_empty, turns.index(1), turns.index(2), o_desc, o_smem.index(1), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
-                        NEGATIVE_SCALE)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(2), k_smem, v_smem, q_bars.index(2), kv_ready,
-                        kv_empty, turns.index(2), turns.index(0), o_desc, o_smem.index(2), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + 2 * BLOCK_M,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
-                        NEGATIVE_SCALE)),
-            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
-                            STAGES)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                                   stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                                   kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 0, CONSUMERS,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                                   PERSISTENT)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                                   stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                                   kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 1, CONSUMERS,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                                   PERSISTENT)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                                   stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                                   kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 2, CONSUMERS,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                                   PERSISTENT)),
+            (_pp_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift,
+                            BH, CONSUMERS * BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PERSISTENT)),
         ], [num_warps, num_warps, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     _invalidate(q_bars, CONSUMERS)
     _invalidate(turns, CONSUMERS)
@@ -466,11 +550,12 @@ FORCED = {64: "pingpong", 128: "pingpong", 256: "producer"}
 # four descriptors a call) costs a user's loop more than its kernel saves (tools/probe.py gluon_host,
 # benchmarks/NOTES.md).
 MIN_FLOPS = 3e10
-VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True}}
+VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True},
+            "persistent": {"pingpong": True, "persistent": True}}
 
 
 def variant(plan) -> str | None:
-    """The Gluon variant ("one", "producer" or "pingpong") that runs ``plan`` (a
+    """The Gluon variant ("one", "producer", "pingpong" or "persistent") that runs ``plan`` (a
     ``common.plan.ForwardPlan``) on the Triton backend, or None for the tl kernel."""
     switch = os.environ.get("ATTENTION_GLUON", "")
     if switch not in ("", "0", "1"):
@@ -487,8 +572,8 @@ def variant(plan) -> str | None:
                                        min(q.shape[2], plan.key.shape[2]))
     if chosen is None or chosen == "tl" or not serves(plan):
         return None
-    if plan.descales is not None and chosen != "pingpong":
-        return None  # (FP8: the ping-pong variant only)
+    if plan.descales is not None and not VARIANTS[chosen].get("pingpong"):
+        return None  # (FP8: the ping-pong variants only)
     return chosen
 
 
@@ -650,13 +735,14 @@ def descriptors(q, k, v, out, block_m: int, block_n: int):
 
 def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
             specialized: bool = False, config: tuple[int, int, int, int] | None = None, pingpong: bool = False,
-            descales=None, out_dtype=torch.bfloat16):
+            descales=None, out_dtype=torch.bfloat16, persistent: bool = False):
     """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
     top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp. ``config``:
     (BLOCK_M, BLOCK_N, STAGES, num_warps) instead of ``tile``'s (a probe's sweep). ``pingpong``: the
     variant with num_warps / 4 consumer warp groups (two in ping-pong, or three in a ring) and a
-    producer warp, each consumer BLOCK_M / consumers rows.
+    producer warp, each consumer BLOCK_M / consumers rows. ``persistent`` (with ``pingpong``): at most
+    one program an SM, each running row blocks one after another (``_gluon_attn_fwd_pp``'s PERSISTENT).
 
     FP8 (ping-pong only): q, k, v float8_e4m3fn, v column-major (``v.stride(2) == 1``: the layout
     ``common.plan.value_columns`` makes), ``descales`` their (B, H_kv) float32 descales (q's indexed by
@@ -664,19 +750,21 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
     B, H, Lq, D = q.shape
     if q.dtype == torch.float8_e4m3fn and not pingpong:
         raise ValueError("the Gluon forward takes FP8 inputs in its ping-pong variant only (pingpong=True)")
+    if persistent and not pingpong:
+        raise ValueError("the Gluon forward's persistent programs are the ping-pong variant's (pingpong=True)")
     if out is None:
         fp8 = q.dtype == torch.float8_e4m3fn
         out = torch.empty(B, H, Lq, D, dtype=out_dtype if fp8 else q.dtype, device=q.device)
     if with_lse and lse is None:
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     kernel, grid, args, meta = _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized, config,
-                                       pingpong, descales)
+                                       pingpong, descales, persistent)
     kernel[grid](*args, **meta)
     return (out, lse) if with_lse else out
 
 
 def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False, config=None, pingpong=False,
-            descales=None):
+            descales=None, persistent=False):
     """(kernel, grid, args, meta) of ``forward``'s launch into ``out`` (and ``lse``): the runtime
     arguments in signature order, the four TMA descriptors (q, k, v, out) first, then the log-sum-exp
     (``out`` where there is none: never written) and, for ping-pong, the three descales (``out`` without
@@ -704,8 +792,16 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
     else:
         descale_args = (out, out, out, 0, 0, 0, 0, 0, 0)  # (never read)
     meta.update(BLOCK_M=rows, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS[consumers], CONSUMERS=consumers,
-                num_warps=4)
-    return _gluon_attn_fwd_pp, grid, (*descs, lse_arg, *descale_args, *scalars), meta
+                PERSISTENT=persistent, num_warps=4)
+    if persistent:  # (one program an SM: a consumer warp group's registers and the ring fill it)
+        grid = (min(grid[0] * grid[1], _sm_count(q.device)), 1)
+    return _gluon_attn_fwd_pp, grid, (*descs, lse_arg, *descale_args, *scalars, B * H), meta
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # each ping-pong consumer warp group's registers (S, P and O of its rows), by the number of consumers: three

@@ -1477,9 +1477,10 @@ def varlen_decode():
 
 def gluon():
     """Issue 43: the Gluon Hopper forward (impl_triton.gluon_attention; its variants: one partition, with a
-    producer warp, and two consumer warp groups in ping-pong) against our tl kernel and SDPA's
-    default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16, B·L = 16k,
-    H·D = 2048 (D 64, 128) and D 256; and its largest error against the tl kernel's output."""
+    producer warp, two consumer warp groups in ping-pong, and those in persistent programs) against our tl
+    kernel and SDPA's default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16
+    (PROBE_GLUON_DTYPES), B·L = 16k, H·D = 2048 (D 64, 128) and D 256; and its largest error against the tl
+    kernel's output."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
@@ -1487,7 +1488,7 @@ def gluon():
     shapes = [(16, 32, 1024, 64), (4, 32, 4096, 64), (2, 32, 8192, 64), (1, 32, 16384, 64), (16, 16, 1024, 128),
               (4, 16, 4096, 128), (1, 16, 16384, 128), (4, 8, 4096, 256)]
 
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (getattr(torch, name) for name in os.environ.get("PROBE_GLUON_DTYPES", "bfloat16 float16").split()):
         for B, H, L, D in shapes:
             q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
             for causal in (False, True):
@@ -1496,19 +1497,23 @@ def gluon():
                     "gluon": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False),
                     "gluon_ws": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, specialized=True),
                     "gluon_pp": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
+                    "gluon_pst": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True,
+                                                    persistent=True),
                     "tl": lambda: _tl_kernel(q, k, v, is_causal=causal, backend="triton"),
                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                 }
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
                 reference = runs["tl"]().float()
                 error = max((runs[name]().float() - reference).abs().max().item()
-                            for name in ("gluon", "gluon_ws", "gluon_pp"))
+                            for name in ("gluon", "gluon_ws", "gluon_pp", "gluon_pst"))
                 print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: gluon {tflops['gluon']:.0f}, "
                       f"gluon with a producer warp {tflops['gluon_ws']:.0f}, ping-pong {tflops['gluon_pp']:.0f}, "
                       f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/sdpa "
                       f"{tflops['gluon'] / tflops['sdpa']:.2f}, gluon/tl {tflops['gluon'] / tflops['tl']:.2f}; "
-                      f"ping-pong/sdpa {tflops['gluon_pp'] / tflops['sdpa']:.2f}; "
-                      f"max |gluon - tl| {error:.1e} (all three variants)", flush=True)
+                      f"ping-pong/sdpa {tflops['gluon_pp'] / tflops['sdpa']:.2f}; persistent {tflops['gluon_pst']:.0f}, "
+                      f"persistent/sdpa {tflops['gluon_pst'] / tflops['sdpa']:.2f}, persistent/ping-pong "
+                      f"{tflops['gluon_pst'] / tflops['gluon_pp']:.2f}; max |gluon - tl| {error:.1e} (all four variants)",
+                      flush=True)
 
 
 def gluon_fp8():
