@@ -369,12 +369,12 @@ def _gluon_attn_fwd_ws(
 
 
 @gluon.jit
-def _pp_tile(t, n_blocks, BH, H, GROUP):
-    """A persistent program's work item t: (row block, batch·head, batch, head, K/V head). Every head's
-    last row block comes first, then every head's one before it (causal: the longest row blocks first,
-    the shortest left for the tail)."""
-    start_m = n_blocks - 1 - t // BH
-    off_hz = t % BH
+def _pp_tile(t, n_blocks, H, GROUP):
+    """A persistent program's work item t: (row block, batch·head, batch, head, K/V head), in the order of
+    the non-persistent grid: a head's row blocks one after another (the programs running at once share
+    few heads, whose keys and values stay in L2), last first (causal: the longest first)."""
+    start_m = n_blocks - 1 - t % n_blocks
+    off_hz = t // n_blocks
     off_h = off_hz % H
     return start_m, off_hz, off_hz // H, off_h, off_h // GROUP
 
@@ -404,7 +404,7 @@ def _pp_consumer(q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, st
     i = 0
     for t in range(first, count, step):
         if PERSISTENT:
-            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, BH, H, GROUP)
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, H, GROUP)
         else:
             start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
         if FP8:
@@ -443,7 +443,7 @@ def _pp_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, L
     base = 0
     for t in range(first, count, step):
         if PERSISTENT:
-            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, BH, H, GROUP)
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, H, GROUP)
         else:
             start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
         n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
