@@ -9,6 +9,7 @@
 #         peel-tests (branch paged-peel's paged and FP8 tests, the join on, in one call);
 #         fma-tests, fma-tiles (branch fp8-fma's tests and its A/B against main; the FP8 tiles, tl and Gluon);
 #         owed-ab (branch owed against main: the FP8 prefill, NineToothed's forward)
+#         gluon-persistent (the Gluon forward's persistent programs: their tests, then the Gluon probe in bf16)
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
 #         test and test3's last files)
@@ -177,6 +178,8 @@ for stage in "$@"; do
                PROBE_FP8="prefill decode" AB_PROBES=fp8 bash "$0" ab ;;
     fma-tiles) PROBE_FP8="prefill sweep" timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_sweep.log"
                timeout 250 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
+    gluon-persistent) timeout 300 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
+                      PROBE_GLUON_DTYPES=bfloat16 timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log" ;;
     # branch owed's A/B against main (carry "ab": `mkdir ab && git archive main | tar -x -C ab`): the FP8 prefill
     # (fp8-fma; the same probe in both trees), then NineToothed's forward (nt-one-head; Triton's from main's tree)
     owed-ab) cp tools/probe.py ab/tools/probe.py
