@@ -281,6 +281,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                             _v_operand(v_smem.index(last), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if PRODUCER:  # (the last tile's slot too: a persistent program's next row block refills it)
+            mbarrier.arrive(kv_empty.index(last), count=1)
 
     if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
         lse = (m_i + gl.log2(l_i)) * LN2
