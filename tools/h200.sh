@@ -179,7 +179,7 @@ for stage in "$@"; do
     fma-tiles) PROBE_FP8="prefill sweep" timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_sweep.log"
                timeout 250 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
     gluon-persistent) timeout 300 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
-                      PROBE_GLUON_DTYPES=bfloat16 timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log" ;;
+                      PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent" timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log" ;;
     # branch owed's A/B against main (carry "ab": `mkdir ab && git archive main | tar -x -C ab`): the FP8 prefill
     # (fp8-fma; the same probe in both trees), then NineToothed's forward (nt-one-head; Triton's from main's tree)
     owed-ab) cp tools/probe.py ab/tools/probe.py

@@ -1479,41 +1479,34 @@ def gluon():
     """Issue 43: the Gluon Hopper forward (impl_triton.gluon_attention; its variants: one partition, with a
     producer warp, two consumer warp groups in ping-pong, and those in persistent programs) against our tl
     kernel and SDPA's default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16
-    (PROBE_GLUON_DTYPES), B·L = 16k, H·D = 2048 (D 64, 128) and D 256; and its largest error against the tl
-    kernel's output."""
+    (PROBE_GLUON_DTYPES), B·L = 16k, H·D = 2048 (D 64, 128) and D 256; each variant's ratio to SDPA and to
+    the tl kernel, and the largest error of any against the tl kernel's output. PROBE_GLUON_VARIANTS: the
+    variants timed ("one producer pingpong persistent" unless set)."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
 
     shapes = [(16, 32, 1024, 64), (4, 32, 4096, 64), (2, 32, 8192, 64), (1, 32, 16384, 64), (16, 16, 1024, 128),
               (4, 16, 4096, 128), (1, 16, 16384, 128), (4, 8, 4096, 256)]
+    variants = os.environ.get("PROBE_GLUON_VARIANTS", "one producer pingpong persistent").split()
 
     for dtype in (getattr(torch, name) for name in os.environ.get("PROBE_GLUON_DTYPES", "bfloat16 float16").split()):
         for B, H, L, D in shapes:
             q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
             for causal in (False, True):
                 flops = 4 * B * H * L * L * D / (2 if causal else 1)
-                runs = {
-                    "gluon": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False),
-                    "gluon_ws": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, specialized=True),
-                    "gluon_pp": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
-                    "gluon_pst": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True,
-                                                    persistent=True),
-                    "tl": lambda: _tl_kernel(q, k, v, is_causal=causal, backend="triton"),
-                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                }
+                runs = {name: functools.partial(ga.forward, q, k, v, D ** -0.5, 0 if causal else None, False,
+                                                **ga.VARIANTS[name]) for name in variants}
+                runs["tl"] = lambda: _tl_kernel(q, k, v, is_causal=causal, backend="triton")
+                runs["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
                 reference = runs["tl"]().float()
-                error = max((runs[name]().float() - reference).abs().max().item()
-                            for name in ("gluon", "gluon_ws", "gluon_pp", "gluon_pst"))
-                print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: gluon {tflops['gluon']:.0f}, "
-                      f"gluon with a producer warp {tflops['gluon_ws']:.0f}, ping-pong {tflops['gluon_pp']:.0f}, "
-                      f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/sdpa "
-                      f"{tflops['gluon'] / tflops['sdpa']:.2f}, gluon/tl {tflops['gluon'] / tflops['tl']:.2f}; "
-                      f"ping-pong/sdpa {tflops['gluon_pp'] / tflops['sdpa']:.2f}; persistent {tflops['gluon_pst']:.0f}, "
-                      f"persistent/sdpa {tflops['gluon_pst'] / tflops['sdpa']:.2f}, persistent/ping-pong "
-                      f"{tflops['gluon_pst'] / tflops['gluon_pp']:.2f}; max |gluon - tl| {error:.1e} (all four variants)",
-                      flush=True)
+                error = max((runs[name]().float() - reference).abs().max().item() for name in variants)
+                ratios = ", ".join(f"{name} {tflops[name] / tflops['sdpa']:.2f} / {tflops[name] / tflops['tl']:.2f}"
+                                   for name in variants)
+                print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: "
+                      + ", ".join(f"{name} {value:.0f}" for name, value in tflops.items())
+                      + f" TFLOP/s; against sdpa / tl: {ratios}; max |gluon - tl| {error:.1e}", flush=True)
 
 
 def gluon_fp8():
