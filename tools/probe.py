@@ -1511,7 +1511,7 @@ def gluon():
 
 def gluon_fp8():
     """Issues 43 and 44: the Gluon ping-pong forward with FP8 q, k, v (values column-major, descales per
-    batch and K/V head) against the tl kernel's FP8 forward (attention() with the same inputs, the Gluon
+    batch and K/V head), in programs a row block each and in persistent programs, against the tl kernel's FP8 forward (attention() with the same inputs, the Gluon
     kernel switched off), the ping-pong bf16 forward and SDPA's bf16 default, at the FP8 targets' shapes
     (B·L 16k, H·D 2048, L 4k and 16k, D 64 and 128, causal and not): TFLOP/s (do_bench median), and the
     largest difference between the two FP8 outputs."""
@@ -1531,18 +1531,22 @@ def gluon_fp8():
                 runs = {
                     "gluon_fp8": lambda: ga.forward(q8, k8, v8, D ** -0.5, 0 if causal else None, False,
                                                     pingpong=True, descales=(qd, kd, vd)),
+                    "persistent_fp8": lambda: ga.forward(q8, k8, v8, D ** -0.5, 0 if causal else None, False,
+                                                         pingpong=True, persistent=True, descales=(qd, kd, vd)),
                     "tl_fp8": lambda: _tl_kernel(q8, k8, v8, is_causal=causal, backend="triton", q_descale=qd,
                                                  k_descale=kd, v_descale=vd),
                     "gluon_bf16": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
                     "sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                 }
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
-                error = (runs["gluon_fp8"]().float() - runs["tl_fp8"]().float()).abs().max().item()
-                print(f"({B}, {H}, {L}, {D}) causal={causal}: gluon fp8 {tflops['gluon_fp8']:.0f}, tl fp8 "
-                      f"{tflops['tl_fp8']:.0f}, gluon bf16 {tflops['gluon_bf16']:.0f}, sdpa bf16 "
-                      f"{tflops['sdpa_bf16']:.0f} TFLOP/s; gluon fp8 / tl fp8 {tflops['gluon_fp8'] / tflops['tl_fp8']:.2f}, "
-                      f"/ sdpa bf16 {tflops['gluon_fp8'] / tflops['sdpa_bf16']:.2f}; max |gluon - tl| {error:.1e}",
-                      flush=True)
+                error = max((runs[name]().float() - runs["tl_fp8"]().float()).abs().max().item()
+                            for name in ("gluon_fp8", "persistent_fp8"))
+                print(f"({B}, {H}, {L}, {D}) causal={causal}: gluon fp8 {tflops['gluon_fp8']:.0f}, persistent fp8 "
+                      f"{tflops['persistent_fp8']:.0f}, tl fp8 {tflops['tl_fp8']:.0f}, gluon bf16 "
+                      f"{tflops['gluon_bf16']:.0f}, sdpa bf16 {tflops['sdpa_bf16']:.0f} TFLOP/s; gluon fp8 / tl fp8 "
+                      f"{tflops['gluon_fp8'] / tflops['tl_fp8']:.2f}, persistent fp8 / tl fp8 "
+                      f"{tflops['persistent_fp8'] / tflops['tl_fp8']:.2f}, / sdpa bf16 "
+                      f"{tflops['persistent_fp8'] / tflops['sdpa_bf16']:.2f}; max |gluon - tl| {error:.1e}", flush=True)
 
 
 def gluon_host():
