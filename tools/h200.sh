@@ -183,11 +183,11 @@ for stage in "$@"; do
     gluon-persistent) timeout 300 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
                       PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent" timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log" ;;
     one-call) paged_join_on
-              timeout -s INT 250 python3 -m pytest tests/test_gluon.py tests/test_fp8.py tests/test_paged.py -k "persistent or fp8 or bound or compiles or paged" -v -n 16 -p no:cacheprovider --tb=short -rfE > "$OUT/one_tests.log" 2>&1
+              timeout -s INT 230 python3 -m pytest tests/test_gluon.py tests/test_fp8.py tests/test_paged.py -k "persistent or fp8 or bound or compiles or paged" -v -n 16 -p no:cacheprovider --tb=short -rfE > "$OUT/one_tests.log" 2>&1
               grep -c PASSED "$OUT/one_tests.log"; tail -12 "$OUT/one_tests.log"
-              PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent" timeout 110 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log"
-              timeout 100 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log"
-              PROBE_FP8=prefill timeout 150 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8.log" ;;
+              PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent" timeout 100 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log"
+              timeout 90 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log"
+              PROBE_FP8=prefill timeout 130 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8.log" ;;
     # branch owed's A/B against main (carry "ab": `mkdir ab && git archive main | tar -x -C ab`): the FP8 prefill
     # (fp8-fma; the same probe in both trees), then NineToothed's forward (nt-one-head; Triton's from main's tree)
     owed-ab) cp tools/probe.py ab/tools/probe.py
