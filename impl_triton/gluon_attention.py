@@ -371,14 +371,35 @@ def _gluon_attn_fwd_ws(
 
 
 @gluon.jit
-def _pp_tile(t, n_blocks, H, GROUP):
-    """A persistent program's work item t: (row block, batch·head, batch, head, K/V head), in the order of
-    the non-persistent grid: a head's row blocks one after another (the programs running at once share
-    few heads, whose keys and values stay in L2), last first (causal: the longest first)."""
-    start_m = n_blocks - 1 - t % n_blocks
-    off_hz = t // n_blocks
-    off_h = off_hz % H
-    return start_m, off_hz, off_hz // H, off_h, off_h // GROUP
+def _pp_blocks(Lq, BH, ROWS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """(row blocks a head, first, end, step) of the work items a ping-pong partition runs: a persistent
+    program's items p, p + P, ... of every head's row blocks; otherwise the one item of its grid cell."""
+    n_blocks = gl.cdiv(Lq, ROWS)
+    if PERSISTENT:
+        first = gl.program_id(0)
+        count = n_blocks * BH
+        step = gl.num_programs(0)
+    else:
+        first = 0
+        count = 1
+        step = 1
+    return n_blocks, first, count, step
+
+
+@gluon.jit
+def _pp_block(t, n_blocks, H, GROUP, PERSISTENT: gl.constexpr):
+    """Work item t's (row block, batch·head, batch, head, K/V head): a persistent program's in the order of
+    the non-persistent grid, a head's row blocks one after another (the programs running at once share few
+    heads, whose keys and values stay in L2), last first (causal: the longest first); otherwise the grid
+    cell's (``_program``)."""
+    if PERSISTENT:
+        start_m = n_blocks - 1 - t % n_blocks
+        off_hz = t // n_blocks
+        off_h = off_hz % H
+        block = (start_m, off_hz, off_hz // H, off_h, off_h // GROUP)
+    else:
+        block = _program(H, GROUP)
+    return block
 
 
 @gluon.jit
@@ -388,27 +409,16 @@ def _pp_consumer(q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, st
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warp group C of ``_gluon_attn_fwd_pp``: rows C·BLOCK_M on of each row block it runs (one, or
-    a persistent program's every ``_pp_tile``), waiting on turn C and completing turn C + 1 (the first's
+    a persistent program's every ``_pp_block``), waiting on turn C and completing turn C + 1 (the first's
     first wait passes at once). Every consumer runs the rounds of the whole row block (their turns must
     pair up), and the ring's tiles run on across row blocks (``_consume``'s ``base``)."""
     FP8: gl.constexpr = q_desc.dtype.primitive_bitwidth == 8
     ROWS: gl.constexpr = CONSUMERS * BLOCK_M
-    n_blocks = gl.cdiv(Lq, ROWS)
-    if PERSISTENT:
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
-        count = n_blocks * BH
-    else:
-        first = 0
-        step = 1
-        count = 1
+    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT)
     base = 0
     i = 0
     for t in range(first, count, step):
-        if PERSISTENT:
-            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, H, GROUP)
-        else:
-            start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
+        start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(t, n_blocks, H, GROUP, PERSISTENT)
         if FP8:
             qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
                           * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
@@ -431,23 +441,12 @@ def _pp_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, L
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  PERSISTENT: gl.constexpr):
     """The producer warp of ``_gluon_attn_fwd_pp``: the K/V tiles of each row block it runs (one, or a
-    persistent program's every ``_pp_tile``) into the ring, the next row block's as soon as slots free
+    persistent program's every ``_pp_block``) into the ring, the next row block's as soon as slots free
     up (they load under the consumers' last tiles and epilogue)."""
-    n_blocks = gl.cdiv(Lq, ROWS)
-    if PERSISTENT:
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
-        count = n_blocks * BH
-    else:
-        first = 0
-        step = 1
-        count = 1
+    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT)
     base = 0
     for t in range(first, count, step):
-        if PERSISTENT:
-            start_m, off_hz, off_z, off_h, off_h_kv = _pp_tile(t, n_blocks, H, GROUP)
-        else:
-            start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
+        start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(t, n_blocks, H, GROUP, PERSISTENT)
         n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
         _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base, BLOCK_N,
                      STAGES)
@@ -472,7 +471,7 @@ def _gluon_attn_fwd_pp(
     BLOCK_M, D). BH: B·H.
 
     PERSISTENT (FlashAttention-3's persistent programs): a grid of at most one program an SM, program p
-    running row blocks p, p + P, ... of ``_pp_tile``'s order, its barriers, ring and turns carried from
+    running row blocks p, p + P, ... of ``_pp_block``'s order, its barriers, ring and turns carried from
     one to the next, so that the next row block's keys load under this one's last tiles and epilogue
     instead of a new program starting cold. Otherwise one program a row block, grid (row blocks, B·H).
 
