@@ -371,13 +371,13 @@ def _gluon_attn_fwd_ws(
 
 
 @gluon.jit
-def _pp_blocks(Lq, BH, ROWS: gl.constexpr, PERSISTENT: gl.constexpr):
+def _pp_blocks(Lq, BH, ROWS: gl.constexpr, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """(row blocks a head, first, end, step) of the work items a ping-pong partition runs: a persistent
-    program's items p, p + P, ... of every head's row blocks; otherwise the one item of its grid cell."""
+    program's items p, p + P, ... of every head's items (``_pp_item``); otherwise the one of its grid cell."""
     n_blocks = gl.cdiv(Lq, ROWS)
     if PERSISTENT:
         first = gl.program_id(0)
-        count = n_blocks * BH
+        count = (gl.cdiv(n_blocks, 2) if IS_CAUSAL else n_blocks) * BH
         step = gl.num_programs(0)
     else:
         first = 0
@@ -387,14 +387,25 @@ def _pp_blocks(Lq, BH, ROWS: gl.constexpr, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def _pp_block(t, n_blocks, H, GROUP, PERSISTENT: gl.constexpr):
-    """Work item t's (row block, batch·head, batch, head, K/V head): a persistent program's in the order of
-    the non-persistent grid, a head's row blocks one after another (the programs running at once share few
-    heads, whose keys and values stay in L2), last first (causal: the longest first); otherwise the grid
-    cell's (``_program``)."""
+def _pp_item(t, n_blocks, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(head item, row blocks in it) of work item t. A persistent causal item is a pair of row blocks, the
+    head's k-th longest and k-th shortest (one, where they meet), so that every item costs about the same
+    keys: striding items of unequal cost over the programs would give some programs only long blocks.
+    Otherwise an item is one row block, the last first."""
+    n_items = gl.cdiv(n_blocks, 2) if PERSISTENT and IS_CAUSAL else n_blocks
+    k = t % n_items
+    halves = 2 - (2 * k + 1 == n_blocks).to(gl.int32) if PERSISTENT and IS_CAUSAL else 1
+    return k, t // n_items, halves
+
+
+@gluon.jit
+def _pp_block(k, s, off_hz, n_blocks, H, GROUP, PERSISTENT: gl.constexpr):
+    """Row block s of head item k (``_pp_item``) as (row block, batch·head, batch, head, K/V head): a
+    persistent program's first the head's k-th from the end (causal: the longest first), then its k-th; a
+    head's items run one after another, so the programs running at once share few heads, whose keys and
+    values stay in L2. Otherwise the grid cell's (``_program``)."""
     if PERSISTENT:
-        start_m = n_blocks - 1 - t % n_blocks
-        off_hz = t // n_blocks
+        start_m = n_blocks - 1 - k if s == 0 else k
         off_h = off_hz % H
         block = (start_m, off_hz, off_hz // H, off_h, off_h // GROUP)
     else:
@@ -414,26 +425,28 @@ def _pp_consumer(q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, st
     pair up), and the ring's tiles run on across row blocks (``_consume``'s ``base``)."""
     FP8: gl.constexpr = q_desc.dtype.primitive_bitwidth == 8
     ROWS: gl.constexpr = CONSUMERS * BLOCK_M
-    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT)
+    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT, IS_CAUSAL)
     base = 0
     i = 0
     for t in range(first, count, step):
-        start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(t, n_blocks, H, GROUP, PERSISTENT)
-        if FP8:
-            qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
-                          * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
-            v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
-        else:
-            qk_descale = 1.0
-            v_descale = 1.0
-        n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
-        _consume(q_desc, k_desc, v_desc, q_smem.index(C), k_smem, v_smem, q_bars.index(C), kv_ready, kv_empty,
-                 turns.index(C), turns.index((C + 1) % CONSUMERS), o_desc, o_smem.index(C), Lse, scale, qk_descale,
-                 v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m * ROWS + C * BLOCK_M,
-                 n_tiles, base, i & 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True,
-                 1 if C == 0 else 0, NEGATIVE_SCALE)
-        base += n_tiles
-        i += 1
+        k, item_hz, halves = _pp_item(t, n_blocks, PERSISTENT, IS_CAUSAL)
+        for s in range(halves):
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(k, s, item_hz, n_blocks, H, GROUP, PERSISTENT)
+            if FP8:
+                qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
+                              * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
+                v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
+            else:
+                qk_descale = 1.0
+                v_descale = 1.0
+            n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
+            _consume(q_desc, k_desc, v_desc, q_smem.index(C), k_smem, v_smem, q_bars.index(C), kv_ready, kv_empty,
+                     turns.index(C), turns.index((C + 1) % CONSUMERS), o_desc, o_smem.index(C), Lse, scale, qk_descale,
+                     v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, start_m * ROWS + C * BLOCK_M,
+                     n_tiles, base, i & 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True,
+                     1 if C == 0 else 0, NEGATIVE_SCALE)
+            base += n_tiles
+            i += 1
 
 
 @gluon.jit
@@ -443,14 +456,16 @@ def _pp_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, L
     """The producer warp of ``_gluon_attn_fwd_pp``: the K/V tiles of each row block it runs (one, or a
     persistent program's every ``_pp_block``) into the ring, the next row block's as soon as slots free
     up (they load under the consumers' last tiles and epilogue)."""
-    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT)
+    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT, IS_CAUSAL)
     base = 0
     for t in range(first, count, step):
-        start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(t, n_blocks, H, GROUP, PERSISTENT)
-        n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
-        _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base, BLOCK_N,
-                     STAGES)
-        base += n_tiles
+        k, item_hz, halves = _pp_item(t, n_blocks, PERSISTENT, IS_CAUSAL)
+        for s in range(halves):
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(k, s, item_hz, n_blocks, H, GROUP, PERSISTENT)
+            n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
+            _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base,
+                         BLOCK_N, STAGES)
+            base += n_tiles
 
 
 @gluon.jit
@@ -795,7 +810,8 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
     meta.update(BLOCK_M=rows, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS[consumers], CONSUMERS=consumers,
                 PERSISTENT=persistent, num_warps=4)
     if persistent:  # (one program an SM: a consumer warp group's registers and the ring fill it)
-        grid = (min(grid[0] * grid[1], _sm_count(q.device)), 1)
+        items = triton.cdiv(grid[0], 2) if causal_shift is not None else grid[0]  # (causal: pairs, _pp_item)
+        grid = (min(items * grid[1], _sm_count(q.device)), 1)
     return _gluon_attn_fwd_pp, grid, (*descs, lse_arg, *descale_args, *scalars, B * H), meta
 
 
