@@ -76,7 +76,8 @@ is written to the project.
   B 8, 32 heads over 8, D 128, Lk 16k and 64k; contiguous and in pages of 16 and 64) against the bf16
   cache, TB/s of cache read (graph replay); both backends.
 - static: generate over a static cache, the forward compiled with CUDA graphs (reduce-overhead),
-  sdpa / triton / ninetoothed: tokens per second, graph breaks, recompiles, tokens as sdpa's.
+  sdpa / triton / ninetoothed: tokens per second, graph breaks, recompiles, tokens as sdpa's
+  (PROBE_PROFILE=1: each one's compiled generate under torch.profiler, its top ops by GPU and CPU time).
 """
 
 from __future__ import annotations
@@ -1767,6 +1768,14 @@ def static():
                     out, elapsed = timed(model)
                 timed(model, disable_compile=True)
                 _, eager = timed(model, disable_compile=True)
+                if os.environ.get("PROBE_PROFILE"):  # where a compiled generate's time goes, by op
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA]) as profile:
+                        timed(model)
+                    for order in ("self_cuda_time_total", "self_cpu_time_total"):
+                        print(f"{name}, by {order}:\n"
+                              + profile.key_averages().table(sort_by=order, row_limit=10, max_name_column_width=60),
+                              flush=True)
         except Exception as error:  # noqa: BLE001 (one implementation's failure must not hide the others')
             line.append(f"{name} failed: {type(error).__name__}: {str(error)[:400]}")
             continue
