@@ -68,6 +68,22 @@ def test_fp8_pingpong_compiles_for_sm90(tmp_path):
     assert int(fields["UTMALDG"]) > 0 and int(fields["UTMASTG"]) == 2 and fields["OVERLAP"] == "1", line
 
 
+def test_persistent_prefetch_compiles_for_sm90(tmp_path):
+    """Persistent programs at D 64 in 16 bits (causal) load each row block's next Q early
+    (``prefetch_q``'s default there): they build for sm_90 with the installed Triton with an output tile
+    of their own beside Q's and the K/V ring (128 KiB of tiles), no spill on the key loop's hot path."""
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "64", "--causal", "--pingpong",
+               "--persistent", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = re.search(r"D=64 .*", result.stdout).group(0)
+    fields = dict(item.split("=") for item in line.split())
+    assert int(fields["SMEM"]) >= 2 * 128 * 64 * 2 + 2 * 3 * 128 * 64 * 2, line  # (Q, the output, K and V)
+    # (triton 3.9 reads two words from the stack inside the loop's branches taken once a row block, the
+    # last tile's prefetch and the diagonal tile's mask; triton 3.6, the H200's, none)
+    assert int(fields["KEY_LOOP_LOCAL"]) <= 2 and int(fields["STACK"]) <= 80 and fields["OVERLAP"] == "1", line
+
+
 CASES = [  # (B, H, H_kv, Lq, Lk, scale)
     (2, 4, 2, 300, 517, 0.3),  # grouped heads, lengths off the tiles
     (1, 8, 8, 1000, 1000, -0.2),  # a negative scale (the unmasked tiles' maximum is the scores' minimum)
@@ -97,20 +113,23 @@ def test_three_consumer_pingpong_matches_sdpa(dtype, causal, case, config):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D, prefetch_q", [(64, True), (64, False), (128, False)],
+                         ids=["D64-prefetch", "D64", "D128"])  # (D 128 in 16 bits: no room for it)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("programs", [1, 3, 7])
 @pytest.mark.parametrize("Lq", [1200, 1300])
-def test_persistent_programs_run_many_row_blocks_each(D, causal, programs, Lq, monkeypatch):
+def test_persistent_programs_run_many_row_blocks_each(D, prefetch_q, causal, programs, Lq, monkeypatch):
     """Persistent programs (``_gluon_attn_fwd_pp``'s PERSISTENT) on a grid of 1, 3 or 7 (a GPU of that many
     SMs, as far as the launch knows): each program runs tens of row blocks of changing key counts (causal;
     bottom-right with more queries than keys: row blocks that see no key), its K/V ring, Q barriers and
     turns carried from one to the next, and every row matches float32 attention. Causal programs run row
-    blocks in pairs (``_pp_item``): 1200 queries make 10 row blocks of 128 a head, 1300 eleven (a pair of one)."""
+    blocks in pairs (``_pp_item``): 1200 queries make 10 row blocks of 128 a head, 1300 eleven (a pair of one).
+    ``prefetch_q``: each row block loads the next one's Q while it finishes (PREFETCH_Q)."""
     from impl_triton import gluon_attention as ga
 
     monkeypatch.setattr(ga, "_sm_count", lambda device: programs)
-    _check_forward(D, torch.bfloat16, causal, (2, 6, 2, Lq, 900, 0.2), pingpong=True, persistent=True)
+    _check_forward(D, torch.bfloat16, causal, (2, 6, 2, Lq, 900, 0.2), pingpong=True, persistent=True,
+                   prefetch_q=prefetch_q)
 
 
 def _check_forward(D, dtype, causal, case, **variant):
