@@ -1482,7 +1482,8 @@ def gluon():
     kernel and SDPA's default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16
     (PROBE_GLUON_DTYPES), B·L = 16k, H·D = 2048 (D 64, 128) and D 256; each variant's ratio to SDPA and to
     the tl kernel, and the largest error of any against the tl kernel's output. PROBE_GLUON_VARIANTS: the
-    variants timed ("one producer pingpong persistent" unless set)."""
+    variants timed ("one producer pingpong persistent" unless set; also "persistent-q-late", persistent
+    programs that load each row block's Q only when it starts)."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
@@ -1496,8 +1497,9 @@ def gluon():
             q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
             for causal in (False, True):
                 flops = 4 * B * H * L * L * D / (2 if causal else 1)
+                options = dict(ga.VARIANTS, **{"persistent-q-late": dict(ga.VARIANTS["persistent"], prefetch_q=False)})
                 runs = {name: functools.partial(ga.forward, q, k, v, D ** -0.5, 0 if causal else None, False,
-                                                **ga.VARIANTS[name]) for name in variants}
+                                                **options[name]) for name in variants}
                 runs["tl"] = lambda: _tl_kernel(q, k, v, is_causal=causal, backend="triton")
                 runs["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
