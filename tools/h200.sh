@@ -182,6 +182,10 @@ for stage in "$@"; do
                timeout 250 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
     gluon-persistent) timeout 300 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
                       PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent persistent-q-late" timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log" ;;
+    # the persistent Gluon programs' GPU tests (causal pairs, the Q prefetch, FP8 through them), then their speed
+    pp-one) timeout 200 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound or fp8" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
+            PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent persistent-q-late" timeout 200 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log"
+            timeout 100 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log" ;;
     one-call) paged_join_on
               timeout -s INT 230 python3 -m pytest tests/test_gluon.py tests/test_fp8.py tests/test_paged.py -k "persistent or fp8 or bound or compiles or paged" -v -n 16 -p no:cacheprovider --tb=short -rfE > "$OUT/one_tests.log" 2>&1
               grep -c PASSED "$OUT/one_tests.log"; tail -12 "$OUT/one_tests.log"
