@@ -198,7 +198,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     the dtypes agree).
 
     PREFETCH_Q (a persistent program whose output has a shared tile of its own): Q of the consumer's next
-    row block (``next_q``: (rows from, batch, head), rows from -1 where there is none) is loaded into Q's
+    row block (``next_q``: (rows from, batch·head, heads), rows from -1 where there is none) is loaded into Q's
     tile as soon as this block's last S is in, under its last softmax, P V and epilogue; a row block loads
     its own Q only where ``load_q`` (a program's first), and the output's bulk copy is waited for only
     before the tile is written again."""
