@@ -21,7 +21,7 @@ from common.launch import (
     BoundSequence,
     BoundSlots,
     CachedLauncher,
-    inputs_aligned,
+    alignment,
     int_classes,
     ticket_counters,
 )
@@ -281,14 +281,15 @@ class BoundForward(BoundKernel):
             for i, value in zip(self.holes, values):
                 tail[i] = value
             tail = tuple(tail)
-        aligned = inputs_aligned(tensors)
-        if tensors[7] is not None:  # (FP8: a caller's descales, whose alignment Triton specialises on too)
-            aligned = aligned and (tensors[7].data_ptr() | tensors[8].data_ptr() | tensors[9].data_ptr()) & 15 == 0
+        # (each tensor's address once: the compiled kernel is kept per alignment of every pointer argument,
+        # and called with the addresses, common.launch.BoundKernel.run_compiled)
+        pointers = [t.data_ptr() if t is not None else 0 for t in tensors]
+        pointers = [pointers[i] for i in self.prefix]
+        aligned = alignment(pointers)
         key = (aligned, int_classes(values)) if values else aligned
         kernel = self.kernels.get(key)
-        if kernel is not None:  # addresses, each tensor's once (common.launch.BoundKernel.run_compiled)
-            pointers = [t.data_ptr() if t is not None else 0 for t in tensors]
-            self.run_compiled(kernel, (*[pointers[i] for i in self.prefix], *tail))
+        if kernel is not None:
+            self.run_compiled(kernel, (*pointers, *tail))
         else:
             self.launch_new(tuple([tensors[i] for i in self.prefix]) + tail, key)
         if self.merge is not None:

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from common import compat
-from common.launch import launch_compiled
+from common.launch import alignment, launch_compiled
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -731,7 +731,7 @@ class BoundGluon:
         # the runtime arguments in these kernels)
         assert all(constexpr == (num >= len(args)) for _, num, constexpr, _ in params)
         self.constexprs = [self.meta[name] for name, _, constexpr, _ in params if constexpr]
-        self.kernels: dict = {}  # the compiled kernel per alignment of the call's descales
+        self.kernels: dict = {}  # the compiled kernel per alignment of the call's descales (common.launch.alignment)
 
     def __call__(self, tensors) -> None:
         if (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15:
@@ -739,7 +739,7 @@ class BoundGluon:
             return
         args = self.args.copy()
         args[:4] = [_rebased(t, tensors[i]) for i, t in enumerate(self.templates)]
-        key = (tensors[7].data_ptr() | tensors[8].data_ptr() | tensors[9].data_ptr()) & 15 == 0 if self.fp8 else True
+        key = alignment([tensors[7].data_ptr(), tensors[8].data_ptr(), tensors[9].data_ptr()]) if self.fp8 else 0
         kernel = self.kernels.get(key)
         if kernel is None:
             for position, role in self.slots:

@@ -960,13 +960,16 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch, pl
 
 def test_bound_launch_follows_the_inputs_alignment(backend, device, monkeypatch, plans):
     """A layout's bound launch meets inputs of the same shapes and strides at addresses that are
-    not 16-byte multiples (which Triton specialises its kernels on), then aligned ones again:
-    the right answer every time."""
+    not 16-byte multiples (which Triton specialises its kernels on, each pointer on its own), one
+    tensor off, then another (a kernel compiled for the query off must not run where the keys are),
+    all of them, then aligned ones again: the right answer every time."""
     shape = (2, 3, 20, 32)
     numel = 2 * 3 * 20 * 32
-    for offset in (0, 0, 0, 1, 1, 0):  # in elements: 1 is 2 bytes off
-        q, k, v = (torch.randn(numel + offset, dtype=f16, device=device)[offset:].view(shape) for _ in range(3))
-        assert (q.data_ptr() % 16 == 0) == (offset == 0)
+    patterns = [(0, 0, 0)] * 3 + [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 0), (0, 1, 0), (1, 1, 1), (1, 1, 1),
+                                  (0, 0, 0)]
+    for offsets in patterns:  # in elements: 1 is 2 bytes off
+        q, k, v = (torch.randn(numel + offset, dtype=f16, device=device)[offset:].view(shape) for offset in offsets)
+        assert [t.data_ptr() % 16 == 0 for t in (q, k, v)] == [offset == 0 for offset in offsets]
         check_output(attention(q, k, v, backend=backend), q, k, v)
     assert len(plans) == 1
 

@@ -499,3 +499,30 @@ def test_ninetoothed_dq_is_not_specialised_on_its_batch():
 
     assert loose_sizes(ntk.premake_dq, ntk.dq_application) == {("query", 0), ("key", 0)}
     assert loose_sizes(ntk.premake_dkdv, ntk.dkdv_application) == set()
+
+
+def test_a_bound_launch_keeps_a_kernel_per_alignment_pattern(monkeypatch):
+    """Triton specialises each pointer argument on its 16-byte alignment, so a bound launch keeps its
+    compiled kernels by the pattern of its tensors' alignments (``launch.alignment``, a bit each), not
+    by whether all of them are aligned: a kernel compiled with the first tensor aligned and the second
+    not is never run on tensors the other way round (it would read the first as aligned)."""
+    assert launch.alignment([16, 20, 0, 8]) == 0b0101
+
+    class Launcher:  # (stands in for a CachedLauncher: a compiled kernel per launch, named by its alignments)
+        def run(self, grid, args, num_warps, num_stages, maxnreg):
+            self.last = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+
+        def compiled(self, args, num_warps, num_stages, maxnreg):
+            return ("kernel for", self.last)
+
+    ran = []
+    monkeypatch.setattr(launch.BoundKernel, "run_compiled", lambda self, kernel, args: ran.append(kernel))
+    bound = launch.BoundSlots(Launcher(), [None, None, 7], [(0, 0), (1, 1)], (1, 1, 1), 4, 3)
+    buffer = torch.zeros(64)
+    aligned, off = buffer[:8], buffer[1:9]  # (4 bytes off)
+    assert aligned.data_ptr() % 16 == 0 and off.data_ptr() % 16 != 0
+    for tensors in [(aligned, off), (off, aligned), (aligned, off), (off, aligned), (aligned, aligned)]:
+        bound(tensors)
+    assert ran == [("kernel for", (True, False)), ("kernel for", (False, True))]
+    assert sorted(bound.kernels.values()) == sorted(
+        [("kernel for", (True, False)), ("kernel for", (False, True)), ("kernel for", (True, True))])
