@@ -281,15 +281,14 @@ class BoundForward(BoundKernel):
             for i, value in zip(self.holes, values):
                 tail[i] = value
             tail = tuple(tail)
-        # (each tensor's address once: the compiled kernel is kept per alignment of every pointer argument,
-        # and called with the addresses, common.launch.BoundKernel.run_compiled)
+        # (each tensor's address once. The compiled kernel is kept per alignment of the caller's tensors, the
+        # query, keys, values and FP8 descales: the others come from the allocator, aligned.)
         pointers = [t.data_ptr() if t is not None else 0 for t in tensors]
-        pointers = [pointers[i] for i in self.prefix]
-        aligned = alignment(pointers)
+        aligned = alignment(pointers[:3] if tensors[7] is None else pointers[:3] + pointers[7:10])
         key = (aligned, int_classes(values)) if values else aligned
         kernel = self.kernels.get(key)
-        if kernel is not None:
-            self.run_compiled(kernel, (*pointers, *tail))
+        if kernel is not None:  # (addresses: common.launch.BoundKernel.run_compiled)
+            self.run_compiled(kernel, (*[pointers[i] for i in self.prefix], *tail))
         else:
             self.launch_new(tuple([tensors[i] for i in self.prefix]) + tail, key)
         if self.merge is not None:
