@@ -379,13 +379,16 @@ class ForwardPlan:
         return self.with_lse or self.num_splits > 1
 
     # the tensors a bound forward launch takes, in this order (common.reuse.BoundLaunch; the backends'
-    # bind_forward): the descales are an FP8 call's, None without FP8 inputs
-    ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "q_descale", "k_descale", "v_descale")
+    # bind_forward): the descales are an FP8 call's, None without FP8 inputs; the mask a masked call's
+    # (the kernels' view of it starts where the caller's mask does), None without one
+    ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "q_descale", "k_descale", "v_descale",
+             "attn_mask")
 
     def tensors(self) -> tuple:
         """The plan's tensors in :attr:`ROLES` order (None for those it has not)."""
         descales = self.descales if self.descales is not None else (None, None, None)
-        return (self.query, self.key, self.value, self.out, self.lse, self.o_part, self.lse_part, *descales)
+        return (self.query, self.key, self.value, self.out, self.lse, self.o_part, self.lse_part, *descales,
+                self.attn_mask)
 
     def results(self, out: torch.Tensor, lse: torch.Tensor | None):
         """``(out, lse)`` of a backend, in the caller's view (undoes the packing; views)."""

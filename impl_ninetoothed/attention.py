@@ -345,6 +345,8 @@ def bind_forward(plan, keys: bool = False):
         for role, own in enumerate((plan.out, plan.lse, plan.o_part, plan.lse_part), 3):
             if own is not None and t is own:
                 roles[i] = role
+        if plan.attn_mask is not None and t is plan.attn_mask:  # (a masked call's mask, by identity)
+            roles[i] = ForwardPlan.ROLES.index("attn_mask")
     if plan.descales is not None:  # FP8 descales by position too (the three inputs before o and lse)
         roles.update({len(inputs) - 5 + j: ForwardPlan.ROLES.index(name)
                       for j, name in enumerate(("q_descale", "k_descale", "v_descale"))})

@@ -190,8 +190,8 @@ def _forward_launch(plan) -> tuple:
 def bind_forward(plan, keys: bool = False):
     """The launch of ``plan`` bound to its layout, for later calls laid out alike (a
     ``common.reuse.AttentionPlan``'s): a :class:`BoundForward`, or None where the launch's
-    tensors are not all the plan's own (a mask, dropout, sinks, ALiBi's slopes, packed sequences,
-    a running result: those calls are not templated either). ``keys``: later calls may differ in the
+    tensors are not all the plan's own or its call's mask (dropout, sinks, ALiBi's slopes, packed
+    sequences, a running result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`). A plan the Gluon kernel runs
     (sm_90) binds a :class:`gluon_attention.BoundGluon` (not for growing keys: those calls go through
@@ -221,14 +221,14 @@ def _bind_tl(plan, keys: bool):
 
 def _tensor_roles(plan, args, counts):
     """The role (``BoundForward.ROLES``) of each of a forward launch's leading tensor arguments,
-    or None where one of its tensors is not the plan's own (a mask, a seed, sinks, bands)."""
+    or None where one of its tensors is not the plan's own or its call's mask (a seed, sinks, bands)."""
     if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
         return None
     # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x)), and
     # so FP8 descales (one tensor may be two of them); the other tensors by identity: the plan's
     # fresh outputs, or the counters.
-    roles = {id(t): role for role, t in zip(("out", "lse", "o_part", "lse_part", "counts"), (
-        plan.out, plan.lse, plan.o_part, plan.lse_part, counts)) if t is not None}
+    roles = {id(t): role for role, t in zip(("out", "lse", "o_part", "lse_part", "counts", "attn_mask"), (
+        plan.out, plan.lse, plan.o_part, plan.lse_part, counts, plan.attn_mask)) if t is not None}
     by_position = {0: "query", 1: "key", 2: "value"}
     if plan.descales is not None:
         by_position.update({_DESCALE_ARGS[0]: "q_descale", _DESCALE_ARGS[1]: "k_descale",
@@ -282,9 +282,9 @@ class BoundForward(BoundKernel):
                 tail[i] = value
             tail = tuple(tail)
         # (each tensor's address once. The compiled kernel is kept per alignment of the caller's tensors, the
-        # query, keys, values and FP8 descales: the others come from the allocator, aligned.)
+        # query, keys, values, FP8 descales and mask: the others come from the allocator, aligned.)
         pointers = [t.data_ptr() if t is not None else 0 for t in tensors]
-        aligned = alignment(pointers[:3] if tensors[7] is None else pointers[:3] + pointers[7:10])
+        aligned = alignment(pointers[:3] + pointers[7:11])
         key = (aligned, int_classes(values)) if values else aligned
         kernel = self.kernels.get(key)
         if kernel is not None:  # (addresses: common.launch.BoundKernel.run_compiled)
