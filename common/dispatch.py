@@ -16,7 +16,7 @@ import torch
 
 from common import ops
 from common.backends import resolve
-from common.reuse import PLANS, AttentionPlan, layout_of
+from common.reuse import PLANS, AttentionPlan, PlanCache, layout_of
 from common.validation import FP8_DTYPES, check_backward, check_call
 
 
@@ -265,6 +265,11 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse,
         descales = (None, None, None, None)  # FP8 inputs whose descales are all 1
     layout = layout_of(chosen, is_causal, scale, enable_gqa, return_lse, query, key, value, descales, attn_mask)
     plan = PLANS.get(layout)
+    if plan is None and attn_mask is not None and layout not in _MASKED_ONCE:
+        # A masked layout's plan is kept from its second call: a masked decode loop over a growing cache
+        # meets every layout once (the mask's length is the keys'), and keeping each would only cost it.
+        _MASKED_ONCE.put(layout, True)
+        return None
     if plan is None:
         call = check_call(chosen, query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
                           scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
@@ -276,6 +281,9 @@ def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse,
         plan = AttentionPlan(chosen, call, layout, arguments, attn_mask)
         PLANS.put(layout, plan)
     return plan.results(query, key, value, None if descales is None else descales[:3], attn_mask)
+
+
+_MASKED_ONCE = PlanCache(256)  # the masked layouts met once (_again)
 
 
 def _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse, descales) -> bool:

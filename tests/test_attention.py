@@ -968,16 +968,18 @@ MASKED_REUSE_CASES = [
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in MASKED_REUSE_CASES])
 def test_masked_calls_keep_a_plan(case, backend, device, monkeypatch, plans):
     """A masked call's layout (the mask's shape, strides and dtype with the rest, the keys' length too)
-    keeps a plan as a plain call's does: later calls plan nothing, and from the third on launch the
-    bound launch, each with its own mask (fresh values every call, one of them off 16 bytes: never the
-    first call's), with the right answer every time."""
+    keeps a plan from its second call (a growing cache's masked loop meets each layout once): later calls
+    plan nothing, and from the plan's third run on launch the bound launch, each with its own mask (fresh
+    values every call, one of them off 16 bytes: never an earlier call's), with the right answer every time."""
     from common import dispatch, plan
     from common.backends import get_backend
     from common.reuse import AttentionPlan, BoundLaunch
 
-    q, k, v, mask = make_inputs(case, device)
-    kwargs = sdpa_kwargs(case, mask)
-    check_output(attention(q, k, v, backend=backend, **kwargs), q, k, v, **kwargs)
+    for call in range(2):  # (a masked layout's plan is kept from its second call)
+        q, k, v, mask = make_inputs(case, device)
+        kwargs = sdpa_kwargs(case, mask)
+        check_output(attention(q, k, v, backend=backend, **kwargs), q, k, v, **kwargs)
+        assert len(plans) == call
     (kept,) = plans.values()
     assert not kept.grows_keys and not any(isinstance(f, torch.Tensor) for f in kept._fields)
 
@@ -1098,7 +1100,7 @@ def test_reused_calls_keep_no_tensor(backend, device, monkeypatch, plans):
         k, v = (torch.randn(1, 2, Lk, 32, device=device) for _ in range(2))
         out = attention(q, k, v, enable_gqa=True, backend=backend)
         refs += [weakref.ref(t) for t in (q, k, v, out)]
-    for _ in range(3):  # a masked layout: planned, re-bound and bound (its masks not kept either)
+    for _ in range(4):  # a masked layout: met, planned, re-bound and bound (its masks not kept either)
         q = torch.randn(1, 4, 1, 32, device=device)
         k, v = (torch.randn(1, 2, 40, 32, device=device) for _ in range(2))
         mask = torch.rand(1, 1, 1, 40, device=device) < 0.8
