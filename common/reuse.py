@@ -184,10 +184,10 @@ class AttentionPlan:
 
             if unbatched:
                 query, key, value = query[0], key[0], value[0]
-            fp8 = {} if given is None else dict(zip(("q_descale", "k_descale", "v_descale"), given))
+            tensors = {} if given is None else dict(zip(("q_descale", "k_descale", "v_descale"), given))
             if mask is not None:
-                fp8["attn_mask"] = mask
-            return full_attention(query, key, value, **self._arguments, **fp8)
+                tensors["attn_mask"] = mask
+            return full_attention(query, key, value, **self._arguments, **tensors)
         out, lse = results
         if unbatched:
             out = out[0]
