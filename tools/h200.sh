@@ -189,6 +189,9 @@ for stage in "$@"; do
                timeout 250 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
     gluon-persistent) timeout 300 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
                       PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent persistent-q-late" timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log" ;;
+    # branches align-keys and masked-plans where a call is short: the bound launches' alignment keys and the
+    # masked calls' kept plans (compiled kernels per pattern of the inputs' and masks' alignments), both backends
+    masked-gpu) timeout 400 python3 -m pytest tests/test_attention.py tests/test_launch.py tests/test_fp8.py tests/test_gluon.py tests/test_transformers.py -k "mask or plan or bound or alignment or keep or reuse or static" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -12 | tee "$OUT/masked_tests.log" ;;
     # the persistent Gluon programs' GPU tests (causal pairs, the Q prefetch, FP8 through them), then their speed
     pp-one) timeout 200 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound or fp8" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
             PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent persistent-q-late" timeout 200 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log"
