@@ -341,9 +341,10 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     PLANS.clear()
     taken = []
     run = ga.forward
-    monkeypatch.setattr(ga, "forward", lambda q, *args, specialized=False, pingpong=False, **kw: taken.append(
-        (q.shape[2], q.shape[-1], "pingpong" if pingpong else "producer" if specialized else "one")) or run(
-        q, *args, specialized=specialized, pingpong=pingpong, **kw))
+    monkeypatch.setattr(ga, "forward", lambda q, *args, specialized=False, pingpong=False, persistent=False, **kw:
+                        taken.append((q.shape[2], q.shape[-1], "persistent" if persistent else "pingpong" if pingpong
+                                      else "producer" if specialized else "one"))
+                        or run(q, *args, specialized=specialized, pingpong=pingpong, persistent=persistent, **kw))
     shapes = ((8, 16, 1024, 256), (8, 16, 1024, 128), (1, 8, 1024, 128), (2, 8, 200, 128), (1, 8, 8192, 64),
               (2, 8, 4096, 64), (4, 4, 1024, 64))
     table = get_backend("triton").configs
