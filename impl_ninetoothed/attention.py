@@ -543,9 +543,9 @@ def bind_backward(plan):
 
 
 # A step's tiles of small pages one softmax update, their scores joined (paged_tiles), or each tile its own.
-# Joined: one row maximum and rescale a step instead of one a tile, faster at pages of 16 on the H200
-# (benchmarks/NOTES.md); off until the GPU suite has run the paged tests in this form (tools/h200.sh paged-joined).
-PAGED_JOIN = False
+# Joined (the default): one row maximum and rescale a step instead of one a tile, faster at pages of 16
+# (benchmarks/NOTES.md); False keeps the per-tile form, which the paged tests run beside it.
+PAGED_JOIN = True
 # Tiles unrolled a step, at most: each is a gather of its own, and the compile grows faster than their
 # count (triton 3.9's async-copy coalescing pass: minutes for 16 at 5 stages; benchmarks/NOTES.md), so a
 # step of more keys takes this many.

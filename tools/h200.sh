@@ -42,7 +42,7 @@ HALF3="$REST --ignore=tests/test_paged.py --ignore=tests/test_varlen.py --ignore
 # the memory test compiles a kernel for each class of 10,000 calls' lengths, one after another (NineToothed's
 # pass ran past 400 s): a stage of its own, both backends at once, so that test3 fits a call
 MEMTEST="tests/test_reliability.py::test_no_growth_over_10000_calls"
-# NineToothed's joined paged form (PAGED_JOIN) switched on in this copy of the tree, for the stages that test it
+# NineToothed's joined paged form (PAGED_JOIN) switched on in this copy of the tree (a no-op since it is the default)
 paged_join_on() {
   sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
   grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }

@@ -406,11 +406,11 @@ def paged_extras():
         print(f"rotary {backend}: q of a decode step (8 x 32 heads) {t * 1e3:.1f} us", flush=True)
 
 
-# (backend, None: the shipped configuration, "joined": NineToothed's small pages' tiles joined into one
-# softmax update a step (impl_ninetoothed.attention.PAGED_JOIN), "tiles4": at most 4 of them unrolled a step
+# (backend, None: the shipped configuration (NineToothed's small pages' tiles joined into one softmax update a
+# step, impl_ninetoothed.attention.PAGED_JOIN), "per-tile": each tile its own update, "tiles4": at most 4 of them unrolled a step
 # (PAGED_TILES_PER_STEP; 8 shipped), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
-PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "joined")]
-NT_PAGED_SWITCHES = {"joined": ("PAGED_JOIN", True), "tiles4": ("PAGED_TILES_PER_STEP", 4)}
+PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
+NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles4": ("PAGED_TILES_PER_STEP", 4)}
 
 
 @contextlib.contextmanager
@@ -916,8 +916,8 @@ def fp8_decode():
                      for kv, d in (((k, v), {}), ((k8, v8_cols), dict(k_descale=kd, v_descale=vd)))]
             line.append(f"wall per call: bf16 {walls[0]:.0f} us, fp8 {walls[1]:.0f} us")
             # pages in a shuffled table; the value pages row-major, then column-major (NineToothed's pages of 16
-            # also with a step's tiles joined into one softmax update, PAGED_JOIN)
-            nt_variants = ((16, "joined"),) if backend == "ninetoothed" else ()
+            # also with each tile its own softmax update, PAGED_JOIN off)
+            nt_variants = ((16, "per-tile"),) if backend == "ninetoothed" else ()
             for page, variant in ((16, None), (64, None)) + nt_variants:
                 caches, table, lengths = _shuffled_pages(k, v, page)
                 (key_cache, value_cache), table8, lengths = _shuffled_pages(k8, v8, page)
