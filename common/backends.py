@@ -144,8 +144,8 @@ class KernelBackendModule(BackendModule, Protocol):
 
     def bind_forward(self, plan: ForwardPlan, keys: bool = False):
         """``plan``'s launch (just made) bound to its layout: a callable taking the call's tensors
-        in ``ForwardPlan.ROLES`` order (query, key, value, out, lse, o_part, lse_part, FP8 descales;
-        None for those the call has not) that launches without building its
+        in ``ForwardPlan.ROLES`` order (query, key, value, out, lse, o_part, lse_part, FP8 descales,
+        the mask as the call gave it; None for those the call has not) that launches without building its
         arguments again, with ``launch_keys(tensors, blocks_per_split)`` and ``launch_plan(plan)``
         where ``keys`` (later keys of another length and strides); None where it cannot bind it
         (``common.reuse`` then launches each call's plan through :meth:`forward`)."""

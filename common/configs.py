@@ -36,8 +36,9 @@ import torch
 # Query-length buckets of the committed tables (a length uses the first bucket >= it).
 LENGTH_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
 # What the gluon section may name: the tl kernel, or the Gluon kernel's variant (one partition, a
-# producer warp, two consumer warp groups in ping-pong; impl_triton.gluon_attention).
-GLUON_VARIANTS = ("tl", "one", "producer", "pingpong")
+# producer warp, two consumer warp groups in ping-pong, those in persistent programs;
+# impl_triton.gluon_attention).
+GLUON_VARIANTS = ("tl", "one", "producer", "pingpong", "persistent")
 # Lengths are rounded up to a power of two, capped here, before any look-up.
 _MAX_LENGTH_KEY = 1 << 15
 

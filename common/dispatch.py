@@ -16,7 +16,7 @@ import torch
 
 from common import ops
 from common.backends import resolve
-from common.reuse import PLANS, AttentionPlan, layout_of
+from common.reuse import PLANS, AttentionPlan, PlanCache, layout_of
 from common.validation import FP8_DTYPES, check_backward, check_call
 
 
@@ -131,12 +131,13 @@ def attention(
     Raises:
         TypeError, ValueError: for bad input, before any kernel launches.
     """
-    if (attn_mask is None and dropout_seed is None and window is None and softcap is None and sinks is None
-            and alibi_slopes is None and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"):
+    if (dropout_seed is None and window is None and softcap is None and sinks is None and alibi_slopes is None
+            and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"
+            and (attn_mask is None or (type(attn_mask) is torch.Tensor and is_causal is False))):
         descales = None
         if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
             descales = (q_descale, k_descale, v_descale, out_dtype)
-        again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse, descales)
+        again = _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse, descales, attn_mask)
         if again is not None:
             return again
     return full_attention(query, key, value, is_causal, scale, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -244,35 +245,45 @@ def attention_backward(
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)
 
 
-def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse, descales=None):
-    """The result of a plain kernel-backend call through the plan kept for its layout
+def _again(query, key, value, is_causal, scale, enable_gqa, backend, return_lse, descales=None, attn_mask=None):
+    """The result of a plain or masked kernel-backend call through the plan kept for its layout
     (:data:`common.reuse.PLANS`, made by this call where it is the layout's first); None where
     the full path must run. ``descales``: None, or FP8 inputs' ``(q_descale, k_descale,
-    v_descale, out_dtype)``, each descale None or a tensor (its layout part of the call's)."""
+    v_descale, out_dtype)``, each descale None or a tensor (its layout part of the call's);
+    ``attn_mask``: None or a tensor (its layout part of the call's, and no gradient asked of it)."""
     if torch.compiler.is_compiling():  # first: torch.compile traces none of the rest
         return None
     if not _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse, descales):
         return None
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                    or (attn_mask is not None and attn_mask.requires_grad)):
         return None
     chosen = resolve(backend)
     if not chosen.kernels:
         return None
     if descales is None and (key.dtype in FP8_DTYPES or query.dtype in FP8_DTYPES):
         descales = (None, None, None, None)  # FP8 inputs whose descales are all 1
-    layout = layout_of(chosen, is_causal, scale, enable_gqa, return_lse, query, key, value, descales)
+    layout = layout_of(chosen, is_causal, scale, enable_gqa, return_lse, query, key, value, descales, attn_mask)
     plan = PLANS.get(layout)
+    if plan is None and attn_mask is not None and layout not in _MASKED_ONCE:
+        # A masked layout's plan is kept from its second call: a masked decode loop over a growing cache
+        # meets every layout once (the mask's length is the keys'), and keeping each would only cost it.
+        _MASKED_ONCE.put(layout, True)
+        return None
     if plan is None:
-        call = check_call(chosen, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=is_causal,
+        call = check_call(chosen, query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
                           scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                           fp8=descales or (None, None, None, None))
         arguments = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                          backend=chosen.name)
         if descales is not None:
             arguments["out_dtype"] = descales[3]
-        plan = AttentionPlan(chosen, call, layout, arguments)
+        plan = AttentionPlan(chosen, call, layout, arguments, attn_mask)
         PLANS.put(layout, plan)
-    return plan.results(query, key, value, None if descales is None else descales[:3])
+    return plan.results(query, key, value, None if descales is None else descales[:3], attn_mask)
+
+
+_MASKED_ONCE = PlanCache(256)  # the masked layouts met once (_again)
 
 
 def _plain_types(query, key, value, is_causal, scale, enable_gqa, return_lse, descales) -> bool:

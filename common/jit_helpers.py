@@ -28,6 +28,7 @@ LOG2E = tl.constexpr(_plan.LOG2E)
 UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 WIDEN_F16 = tl.constexpr(int(_plan.Widen.FLOAT16))
+WIDEN_F16_ROWS = tl.constexpr(int(_plan.Widen.FLOAT16_ROWS))
 
 
 @triton.jit
@@ -140,9 +141,18 @@ def _key_stages(rows, lo, hi, Lk, band_lo, band_hi,
 def _widen(x, WIDEN: triton.language.constexpr):
     """An FP8 tile widened for a 16-bit product (``common.plan.Widen``: to float16, exact for
     e4m3 values), or as it is (Widen.NONE: an FP8 product)."""
-    if WIDEN == WIDEN_F16:
+    if WIDEN == WIDEN_F16 or WIDEN == WIDEN_F16_ROWS:
         x = x.to(tl.float16)
     return x
+
+
+@triton.jit
+def _keep_widened(v, cols_ok):
+    """A widened FP8 value tile stored row-major (``Widen.FLOAT16_ROWS``) through a select on its
+    columns: nothing changes (the columns past the head dim are zeros already), but the compiler can
+    no longer move the P·V product's transpose ahead of the widening, where the e4m3 bytes would be
+    transposed one by one through shared memory; float16 pairs go through ldmatrix's transposing form."""
+    return tl.where(cols_ok[None, :], v, 0.0)
 
 
 @triton.jit
@@ -179,7 +189,7 @@ def _narrow_query(q, score_scale, WIDEN: triton.language.constexpr):
     tile as float16 times 2^-e, e the power of two that brings its largest magnitude into [2^14, 2^15)
     (float16's range, whose 11 significant bits hold bfloat16's 8: exact, but for elements under
     2^-38 of the largest), and score_scale times 2^e; any other tile as it is."""
-    if WIDEN == WIDEN_F16:
+    if WIDEN == WIDEN_F16 or WIDEN == WIDEN_F16_ROWS:
         if q.dtype == tl.bfloat16:
             big = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
             e = ((big.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141  # 141: float32's bias 127 + 14
@@ -188,6 +198,18 @@ def _narrow_query(q, score_scale, WIDEN: triton.language.constexpr):
             q = (q.to(tl.float32) * shrink).to(tl.float16)
             score_scale = score_scale / shrink
     return q, score_scale
+
+
+@triton.jit
+def _sign_unknown(scale, ROWS: triton.language.constexpr):
+    """Whether an FP8 call's scores' scale (its descales', a scalar, or ROWS: an (M, 1) column of
+    each row's) is not positive in every row. Where it is, a row's largest score is its largest
+    product times the scale, taken before scaling (one FMA a score then scales and subtracts it);
+    elsewhere the scores are scaled first (real descales are positive: the rare case)."""
+    lowest = scale
+    if ROWS:
+        lowest = tl.min(tl.min(scale, 1), 0)
+    return lowest <= 0
 
 
 @triton.jit
@@ -200,4 +222,5 @@ def _to_e4m3(x, descale):
 
 
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
-               _narrow_query, _to_e4m3, _joined_columns, _half_columns, _column_piece)
+               _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _half_columns,
+               _column_piece)

@@ -24,7 +24,6 @@ through it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import operator
 import threading
 
@@ -246,7 +245,7 @@ class BoundKernel:
     subclass puts in place (``__call__``). Once a compiled kernel is known (from the launcher's
     cache, after a launch: :meth:`launch_new`), it is launched directly (:meth:`run_compiled`)
     while what Triton specialises it on holds: that is ``key``, which the subclass builds (the
-    inputs' 16-byte alignment, :func:`inputs_aligned`; the class of each varying integer,
+    inputs' 16-byte alignment, :func:`alignment`, of those a call passes; the class of each varying integer,
     :func:`int_classes`) and looks up in ``kernels``."""
 
     def __init__(self, launcher: CachedLauncher, grid, num_warps: int, num_stages: int, maxnreg: int | None = None):
@@ -295,7 +294,7 @@ class BoundSlots(BoundKernel):
     def __call__(self, tensors, values=()) -> None:
         given = [tensors[index] for _, index in self.slots]
         pointers = [t.data_ptr() for t in given]
-        aligned = functools.reduce(operator.or_, pointers, 0) & 15 == 0
+        aligned = alignment(pointers)
         key = (aligned, int_classes(values)) if values else aligned
         kernel = self.kernels.get(key)
         args = (self.pointer_args if kernel is not None else self.args).copy()
@@ -329,10 +328,16 @@ def _through_getitem(kernel, grid, args) -> None:
 launch_compiled = compat.direct_launcher() or _through_getitem
 
 
-def inputs_aligned(tensors) -> bool:
-    """The first three of ``tensors`` (query, key, value) start at 16-byte multiples; a bound
-    launch's other tensors come from the allocator (always aligned) or are its own."""
-    return (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15 == 0
+def alignment(pointers) -> int:
+    """Which of ``pointers`` start at 16-byte multiples, bit i for pointer i: what Triton specialises
+    each pointer argument on, so what a bound launch keeps its compiled kernels by. (One flag for all
+    of them would run a kernel compiled for one pattern, the query unaligned, on another, the keys
+    unaligned, whose query it reads as aligned.)"""
+    bits = 0
+    for i, pointer in enumerate(pointers):
+        if pointer & 15 == 0:
+            bits |= 1 << i
+    return bits
 
 
 def int_classes(values) -> tuple:

@@ -500,6 +500,16 @@ def _check_cache_descales(k_descale, v_descale, key_cache, B, like):
     return _cache_descales(k_descale, v_descale, key_cache, B)
 
 
+def cache_widen(descales, value_cache) -> planning.Widen:
+    """What the paged kernels widen their tiles to (one setting for keys and values), read at each
+    launch since a kept plan serves value pages of either layout: nothing for 16-bit caches, float16
+    for FP8 ones, FLOAT16_ROWS where the value pages are row-major (keys a row apart: widened before
+    the P·V product's transpose, ``common.jit_helpers._keep_widened``)."""
+    if descales is None:
+        return planning.Widen.NONE
+    return planning.Widen.FLOAT16_ROWS if value_cache.stride(3) == 1 else planning.Widen.FLOAT16
+
+
 def _cache_descales(k_descale, v_descale, key_cache, B):
     """Checked descales of FP8 caches, a ones view (B, H_kv) for each not given (the kernels read both)."""
     shape = (B, key_cache.shape[2])

@@ -85,6 +85,9 @@ class Widen(enum.IntEnum):
 
     NONE = 0  # kept in e4m3: an FP8 product on the tensor cores
     FLOAT16 = 1
+    # float16, values stored row-major (keys a row apart): widened before the P·V product's transpose
+    # (common.jit_helpers._keep_widened), which would otherwise move e4m3 bytes one by one
+    FLOAT16_ROWS = 2
 
 
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
@@ -365,18 +368,27 @@ class ForwardPlan:
         return DESCALE_ROWS if self.descales[0].ndim == 3 else 1
 
     @property
+    def negative_scale(self) -> bool:
+        """The kernels' NEGATIVE_SCALE: the scores' scale is negative, a constant. Never with FP8
+        inputs, whose scale holds descales of a sign the kernels read on the GPU."""
+        return self.scale < 0 and self.descales is None
+
+    @property
     def kernel_lse(self) -> bool:
         """Whether the attention kernel writes log-sum-exps (the merge needs them too)."""
         return self.with_lse or self.num_splits > 1
 
     # the tensors a bound forward launch takes, in this order (common.reuse.BoundLaunch; the backends'
-    # bind_forward): the descales are an FP8 call's, None without FP8 inputs
-    ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "q_descale", "k_descale", "v_descale")
+    # bind_forward): the descales are an FP8 call's, None without FP8 inputs; the mask a masked call's
+    # (the kernels' view of it starts where the caller's mask does), None without one
+    ROLES = ("query", "key", "value", "out", "lse", "o_part", "lse_part", "q_descale", "k_descale", "v_descale",
+             "attn_mask")
 
     def tensors(self) -> tuple:
         """The plan's tensors in :attr:`ROLES` order (None for those it has not)."""
         descales = self.descales if self.descales is not None else (None, None, None)
-        return (self.query, self.key, self.value, self.out, self.lse, self.o_part, self.lse_part, *descales)
+        return (self.query, self.key, self.value, self.out, self.lse, self.o_part, self.lse_part, *descales,
+                self.attn_mask)
 
     def results(self, out: torch.Tensor, lse: torch.Tensor | None):
         """``(out, lse)`` of a backend, in the caller's view (undoes the packing; views)."""
@@ -593,6 +605,8 @@ def set_fp8(plan, call, planner: Planner) -> None:
     plan.descales = fp8_descales(call.descales, call.query, call.key)
     if call.query.dtype in (torch.float16, torch.bfloat16):  # FP8 keys and values under a 16-bit query
         plan.widen_k = plan.widen_v = Widen.FLOAT16
+        if call.value.stride(-1) == 1:
+            plan.widen_v = Widen.FLOAT16_ROWS
     elif not planner.fp8_pv:
         plan.widen_v = Widen.FLOAT16
 

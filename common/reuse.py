@@ -17,9 +17,12 @@ decisions of one layout (no tensor) and runs them on new tensors:
   plan's layout includes its keys (it drops the keys no row sees).
 
 :func:`plan_attention` makes a plan for a caller to hold (a decode loop, a CUDA graph);
-:func:`common.attention` keeps one per layout it meets in :data:`PLANS`. Plain calls only: no
-mask, dropout, window, soft-capping or sinks (those hold tensors or change per call), and no
-gradient (autograd and ``torch.compile`` go through the operators of ``common.ops``).
+:func:`common.attention` keeps one per layout it meets in :data:`PLANS`, for plain calls and
+masked ones: an ``attn_mask`` is a tensor of the call like the query (its shape, strides and
+dtype part of the layout, its keys' length too: a masked plan grows no keys), which the kernels
+read through a view kept as (shape, strides) over it. No dropout, window, soft-capping or sinks
+(those hold tensors or change per call), and no gradient (autograd and ``torch.compile`` go
+through the operators of ``common.ops``).
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ class BoundLaunch:
         return cls(launch, plan.query.device, plan.out.dtype, tuple(plan.out.shape), plan.shape,
                    plan.with_lse, plan.num_splits, backend.interpreted())
 
-    def __call__(self, query, key, value, blocks_per_split: int | None = None, descales=(None, None, None)):
+    def __call__(self, query, key, value, blocks_per_split: int | None = None, descales=(None, None, None),
+                 mask=None):
         """``(out, lse)`` in the caller's 4-D shape: the outputs allocated, one launch
         (``blocks_per_split``: keys of another length and strides, which the backend's
         ``launch_keys`` fills in; ``descales``: an FP8 call's, as the kernels read them,
-        :func:`common.plan.fp8_descales`). None where the launch cannot run here (another GPU
+        :func:`common.plan.fp8_descales`; ``mask``: a masked call's ``attn_mask`` as given, whose
+        address is the kernels' view's). None where the launch cannot run here (another GPU
         is current than the plan's: the full path switches to it)."""
         device = self.device
         if device.type == "cuda" and device.index != torch.cuda.current_device():
@@ -74,7 +79,7 @@ class BoundLaunch:
         o_part = lse_part = None
         if self.num_splits > 1:
             o_part, lse_part = partials(self.out_shape[:3], self.num_splits, self.out_shape[3], device)
-        tensors = (query, key, value, out, lse, o_part, lse_part, *descales)
+        tensors = (query, key, value, out, lse, o_part, lse_part, *descales, mask)
         if self.interpreted:
             with _quiet_interpreter():
                 self._launch(tensors, blocks_per_split)
@@ -104,12 +109,13 @@ class AttentionPlan:
     outputs every run. Holds no tensor."""
 
     __slots__ = ("backend", "layout", "grows_keys", "_arguments", "_fields", "_query_view", "_key_length",
-                 "_keys", "_launched", "_bound", "_growing", "_grown", "_fp8", "_value_columns")
+                 "_keys", "_launched", "_bound", "_growing", "_grown", "_fp8", "_value_columns", "_mask_view")
 
-    def __init__(self, backend, call, layout, arguments: dict):
+    def __init__(self, backend, call, layout, arguments: dict, mask=None):
         self.backend = backend
         self.layout = layout  # what a call must match (common.reuse.layout_of)
-        self.grows_keys = not call.is_causal
+        # (a masked plan's layout holds its keys', as a causal one's: the mask's last dimension is the keys')
+        self.grows_keys = not call.is_causal and call.attn_mask is None
         self._arguments = arguments  # attention()'s keywords: the full path of a call the plan cannot run
         self._launched = False  # run once: the next run binds its launch (a layout met once binds nothing)
         self._bound = None  # the launch bound to the planned keys (BoundLaunch), or False: none can be
@@ -120,16 +126,24 @@ class AttentionPlan:
         # takes them as tensors of the call)
         self._fp8 = call.descales is not None
         self._value_columns = False  # FP8 values copied column-major each run (common.plan.value_columns)
+        # a masked plan's view of each call's mask: (shape, strides) over the caller's mask, where the kernels'
+        # view starts (common.plan.make_forward broadcasts it to 4-D and packs it with the query's heads)
+        self._mask_view = None
         if backend.kernels and _launches(call.query, call.key):
-            self._plan(call)
+            self._plan(call, mask)
 
-    def _plan(self, call) -> None:
-        """Keep the decisions :func:`common.plan.make_forward` makes for ``call`` (4-D)."""
+    def _plan(self, call, mask=None) -> None:
+        """Keep the decisions :func:`common.plan.make_forward` makes for ``call`` (4-D; ``mask``: a masked
+        call's ``attn_mask`` as given)."""
         q, k, v = call.query, call.key, call.value
         self._keys = (k.shape, k.stride(), v.shape, v.stride())
         with _on_device(q.device):
             plan = planning.make_forward(call, self.backend, with_lse=call.return_lse, allocate=False)
-        assert plan.attn_mask is None and plan.seed is None and plan.sinks is None and plan.row_bands is None
+        assert plan.seed is None and plan.sinks is None and plan.row_bands is None
+        if plan.attn_mask is not None:
+            if plan.attn_mask.data_ptr() != mask.data_ptr():
+                return  # (a view that does not start where the caller's mask does: every call planned)
+            self._mask_view = (tuple(plan.attn_mask.shape), plan.attn_mask.stride())
         fields = planning.tensorless_fields(plan)
         if self._fp8:
             fields[_DESCALES] = None  # (a tuple of the call's tensors)
@@ -154,32 +168,38 @@ class AttentionPlan:
 
     __call__ = run
 
-    def results(self, query, key, value, descales=None):
+    def results(self, query, key, value, descales=None, mask=None):
         """:meth:`run` of tensors known to be of the plan's layout (3-D or 4-D, as planned);
-        ``descales``: FP8 inputs' (q_descale, k_descale, v_descale), as given to attention()."""
+        ``descales``: FP8 inputs' (q_descale, k_descale, v_descale), as given to attention();
+        ``mask``: a masked plan's call's ``attn_mask``, as given."""
         unbatched = query.ndim == 3
         given = descales
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if descales is not None:
                 descales = tuple(None if d is None else d.unsqueeze(0) for d in descales)
-        results = self.launch(query, key, value, descales)
+        results = self.launch(query, key, value, descales, mask)
         if results is None:  # the full path: an empty call, keys it cannot take, another current GPU
             from common.dispatch import full_attention
 
             if unbatched:
                 query, key, value = query[0], key[0], value[0]
-            fp8 = {} if given is None else dict(zip(("q_descale", "k_descale", "v_descale"), given))
-            return full_attention(query, key, value, **self._arguments, **fp8)
+            tensors = {} if given is None else dict(zip(("q_descale", "k_descale", "v_descale"), given))
+            if mask is not None:
+                tensors["attn_mask"] = mask
+            return full_attention(query, key, value, **self._arguments, **tensors)
         out, lse = results
         if unbatched:
             out = out[0]
             lse = lse[0] if lse is not None else None
         return (out, lse) if self._arguments["return_lse"] else out
 
-    def launch(self, query, key, value, descales=None):
+    def launch(self, query, key, value, descales=None, mask=None):
         """``(out, lse)`` of 4-D tensors of the plan's layout, in the caller's shape (lse None
-        unless asked for); None where the full path must run. ``descales``: FP8 inputs' (4-D)."""
+        unless asked for); None where the full path must run. ``descales``: FP8 inputs' (4-D);
+        ``mask``: a masked call's, as given."""
+        if mask is not None and self._mask_view is None:
+            return None  # (a mask the plan could not keep a view of)
         if self._fields is None:  # planned for no keys (or SDPA): plan once there are some
             if not (self.backend.kernels and self.grows_keys and _launches(query, key)
                     and _keys_fit(self.backend, key, value)):
@@ -195,10 +215,10 @@ class AttentionPlan:
         if bound:
             if self._fp8:
                 key, value, kernel_descales = self._kernel_inputs(query, key, value, descales)
-                return bound(query, key, value, None, kernel_descales)
-            return bound(query, key, value)
+                return bound(query, key, value, None, kernel_descales, mask)
+            return bound(query, key, value, mask=mask)
         with _on_device(query.device):
-            plan = self._rebind(query, key, value, descales=descales)
+            plan = self._rebind(query, key, value, descales=descales, mask=mask)
             if bound is False or not self._launched:
                 self._launched = True
                 return self._launch_plan(plan)
@@ -233,13 +253,15 @@ class AttentionPlan:
         keys' length and strides), or None where the backend binds none for it."""
         return self.backend.load().bind_forward(plan, keys=keys)
 
-    def _rebind(self, query, key, value, other_keys: bool = False, descales=None) -> planning.ForwardPlan:
+    def _rebind(self, query, key, value, other_keys: bool = False, descales=None, mask=None) -> planning.ForwardPlan:
         """The plan of these tensors: the kept decisions, these tensors (FP8: these descales, the
-        values copied column-major where the plan copies them), fresh outputs; with
-        ``other_keys``, keys of another length and strides: their config, splits and buffers
-        planned again (:func:`common.plan.plan_launch`)."""
+        values copied column-major where the plan copies them; a masked plan: the kernels' view of
+        ``mask``), fresh outputs; with ``other_keys``, keys of another length and strides: their
+        config, splits and buffers planned again (:func:`common.plan.plan_launch`)."""
         plan = planning.ForwardPlan(*self._fields)  # (a copy, at a fraction of copy.copy's cost)
         plan.query = query if self._query_view is None else query.view(self._query_view)
+        if self._mask_view is not None:
+            plan.attn_mask = mask.as_strided(*self._mask_view)
         plan.key, plan.value, plan.descales = self._kernel_inputs(query, key, value, descales)
         if other_keys:
             planning.plan_launch(plan, self.backend)
@@ -317,16 +339,20 @@ def _keys_fit(backend, key, value) -> bool:
     return backend.supports(OFFSETS64) or (span(key) < OFFSET_LIMIT and span(value) < OFFSET_LIMIT)
 
 
-def layout_of(backend, is_causal, scale, enable_gqa, return_lse, query, key, value, descales=None):
+def layout_of(backend, is_causal, scale, enable_gqa, return_lse, query, key, value, descales=None, mask=None):
     """The layout a plan is kept by: the call's arguments, the planner's settings, and its tensors'
     shapes, strides, dtypes and devices (a plan that grows its keys: less the keys' length and
     strides); FP8 inputs' ``descales`` ``(q_descale, k_descale, v_descale, out_dtype)``: which
-    descales are given, their shapes, strides, dtypes and devices, and the output dtype."""
+    descales are given, their shapes, strides, dtypes and devices, and the output dtype; a masked
+    call's ``mask`` likewise (its keys' length and strides part of it: a masked plan grows no keys)."""
     head = (backend.name, backend.interpreted(), planning.reuse_key(), is_causal, scale, enable_gqa, return_lse,
             query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device)
     if descales is not None:
         head += (*(None if d is None else (d.shape, d.stride(), d.dtype, d.device) for d in descales[:3]),
                  descales[3])
+    if mask is not None:
+        mask_layout = (mask.shape, mask.stride(), mask.dtype, mask.device)
+        return head, mask_layout, key.shape, key.stride(), value.shape, value.stride()
     if is_causal:
         return head, key.shape, key.stride(), value.shape, value.stride()
     return head, key.shape[:-2], key.shape[-1], value.shape[:-2], value.shape[-1]

@@ -536,6 +536,13 @@ def slice_span(t) -> int:
     return t[0] if isinstance(t, tuple) else span(t, 2)
 
 
+def in_wide_storage(*tensors) -> bool:
+    """Whether one of these tensors (None: absent) lies in a storage of OFFSET_LIMIT elements or more:
+    what its indexing can reach is within its storage, a bound far cheaper than :func:`span` on a
+    path a decode step takes (the launches that take 64-bit offsets only then)."""
+    return any(t is not None and t.untyped_storage().nbytes() >= OFFSET_LIMIT * t.element_size() for t in tensors)
+
+
 def within_offsets(backend: Backend, *tensors) -> bool:
     """Whether ``backend`` indexes these tensors (None: absent): a backend with 64-bit offsets
     throughout any, one without each tensor whose part for one batch and head spans fewer than

@@ -30,8 +30,9 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.plan import DESCALE_ROWS, ForwardPlan, Widen
-from common.validation import OFFSET_LIMIT
+from common.paged import cache_widen
+from common.plan import DESCALE_ROWS, ForwardPlan
+from common.validation import in_wide_storage
 from impl_ninetoothed.kernels import (
     _COMBINE_SPLIT_COUNT_ARGS,
     _SPLIT_COUNT_ARGS,
@@ -61,7 +62,7 @@ def _wide(*tensors) -> bool:
     strides: made wide, every kernel ran slower (benchmarks/NOTES.md, "nt-offsets64 on the H200
     and merged"); each batch and head stays under 2^31 elements either way
     (``common.validation.slice_span``)."""
-    return any(t is not None and t.untyped_storage().nbytes() >= OFFSET_LIMIT * t.element_size() for t in tensors)
+    return in_wide_storage(*tensors)
 
 
 def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | None = None, wide: bool = False):
@@ -259,7 +260,8 @@ def _attention_launch(plan) -> tuple:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
     block_d = plan.block_d if plan.block_d != padded_head_dim(D) else None  # (the kernel's name unchanged)
     descale_rows = True if plan.descale_kind == DESCALE_ROWS else None  # (None: the kernel's name unchanged)
-    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d, descale_rows,
+    grouped = True if plan.group > 1 else None  # (one K/V head a query head: the keys take the query's sizes)
+    kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d, descale_rows, grouped,
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
                    wide=_wide(q, plan.key, plan.value, plan.attn_mask, o, lse))
     blocked = blocked_keys(plan)
@@ -269,8 +271,9 @@ def _attention_launch(plan) -> tuple:
               *_alibi_args(plan), *_descale_args(plan), o, lse)
     return kernel, inputs, dict(
         BANDED=plan.banded, MASK_KIND=int(plan.mask_kind), WITH_LSE=plan.kernel_lse,
-        NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan), DROPOUT=plan.dropout,
-        SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume, BLOCKED=blocked,
+        NEGATIVE_SCALE=plan.negative_scale, DOT_PRECISION=plan.dot_precision, SPLIT=_split_kind(plan),
+        DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, RESUME=plan.resume,
+        BLOCKED=blocked,
         ALIBI=plan.alibi is not None, DESCALE=plan.descale_kind, WIDEN_K=int(plan.widen_k),
         WIDEN_V=int(plan.widen_v),
     )
@@ -342,6 +345,8 @@ def bind_forward(plan, keys: bool = False):
         for role, own in enumerate((plan.out, plan.lse, plan.o_part, plan.lse_part), 3):
             if own is not None and t is own:
                 roles[i] = role
+        if plan.attn_mask is not None and t is plan.attn_mask:  # (a masked call's mask, by identity)
+            roles[i] = ForwardPlan.ROLES.index("attn_mask")
     if plan.descales is not None:  # FP8 descales by position too (the three inputs before o and lse)
         roles.update({len(inputs) - 5 + j: ForwardPlan.ROLES.index(name)
                       for j, name in enumerate(("q_descale", "k_descale", "v_descale"))})
@@ -538,9 +543,9 @@ def bind_backward(plan):
 
 
 # A step's tiles of small pages one softmax update, their scores joined (paged_tiles), or each tile its own.
-# Joined: one row maximum and rescale a step instead of one a tile, faster at pages of 16 on the H200
-# (benchmarks/NOTES.md); off until the GPU suite has run the paged tests in this form (tools/h200.sh paged-joined).
-PAGED_JOIN = False
+# Joined (the default): one row maximum and rescale a step instead of one a tile, faster at pages of 16
+# (benchmarks/NOTES.md); False keeps the per-tile form, which the paged tests run beside it.
+PAGED_JOIN = True
 # Tiles unrolled a step, at most: each is a gather of its own, and the compile grows faster than their
 # count (triton 3.9's async-copy coalescing pass: minutes for 16 at 5 stages; benchmarks/NOTES.md), so a
 # step of more keys takes this many.
@@ -589,7 +594,7 @@ def paged_forward(plan):
         SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, JOIN=join, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
-        WIDEN=int(Widen.FLOAT16 if plan.descales is not None else Widen.NONE),
+        WIDEN=int(cache_widen(plan.descales, vc)),
     )
     if plan.split:
         merge = plan.merge

@@ -42,6 +42,7 @@ import functools
 import inspect
 
 import ninetoothed.language as ntl
+import triton
 from ninetoothed import Tensor
 
 from common.configs import padded_head_dim
@@ -50,9 +51,11 @@ from common.jit_helpers import (
     _cap_factors,
     _dropout_keep,
     _in_band,
+    _keep_widened,
     _key_stages,
     _narrow_query,
     _scores,
+    _sign_unknown,
     _tanh,
     _widen,
 )
@@ -74,10 +77,12 @@ from impl_ninetoothed.tiles import (
 
 NO_MASK, BOOL_MASK, ADDITIVE_MASK = int(MaskKind.NONE), int(MaskKind.BOOL), int(MaskKind.ADDITIVE)
 TANH_APPROX = int(Softcap.APPROX)
+WIDEN_F16_ROWS = int(Widen.FLOAT16_ROWS)
 _SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed copies them with _scores)
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX, WIDEN_F16=int(Widen.FLOAT16),
+                        WIDEN_F16_ROWS=WIDEN_F16_ROWS,
                         ROW_BANDS=ROW_BANDS, DESCALE_ROWS=DESCALE_ROWS, ONE_STAGE=ONE_STAGE)
 
 
@@ -153,7 +158,7 @@ def arrangement(
 def _attn_fwd_inner(
     acc, l_i, m_i, q, key, value, attn_mask, offs_m, lo, hi, first, band_lo, band_hi, qk_scale, cap_in, cap_out,
     alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, MASKED, NEGATIVE_SCALE, DOT_PRECISION, SPLIT,
-    DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+    DROPOUT, SOFTCAP, ALIBI, DESCALE, SCALE_FIRST, WIDEN_K, WIDEN_V,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i); inlined by NineToothed.
 
@@ -162,15 +167,16 @@ def _attn_fwd_inner(
     past Lk or, when BANDED, outside a row's band (row i sees keys i + band_lo
     .. i + band_hi); mask them. Unmasked blocks
     skip every comparison. DROPOUT: the row sums take every probability, the
-    output only the kept ones. DESCALE (FP8 inputs): qk_scale holds the descales,
-    whose sign no constant knows, so scores are scaled before their maximum is taken;
-    WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
+    output only the kept ones. DESCALE (FP8 inputs): qk_scale holds the descales (per row for
+    DESCALE_ROWS: an (M, 1) column); SCALE_FIRST: their sign is unknown (:func:`_sign_unknown`):
+    scores are scaled before their maximum is taken, in a loop that is not pipelined (the rare
+    case); WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
     """
-    for j in range(lo, hi):
+    for j in triton.language.range(lo, hi, num_stages=1 if SCALE_FIRST else None):
         k = key[j - first]
         k = _widen(k, WIDEN_K)
         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or DESCALE:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or SCALE_FIRST:
             # soft-capped (or scaled) and ALiBi's bias added, in base 2
             qk, cap = _scores(qk, offs_m, key[j - first].offsets(-2), qk_scale, cap_in, cap_out, alibi, shift,
                               SOFTCAP, ALIBI)
@@ -200,10 +206,13 @@ def _attn_fwd_inner(
             # No mask: scale and subtract the maximum in one FMA per score. The
             # row maximum of qk * qk_scale is max(qk) * qk_scale, or min(qk) *
             # qk_scale for a negative scale.
+            row_scale = qk_scale
+            if DESCALE == DESCALE_ROWS:
+                row_scale = ntl.max(qk_scale, 1)  # (each row's scale: the column as a vector)
             if NEGATIVE_SCALE:
-                m_ij = ntl.maximum(m_i, ntl.min(qk, 1) * qk_scale)
+                m_ij = ntl.maximum(m_i, ntl.min(qk, 1) * row_scale)
             else:
-                m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * qk_scale)
+                m_ij = ntl.maximum(m_i, ntl.max(qk, 1) * row_scale)
             m_sub = m_ij
             qk = qk * qk_scale - m_sub[:, None]
         p = ntl.exp2(qk)
@@ -216,6 +225,8 @@ def _attn_fwd_inner(
             p = ntl.where(keep, p, 0.0)
         v = value[j - first]
         v = _widen(v, WIDEN_V)
+        if WIDEN_V == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+            v = _keep_widened(v, value[j - first].offsets(-1) < value.source.shape[-1])
         acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
         m_i = m_ij
     return acc, l_i, m_i
@@ -288,26 +299,39 @@ def application(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, key, value, attn_mask, offs_m, first, full_lo, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
         )
+    fast_hi = full_hi
+    if DESCALE:
+        # A descale's sign is the GPU's: where not every row's scale is positive, the whole blocks
+        # take their maxima from the scaled scores, in a loop of their own after these (the rare
+        # case); otherwise that loop is empty. (Bounds, not a branch: loops under a branch had
+        # ptxas serialise the MMAs.)
+        fast_hi = ntl.where(_sign_unknown(score_scale, DESCALE == DESCALE_ROWS), full_lo, full_hi)
     if BLOCKED:
         # The whole blocks from their own view, whose block size is a constant: their loads carry
         # no per-key bounds check (an unsplit launch without dropout or ALiBi; the blocks count from 0).
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi,
+            acc, l_i, m_i, q, key_blocks, value_blocks, attn_mask, offs_m, full_lo, fast_hi, lo, row_lo, row_hi,
             qk_scale, cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False,
-            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False, DESCALE, WIDEN_K, WIDEN_V,
+            NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, False, DESCALE, False, WIDEN_K, WIDEN_V,
         )
     else:
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, full_hi, lo, row_lo, row_hi, qk_scale,
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_lo, fast_hi, lo, row_lo, row_hi, qk_scale,
             cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
-            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
+        )
+    if DESCALE:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, key, value, attn_mask, offs_m, fast_hi, full_hi, lo, row_lo, row_hi, qk_scale,
+            cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, False, NEGATIVE_SCALE,
+            DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K, WIDEN_V,
         )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, key, value, attn_mask, offs_m, full_hi, end, lo, row_lo, row_hi, qk_scale,
         cap_in, cap_out, alibi, shift, seed, head, dropout_p, BANDED, MASK_KIND, True, NEGATIVE_SCALE,
-        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+        DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K, WIDEN_V,
     )
 
     if WITH_LSE:
@@ -710,9 +734,12 @@ def _rows_like(query, *trailing, other=None):
     return _like(query.shape[:3], *trailing, other=other)
 
 
-def _attention_inputs(head_dim, head_dim_v):
+def _attention_inputs(head_dim, head_dim_v, grouped=True):
     """query, key, value and attn_mask, as every attention kernel takes them: the values of the
-    keys' (B, H_kv, Lk), the mask (B, H, Lq, Lk) of the query's and the keys'.
+    keys' (B, H_kv, Lk), the mask (B, H, Lq, Lk) of the query's and the keys'. ``grouped`` False:
+    one K/V head a query head (every call whose heads are packed, as the kernels see it), the keys
+    of the query's (B, H): fewer sizes, and the keys' coordinates unravelled from the program id by
+    the query's divisions.
 
     Out-of-range elements must read as 0 (padded head dims enter the dot
     products; past-the-end keys and values meet p = 0, and 0 * garbage may be
@@ -720,7 +747,7 @@ def _attention_inputs(head_dim, head_dim_v):
     integer to an 8-bit float, and FP8 inputs take these loads too.)
     """
     query = Tensor(shape=(None, None, None, head_dim), other=0.0)
-    key = Tensor(shape=(None, None, None, head_dim), other=0.0)
+    key = Tensor(shape=(None, None, None, head_dim) if grouped else (*query.shape[:2], None, head_dim), other=0.0)
     value = _like(key.shape[:3], head_dim_v, other=0.0)
     attn_mask = _rows_like(query, key.shape[2], other=0)
     return query, key, value, attn_mask
@@ -772,16 +799,18 @@ _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).in
 _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("stride", _LSE_PART, 0))
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None, descale_rows=None):
+def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None, descale_rows=None, grouped=None):
     """The forward; with ``split``, its split-KV variant (see ``arrangement``). ``block_d``: the
     head dim's tile where the plan widens it past ``padded_head_dim`` (an e4m3 Q·K product: 32).
-    ``descale_rows``: FP8 descales per query head and row (DESCALE_ROWS), not per K/V head."""
+    ``descale_rows``: FP8 descales per query head and row (DESCALE_ROWS), not per K/V head.
+    ``grouped``: query heads read K/V heads in groups (heads not packed); otherwise the keys take
+    the query's (B, H) sizes (``_attention_inputs``)."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n,
         block_d=block_d if block_d is not None else padded_head_dim(head_dim),
         block_dv=padded_head_dim(head_dim_v), split=split, descale_rows=bool(descale_rows),
     )
-    query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
+    query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v, grouped=bool(grouped))
     # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse ((B, H, Lq[, S])); read
     # too when RESUME (a running float32 output and its lse; rows past the end read as no key seen)
     output = _rows_like(query, *((None,) if split else ()), head_dim_v, other=0)

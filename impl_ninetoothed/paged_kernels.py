@@ -19,6 +19,7 @@ from common.jit_helpers import (
     _column_piece,
     _in_band,
     _joined_columns,
+    _keep_widened,
     _key_stages,
     _narrow_query,
     _tanh,
@@ -26,7 +27,7 @@ from common.jit_helpers import (
     _widen,
 )
 from common.plan import LN2, LOG2E
-from impl_ninetoothed.kernels import TANH_APPROX, _flags, _like, _rows_like
+from impl_ninetoothed.kernels import TANH_APPROX, WIDEN_F16_ROWS, _flags, _like, _rows_like
 from impl_ninetoothed.tiles import _per_kv_head, _per_split, _row_slices, _rows
 
 # -- a paged KV cache ----------------------------------------------------------------------
@@ -160,64 +161,80 @@ def paged_application(
     if QUERY_LENGTHS:  # a block of padding rows only reads no key (queries padded to a CUDA graph's bound)
         end = ntl.where(ntl.max((rows_in_seq < new_tokens).to(ntl.int32), 0) > 0, end, first)
     key_end = ntl.minimum(Lk, end * TILE)
-    for j in range(first, end, TILES_PER_STEP):
-        # TILES_PER_STEP tiles an iteration, unrolled: their table entries and tiles are
-        # independent loads, in flight together (one page of 16 keys an iteration left
-        # the loop bound by each load's latency)
-        for u in triton.language.static_range(TILES_PER_STEP // JOIN):
-            j0 = j + u * JOIN
-            for g in triton.language.static_range(JOIN):
-                t = ntl.minimum(j0 + g, end - 1)  # past the last tile: a masked repeat of it
-                page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
-                k = _widen(key_cache[page, t % per_page], WIDEN)
-                qk_t = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-                # the JOIN tiles' scores joined in key order, as a binary counter: qk holds the
-                # group ending at tile g, qk_2 and qk_4 the pair and quad finished before it
-                if g % 2 == 0:
-                    qk = qk_t
-                else:
-                    qk = _joined_columns(qk, qk_t)
-                    if g % 4 == 1:
-                        qk_2 = qk
-                    else:
-                        qk = _joined_columns(qk_2, qk)
-                        if g % 8 == 3:
-                            qk_4 = qk
+    # A step's tiles load whole (a gather reads one tile of a page), so a step holding keys past the
+    # length or before a left pad (or repeats of the last tile) zeroes those values. Only a first and
+    # a last step can: they run apart (phases 0 and 2, a step at most each, not pipelined), and the
+    # main loop's values (phase 1) go to the product untouched.
+    mid_lo = first
+    if LEFTPADDED:  # (the first step, where it starts before the pad)
+        mid_lo = ntl.where(first * TILE < key_start, ntl.minimum(first + TILES_PER_STEP, end), first)
+    mid_hi = mid_lo + ntl.maximum(key_end // TILE - mid_lo, 0) // TILES_PER_STEP * TILES_PER_STEP
+    for phase in triton.language.static_range(3):
+        if phase != 0 or LEFTPADDED:
+            step_lo = first if phase == 0 else (mid_lo if phase == 1 else mid_hi)
+            step_hi = mid_lo if phase == 0 else (mid_hi if phase == 1 else end)
+            for j in triton.language.range(step_lo, step_hi, TILES_PER_STEP, num_stages=None if phase == 1 else 1):
+                # TILES_PER_STEP tiles an iteration, unrolled: their table entries and tiles are
+                # independent loads, in flight together (one page of 16 keys an iteration left
+                # the loop bound by each load's latency)
+                for u in triton.language.static_range(TILES_PER_STEP // JOIN):
+                    j0 = j + u * JOIN
+                    for g in triton.language.static_range(JOIN):
+                        t = ntl.minimum(j0 + g, end - 1)  # past the last tile: a masked repeat of it
+                        page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
+                        k = _widen(key_cache[page, t % per_page], WIDEN)
+                        qk_t = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
+                        # the JOIN tiles' scores joined in key order, as a binary counter: qk holds the
+                        # group ending at tile g, qk_2 and qk_4 the pair and quad finished before it
+                        if g % 2 == 0:
+                            qk = qk_t
                         else:
-                            qk = _joined_columns(qk_4, qk)
-            # (inline: arange needs the constant)
-            offs_kn = j0 * TILE + ntl.arange(0, JOIN * key_cache.dtype.shape[0])
-            key_ok = (offs_kn < key_end) & (offs_kn >= key_start)
-            if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-                qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
-            else:
-                qk = qk * qk_scale
-            if ALIBI:  # (each row's position is its last key)
-                qk = qk + _alibi_bias(last_key, offs_kn, alibi, 0)
-            valid = key_ok[None, :]
-            if BANDED:
-                valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
-            if QUERY_LENGTHS:
-                valid = valid & (rows_in_seq < new_tokens)[:, None]
-            qk = ntl.where(valid, qk, float("-inf"))
-            m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
-            m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-            p = ntl.exp2(qk - m_sub[:, None])
-            alpha = ntl.exp2(m_i - m_sub)
-            l_i = l_i * alpha + ntl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            # each tile's values times its columns of p (the tiles' table entries read again)
-            for g in triton.language.static_range(JOIN):
-                if JOIN > 1:  # (one tile: its entry as read above)
-                    t = ntl.minimum(j0 + g, end - 1)
-                    page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0),
-                                       num_pages - 1)
-                offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
-                value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
-                # (slots past the length: any bits)
-                v = ntl.where(value_ok[:, None], _widen(value_cache[page, t % per_page], WIDEN), 0.0)
-                acc = ntl.dot(_column_piece(p, g, JOIN).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_ij
+                            qk = _joined_columns(qk, qk_t)
+                            if g % 4 == 1:
+                                qk_2 = qk
+                            else:
+                                qk = _joined_columns(qk_2, qk)
+                                if g % 8 == 3:
+                                    qk_4 = qk
+                                else:
+                                    qk = _joined_columns(qk_4, qk)
+                    # (inline: arange needs the constant)
+                    offs_kn = j0 * TILE + ntl.arange(0, JOIN * key_cache.dtype.shape[0])
+                    key_ok = (offs_kn < key_end) & (offs_kn >= key_start)
+                    if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+                        qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
+                    else:
+                        qk = qk * qk_scale
+                    if ALIBI:  # (each row's position is its last key)
+                        qk = qk + _alibi_bias(last_key, offs_kn, alibi, 0)
+                    valid = key_ok[None, :]
+                    if BANDED:
+                        valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
+                    if QUERY_LENGTHS:
+                        valid = valid & (rows_in_seq < new_tokens)[:, None]
+                    qk = ntl.where(valid, qk, float("-inf"))
+                    m_ij = ntl.maximum(m_i, ntl.max(qk, 1))
+                    m_sub = ntl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
+                    p = ntl.exp2(qk - m_sub[:, None])
+                    alpha = ntl.exp2(m_i - m_sub)
+                    l_i = l_i * alpha + ntl.sum(p, 1)
+                    acc = acc * alpha[:, None]
+                    # each tile's values times its columns of p (the tiles' table entries read again)
+                    for g in triton.language.static_range(JOIN):
+                        if JOIN > 1:  # (one tile: its entry as read above)
+                            t = ntl.minimum(j0 + g, end - 1)
+                            page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0),
+                                               num_pages - 1)
+                        offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
+                        value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
+                        v = _widen(value_cache[page, t % per_page], WIDEN)
+                        if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+                            cols = ntl.arange(0, value_cache.dtype.shape[1])  # (inline: arange needs the constant)
+                            v = _keep_widened(v, cols < value_cache.source.shape[-1])
+                        if phase != 1:  # (a slot past the length or before a left pad: any bits, NaN too)
+                            v = ntl.where(value_ok[:, None], v, 0.0)
+                        acc = ntl.dot(_column_piece(p, g, JOIN).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+                    m_i = m_ij
 
     if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
         lse = (m_i + ntl.log2(l_i)) * LN2  # noqa: F841 (a store)

@@ -21,13 +21,19 @@ def _row_slices(x, block_m):
     return arranged
 
 
+def _group(heads, kv_heads):
+    """Query heads per K/V head: 1 where the K/V heads are the query's own size symbol (a kernel whose
+    keys share the query's (B, H): no division to unravel), else ``heads // kv_heads``."""
+    return 1 if kv_heads is heads else heads // kv_heads
+
+
 def _key_row(x, heads, m_blocks, block_n, block_d, blocks_per_split=None):
     """(B, H_kv, Lk, D) -> per program of (B, heads, m_blocks[, S]), the row of
     (BLOCK_N, D) tiles of the K/V head its query head reads (split: its split's
     part of that row, ``blocks_per_split`` tiles: an int, or a symbol of
     :func:`_split_blocks`). Query head h reads K/V head h // GROUP, so the H_kv
     heads are repeated GROUP times by broadcasting (expand), never by copying."""
-    group = heads // x.shape[1]
+    group = _group(heads, x.shape[1])
     arranged = x.tile((1, 1, block_n, block_d))
     if blocks_per_split is None:
         arranged = arranged.tile((1, 1, -1, -1)).squeeze((2, 3))  # (B, H_kv)
@@ -47,7 +53,7 @@ def _key_blocks_row(x, heads, m_blocks, block_d, num_splits=None):
     (a view, see ``blocked_keys``) -> per program of (B, heads, m_blocks), the row of
     (BLOCK_N, D) tiles of its K/V head, as :func:`_key_row`; with ``num_splits`` (a split
     launch, which reads none of them) the same row for each split."""
-    group = heads // x.shape[1]
+    group = _group(heads, x.shape[1])
     arranged = x.tile((1, 1, 1, x.shape[3], block_d)).tile((1, 1, -1, -1, -1)).squeeze((2, 3, 4))  # (B, H_kv)
     arranged = arranged.unsqueeze(2).unsqueeze(3)
     arranged = arranged.expand((-1, -1, group, m_blocks)).flatten(1, 3)
@@ -61,7 +67,7 @@ def _key_blocks_row(x, heads, m_blocks, block_d, num_splits=None):
 def _per_kv_head(x, heads, m_blocks, num_splits=None):
     """(B, H_kv), a value per K/V head -> per program of (B, heads, m_blocks[, S]), the (1,) tile
     of the K/V head its query head reads (h // GROUP), repeated by broadcasting as :func:`_key_row`."""
-    group = heads // x.shape[1]
+    group = _group(heads, x.shape[1])
     arranged = x.tile((1, 1))  # (B, H_kv)
     arranged = arranged.unsqueeze(2).unsqueeze(3)
     arranged = arranged.expand((-1, -1, group, m_blocks)).flatten(1, 3)

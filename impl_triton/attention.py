@@ -21,11 +21,13 @@ from common.launch import (
     BoundSequence,
     BoundSlots,
     CachedLauncher,
-    inputs_aligned,
+    alignment,
     int_classes,
     ticket_counters,
 )
-from common.plan import ForwardPlan, Widen
+from common.paged import cache_widen
+from common.plan import ForwardPlan
+from common.validation import in_wide_storage
 from impl_triton import gluon_attention
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _copy_values, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
@@ -176,7 +178,7 @@ def _forward_launch(plan) -> tuple:
     ), dict(
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.banded, MASK_KIND=int(plan.mask_kind),
-        WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.scale < 0, DOT_PRECISION=plan.dot_precision,
+        WITH_LSE=plan.kernel_lse, NEGATIVE_SCALE=plan.negative_scale, DOT_PRECISION=plan.dot_precision,
         SPLIT=plan.split, DROPOUT=plan.dropout, SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None,
         RESUME=plan.resume, MERGE_LSE=plan.with_lse, ALIBI=plan.alibi is not None,
         DESCALE=plan.descale_kind, WIDEN_K=int(plan.widen_k), WIDEN_V=int(plan.widen_v),
@@ -188,8 +190,8 @@ def _forward_launch(plan) -> tuple:
 def bind_forward(plan, keys: bool = False):
     """The launch of ``plan`` bound to its layout, for later calls laid out alike (a
     ``common.reuse.AttentionPlan``'s): a :class:`BoundForward`, or None where the launch's
-    tensors are not all the plan's own (a mask, dropout, sinks, ALiBi's slopes, packed sequences,
-    a running result: those calls are not templated either). ``keys``: later calls may differ in the
+    tensors are not all the plan's own or its call's mask (dropout, sinks, ALiBi's slopes, packed
+    sequences, a running result: those calls are not templated either). ``keys``: later calls may differ in the
     keys' length and strides (a growing cache; same config and split count): those arguments
     come from each call's plan (:meth:`BoundForward.launch_plan`). A plan the Gluon kernel runs
     (sm_90) binds a :class:`gluon_attention.BoundGluon` (not for growing keys: those calls go through
@@ -219,14 +221,14 @@ def _bind_tl(plan, keys: bool):
 
 def _tensor_roles(plan, args, counts):
     """The role (``BoundForward.ROLES``) of each of a forward launch's leading tensor arguments,
-    or None where one of its tensors is not the plan's own (a mask, a seed, sinks, bands)."""
+    or None where one of its tensors is not the plan's own or its call's mask (a seed, sinks, bands)."""
     if args[0] is not plan.query or args[1] is not plan.key or args[2] is not plan.value:
         return None
     # Q, K and V by position (a call may pass one tensor as two of them: attention(x, x, x)), and
     # so FP8 descales (one tensor may be two of them); the other tensors by identity: the plan's
     # fresh outputs, or the counters.
-    roles = {id(t): role for role, t in zip(("out", "lse", "o_part", "lse_part", "counts"), (
-        plan.out, plan.lse, plan.o_part, plan.lse_part, counts)) if t is not None}
+    roles = {id(t): role for role, t in zip(("out", "lse", "o_part", "lse_part", "counts", "attn_mask"), (
+        plan.out, plan.lse, plan.o_part, plan.lse_part, counts, plan.attn_mask)) if t is not None}
     by_position = {0: "query", 1: "key", 2: "value"}
     if plan.descales is not None:
         by_position.update({_DESCALE_ARGS[0]: "q_descale", _DESCALE_ARGS[1]: "k_descale",
@@ -279,13 +281,13 @@ class BoundForward(BoundKernel):
             for i, value in zip(self.holes, values):
                 tail[i] = value
             tail = tuple(tail)
-        aligned = inputs_aligned(tensors)
-        if tensors[7] is not None:  # (FP8: a caller's descales, whose alignment Triton specialises on too)
-            aligned = aligned and (tensors[7].data_ptr() | tensors[8].data_ptr() | tensors[9].data_ptr()) & 15 == 0
+        # (each tensor's address once. The compiled kernel is kept per alignment of the caller's tensors, the
+        # query, keys, values, FP8 descales and mask: the others come from the allocator, aligned.)
+        pointers = [t.data_ptr() if t is not None else 0 for t in tensors]
+        aligned = alignment(pointers[:3] + pointers[7:11])
         key = (aligned, int_classes(values)) if values else aligned
         kernel = self.kernels.get(key)
-        if kernel is not None:  # addresses, each tensor's once (common.launch.BoundKernel.run_compiled)
-            pointers = [t.data_ptr() if t is not None else 0 for t in tensors]
+        if kernel is not None:  # (addresses: common.launch.BoundKernel.run_compiled)
             self.run_compiled(kernel, (*[pointers[i] for i in self.prefix], *tail))
         else:
             self.launch_new(tuple([tensors[i] for i in self.prefix]) + tail, key)
@@ -434,7 +436,8 @@ def paged_forward(plan):
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, MERGE_LSE=plan.split and plan.with_lse,
         ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
-        WIDEN=int(Widen.FLOAT16 if plan.descales is not None else Widen.NONE),
+        WIDEN=int(cache_widen(plan.descales, vc)),
+        WIDE_PAGES=in_wide_storage(kc, vc),
     )
     if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from common import compat
-from common.launch import launch_compiled
+from common.launch import alignment, launch_compiled
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -59,36 +59,28 @@ PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr,
-                  SCALE_FIRST: gl.constexpr = False):
+                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr):
     """Key tile j's online-softmax update (base 2): the new row maxima, P (float32), the rescale
     factor of what came before, the new row sums. Past the first ``whole`` tiles (``_whole_tiles``)
     the raw scores are masked (keys past Lk; causal); the tiles before need no mask. The scores are
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
-    scores are +inf, so that scaled they are -inf). SCALE_FIRST (FP8 inputs: qk_scale holds the
-    descales, whose sign no constant knows): the scores are scaled first, as the tl kernel's DESCALE."""
-    if SCALE_FIRST:
-        qk = qk * qk_scale
+    scores are +inf, so that scaled they are -inf). (FP8 inputs' descales, whose sign no constant
+    knows, come here positive: ``_consume`` moves a negative scale onto Q.)"""
     if j >= whole:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         valid = offs_n[None, :] < Lk
         if IS_CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
-        qk = gl.where(valid, qk, float("inf") if NEGATIVE_SCALE and not SCALE_FIRST else float("-inf"))
-    if SCALE_FIRST:
-        m_ij = gl.maximum(m_i, gl.max(qk, 1))
-    elif NEGATIVE_SCALE:
+        qk = gl.where(valid, qk, float("inf") if NEGATIVE_SCALE else float("-inf"))
+    if NEGATIVE_SCALE:
         m_ij = gl.maximum(m_i, gl.min(qk, 1) * qk_scale)
     else:
         m_ij = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_ij
     if j >= whole:
         m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-    if SCALE_FIRST:
-        p = gl.exp2(qk - m_sub[:, None])
-    else:
-        p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_ij, l_i, alpha
@@ -144,8 +136,8 @@ def _gluon_attn_fwd(
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, o_desc, q_smem,
              Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
-             start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, False, False, 0,
-             NEGATIVE_SCALE)
+             start_m * BLOCK_M, n_tiles, 0, 0, True, (-1, 0, 1), BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL,
+             WITH_LSE, False, False, 0, NEGATIVE_SCALE, False)
     _invalidate(q_bars, 1)
     _invalidate(kv_bars, STAGES)
 
@@ -174,11 +166,14 @@ def _key_tiles(Lk, start_m, causal_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 @gluon.jit
 def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn_wait, turn_arrive,
              o_desc, o_smem, Lse, scale, qk_descale, v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
-             row_start, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, PRODUCER: gl.constexpr,
-             PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
-    """The consumer warps' work, both kernels': Q by TMA, the online softmax over the K/V ring's
-    tiles (slot t % STAGES, ready on ``kv_ready``), the output and log-sum-exp stored. PRODUCER: a
+             row_start, n_tiles, base, q_phase, load_q, next_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr,
+             PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr,
+             PREFETCH_Q: gl.constexpr):
+    """The consumer warps' work, every kernel's: Q by TMA (its ``q_bar`` completing phase ``q_phase``), the
+    online softmax over ``n_tiles`` tiles of the K/V ring (the ring's tile t in slot t % STAGES, ready on
+    ``kv_ready``; this row block's first is the ring's tile ``base``: a persistent program's ring runs on
+    across its row blocks), the output and log-sum-exp stored. PRODUCER: a
     producer warp fills the ring (``_ws_producer``), and a slot goes back to it on ``kv_empty`` once
     P V of its tile is in; otherwise these warps fill it themselves, the next tile of a slot
     issued into it as soon as its tile has been read.
@@ -200,7 +195,13 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     and keys' descales), the output ``v_descale``; P is rounded to e4m3 for P V (FlashAttention-3's
     choice, the tl kernel's default), whose B operand must be K-major: the values come column-major, their
     tiles (D, BLOCK_N) (``_v_operand``). The output, 16-bit, is staged in ``o_smem`` (Q's own tile where
-    the dtypes agree)."""
+    the dtypes agree).
+
+    PREFETCH_Q (a persistent program whose output has a shared tile of its own): Q of the consumer's next
+    row block (``next_q``: (rows from, batch·head, heads), rows from -1 where there is none) is loaded into Q's
+    tile as soon as this block's last S is in, under its last softmax, P V and epilogue; a row block loads
+    its own Q only where ``load_q`` (a program's first), and the output's bulk copy is waited for only
+    before the tile is written again."""
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
@@ -216,8 +217,11 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [off_z, off_h, row_start, 0], q_bar, q_smem)
+    if PREFETCH_Q:
+        if load_q:
+            _load_q(q_desc, q_bar, q_smem, row_start, off_z, off_h)
+    else:
+        _load_q(q_desc, q_bar, q_smem, row_start, off_z, off_h)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     if not PRODUCER:
         for s in gl.static_range(STAGES):  # the ring's first tiles in flight
@@ -233,25 +237,40 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     q = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    if FP8:
+        # A descale's sign is the GPU's: a negative scale is moved onto Q (its signs flipped in shared
+        # memory once, exact), so that every tile takes its maximum from the raw products and scales a
+        # score in one FMA (the 16-bit kernel's step), whatever the descales' signs.
+        if qk_scale < 0:
+            q_regs: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+            bits = q.load(q_regs).to(gl.uint8, bitcast=True)
+            q.store((bits ^ 0x80).to(dtype, bitcast=True))
+            fence_async_shared()
+            qk_scale = -qk_scale
     if n_tiles > 0:
-        mbarrier.wait(kv_ready.index(0), 0)
+        first = base % STAGES
+        mbarrier.wait(kv_ready.index(first), (base // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn_wait, TURN_FIRST)  # (round 0: the first consumer's wait passes at once)
-        qk = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                           is_async=True)
+            # (a round a ring tile: the very first consumer's first wait passes at once)
+            mbarrier.wait(turn_wait, (base + TURN_FIRST) & 1)
+        qk = warpgroup_mma(q, k_smem.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                           use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        if PREFETCH_Q:
+            if n_tiles == 1:  # (Q read for the last time)
+                _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, FP8)
+                                           IS_CAUSAL, NEGATIVE_SCALE, col_s)
         for j in range(1, n_tiles):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
+            slot = (base + j) % STAGES
+            prev = (base + j - 1) % STAGES
+            mbarrier.wait(kv_ready.index(slot), ((base + j) // STAGES) & 1)
             if PINGPONG:
-                mbarrier.wait(turn_wait, (j + TURN_FIRST) & 1)
+                mbarrier.wait(turn_wait, (base + j + TURN_FIRST) & 1)
             qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
@@ -259,8 +278,11 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             if PINGPONG:
                 mbarrier.arrive(turn_arrive, count=1)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+            if PREFETCH_Q:
+                if j == n_tiles - 1:  # (Q read for the last time)
+                    _prefetch_q(q_desc, q_bar, q_smem, next_q)
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                               IS_CAUSAL, NEGATIVE_SCALE, col_s, FP8)
+                                               IS_CAUSAL, NEGATIVE_SCALE, col_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if PRODUCER:
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
@@ -271,10 +293,14 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_ready.index(prev), k_smem.index(prev))
                 _tma_load(v_desc, _v_coord(off_z, off_h_kv, refill * BLOCK_N, FP8), kv_ready.index(prev),
                           v_smem.index(prev))
-        last = (n_tiles - 1) % STAGES
+        last = (base + n_tiles - 1) % STAGES
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                             _v_operand(v_smem.index(last), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if PRODUCER:  # (the last tile's slot too: a persistent program's next row block refills it)
+            mbarrier.arrive(kv_empty.index(last), count=1)
+    elif PREFETCH_Q:  # (a row block that sees no key never reads Q)
+        _prefetch_q(q_desc, q_bar, q_smem, next_q)
 
     if WITH_LSE:  # -inf for a row with no key (m_i = -inf, l_i = 0)
         lse = (m_i + gl.log2(l_i)) * LN2
@@ -284,10 +310,29 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     # The output leaves by TMA through Q's shared tile (same block and layout; every product that read Q
     # is complete; FP8: a 16-bit tile of its own): one bulk copy, clipped at the head's Lq rows by the
     # descriptor, as FlashAttention-3's epilogue, instead of a masked store from each thread.
+    if PREFETCH_Q:  # (the previous row block's output has left the tile; the program waits for its last)
+        tma.store_wait(0)
     o_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
     fence_async_shared()
     _tma_store(o_desc, [off_z, off_h, row_start, 0], o_smem)
-    tma.store_wait(0)
+    if not PREFETCH_Q:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _load_q(q_desc, q_bar, q_smem, row_start, off_z, off_h):
+    """Q's rows from ``row_start`` of (batch, head) by TMA into ``q_smem``, completing a phase of ``q_bar``."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [off_z, off_h, row_start, 0], q_bar, q_smem)
+
+
+@gluon.jit
+def _prefetch_q(q_desc, q_bar, q_smem, next_q):
+    """``_load_q`` of the next row block's ``next_q`` (rows from, batch·head, heads): none where rows from is
+    negative (no row block follows). (Two values held through the key loop: a third spilled there.)"""
+    row_start, off_hz, H = next_q
+    if row_start >= 0:
+        _load_q(q_desc, q_bar, q_smem, row_start, off_hz // H, off_hz % H)
 
 
 @gluon.jit
@@ -311,15 +356,15 @@ def _v_operand(v_tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.co
 
 
 @gluon.jit
-def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles,
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The producer warp: K and V tiles into the ring, tile t into slot t % STAGES once the
-    consumers released that slot's previous tile (its first round passes: a fresh barrier's
-    phase before 0 counts as complete)."""
+    """The producer warp: a row block's ``n_tiles`` K and V tiles into the ring, its tile t being the
+    ring's tile base + t, into slot (base + t) % STAGES once the consumers released that slot's previous
+    tile (the ring's first round passes: a fresh barrier's phase before 0 counts as complete)."""
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     for t in range(n_tiles):
-        slot = t % STAGES
-        mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        slot = (base + t) % STAGES
+        mbarrier.wait(kv_empty.index(slot), (((base + t) // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(slot), kv_bytes)
         _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
         _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, v_desc.dtype.primitive_bitwidth == 8),
@@ -352,9 +397,9 @@ def _gluon_attn_fwd_ws(
     gl.warp_specialize([
         (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, o_desc,
                     q_smem, Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
-                    start_m * BLOCK_M, n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, False,
-                    0, NEGATIVE_SCALE)),
-        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
+                    start_m * BLOCK_M, n_tiles, 0, 0, True, (-1, 0, 1), BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                    IS_CAUSAL, WITH_LSE, True, False, 0, NEGATIVE_SCALE, False)),
+        (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, 0, BLOCK_N,
                         STAGES)),
     ], [1], [PRODUCER_REGS])
     _invalidate(q_bars, 1)
@@ -363,13 +408,132 @@ def _gluon_attn_fwd_ws(
 
 
 @gluon.jit
+def _pp_blocks(Lq, BH, ROWS: gl.constexpr, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(row blocks a head, first, end, step) of the work items a ping-pong partition runs: a persistent
+    program's items p, p + P, ... of every head's items (``_pp_item``); otherwise the one of its grid cell."""
+    n_blocks = gl.cdiv(Lq, ROWS)
+    if PERSISTENT:
+        first = gl.program_id(0)
+        count = (gl.cdiv(n_blocks, 2) if IS_CAUSAL else n_blocks) * BH
+        step = gl.num_programs(0)
+    else:
+        first = 0
+        count = 1
+        step = 1
+    return n_blocks, first, count, step
+
+
+@gluon.jit
+def _pp_item(t, n_blocks, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(head item, batch·head, row blocks in it) of work item t. A persistent causal item is a pair of row
+    blocks, the head's k-th longest and k-th shortest (one, where they meet), so that every item costs
+    about the same keys: striding items of unequal cost over the programs would give some programs only
+    long blocks. Otherwise an item is one row block."""
+    n_items = gl.cdiv(n_blocks, 2) if PERSISTENT and IS_CAUSAL else n_blocks
+    k = t % n_items
+    halves = 2 - (2 * k + 1 == n_blocks).to(gl.int32) if PERSISTENT and IS_CAUSAL else 1
+    return k, t // n_items, halves
+
+
+@gluon.jit
+def _pp_next(t, s, n_blocks, step, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """The work position (item, row block in it) after row block s of item t: the item's next block, or
+    the program's next item's first."""
+    _k, _hz, halves = _pp_item(t, n_blocks, PERSISTENT, IS_CAUSAL)
+    done = (s + 1 >= halves).to(gl.int32)
+    return t + done * step, (s + 1) * (1 - done)
+
+
+@gluon.jit
+def _pp_block(t, s, n_blocks, H, GROUP, PERSISTENT: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Row block s of work item t (``_pp_item``) as (row block, batch·head, batch, head, K/V head): a
+    persistent program's first the head's k-th from the end (causal: the longest first), then its k-th; a
+    head's items run one after another, so the programs running at once share few heads, whose keys and
+    values stay in L2. Otherwise the grid cell's (``_program``)."""
+    if PERSISTENT:
+        k, off_hz, _halves = _pp_item(t, n_blocks, PERSISTENT, IS_CAUSAL)
+        start_m = n_blocks - 1 - k if s == 0 else k
+        off_h = off_hz % H
+        block = (start_m, off_hz, off_hz // H, off_h, off_h // GROUP)
+    else:
+        block = _program(H, GROUP)
+    return block
+
+
+@gluon.jit
+def _pp_consumer(q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz, stride_kdh,
+                 stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns, kv_ready, kv_empty, scale, H,
+                 GROUP, Lq, Lk, causal_shift, BH, C: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
+                 PREFETCH_Q: gl.constexpr):
+    """Consumer warp group C of ``_gluon_attn_fwd_pp``: rows C·BLOCK_M on of each row block it runs (one, or
+    a persistent program's every ``_pp_block``), waiting on turn C and completing turn C + 1 (the first's
+    first wait passes at once). Every consumer runs the rounds of the whole row block (their turns must
+    pair up), and the ring's tiles run on across row blocks (``_consume``'s ``base``). PREFETCH_Q: each
+    row block loads the next one's Q (``_consume``)."""
+    FP8: gl.constexpr = q_desc.dtype.primitive_bitwidth == 8
+    ROWS: gl.constexpr = CONSUMERS * BLOCK_M
+    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT, IS_CAUSAL)
+    base = 0
+    i = 0
+    for t in range(first, count, step):
+        _k, _hz, halves = _pp_item(t, n_blocks, PERSISTENT, IS_CAUSAL)
+        for s in range(halves):
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(t, s, n_blocks, H, GROUP, PERSISTENT, IS_CAUSAL)
+            next_q = (-1, 0, 1)
+            if PREFETCH_Q:
+                next_t, next_s = _pp_next(t, s, n_blocks, step, PERSISTENT, IS_CAUSAL)
+                next_m, next_hz, _nz, _nh, _nkv = _pp_block(next_t, next_s, n_blocks, H, GROUP, PERSISTENT,
+                                                            IS_CAUSAL)
+                next_q = (gl.where(next_t < count, next_m * ROWS + C * BLOCK_M, -1), next_hz, H)
+            if FP8:
+                qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
+                              * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
+                v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
+            else:
+                qk_descale = 1.0
+                v_descale = 1.0
+            n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
+            _consume(q_desc, k_desc, v_desc, q_smem.index(C), k_smem, v_smem, q_bars.index(C), kv_ready, kv_empty,
+                     turns.index(C), turns.index((C + 1) % CONSUMERS), o_desc, o_smem.index(C), Lse, scale,
+                     qk_descale, v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
+                     start_m * ROWS + C * BLOCK_M, n_tiles, base, i & 1, i == 0, next_q, BLOCK_M, BLOCK_N, HEAD_DIM,
+                     STAGES, IS_CAUSAL, WITH_LSE, True, True, 1 if C == 0 else 0, NEGATIVE_SCALE, PREFETCH_Q)
+            base += n_tiles
+            i += 1
+    if PREFETCH_Q:
+        tma.store_wait(0)  # (the last row block's output)
+
+
+@gluon.jit
+def _pp_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift, BH,
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 PERSISTENT: gl.constexpr):
+    """The producer warp of ``_gluon_attn_fwd_pp``: the K/V tiles of each row block it runs (one, or a
+    persistent program's every ``_pp_block``) into the ring, the next row block's as soon as slots free
+    up (they load under the consumers' last tiles and epilogue)."""
+    n_blocks, first, count, step = _pp_blocks(Lq, BH, ROWS, PERSISTENT, IS_CAUSAL)
+    base = 0
+    for t in range(first, count, step):
+        _k, _hz, halves = _pp_item(t, n_blocks, PERSISTENT, IS_CAUSAL)
+        for s in range(halves):
+            start_m, off_hz, off_z, off_h, off_h_kv = _pp_block(t, s, n_blocks, H, GROUP, PERSISTENT, IS_CAUSAL)
+            n_tiles = _key_tiles(Lk, start_m, causal_shift, ROWS, BLOCK_N, IS_CAUSAL)
+            _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base,
+                         BLOCK_N, STAGES)
+            base += n_tiles
+
+
+@gluon.jit
 def _gluon_attn_fwd_pp(
     q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD,
     stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
-    scale, H, GROUP, Lq, Lk, causal_shift,
+    scale, H, GROUP, Lq, Lk, causal_shift, BH,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, PREFETCH_Q: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """FlashAttention-3's schedule: a program of CONSUMERS x BLOCK_M rows, CONSUMERS (2 or 3) consumer
     warp groups of ``num_warps`` warps (the default partition and workers) owning BLOCK_M rows each, taking
@@ -377,70 +541,68 @@ def _gluon_attn_fwd_pp(
     consumer c waiting on turn c and completing turn c + 1, so one's softmax runs under the others'
     products), and a producer warp filling the K/V ring they share (``_ws_producer``; a slot goes back once
     every consumer is done with it: ``kv_empty`` counts CONSUMERS arrivals). q_desc's blocks are (1, 1,
-    BLOCK_M, D).
+    BLOCK_M, D). BH: B·H.
+
+    PERSISTENT (FlashAttention-3's persistent programs): a grid of at most one program an SM, program p
+    running row blocks p, p + P, ... of ``_pp_block``'s order, its barriers, ring and turns carried from
+    one to the next, so that the next row block's keys load under this one's last tiles and epilogue
+    instead of a new program starting cold; PREFETCH_Q (persistent, where shared memory holds an output tile
+    beside Q's): each consumer loads its next row block's Q under this one's last tile and epilogue. Otherwise
+    one program a row block, grid (row blocks, B·H).
 
     FP8 (float8_e4m3fn q, k and v; v_desc over the column-major values seen as (B, H_kv, D, Lk)): QD, KD,
     VD are the (B, H_kv) float32 descales (FlashAttention-3's: the query's indexed by its K/V head), each
     with its two strides; the output, 16-bit, gets tiles of its own. Otherwise they are not read."""
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
-    start_m, off_hz, off_z, off_h, off_h_kv = _program(H, GROUP)
     v_block: gl.constexpr = v_desc.block_type.shape
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, v_block[2], v_block[3]], v_desc.layout)
-    if FP8:
-        qk_descale = (gl.load(QD + off_z * stride_qdz + off_h_kv * stride_qdh)
-                      * gl.load(KD + off_z * stride_kdz + off_h_kv * stride_kdh))
-        v_descale = gl.load(VD + off_z * stride_vdz + off_h_kv * stride_vdh)
+    if FP8 or PREFETCH_Q:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, 1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
     else:
-        qk_descale = 1.0
-        v_descale = 1.0
         o_smem = q_smem
     q_bars = _barriers(CONSUMERS, 1)
     turns = _barriers(CONSUMERS, 1)
     kv_ready = _barriers(STAGES, 1)
     kv_empty = _barriers(STAGES, CONSUMERS)
     fence_async_shared()
-    # every consumer runs the rounds of the whole CONSUMERS x BLOCK_M block (their turns must pair up)
-    n_tiles = _key_tiles(Lk, start_m, causal_shift, CONSUMERS * BLOCK_M, BLOCK_N, IS_CAUSAL)
-    row_start = start_m * CONSUMERS * BLOCK_M
-    # consumer c waits on turn c and completes turn c + 1 (the first's first wait passes at once)
+    # (each warp group's arguments written out: a partition's function and arguments cannot be a value)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready,
-                        kv_empty, turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 1,
-                        NEGATIVE_SCALE)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready,
-                        kv_empty, turns.index(1), turns.index(0), o_desc, o_smem.index(1), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
-                        NEGATIVE_SCALE)),
-            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
-                            STAGES)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                            stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                            kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 0, CONSUMERS,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                            PERSISTENT, PREFETCH_Q)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                            stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                            kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 1, CONSUMERS,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                            PERSISTENT, PREFETCH_Q)),
+            (_pp_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift,
+                            BH, CONSUMERS * BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PERSISTENT)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(0), k_smem, v_smem, q_bars.index(0), kv_ready,
-                        kv_empty, turns.index(0), turns.index(1), o_desc, o_smem.index(0), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 1,
-                        NEGATIVE_SCALE)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(1), k_smem, v_smem, q_bars.index(1), kv_ready,
-                        kv_empty, turns.index(1), turns.index(2), o_desc, o_smem.index(1), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + BLOCK_M,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
-                        NEGATIVE_SCALE)),
-            (_consume, (q_desc, k_desc, v_desc, q_smem.index(2), k_smem, v_smem, q_bars.index(2), kv_ready,
-                        kv_empty, turns.index(2), turns.index(0), o_desc, o_smem.index(2), Lse, scale, qk_descale,
-                        v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz, row_start + 2 * BLOCK_M,
-                        n_tiles, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, True, True, 0,
-                        NEGATIVE_SCALE)),
-            (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, BLOCK_N,
-                            STAGES)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                            stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                            kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 0, CONSUMERS,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                            PERSISTENT, PREFETCH_Q)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                            stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                            kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 1, CONSUMERS,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                            PERSISTENT, PREFETCH_Q)),
+            (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
+                            stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
+                            kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 2, CONSUMERS,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
+                            PERSISTENT, PREFETCH_Q)),
+            (_pp_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift,
+                            BH, CONSUMERS * BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PERSISTENT)),
         ], [num_warps, num_warps, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     _invalidate(q_bars, CONSUMERS)
     _invalidate(turns, CONSUMERS)
@@ -464,11 +626,12 @@ FORCED = {64: "pingpong", 128: "pingpong", 256: "producer"}
 # four descriptors a call) costs a user's loop more than its kernel saves (tools/probe.py gluon_host,
 # benchmarks/NOTES.md).
 MIN_FLOPS = 3e10
-VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True}}
+VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong": True},
+            "persistent": {"pingpong": True, "persistent": True}}
 
 
 def variant(plan) -> str | None:
-    """The Gluon variant ("one", "producer" or "pingpong") that runs ``plan`` (a
+    """The Gluon variant ("one", "producer", "pingpong" or "persistent") that runs ``plan`` (a
     ``common.plan.ForwardPlan``) on the Triton backend, or None for the tl kernel."""
     switch = os.environ.get("ATTENTION_GLUON", "")
     if switch not in ("", "0", "1"):
@@ -485,8 +648,8 @@ def variant(plan) -> str | None:
                                        min(q.shape[2], plan.key.shape[2]))
     if chosen is None or chosen == "tl" or not serves(plan):
         return None
-    if plan.descales is not None and chosen != "pingpong":
-        return None  # (FP8: the ping-pong variant only)
+    if plan.descales is not None and not VARIANTS[chosen].get("pingpong"):
+        return None  # (FP8: the ping-pong variants only)
     return chosen
 
 
@@ -568,7 +731,7 @@ class BoundGluon:
         # the runtime arguments in these kernels)
         assert all(constexpr == (num >= len(args)) for _, num, constexpr, _ in params)
         self.constexprs = [self.meta[name] for name, _, constexpr, _ in params if constexpr]
-        self.kernels: dict = {}  # the compiled kernel per alignment of the call's descales
+        self.kernels: dict = {}  # the compiled kernel per alignment of the call's descales (common.launch.alignment)
 
     def __call__(self, tensors) -> None:
         if (tensors[0].data_ptr() | tensors[1].data_ptr() | tensors[2].data_ptr()) & 15:
@@ -576,7 +739,7 @@ class BoundGluon:
             return
         args = self.args.copy()
         args[:4] = [_rebased(t, tensors[i]) for i, t in enumerate(self.templates)]
-        key = (tensors[7].data_ptr() | tensors[8].data_ptr() | tensors[9].data_ptr()) & 15 == 0 if self.fp8 else True
+        key = alignment([tensors[7].data_ptr(), tensors[8].data_ptr(), tensors[9].data_ptr()]) if self.fp8 else 0
         kernel = self.kernels.get(key)
         if kernel is None:
             for position, role in self.slots:
@@ -648,13 +811,16 @@ def descriptors(q, k, v, out, block_m: int, block_n: int):
 
 def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
             specialized: bool = False, config: tuple[int, int, int, int] | None = None, pingpong: bool = False,
-            descales=None, out_dtype=torch.bfloat16):
+            descales=None, out_dtype=torch.bfloat16, persistent: bool = False, prefetch_q: bool | None = None):
     """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
     top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp. ``config``:
     (BLOCK_M, BLOCK_N, STAGES, num_warps) instead of ``tile``'s (a probe's sweep). ``pingpong``: the
     variant with num_warps / 4 consumer warp groups (two in ping-pong, or three in a ring) and a
-    producer warp, each consumer BLOCK_M / consumers rows.
+    producer warp, each consumer BLOCK_M / consumers rows. ``persistent`` (with ``pingpong``): at most
+    one program an SM, each running row blocks one after another (``_gluon_attn_fwd_pp``'s PERSISTENT);
+    ``prefetch_q`` (persistent): each row block loads the next one's Q (``_gluon_attn_fwd_pp``'s
+    PREFETCH_Q; None: where an output tile fits in shared memory beside Q's, ``_output_tile_fits``).
 
     FP8 (ping-pong only): q, k, v float8_e4m3fn, v column-major (``v.stride(2) == 1``: the layout
     ``common.plan.value_columns`` makes), ``descales`` their (B, H_kv) float32 descales (q's indexed by
@@ -662,19 +828,23 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
     B, H, Lq, D = q.shape
     if q.dtype == torch.float8_e4m3fn and not pingpong:
         raise ValueError("the Gluon forward takes FP8 inputs in its ping-pong variant only (pingpong=True)")
+    if persistent and not pingpong:
+        raise ValueError("the Gluon forward's persistent programs are the ping-pong variant's (pingpong=True)")
+    if prefetch_q and not persistent:
+        raise ValueError("prefetch_q=True loads a persistent program's next Q (persistent=True)")
     if out is None:
         fp8 = q.dtype == torch.float8_e4m3fn
         out = torch.empty(B, H, Lq, D, dtype=out_dtype if fp8 else q.dtype, device=q.device)
     if with_lse and lse is None:
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     kernel, grid, args, meta = _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized, config,
-                                       pingpong, descales)
+                                       pingpong, descales, persistent, prefetch_q)
     kernel[grid](*args, **meta)
     return (out, lse) if with_lse else out
 
 
 def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False, config=None, pingpong=False,
-            descales=None):
+            descales=None, persistent=False, prefetch_q=None):
     """(kernel, grid, args, meta) of ``forward``'s launch into ``out`` (and ``lse``): the runtime
     arguments in signature order, the four TMA descriptors (q, k, v, out) first, then the log-sum-exp
     (``out`` where there is none: never written) and, for ping-pong, the three descales (``out`` without
@@ -684,7 +854,7 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
     block_m, block_n, stages, num_warps = config or (pingpong_tile(D, q.dtype) if pingpong else tile(D))
     grid = (triton.cdiv(Lq, block_m), B * H)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
-                WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0, num_warps=num_warps)
+                WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0 and descales is None, num_warps=num_warps)
     scalars = (scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
     lse_arg = lse if with_lse else out
     if not pingpong:
@@ -701,9 +871,36 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
         descale_args = (qd, kd, vd, *qd.stride(), *kd.stride(), *vd.stride())
     else:
         descale_args = (out, out, out, 0, 0, 0, 0, 0, 0)  # (never read)
+    fits = _output_tile_fits(block_m, block_n, stages, D, q.element_size(), out.element_size())
+    if prefetch_q and not fits:
+        raise ValueError(f"prefetch_q=True needs an output tile beside Q's in shared memory, which the tile "
+                         f"{(block_m, block_n, stages, num_warps)} at head dim {D} leaves no room for")
+    if prefetch_q is None:
+        prefetch_q = persistent and fits
     meta.update(BLOCK_M=rows, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS[consumers], CONSUMERS=consumers,
-                num_warps=4)
-    return _gluon_attn_fwd_pp, grid, (*descs, lse_arg, *descale_args, *scalars), meta
+                PERSISTENT=persistent, PREFETCH_Q=bool(prefetch_q), num_warps=4)
+    if persistent:  # (one program an SM: a consumer warp group's registers and the ring fill it)
+        items = triton.cdiv(grid[0], 2) if causal_shift is not None else grid[0]  # (causal: pairs, _pp_item)
+        grid = (min(items * grid[1], _sm_count(q.device)), 1)
+    return _gluon_attn_fwd_pp, grid, (*descs, lse_arg, *descale_args, *scalars, B * H), meta
+
+
+# shared memory a program may take on sm_90 (H100, H200): 227 KiB
+SM90_SHARED_BYTES = 232448
+
+
+def _output_tile_fits(block_m: int, block_n: int, stages: int, head_dim: int, size: int, out_size: int) -> bool:
+    """Whether a ping-pong program's output tiles fit in shared memory beside its Q tiles and K/V ring
+    (``size``, ``out_size``: the inputs' and the output's bytes an element; a kilobyte left for the
+    barriers): at D 64 in 16 bits and every FP8 tile, not at D 128 and 256 in 16 bits."""
+    tiles = block_m * head_dim * (size + out_size) + 2 * stages * block_n * head_dim * size
+    return tiles + 1024 <= SM90_SHARED_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # each ping-pong consumer warp group's registers (S, P and O of its rows), by the number of consumers: three

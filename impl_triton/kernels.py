@@ -76,7 +76,18 @@ import triton
 import triton.language as tl
 
 from common import plan as _plan
-from common.jit_helpers import _cap_factors, _dropout_keep, _in_band, _key_stages, _narrow_query, _scores, _widen
+from common.jit_helpers import (
+    WIDEN_F16_ROWS,
+    _cap_factors,
+    _dropout_keep,
+    _in_band,
+    _keep_widened,
+    _key_stages,
+    _narrow_query,
+    _scores,
+    _sign_unknown,
+    _widen,
+)
 
 LOG2E = tl.constexpr(_plan.LOG2E)
 LN2 = tl.constexpr(_plan.LN2)
@@ -144,27 +155,28 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, MASKED: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DESCALE: tl.constexpr, WIDEN_K: tl.constexpr,
-    WIDEN_V: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DESCALE: tl.constexpr, SCALE_FIRST: tl.constexpr,
+    WIDEN_K: tl.constexpr, WIDEN_V: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into (acc, l_i, m_i).
 
     MASKED: the blocks may hold keys past Lk or, when BANDED, outside a row's
     band (row i sees keys i + band_lo .. i + band_hi); mask them. Unmasked blocks skip every comparison. DROPOUT: the
     row sums take every probability, the output only the kept ones. DESCALE (FP8 inputs):
-    qk_scale holds the descales, whose sign no constant knows, so scores are scaled before
-    their maximum is taken; WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
+    qk_scale holds the descales (per row for DESCALE_ROWS: an (M, 1) column); SCALE_FIRST:
+    their sign is unknown (:func:`_sign_unknown`): scores are scaled before their maximum is
+    taken, in a loop that is not pipelined (the rare case); WIDEN_K, WIDEN_V widen FP8 tiles for a 16-bit product.
     """
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
-    for j in range(lo, hi):
+    for j in tl.range(lo, hi, num_stages=1 if SCALE_FIRST else None):
         start_n = tl.multiple_of(j * BLOCK_N, BLOCK_N)
         offs_kn = start_n + offs_n
         key_ok = offs_kn < Lk
         k = _load_tile(k_ptrs + start_n.to(tl.int64) * stride_kn, key_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
         k = _widen(k, WIDEN_K)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or DESCALE:
+        if MASKED or MASK_KIND != NO_MASK or SOFTCAP or ALIBI or SCALE_FIRST:
             # soft-capped (or scaled) and ALiBi's bias added, in base 2
             qk, cap = _scores(qk, offs_m, offs_kn, qk_scale, cap_in, cap_out, alibi, alibi_shift, SOFTCAP, ALIBI)
             if MASKED:
@@ -193,10 +205,13 @@ def _attn_fwd_inner(
             # No mask: scale and subtract the maximum in one FMA per score. The
             # row maximum of qk * qk_scale is max(qk) * qk_scale, or min(qk) *
             # qk_scale for a negative scale.
+            row_scale = qk_scale
+            if DESCALE == DESCALE_ROWS:
+                row_scale = tl.max(qk_scale, 1)  # (each row's scale: the column as a vector)
             if NEGATIVE_SCALE:
-                m_ij = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+                m_ij = tl.maximum(m_i, tl.min(qk, 1) * row_scale)
             else:
-                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * row_scale)
             m_sub = m_ij
             qk = qk * qk_scale - m_sub[:, None]
         p = tl.math.exp2(qk)
@@ -208,6 +223,8 @@ def _attn_fwd_inner(
             p = tl.where(keep, p, 0.0)
         v = _load_tile(v_ptrs + start_n.to(tl.int64) * stride_vn, key_ok, dv_ok, MASKED, BLOCK_DV != HEAD_DIM_V)
         v = _widen(v, WIDEN_V)
+        if WIDEN_V == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+            v = _keep_widened(v, dv_ok)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
         m_i = m_ij
     return acc, l_i, m_i
@@ -355,19 +372,37 @@ def _attn_fwd(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
             offs_m, offs_n, offs_d, offs_dv, first, full_lo, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
             alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-            MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+            MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K,
+            WIDEN_V,
         )
+    fast_hi = full_hi
+    if DESCALE:
+        # A descale's sign is the GPU's: where not every row's scale is positive, the whole blocks
+        # take their maxima from the scaled scores, in a loop of their own after these (not
+        # pipelined: the rare case); otherwise that loop is empty. (Bounds, not a branch: loops
+        # under a branch had ptxas serialise the MMAs.)
+        fast_hi = tl.where(_sign_unknown(score_scale, DESCALE == DESCALE_ROWS), full_lo, full_hi)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
-        offs_m, offs_n, offs_d, offs_dv, full_lo, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
+        offs_m, offs_n, offs_d, offs_dv, full_lo, fast_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-        MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+        MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K,
+        WIDEN_V,
     )
+    if DESCALE:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
+            offs_m, offs_n, offs_d, offs_dv, fast_hi, full_hi, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
+            alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
+            MASK_KIND, False, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, True, WIDEN_K,
+            WIDEN_V,
+        )
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, stride_kn, stride_vn, stride_mn,
         offs_m, offs_n, offs_d, offs_dv, full_hi, end, Lq, Lk, row_lo, row_hi, qk_scale, cap_in, cap_out,
         alibi, alibi_shift, seed, off_hz, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_DV, BANDED,
-        MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, WIDEN_K, WIDEN_V,
+        MASK_KIND, True, NEGATIVE_SCALE, DOT_PRECISION, SPLIT, DROPOUT, SOFTCAP, ALIBI, DESCALE, False, WIDEN_K,
+        WIDEN_V,
     )
 
     if WITH_LSE:

@@ -15,9 +15,11 @@ import triton.language as tl
 
 from common.jit_helpers import (
     TANH_APPROX,
+    WIDEN_F16_ROWS,
     _alibi_bias,
     _cap_factors,
     _in_band,
+    _keep_widened,
     _key_stages,
     _narrow_query,
     _tanh,
@@ -48,6 +50,7 @@ def _paged_fwd(
     WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
     LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr, DESCALE: tl.constexpr, WIDEN: tl.constexpr,
+    WIDE_PAGES: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
@@ -78,7 +81,8 @@ def _paged_fwd(
     WITH_LSE: the log-sum-exp (natural log) of each row into LSE, (B, H, Lq) or, SPLIT,
     the partials' (B, H, Lq, NUM_SPLITS), contiguous. SPLIT: O and LSE are the float32
     partials that the last program of each row block merges into OUT and, MERGE_LSE,
-    LSE_OUT (B, H, Lq) (as in _attn_fwd).
+    LSE_OUT (B, H, Lq) (as in _attn_fwd). WIDE_PAGES: a cache's storage holds 2^31 elements or
+    more, so a key's offset within it (page, slot) is taken in 64 bits; in 32 otherwise.
     """
     start_m = tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
@@ -138,54 +142,67 @@ def _paged_fwd(
     table = TABLE + off_z * stride_tz
     k_base = K_CACHE + off_h_kv * stride_kh + offs_d[None, :] * stride_kd
     v_base = V_CACHE + off_h_kv * stride_vh + offs_dv[None, :] * stride_vd
-    for j in range(first, end):
-        offs_kn = j * BLOCK_N + offs_n
-        key_ok = (offs_kn < Lk) & (offs_kn >= key_start)
-        # each key's page (PAGE neighbours share one table entry), clamped into the cache
-        entry_ok = key_ok
-        if VALUE_COLUMNS:  # (a mask constant over each page's keys: the hint below holds)
-            entry_ok = offs_kn < MAX_PAGES * PAGE
-        page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=entry_ok, other=0)
-        page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
-        if VALUE_COLUMNS:
-            # aligned runs of PAGE_RUN keys share an entry, so each column of a value page loads in vectors
-            page = tl.max_constancy(page, PAGE_RUN)
-        page = page.to(tl.int64)
-        slot = (offs_kn % PAGE).to(tl.int64)
-        k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None], mask=key_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        k = _widen(k, WIDEN)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
-            qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
-        else:
-            qk = qk * qk_scale
-        if ALIBI:  # (each row's position is its last key)
-            qk += _alibi_bias(last_key, offs_kn, alibi, 0)
-        valid = key_ok[None, :]
-        if BANDED:
-            valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
-        if QUERY_LENGTHS:
-            valid = valid & row_ok[:, None]
-        qk = tl.where(valid, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-        p = tl.math.exp2(qk - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v_ptrs = v_base + (page * stride_vb + slot * stride_vs)[:, None]
-        if VALUE_COLUMNS:
-            # every address lies in the caches (pages clamped): no key mask, which would split the
-            # vectors; a key past the length (or before a left pad) may hold anything, NaN
-            # included, so a step that holds one zeroes them, as p is
-            v = _widen(_load_tile(v_ptrs, key_ok, dv_ok, False, BLOCK_DV != HEAD_DIM_V), WIDEN)
-            if (j + 1) * BLOCK_N > Lk or j * BLOCK_N < key_start:
-                v = tl.where(key_ok[:, None], v, 0.0)
-        else:
-            v = _widen(tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0), WIDEN)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_ij
+    # Column-major value pages load unmasked (a key mask would split their vectors), so a step holding
+    # keys past the length or before a left pad zeroes those values in registers. Only a first and a
+    # last step can: they run apart (phases 0 and 2, a step at most each, not pipelined), and the main
+    # loop's values (phase 1) go from the copy engine to the product untouched.
+    mid_lo, mid_hi = first, end
+    if VALUE_COLUMNS:
+        if LEFTPADDED:
+            mid_lo = tl.minimum(tl.maximum(first, tl.cdiv(key_start, BLOCK_N)), end)
+        mid_hi = tl.minimum(tl.maximum(Lk // BLOCK_N, mid_lo), end)
+    for phase in tl.static_range(3):
+        if phase == 1 or (VALUE_COLUMNS and (phase == 2 or LEFTPADDED)):
+            step_lo = first if phase == 0 else (mid_lo if phase == 1 else mid_hi)
+            step_hi = mid_lo if phase == 0 else (mid_hi if phase == 1 else end)
+            for j in tl.range(step_lo, step_hi, num_stages=None if phase == 1 else 1):
+                offs_kn = j * BLOCK_N + offs_n
+                key_ok = (offs_kn < Lk) & (offs_kn >= key_start)
+                # each key's page (PAGE neighbours share one table entry), clamped into the cache
+                entry_ok = key_ok
+                if VALUE_COLUMNS:  # (a mask constant over each page's keys: the hint below holds)
+                    entry_ok = offs_kn < MAX_PAGES * PAGE
+                page = tl.load(table + (offs_kn // PAGE) * stride_tb, mask=entry_ok, other=0)
+                page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
+                if VALUE_COLUMNS:
+                    # aligned runs of PAGE_RUN keys share an entry: each column of a value page loads in vectors
+                    page = tl.max_constancy(page, PAGE_RUN)
+                slot = offs_kn % PAGE
+                if WIDE_PAGES:  # (a cache of 2^31 elements or more; 32-bit offsets take fewer instructions)
+                    page, slot = page.to(tl.int64), slot.to(tl.int64)
+                k = tl.load(k_base + (page * stride_kb + slot * stride_ks)[:, None],
+                            mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+                k = _widen(k, WIDEN)
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
+                    qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
+                else:
+                    qk = qk * qk_scale
+                if ALIBI:  # (each row's position is its last key)
+                    qk += _alibi_bias(last_key, offs_kn, alibi, 0)
+                valid = key_ok[None, :]
+                if BANDED:
+                    valid = valid & _in_band(last_key, offs_kn, band_lo, band_hi)
+                if QUERY_LENGTHS:
+                    valid = valid & row_ok[:, None]
+                qk = tl.where(valid, qk, float("-inf"))
+                m_ij = tl.maximum(m_i, tl.max(qk, 1))
+                m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
+                p = tl.math.exp2(qk - m_sub[:, None])
+                alpha = tl.math.exp2(m_i - m_sub)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                v_ptrs = v_base + (page * stride_vb + slot * stride_vs)[:, None]
+                if VALUE_COLUMNS:  # (every address lies in the caches: pages clamped)
+                    v = _widen(_load_tile(v_ptrs, key_ok, dv_ok, False, BLOCK_DV != HEAD_DIM_V), WIDEN)
+                    if phase != 1:  # (a key past the length or before a left pad may hold anything, NaN too)
+                        v = tl.where(key_ok[:, None], v, 0.0)
+                else:
+                    v = _widen(tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0), WIDEN)
+                    if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+                        v = _keep_widened(v, dv_ok)
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+                m_i = m_ij
 
     if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
         lse = (m_i + tl.math.log2(l_i)) * LN2

@@ -66,13 +66,16 @@ def _seed_and_poison(request):
 
 @pytest.fixture
 def plans():
-    """``common.attention``'s kept plans (common.reuse.PLANS), emptied for this test: what it
-    plans is all there is to see."""
+    """``common.attention``'s kept plans (common.reuse.PLANS), emptied for this test, and the masked
+    layouts it has met once: what it plans is all there is to see."""
+    from common.dispatch import _MASKED_ONCE
     from common.reuse import PLANS
 
     PLANS.clear()
+    _MASKED_ONCE.clear()
     yield PLANS
     PLANS.clear()
+    _MASKED_ONCE.clear()
 
 
 @pytest.fixture

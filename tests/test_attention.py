@@ -958,15 +958,63 @@ def test_plan_reused_for_a_layout(case, splits, backend, device, monkeypatch, pl
         check_lse(lse3, *inputs[:2], **kwargs)
 
 
+MASKED_REUSE_CASES = [
+    Case(2, 4, 1, 40, 32, H_kv=2, mask="bool", mask_shape="B11Lk"),  # decode: the mask packed with the query's heads
+    Case(2, 4, 9, 33, 16, dtype=bf16, mask="additive-empty-rows"),  # a mask per head; rows with no key
+    Case(None, 2, 5, 20, 32, layout="transposed", mask="bool", mask_shape="LqLk"),  # 3-D, strided, a 2-D mask
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in MASKED_REUSE_CASES])
+def test_masked_calls_keep_a_plan(case, backend, device, monkeypatch, plans):
+    """A masked call's layout (the mask's shape, strides and dtype with the rest, the keys' length too)
+    keeps a plan from its second call (a growing cache's masked loop meets each layout once): later calls
+    plan nothing, and from the plan's third run on launch the bound launch, each with its own mask (fresh
+    values every call, one of them off 16 bytes: never an earlier call's), with the right answer every time."""
+    from common import dispatch, plan
+    from common.backends import get_backend
+    from common.reuse import AttentionPlan, BoundLaunch
+
+    for call in range(2):  # (a masked layout's plan is kept from its second call)
+        q, k, v, mask = make_inputs(case, device)
+        kwargs = sdpa_kwargs(case, mask)
+        check_output(attention(q, k, v, backend=backend, **kwargs), q, k, v, **kwargs)
+        assert len(plans) == call
+    (kept,) = plans.values()
+    assert not kept.grows_keys and not any(isinstance(f, torch.Tensor) for f in kept._fields)
+
+    def no_planning(*args, **kw):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(plan, "make_forward", no_planning)
+    monkeypatch.setattr(dispatch, "check_call", no_planning)
+    monkeypatch.setattr(get_backend(backend).load(), "refine_forward", no_planning)  # (planning's last step)
+    for call in range(3):
+        if call == 1:
+            monkeypatch.setattr(AttentionPlan, "_rebind", no_planning)  # (bound from the third call)
+        q, k, v, mask = make_inputs(case, device)
+        if call == 2:  # the same layout one byte (bool) or element off: the mask's alignment changes
+            shifted = torch.empty(mask.numel() + 1, dtype=mask.dtype, device=device)[1:].view(mask.shape)
+            mask = shifted.copy_(mask)
+            assert mask.data_ptr() % 16 != 0
+        kwargs = sdpa_kwargs(case, mask)
+        check_output(attention(q, k, v, backend=backend, **kwargs), q, k, v, **kwargs)
+        assert isinstance(kept._bound, BoundLaunch)
+    assert len(plans) == 1
+
+
 def test_bound_launch_follows_the_inputs_alignment(backend, device, monkeypatch, plans):
     """A layout's bound launch meets inputs of the same shapes and strides at addresses that are
-    not 16-byte multiples (which Triton specialises its kernels on), then aligned ones again:
-    the right answer every time."""
+    not 16-byte multiples (which Triton specialises its kernels on, each pointer on its own), one
+    tensor off, then another (a kernel compiled for the query off must not run where the keys are),
+    all of them, then aligned ones again: the right answer every time."""
     shape = (2, 3, 20, 32)
     numel = 2 * 3 * 20 * 32
-    for offset in (0, 0, 0, 1, 1, 0):  # in elements: 1 is 2 bytes off
-        q, k, v = (torch.randn(numel + offset, dtype=f16, device=device)[offset:].view(shape) for _ in range(3))
-        assert (q.data_ptr() % 16 == 0) == (offset == 0)
+    patterns = [(0, 0, 0)] * 3 + [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 0), (0, 1, 0), (1, 1, 1), (1, 1, 1),
+                                  (0, 0, 0)]
+    for offsets in patterns:  # in elements: 1 is 2 bytes off
+        q, k, v = (torch.randn(numel + offset, dtype=f16, device=device)[offset:].view(shape) for offset in offsets)
+        assert [t.data_ptr() % 16 == 0 for t in (q, k, v)] == [offset == 0 for offset in offsets]
         check_output(attention(q, k, v, backend=backend), q, k, v)
     assert len(plans) == 1
 
@@ -992,7 +1040,7 @@ def test_bound_launch_passes_addresses(backend, device, monkeypatch, plans, plan
     assert len(kernels) == 2  # the attention kernel's launch and the merge's
     out = torch.empty(bound.shape, dtype=bound.dtype, device=device)
     o_part, lse_part = plan.partials(bound.out_shape[:3], bound.num_splits, bound.out_shape[3], device)
-    tensors = (q, k, v, out, None, o_part, lse_part, None, None, None)  # (ForwardPlan.ROLES: no descales)
+    tensors = (q, k, v, out, None, o_part, lse_part, None, None, None, None)  # (ForwardPlan.ROLES: no descales, mask)
     launches, keys = {"launcher": {}, "direct": {}}, {}
     launch_new = BoundKernel.launch_new
 
@@ -1052,7 +1100,13 @@ def test_reused_calls_keep_no_tensor(backend, device, monkeypatch, plans):
         k, v = (torch.randn(1, 2, Lk, 32, device=device) for _ in range(2))
         out = attention(q, k, v, enable_gqa=True, backend=backend)
         refs += [weakref.ref(t) for t in (q, k, v, out)]
-    del q, k, v, out
+    for _ in range(4):  # a masked layout: met, planned, re-bound and bound (its masks not kept either)
+        q = torch.randn(1, 4, 1, 32, device=device)
+        k, v = (torch.randn(1, 2, 40, 32, device=device) for _ in range(2))
+        mask = torch.rand(1, 1, 1, 40, device=device) < 0.8
+        out = attention(q, k, v, attn_mask=mask, enable_gqa=True, backend=backend)
+        refs += [weakref.ref(t) for t in (q, k, v, mask, out)]
+    del q, k, v, mask, out
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
 

@@ -96,6 +96,38 @@ def test_fp8_probabilities_rounding_choice(backend, fp8_pv):
     assert ((out.double() - expected).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
+def test_fp8_values_widened_by_their_layout(backend, value_columns):
+    """A 16-bit query over FP8 keys and values: values stored row-major (keys a row apart) are widened
+    as Widen.FLOAT16_ROWS (kept in registers through a no-op select until widened, so that the P·V
+    product's transpose moves float16 pairs, not e4m3 bytes), column-major ones as FLOAT16; keys always
+    as FLOAT16. The plan says so, and the answer keeps the float64 bound either way. Paged caches:
+    the same rule on the value pages, at each launch (common.paged.cache_widen)."""
+    from common import validation
+    from common.backends import resolve
+    from common.paged import cache_widen
+    from common.plan import Widen, make_forward
+
+    B, H, H_kv, Lq, Lk, D = 2, 4, 2, 1, 77, 32
+    q, k, v, _, kd, vd, q_real, k_real, v_real = _inputs(B, H, H_kv, Lq, Lk, D, D, torch.bfloat16)
+    if value_columns:
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
+    call = validation.check_call(resolve(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=True, return_lse=False, fp8=(None, kd, vd, None))
+    plan = make_forward(call, resolve(backend), with_lse=False)
+    assert (plan.widen_k, plan.widen_v) == (Widen.FLOAT16, Widen.FLOAT16 if value_columns else Widen.FLOAT16_ROWS)
+    out = attention(q, k, v, enable_gqa=True, k_descale=kd, v_descale=vd, backend=backend)
+    expected = reference(q_real, k_real, v_real, enable_gqa=True)
+    bound = fp8_error_bound(reference_probs(q_real, k_real), v_real, expected, torch.bfloat16,
+                            _pv_rounding(torch.bfloat16), 0.0)
+    assert ((out.double() - expected).abs() <= bound).all()
+    pages = v.view(torch.uint8).permute(0, 2, 1, 3)[:, :64].contiguous().view(torch.float8_e4m3fn)  # (B, 64, H_kv, D)
+    descales = (kd, vd)
+    assert cache_widen(descales, pages) == Widen.FLOAT16_ROWS
+    assert cache_widen(descales, pages.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)) == Widen.FLOAT16
+    assert cache_widen(None, pages.view(torch.uint8).to(torch.bfloat16)) == Widen.NONE
+
+
 # Features that combine with FP8: compared with the same call on the dequantized inputs in float32
 # (the same backend, the same features, nothing rounded to e4m3), within the bound with every
 # probability at most 1 and summing to at most 1: v_descale * max|v| * (u + Lk * a).
@@ -135,6 +167,48 @@ def test_fp8_combines_with_features(backend, feature):
     assert torch.equal(finite, torch.isfinite(lse))
     slack = 1e-5 * expected_lse.abs() + 1e-4 + score_error
     assert ((lse - expected_lse).abs()[finite] <= slack[finite]).all()
+
+
+def _signed(descale, signs):
+    """``descale`` (rows, heads) times ``signs`` (rows, 2), each sign repeated over its half of the heads."""
+    return descale * signs.repeat_interleave(descale.shape[1] // 2, dim=1).to(descale.device)
+
+
+# Signs of the descales per (batch or sequence, K/V head): every combination of the query's and the
+# keys' (their product: -, -, +, +), and the values' flipped beside them.
+Q_SIGNS = torch.tensor([[-1.0, 1.0], [-1.0, 1.0]])
+K_SIGNS = torch.tensor([[1.0, -1.0], [-1.0, 1.0]])
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16_query"])
+@pytest.mark.parametrize("scale", [None, -0.2], ids=["scale", "negative_scale"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_fp8_descales_of_either_sign(backend, query_dtype, scale, is_causal):
+    """A real value is its stored one times its descale, whatever the descale's sign. The kernels
+    move the sign of a row's scores' scale onto the query's row so that the key blocks every row sees
+    whole take their maximum from the raw products (one FMA a score); with the query's and keys'
+    descales of each sign (and a negative scale on top) each head matches float64 attention of the
+    real values within the bound."""
+    B, H, H_kv, Lq, Lk, D = 2, 4, 2, 21, 300, 32  # (keys past the interpreter's block of 128: whole blocks)
+    q, k, v, qd, kd, vd, *_ = _inputs(B, H, H_kv, Lq, Lk, D, D, query_dtype)
+    kd, vd = _signed(kd, K_SIGNS), _signed(vd, -K_SIGNS)
+    q_real = q.double()
+    if qd is not None:
+        qd = _signed(qd, Q_SIGNS)
+        q_real = dequantize_fp8(q, qd, torch.float64)
+    k_real, v_real = dequantize_fp8(k, kd, torch.float64), dequantize_fp8(v, vd, torch.float64)
+    out = attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True, q_descale=qd, k_descale=kd,
+                    v_descale=vd, alignment="bottom_right", backend=backend)
+    out_dtype = torch.bfloat16 if qd is not None else query_dtype
+    mask = torch.ones(Lq, Lk, dtype=torch.bool, device=DEVICE).tril(Lk - Lq) if is_causal else None
+    expected = reference(q_real, k_real, v_real, attn_mask=mask, scale=scale, enable_gqa=True)
+    scale = D**-0.5 if scale is None else scale
+    probs = reference_probs(q_real, k_real, attn_mask=mask, scale=scale)
+    score_error = _score_error(q_real, k_real, scale) if qd is not None else 0.0
+    bound = fp8_error_bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
+    error = (out.double() - expected).abs()
+    assert torch.isfinite(out).all()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, max excess {(error - bound).max():.3g}"
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -462,6 +536,35 @@ def test_varlen_fp8_descales_per_sequence(backend, query_dtype, lengths, is_caus
         fp8_query = query_dtype == torch.float8_e4m3fn
         score_error = _score_error(q_real, k_real, D**-0.5) if fp8_query else 0.0
         bound = fp8_error_bound(probs, v_real, expected, out_dtype, _pv_rounding(query_dtype), score_error)
+        error = (rows - expected).abs()
+        assert torch.isfinite(rows).all()
+        assert (error <= bound).all(), f"sequence {b}: max error {error.max():.3g}, excess {(error - bound).max():.3g}"
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16_query"])
+def test_varlen_fp8_descales_of_either_sign(backend, query_dtype):
+    """Descales per sequence of either sign (each row's scale a column in the kernels, its sign moved
+    onto the row of the query): each sequence matches float64 attention of its real values."""
+    from common import varlen_attention
+
+    H, H_kv, D = 4, 2, 32
+    lengths = ((256, 40), (300, 270))  # (rows and keys past the interpreter's blocks of 128: whole blocks)
+    (q, k, v), (qd, kd, vd), (cu_q, cu_k), real = _packed_fp8(*lengths, H, H_kv, D, query_dtype)
+    kd, vd = _signed(kd, K_SIGNS), _signed(vd, -K_SIGNS)
+    qd = _signed(qd, Q_SIGNS) if qd is not None else None
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lengths[0]), max(lengths[1]), enable_gqa=True, q_descale=qd,
+                           k_descale=kd, v_descale=vd, backend=backend)
+    for b, (q_real, k_real, v_real) in enumerate(real):
+        q_signs, k_signs = (signs[b].repeat_interleave(H_kv // 2).to(DEVICE) for signs in (Q_SIGNS, K_SIGNS))
+        if qd is not None:
+            q_real = q_real * q_signs.repeat_interleave(H // H_kv)[None, :, None, None].double()
+        k_real = k_real * k_signs[None, :, None, None].double()
+        v_real = v_real * -k_signs[None, :, None, None].double()
+        rows = out[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None].double()
+        expected = reference(q_real, k_real, v_real, enable_gqa=True)
+        score_error = _score_error(q_real, k_real, D**-0.5) if qd is not None else 0.0
+        bound = fp8_error_bound(reference_probs(q_real, k_real), v_real, expected, out.dtype,
+                                _pv_rounding(query_dtype), score_error)
         error = (rows - expected).abs()
         assert torch.isfinite(rows).all()
         assert (error <= bound).all(), f"sequence {b}: max error {error.max():.3g}, excess {(error - bound).max():.3g}"

@@ -16,14 +16,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-VARIANTS = {"one-partition": {}, "producer-warp": {"specialized": True}, "ping-pong": {"pingpong": True}}
+VARIANTS = {"one-partition": {}, "producer-warp": {"specialized": True}, "ping-pong": {"pingpong": True},
+            "persistent": {"pingpong": True, "persistent": True}}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_compiles_for_sm90_with_the_overlap(variant, tmp_path):
     """Built for sm_90 with the installed Triton: warp-group MMAs, TMA copies in (K, V, Q) and out (the
-    output, once per consumer), no spills (a few words at most), and the loop waiting for a tile's S while the previous
-    tile's P V is in flight."""
+    output, once per consumer), no spill inside the key loop (and outside it a few words at most), and the loop
+    waiting for a tile's S while the previous tile's P V is in flight."""
     # (each test its own output folder: tests running side by side would write the same files)
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal",
                "--out", str(tmp_path)]
@@ -33,10 +34,12 @@ def test_compiles_for_sm90_with_the_overlap(variant, tmp_path):
     line = re.search(r"D=128 .*", result.stdout).group(0)
     fields = dict(item.split("=") for item in line.split())
     # no spill, but for ping-pong's tile at D 128 under triton 3.6: keys of 128 leave 8-24 bytes of stack
-    # there, and measured fastest (gluon_attention.pingpong_tile)
-    allowed = 24 if variant == "ping-pong" else 0
+    # there, and measured fastest (gluon_attention.pingpong_tile); a persistent program keeps its loops' values
+    # over items and row blocks on the stack around the key loop (read and written once a row block)
+    allowed = {"ping-pong": 24, "persistent": 160}.get(variant, 0)
     assert int(fields["STACK"]) <= allowed and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
-    assert int(fields["UTMASTG"]) == (2 if variant == "ping-pong" else 1), line
+    assert fields["KEY_LOOP_LOCAL"] == "0", line
+    assert int(fields["UTMASTG"]) == (2 if VARIANTS[variant].get("pingpong") else 1), line
     assert fields["OVERLAP"] == "1", line
 
 
@@ -65,6 +68,22 @@ def test_fp8_pingpong_compiles_for_sm90(tmp_path):
     assert int(fields["UTMALDG"]) > 0 and int(fields["UTMASTG"]) == 2 and fields["OVERLAP"] == "1", line
 
 
+def test_persistent_prefetch_compiles_for_sm90(tmp_path):
+    """Persistent programs at D 64 in 16 bits (causal) load each row block's next Q early
+    (``prefetch_q``'s default there): they build for sm_90 with the installed Triton with an output tile
+    of their own beside Q's and the K/V ring (128 KiB of tiles), no spill on the key loop's hot path."""
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "64", "--causal", "--pingpong",
+               "--persistent", "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = re.search(r"D=64 .*", result.stdout).group(0)
+    fields = dict(item.split("=") for item in line.split())
+    assert int(fields["SMEM"]) >= 2 * 128 * 64 * 2 + 2 * 3 * 128 * 64 * 2, line  # (Q, the output, K and V)
+    # (triton 3.9 reads two words from the stack inside the loop's branches taken once a row block, the
+    # last tile's prefetch and the diagonal tile's mask; triton 3.6, the H200's, none)
+    assert int(fields["KEY_LOOP_LOCAL"]) <= 2 and int(fields["STACK"]) <= 80 and fields["OVERLAP"] == "1", line
+
+
 CASES = [  # (B, H, H_kv, Lq, Lk, scale)
     (2, 4, 2, 300, 517, 0.3),  # grouped heads, lengths off the tiles
     (1, 8, 8, 1000, 1000, -0.2),  # a negative scale (the unmasked tiles' maximum is the scores' minimum)
@@ -91,6 +110,26 @@ def test_three_consumer_pingpong_matches_sdpa(dtype, causal, case, config):
     """The ping-pong variant with three consumer warp groups of 64 rows (12 warps: FlashAttention-3's tile
     at D 64, taking turns in a ring), as the other variants."""
     _check_forward(64, dtype, causal, case, pingpong=True, config=config)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("D, prefetch_q", [(64, True), (64, False), (128, False)],
+                         ids=["D64-prefetch", "D64", "D128"])  # (D 128 in 16 bits: no room for it)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("Lq", [1200, 1300])
+def test_persistent_programs_run_many_row_blocks_each(D, prefetch_q, causal, programs, Lq, monkeypatch):
+    """Persistent programs (``_gluon_attn_fwd_pp``'s PERSISTENT) on a grid of 1, 3 or 7 (a GPU of that many
+    SMs, as far as the launch knows): each program runs tens of row blocks of changing key counts (causal;
+    bottom-right with more queries than keys: row blocks that see no key), its K/V ring, Q barriers and
+    turns carried from one to the next, and every row matches float32 attention. Causal programs run row
+    blocks in pairs (``_pp_item``): 1200 queries make 10 row blocks of 128 a head, 1300 eleven (a pair of one).
+    ``prefetch_q``: each row block loads the next one's Q while it finishes (PREFETCH_Q)."""
+    from impl_triton import gluon_attention as ga
+
+    monkeypatch.setattr(ga, "_sm_count", lambda device: programs)
+    _check_forward(D, torch.bfloat16, causal, (2, 6, 2, Lq, 900, 0.2), pingpong=True, persistent=True,
+                   prefetch_q=prefetch_q)
 
 
 def _check_forward(D, dtype, causal, case, **variant):
@@ -131,10 +170,15 @@ FP8_CASES = [  # (B, H, H_kv, Lq, Lk, scale): keys in multiples of 16 (TMA's row
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}"
                                                  for c in FP8_CASES])
-def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case):
+@pytest.mark.parametrize("signs", ["positive", "mixed"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["a-program-a-block", "persistent"])
+def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case, signs, persistent, monkeypatch):
     """FP8 q, k, v (FlashAttention-3's descales, the values column-major) through the ping-pong variant:
     every output row written (poisoned), within twice the tl kernel's error against float64 attention of
-    the dequantized inputs (both round P to e4m3 for P V), and the log-sum-exp likewise."""
+    the dequantized inputs (both round P to e4m3 for P V), and the log-sum-exp likewise. ``mixed``: the
+    descales of either sign, the query's and keys' product negative for some (batch, K/V head) and
+    positive for others (a negative one moves onto Q in shared memory). ``persistent``: the same through
+    two persistent programs (each row block reads its own descales)."""
     from common import attention, quantize_fp8
     from common.fp8 import dequantize_fp8
     from impl_triton import gluon_attention as ga
@@ -144,6 +188,11 @@ def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case
     k8, kd = quantize_fp8(torch.randn(B, H_kv, Lk, D, device="cuda") * 3)
     v8, vd = quantize_fp8(torch.randn(B, H_kv, Lk, D, device="cuda"))
     v8 = v8.transpose(2, 3).contiguous().transpose(2, 3)  # (column-major: the layout the plan copies FP8 values to)
+    if signs == "mixed":  # (every case has pairs whose q·k descale is negative and pairs where it is positive)
+        pair = torch.arange(B * H_kv, device="cuda").view(B, H_kv)
+        qd = qd * torch.where(pair % 2 == 0, -1.0, 1.0)
+        kd = kd * torch.where(pair % 4 < 2, 1.0, -1.0)
+        vd = vd * torch.where(pair % 3 == 0, -1.0, 1.0)
     qf = dequantize_fp8(q8, qd, torch.float64)  # (qd per K/V head: each repeated over its group's heads)
     kf, vf = (dequantize_fp8(t, d, torch.float64).repeat_interleave(H // H_kv, 1) for t, d in ((k8, kd), (v8, vd)))
     shift = None if causal is None else (Lk - Lq if causal == "bottom_right" else 0)
@@ -154,7 +203,9 @@ def test_gluon_fp8_pingpong_as_close_to_float64_as_the_tl_kernel(D, causal, case
     expected, expected_lse = torch.softmax(s, -1).nan_to_num(0.0) @ vf, torch.logsumexp(s, -1)
     out = torch.full((B, H, Lq, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((B, H, Lq), float("nan"), device="cuda")
-    ga.forward(q8, k8, v8, scale, shift, True, out=out, lse=lse, pingpong=True, descales=(qd, kd, vd))
+    monkeypatch.setattr(ga, "_sm_count", lambda device: 2)  # (persistent: two programs, many row blocks each)
+    ga.forward(q8, k8, v8, scale, shift, True, out=out, lse=lse, pingpong=True, descales=(qd, kd, vd),
+               persistent=persistent)
     tl_out, tl_lse = attention(q8, k8, v8, is_causal=shift is not None, scale=scale, enable_gqa=True,
                                return_lse=True, q_descale=qd, k_descale=kd, v_descale=vd, backend="triton",
                                alignment="bottom_right" if causal == "bottom_right" else "top_left")
@@ -290,9 +341,10 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     PLANS.clear()
     taken = []
     run = ga.forward
-    monkeypatch.setattr(ga, "forward", lambda q, *args, specialized=False, pingpong=False, **kw: taken.append(
-        (q.shape[2], q.shape[-1], "pingpong" if pingpong else "producer" if specialized else "one")) or run(
-        q, *args, specialized=specialized, pingpong=pingpong, **kw))
+    monkeypatch.setattr(ga, "forward", lambda q, *args, specialized=False, pingpong=False, persistent=False, **kw:
+                        taken.append((q.shape[2], q.shape[-1], "persistent" if persistent else "pingpong" if pingpong
+                                      else "producer" if specialized else "one"))
+                        or run(q, *args, specialized=specialized, pingpong=pingpong, persistent=persistent, **kw))
     shapes = ((8, 16, 1024, 256), (8, 16, 1024, 128), (1, 8, 1024, 128), (2, 8, 200, 128), (1, 8, 8192, 64),
               (2, 8, 4096, 64), (4, 4, 1024, 64))
     table = get_backend("triton").configs
@@ -310,7 +362,7 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     assert switch != "" or (len(default) >= 2 and any(chosen != "tl" and not large for *_, chosen, large in named))
 
 
-@pytest.mark.parametrize("variant", ["one", "producer", "pingpong"])
+@pytest.mark.parametrize("variant", ["one", "producer", "pingpong", "persistent"])
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with_lse):
     """BoundGluon (CPU, the kernel and Triton's launcher stood in): the binding call's tensors are not
@@ -322,6 +374,7 @@ def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with
     from impl_triton import gluon_attention as ga
 
     B, H, H_kv, L, D = 2, 4, 2, 256, 128
+    monkeypatch.setattr(ga, "_sm_count", lambda device: 132)  # (persistent: a CPU has no SMs to count)
 
     def tensors():
         q = torch.randn(B, H, L, D, dtype=torch.bfloat16)
@@ -358,8 +411,10 @@ def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with
     (_, grid, args, meta), (_, grid3, direct) = calls
     assert [d.base for d in args[:4]] == [q, k, v, out] and args[0].shape == list(q.shape)
     assert args[4] is (lse if with_lse else out) and meta["IS_CAUSAL"] and meta["WITH_LSE"] == with_lse
-    if variant == "pingpong":
+    if variant in ("pingpong", "persistent"):
         assert all(a is out for a in args[5:8])
+    # (persistent: a program a pair of causal row blocks here)
+    assert grid == ((B * H, 1) if variant == "persistent" else (2, B * H))
     assert len(direct) == len(params) and grid3 == (*grid, 1)
     assert direct[4] == (lse if with_lse else out).data_ptr() and direct[len(args):] == tuple(
         meta[name] for name, _, constexpr, _ in params if constexpr)

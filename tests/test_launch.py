@@ -441,7 +441,8 @@ def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monk
 def test_ninetoothed_kernels_take_each_size_once():
     """Each NineToothed kernel takes as sizes only those that can differ between its tensors:
     tensors of equal sizes in every launch share their size symbols (the output, log-sum-exps,
-    gradients, bands and sinks the query's (B, H, Lq); the values the keys'; ...). NineToothed
+    gradients, bands and sinks the query's (B, H, Lq); the values the keys'; the keys the query's
+    (B, H) where each query head reads a K/V head of its own, as every packed call; ...). NineToothed
     unravels the program id from each tensor's own sizes, an integer division by a kernel
     argument apiece, so each size passed twice was work every program did twice (sm_90: 14-26
     divisions before the first key step where 6-7 remain)."""
@@ -453,8 +454,10 @@ def test_ninetoothed_kernels_take_each_size_once():
 
     query, key, cache = ({(name, d) for d in range(3)} for name in ("query", "key", "key_cache"))
     expected = {
-        (ntk.premake, (32, 32, 16, 16, False)): query | key | {("key_blocks", 2)},
-        (ntk.premake, (32, 32, 16, 16, True)): query | key | {("key_blocks", 2), ("output", 3)},
+        (ntk.premake, (32, 32, 16, 16, False)): query | {("key", 2), ("key_blocks", 2)},  # (keys of the query's heads)
+        (ntk.premake, (32, 32, 16, 16, True)): query | {("key", 2), ("key_blocks", 2), ("output", 3)},
+        (ntk.premake, (32, 32, 16, 16, False, None, None, True)): query | key | {("key_blocks", 2)},  # (grouped)
+        (ntk.premake, (32, 32, 16, 16, True, None, None, True)): query | key | {("key_blocks", 2), ("output", 3)},
         (ntk.premake_combine, (32, 16, 16)): {("o_part", 0), ("o_part", 1)},
         (ntk.premake_dq, (32, 32, 16, 16)): query | key | {("key_blocks", 2)},
         (ntk.premake_dkdv, (32, 32, 16, 16)): query | key | {("query_blocks", 2)},
@@ -496,3 +499,30 @@ def test_ninetoothed_dq_is_not_specialised_on_its_batch():
 
     assert loose_sizes(ntk.premake_dq, ntk.dq_application) == {("query", 0), ("key", 0)}
     assert loose_sizes(ntk.premake_dkdv, ntk.dkdv_application) == set()
+
+
+def test_a_bound_launch_keeps_a_kernel_per_alignment_pattern(monkeypatch):
+    """Triton specialises each pointer argument on its 16-byte alignment, so a bound launch keeps its
+    compiled kernels by the pattern of its tensors' alignments (``launch.alignment``, a bit each), not
+    by whether all of them are aligned: a kernel compiled with the first tensor aligned and the second
+    not is never run on tensors the other way round (it would read the first as aligned)."""
+    assert launch.alignment([16, 20, 0, 8]) == 0b0101
+
+    class Launcher:  # (stands in for a CachedLauncher: a compiled kernel per launch, named by its alignments)
+        def run(self, grid, args, num_warps, num_stages, maxnreg):
+            self.last = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+
+        def compiled(self, args, num_warps, num_stages, maxnreg):
+            return ("kernel for", self.last)
+
+    ran = []
+    monkeypatch.setattr(launch.BoundKernel, "run_compiled", lambda self, kernel, args: ran.append(kernel))
+    bound = launch.BoundSlots(Launcher(), [None, None, 7], [(0, 0), (1, 1)], (1, 1, 1), 4, 3)
+    buffer = torch.zeros(64)
+    aligned, off = buffer[:8], buffer[1:9]  # (4 bytes off)
+    assert aligned.data_ptr() % 16 == 0 and off.data_ptr() % 16 != 0
+    for tensors in [(aligned, off), (off, aligned), (aligned, off), (off, aligned), (aligned, aligned)]:
+        bound(tensors)
+    assert ran == [("kernel for", (True, False)), ("kernel for", (False, True))]
+    assert sorted(bound.kernels.values()) == sorted(
+        [("kernel for", (True, False)), ("kernel for", (False, True)), ("kernel for", (True, True))])

@@ -439,6 +439,18 @@ def test_paged_slots_past_the_length_never_count(backend, page, splits, value_co
     torch.testing.assert_close(out.double(), _reference(query, keys, values, True), rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("join", [True, False], ids=["joined", "per_tile"])
+def test_ninetoothed_paged_step_forms_never_count_stray_slots(join, monkeypatch):
+    """Both forms of NineToothed's paged step (PAGED_JOIN) zero the values of slots past the length
+    and before a left pad (NaN there) in the steps that hold them, the first and last, and only there."""
+    import impl_ninetoothed.attention as nt
+
+    monkeypatch.setattr(nt, "PAGED_JOIN", join)
+    for splits in (None, 3):
+        test_paged_slots_past_the_length_never_count("ninetoothed", 16, splits, False)
+        test_paged_leftpad_reads_nothing_before_it("ninetoothed", splits, False)
+
+
 def test_paged_alibi_through_a_kept_plan(backend, monkeypatch):
     """A kept plan takes each call's slopes (new values, the same layout), never the first call's;
     grouped-query heads stay packed into rows (K/V read once per group), each row its head's slope."""

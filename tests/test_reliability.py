@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from common import attention, attention_backward
+from common import attention, attention_backward, paged_attention
 from common.launch import _MAX_BY_VALUE
 from common.reference import error_bound, reference
 from common.validation import OFFSET_LIMIT
@@ -149,6 +149,41 @@ def test_ninetoothed_widens_only_a_launch_past_32_bits(monkeypatch):
         else:  # the full path, each call: a wide kernel
             assert widths and all(widths), f"L {L}: kernels asked for, wide or not: {widths}"
     del storages, key, value
+
+
+def test_paged_caches_past_2_31_elements(backend, monkeypatch):
+    """Paged caches of 2^31 elements or more whose table points at their last pages: a key's offset
+    within its cache needs 64 bits, which both kernels take only then (Triton's WIDE_PAGES,
+    NineToothed's wide launch; ``common.validation.in_wide_storage``), 32 below; against the reference."""
+    import common.validation as validation
+    import impl_ninetoothed.attention as nt
+    import impl_triton.attention as ta
+
+    asked = []
+
+    def recording(*tensors):
+        asked.append(validation.in_wide_storage(*tensors))
+        return asked[-1]
+
+    monkeypatch.setattr(ta if backend == "triton" else nt, "in_wide_storage", recording)
+    page, H, D, lens = 16, 2, 16, [40, 23]
+    num_pages = OFFSET_LIMIT // (page * H * D) + 8
+    caches = [torch.empty(num_pages, page, H, D, dtype=f16, device=DEVICE) for _ in range(2)]  # (never touched
+    for cache in caches:  # but for the last pages, on a CPU)
+        cache[-8:] = torch.randn(8, page, H, D, dtype=f16, device=DEVICE)
+    table = (num_pages - 1 - torch.arange(6, device=DEVICE)).view(3, 2).T.contiguous().to(torch.int32)
+    q = torch.randn(2, H, 1, D, dtype=f16, device=DEVICE)
+    out = paged_attention(q, *caches, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE), backend=backend)
+    assert asked and all(asked)
+    for b, n in enumerate(lens):
+        k, v = (c[table[b].long()].flatten(0, 1)[:n].transpose(0, 1)[None] for c in caches)
+        assert_matches(out[b:b + 1], q[b:b + 1], k, v)
+    del caches
+    small = [torch.randn(8, page, H, D, dtype=f16, device=DEVICE) for _ in range(2)]
+    asked.clear()
+    paged_attention(q, *small, table - (num_pages - 8), torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                    backend=backend)
+    assert asked and not any(asked)
 
 
 @needs_gpu

@@ -542,7 +542,7 @@ def test_gluon_section_looked_up_by_the_shorter_lengths_bucket(tmp_path, monkeyp
 def test_committed_gluon_section_covers_its_head_dims():
     """The Triton table's gluon section has a key for every head dim the Gluon kernel takes, 16-bit
     dtype, causal mode and length bucket, each naming a kernel that exists, and FP8 keys only where the
-    ping-pong variant takes FP8 (naming it or the tl kernel)."""
+    ping-pong variants take FP8 (naming one of them or the tl kernel)."""
     import torch
 
     from common.backends import get_backend
@@ -555,7 +555,7 @@ def test_committed_gluon_section_covers_its_head_dims():
     fp8 = {key(d, torch.float8_e4m3fn, causal, bucket) for d in FP8_HEAD_DIMS for causal in (False, True)
            for bucket in LENGTH_BUCKETS}
     assert expected <= set(gluon) <= expected | fp8  # (FP8 keys where tune timed them)
-    assert all(gluon[k] in ("tl", "pingpong") for k in set(gluon) & fp8)
+    assert all(gluon[k] in ("tl", "pingpong", "persistent") for k in set(gluon) & fp8)
     assert set(GLUON_VARIANTS) == {"tl", *VARIANTS} and set(FORCED.values()) <= set(VARIANTS)
 
 
@@ -772,6 +772,29 @@ def test_fp8_kernels_compile_for_hopper(backend, call, tmp_path):
         assert "append" in result.stdout  # (the quantizing append compiled too)
 
 
+@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+def test_fp8_whole_key_blocks_scale_in_one_fma(backend, tmp_path):
+    """Compiled for sm_90, an FP8 forward's loop over the key blocks every row sees whole scales a
+    score and subtracts its row maximum in one FMA, the maximum taken from the raw products: no FMUL
+    a score (what FMULs remain rescale the output, one per element of Dv <= BLOCK_N). The descales'
+    sign is read on the GPU; a second loop, taken where a scale is not positive, scales first."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, "1", "2", "2", "256",
+                             "1024", "64", "--fp8", "all", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    loops = re.findall(r"loop \.L_x_\d+: \d+ instructions a step \((.*)\)", result.stdout)
+    counts = [dict((op, int(n)) for n, op in re.findall(r"(\d+) (\w+)", mix)) for mix in loops]
+    assert len(counts) >= 2, result.stdout
+    assert any(c.get("FFMA", 0) >= c["MUFU"] > 0 and c.get("FMUL", 0) <= c["MUFU"] for c in counts), result.stdout
+    assert any(c.get("FMUL", 0) > c["MUFU"] > 0 for c in counts), result.stdout  # (the loop that scales first)
+
+
 @pytest.mark.parametrize("backend, call", [
     ("ninetoothed", ["2", "8", "2", "1", "300", "64", "--paged", "16", "--paged-join"]),
     ("ninetoothed", ["2", "8", "2", "1", "300", "64", "--paged", "16", "--paged-join", "--fp8", "kv"]),
@@ -870,16 +893,22 @@ def test_as_flash_attention_tests_are_written():
 
 
 def test_fa_suite_runs_a_module_written_as_flash_attentions_tests(tmp_path):
-    """tools/fa_suite/run.py --cpu: the module's "cuda" devices become "cpu", its device query answers
-    sm_90, and ``flash_attn`` resolves to our functions and the torch helpers beside them."""
+    """tools/fa_suite/run.py: ``flash_attn`` resolves to our functions and the torch helpers beside them;
+    with --cpu (no sm_90 GPU here) the module's "cuda" devices become "cpu" and its device query answers
+    sm_90. (On an sm_90 GPU the module runs there: the interpreter of Triton 3.6, which GPU machines carry,
+    turns a loop bound into a Python int by ``int()`` of a 1-element array, which NumPy 2.4 refuses.)"""
     import pathlib
     import subprocess
     import sys
 
+    import torch
+
     module = tmp_path / "test_style.py"
     module.write_text(_FA_STYLE_MODULE)
     root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "tools/fa_suite/run.py", str(module), "--cpu", "-q"], cwd=root,
+    on_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    where = [] if on_sm90 else ["--cpu"]
+    result = subprocess.run([sys.executable, "tools/fa_suite/run.py", str(module), *where, "-q"], cwd=root,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "1 passed" in result.stdout

@@ -237,10 +237,10 @@ def _report(args, compiled) -> int:
     return 0
 
 
-def mma_loops(sass: str) -> list:
+def mma_loops(sass: str, top: int | None = 8) -> list:
     """The loops of a kernel's SASS that hold tensor-core products (a key or query loop's
-    steps): ``(label, instructions a step, the 8 commonest opcodes)`` each, in address order. A
-    loop is the code from a label to the last branch back to it."""
+    steps): ``(label, instructions a step, the ``top`` commonest opcodes (None: all))`` each, in
+    address order. A loop is the code from a label to the last branch back to it."""
     labels, instructions = {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -260,7 +260,7 @@ def mma_loops(sass: str) -> list:
         body = instructions[labels[label]:end + 1]
         opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
         if opcodes["HGMMA"] or opcodes["QGMMA"] or opcodes["HMMA"]:  # (QGMMA: FP8 operands)
-            loops.append((labels[label], label, len(body), opcodes.most_common(8)))
+            loops.append((labels[label], label, len(body), opcodes.most_common(top)))
     return [loop[1:] for loop in sorted(loops)]
 
 

@@ -1,7 +1,7 @@
 """Compile the Gluon Hopper forward for sm_90 on a machine without a GPU, and say what it became.
 
-    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized | --pingpong]
-        [--config BLOCK_M BLOCK_N STAGES WARPS] [--out DIR]
+    python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized | --pingpong
+        [--persistent]] [--config BLOCK_M BLOCK_N STAGES WARPS] [--out DIR]
 
 Gluon kernels do not run under Triton's interpreter; compiling them for a named target needs no
 GPU (Triton ships ptxas and the disassembler), so on a CPU this checks that the kernel builds with
@@ -10,7 +10,8 @@ and the tensor-core, TMA (loads, and the output's store) and wait instructions
 (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the loop waits for S of a tile while P V of the one before is
 still in flight, FlashAttention-3's overlap). One
 line per head dim: ``D=<d> REG=<n> STACK=<n> SMEM=<n> HGMMA=<n> QGMMA=<n> UTMALDG=<n> UTMASTG=<n>
-OVERLAP=<0|1>`` (QGMMA: the FP8 warp-group MMAs).
+OVERLAP=<0|1> KEY_LOOP_LOCAL=<n>`` (QGMMA: the FP8 warp-group MMAs; KEY_LOOP_LOCAL: the spill loads and
+stores inside the key loop).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from cpu_sass import disassemble  # noqa: E402
+from cpu_sass import disassemble, mma_loops  # noqa: E402
 
 from common.interpret import _StandInDriver  # noqa: E402
 
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--specialized", action="store_true", help="the variant with a producer warp")
     parser.add_argument("--pingpong", action="store_true",
                         help="the variant with two consumer warp groups in ping-pong and a producer warp")
+    parser.add_argument("--persistent", action="store_true",
+                        help="with --pingpong: persistent programs, one an SM (an H200's 132)")
     parser.add_argument("--backward", action="store_true",
                         help="the Gluon backward's two passes (impl_triton.gluon_backward) instead of the forward")
     parser.add_argument("--dkdv-overlap", type=int, choices=[0, 1],
@@ -72,6 +75,8 @@ def main(argv=None) -> int:
     fp8 = dtype == torch.float8_e4m3fn
     if fp8 and not args.pingpong:
         parser.error("--dtype float8_e4m3fn takes --pingpong (the Gluon forward's FP8 variant)")
+    if args.persistent and not args.pingpong:
+        parser.error("--persistent takes --pingpong (the ping-pong variant's persistent programs)")
     for D in args.dims:
         if fp8 and D not in ga.FP8_HEAD_DIMS:
             continue
@@ -82,6 +87,9 @@ def main(argv=None) -> int:
         out, lse = torch.empty(2, 8, L, D, dtype=torch.bfloat16 if fp8 else dtype), torch.empty(2, 8, L)
         descales = (torch.ones(2, 2),) * 3 if fp8 else None
         variant = dict(pingpong=True) if args.pingpong else dict(specialized=True) if args.specialized else {}
+        if args.persistent:
+            variant["persistent"] = True
+            ga._sm_count = lambda device: 132  # (an H200's; a CPU has none to ask)
         fn, _, launch_args, meta = ga._launch(q, k, v, out, lse, 0.125, 0 if args.causal else None, True,
                                               config=tuple(args.config) if args.config else None, descales=descales,
                                               **variant)
@@ -89,10 +97,12 @@ def main(argv=None) -> int:
         sass, usage = disassemble(kernel, out_dir, f"gluon_fwd_d{D}")
         regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
         overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
+        # the key loop: the shortest loop of tensor-core products (a persistent program's row-block loop holds it)
+        key_loop = dict(min(mma_loops(sass, top=None), key=lambda loop: loop[1])[2])
         print(f"D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
               f"HGMMA={len(re.findall(r'HGMMA', sass))} QGMMA={len(re.findall(r'QGMMA', sass))} "
               f"UTMALDG={len(re.findall(r'UTMALDG', sass))} UTMASTG={len(re.findall(r'UTMASTG', sass))} "
-              f"OVERLAP={overlap}", flush=True)
+              f"OVERLAP={overlap} KEY_LOOP_LOCAL={key_loop.get('LDL', 0) + key_loop.get('STL', 0)}", flush=True)
     return 0
 
 

@@ -76,7 +76,8 @@ is written to the project.
   B 8, 32 heads over 8, D 128, Lk 16k and 64k; contiguous and in pages of 16 and 64) against the bf16
   cache, TB/s of cache read (graph replay); both backends.
 - static: generate over a static cache, the forward compiled with CUDA graphs (reduce-overhead),
-  sdpa / triton / ninetoothed: tokens per second, graph breaks, recompiles, tokens as sdpa's.
+  sdpa / triton / ninetoothed: tokens per second, graph breaks, recompiles, tokens as sdpa's
+  (PROBE_PROFILE=1: each one's compiled generate under torch.profiler, its top ops by GPU and CPU time).
 """
 
 from __future__ import annotations
@@ -405,11 +406,11 @@ def paged_extras():
         print(f"rotary {backend}: q of a decode step (8 x 32 heads) {t * 1e3:.1f} us", flush=True)
 
 
-# (backend, None: the shipped configuration, "joined": NineToothed's small pages' tiles joined into one
-# softmax update a step (impl_ninetoothed.attention.PAGED_JOIN), "tiles4": at most 4 of them unrolled a step
+# (backend, None: the shipped configuration (NineToothed's small pages' tiles joined into one softmax update a
+# step, impl_ninetoothed.attention.PAGED_JOIN), "per-tile": each tile its own update, "tiles4": at most 4 of them unrolled a step
 # (PAGED_TILES_PER_STEP; 8 shipped), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
-PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "joined")]
-NT_PAGED_SWITCHES = {"joined": ("PAGED_JOIN", True), "tiles4": ("PAGED_TILES_PER_STEP", 4)}
+PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
+NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles4": ("PAGED_TILES_PER_STEP", 4)}
 
 
 @contextlib.contextmanager
@@ -818,8 +819,11 @@ def fp8():
     """Issue 44's targets: the FP8 forward (B·L = 16k, H·D = 2048, D 64 and 128, L 4k and 16k) against our
     bf16 forward and SDPA's, V as given (row-major: the plan copies it column-major) and given column-major;
     tiles swept at L 4k; then decode (B 8, 32 query heads over 8, D 128) from an FP8 cache by CUDA-graph
-    replay, bf16 and fp16 queries, contiguous and in pages of 16 and 64."""
+    replay, bf16 and fp16 queries, contiguous and in pages of 16 and 64. PROBE_FP8 (default "prefill sweep
+    decode") names the parts run (an A/B of two trees: "prefill decode", the tiles left out)."""
     from common import paged_attention, quantize_fp8
+
+    parts = os.environ.get("PROBE_FP8", "prefill sweep decode").split()
 
     def fwd_tflops(fn, B, H, L, D, causal):
         ms = gpu_time_ms(fn)
@@ -827,7 +831,7 @@ def fp8():
 
     sweep = {64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4), (64, 128, 4, 4)],
              128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 256, 8, 2), (64, 128, 4, 3)]}
-    for D in (64, 128):
+    for D in (64, 128) if "prefill" in parts else ():
         H = 2048 // D
         for L in (4096, 16384):
             B = 16384 // L
@@ -844,7 +848,7 @@ def fp8():
                     cols = fwd_tflops(lambda: attention(q8, k8, v8_cols, **kw), B, H, L, D, causal)
                     line.append(f"{backend}: bf16 {bf16:.0f} fp8 {e4m3:.0f} ({e4m3 / bf16:.2f}x ours, "
                                 f"{e4m3 / sdpa:.2f}x sdpa) fp8 V given col-major {cols:.0f} ({cols / bf16:.2f}x)")
-                    if L == 4096 and backend == "triton":
+                    if L == 4096 and backend == "triton" and "sweep" in parts:
                         tiles = []
                         for config in sweep[D]:
                             with override(Config(*config)):
@@ -855,7 +859,7 @@ def fp8():
                                     tiles.append(f"{config} {type(error).__name__}")
                         line.append("tiles (V col-major): " + ", ".join(tiles))
                 print("  ".join(line), flush=True)
-    for Lk in (16384, 65536):
+    for Lk in (16384, 65536) if "decode" in parts else ():
         q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(8, 8, Lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
@@ -912,8 +916,8 @@ def fp8_decode():
                      for kv, d in (((k, v), {}), ((k8, v8_cols), dict(k_descale=kd, v_descale=vd)))]
             line.append(f"wall per call: bf16 {walls[0]:.0f} us, fp8 {walls[1]:.0f} us")
             # pages in a shuffled table; the value pages row-major, then column-major (NineToothed's pages of 16
-            # also with a step's tiles joined into one softmax update, PAGED_JOIN)
-            nt_variants = ((16, "joined"),) if backend == "ninetoothed" else ()
+            # also with each tile its own softmax update, PAGED_JOIN off)
+            nt_variants = ((16, "per-tile"),) if backend == "ninetoothed" else ()
             for page, variant in ((16, None), (64, None)) + nt_variants:
                 caches, table, lengths = _shuffled_pages(k, v, page)
                 (key_cache, value_cache), table8, lengths = _shuffled_pages(k8, v8, page)
@@ -1355,7 +1359,8 @@ def repeat_varlen_bwd():
 def gluon_tiles():
     """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants; ping-pong with
     12 warps: three consumer warp groups, FlashAttention-3's tile at D 64) at the benchmark's L 4096
-    shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why."""
+    shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why.
+    PROBE_GLUON_DIMS: the head dims swept ("64 128" unless set; 256 too)."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
@@ -1363,8 +1368,12 @@ def gluon_tiles():
     candidates = {64: [(128, 64, 2, 4), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 3, 8), (128, 128, 4, 8),
                        (64, 128, 3, 4), (256, 64, 3, 8), (256, 64, 2, 8), (192, 64, 4, 12), (192, 128, 2, 12)],
                   128: [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (128, 128, 2, 4), (64, 128, 2, 4),
-                        (128, 128, 3, 8)]}
-    for (B, H, L, D) in ((4, 32, 4096, 64), (4, 16, 4096, 128)):
+                        (128, 128, 3, 8)],
+                  256: [(128, 64, 2, 8), (128, 32, 2, 8), (128, 32, 3, 8), (128, 32, 4, 8), (64, 64, 2, 4),
+                        (64, 64, 3, 4)]}
+    shapes = {64: (4, 32, 4096, 64), 128: (4, 16, 4096, 128), 256: (4, 8, 4096, 256)}
+    dims = [int(d) for d in os.environ.get("PROBE_GLUON_DIMS", "64 128").split()]
+    for (B, H, L, D) in (shapes[d] for d in dims):
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for causal in (False, True):
             flops = 4 * B * H * L * L * D / (2 if causal else 1)
@@ -1469,43 +1478,43 @@ def varlen_decode():
 
 def gluon():
     """Issue 43: the Gluon Hopper forward (impl_triton.gluon_attention; its variants: one partition, with a
-    producer warp, and two consumer warp groups in ping-pong) against our tl kernel and SDPA's
-    default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16, B·L = 16k,
-    H·D = 2048 (D 64, 128) and D 256; and its largest error against the tl kernel's output."""
+    producer warp, two consumer warp groups in ping-pong, and those in persistent programs) against our tl
+    kernel and SDPA's default in one process: TFLOP/s (do_bench median; causal counts half), bf16 and fp16
+    (PROBE_GLUON_DTYPES), B·L = 16k, H·D = 2048 (D 64, 128) and D 256; each variant's ratio to SDPA and to
+    the tl kernel, and the largest error of any against the tl kernel's output. PROBE_GLUON_VARIANTS: the
+    variants timed ("one producer pingpong persistent" unless set; also "persistent-q-late", persistent
+    programs that load each row block's Q only when it starts)."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
 
     shapes = [(16, 32, 1024, 64), (4, 32, 4096, 64), (2, 32, 8192, 64), (1, 32, 16384, 64), (16, 16, 1024, 128),
               (4, 16, 4096, 128), (1, 16, 16384, 128), (4, 8, 4096, 256)]
+    variants = os.environ.get("PROBE_GLUON_VARIANTS", "one producer pingpong persistent").split()
 
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (getattr(torch, name) for name in os.environ.get("PROBE_GLUON_DTYPES", "bfloat16 float16").split()):
         for B, H, L, D in shapes:
             q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype) for _ in range(3))
             for causal in (False, True):
                 flops = 4 * B * H * L * L * D / (2 if causal else 1)
-                runs = {
-                    "gluon": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False),
-                    "gluon_ws": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, specialized=True),
-                    "gluon_pp": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
-                    "tl": lambda: _tl_kernel(q, k, v, is_causal=causal, backend="triton"),
-                    "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                }
+                options = dict(ga.VARIANTS, **{"persistent-q-late": dict(ga.VARIANTS["persistent"], prefetch_q=False)})
+                runs = {name: functools.partial(ga.forward, q, k, v, D ** -0.5, 0 if causal else None, False,
+                                                **options[name]) for name in variants}
+                runs["tl"] = lambda: _tl_kernel(q, k, v, is_causal=causal, backend="triton")
+                runs["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
                 reference = runs["tl"]().float()
-                error = max((runs[name]().float() - reference).abs().max().item()
-                            for name in ("gluon", "gluon_ws", "gluon_pp"))
-                print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: gluon {tflops['gluon']:.0f}, "
-                      f"gluon with a producer warp {tflops['gluon_ws']:.0f}, ping-pong {tflops['gluon_pp']:.0f}, "
-                      f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/sdpa "
-                      f"{tflops['gluon'] / tflops['sdpa']:.2f}, gluon/tl {tflops['gluon'] / tflops['tl']:.2f}; "
-                      f"ping-pong/sdpa {tflops['gluon_pp'] / tflops['sdpa']:.2f}; "
-                      f"max |gluon - tl| {error:.1e} (all three variants)", flush=True)
+                error = max((runs[name]().float() - reference).abs().max().item() for name in variants)
+                ratios = ", ".join(f"{name} {tflops[name] / tflops['sdpa']:.2f} / {tflops[name] / tflops['tl']:.2f}"
+                                   for name in variants)
+                print(f"{str(dtype)[6:]} ({B}, {H}, {L}, {D}) causal={causal}: "
+                      + ", ".join(f"{name} {value:.0f}" for name, value in tflops.items())
+                      + f" TFLOP/s; against sdpa / tl: {ratios}; max |gluon - tl| {error:.1e}", flush=True)
 
 
 def gluon_fp8():
     """Issues 43 and 44: the Gluon ping-pong forward with FP8 q, k, v (values column-major, descales per
-    batch and K/V head) against the tl kernel's FP8 forward (attention() with the same inputs, the Gluon
+    batch and K/V head), in programs a row block each and in persistent programs, against the tl kernel's FP8 forward (attention() with the same inputs, the Gluon
     kernel switched off), the ping-pong bf16 forward and SDPA's bf16 default, at the FP8 targets' shapes
     (B·L 16k, H·D 2048, L 4k and 16k, D 64 and 128, causal and not): TFLOP/s (do_bench median), and the
     largest difference between the two FP8 outputs."""
@@ -1525,18 +1534,22 @@ def gluon_fp8():
                 runs = {
                     "gluon_fp8": lambda: ga.forward(q8, k8, v8, D ** -0.5, 0 if causal else None, False,
                                                     pingpong=True, descales=(qd, kd, vd)),
+                    "persistent_fp8": lambda: ga.forward(q8, k8, v8, D ** -0.5, 0 if causal else None, False,
+                                                         pingpong=True, persistent=True, descales=(qd, kd, vd)),
                     "tl_fp8": lambda: _tl_kernel(q8, k8, v8, is_causal=causal, backend="triton", q_descale=qd,
                                                  k_descale=kd, v_descale=vd),
                     "gluon_bf16": lambda: ga.forward(q, k, v, D ** -0.5, 0 if causal else None, False, pingpong=True),
                     "sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                 }
                 tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
-                error = (runs["gluon_fp8"]().float() - runs["tl_fp8"]().float()).abs().max().item()
-                print(f"({B}, {H}, {L}, {D}) causal={causal}: gluon fp8 {tflops['gluon_fp8']:.0f}, tl fp8 "
-                      f"{tflops['tl_fp8']:.0f}, gluon bf16 {tflops['gluon_bf16']:.0f}, sdpa bf16 "
-                      f"{tflops['sdpa_bf16']:.0f} TFLOP/s; gluon fp8 / tl fp8 {tflops['gluon_fp8'] / tflops['tl_fp8']:.2f}, "
-                      f"/ sdpa bf16 {tflops['gluon_fp8'] / tflops['sdpa_bf16']:.2f}; max |gluon - tl| {error:.1e}",
-                      flush=True)
+                error = max((runs[name]().float() - runs["tl_fp8"]().float()).abs().max().item()
+                            for name in ("gluon_fp8", "persistent_fp8"))
+                print(f"({B}, {H}, {L}, {D}) causal={causal}: gluon fp8 {tflops['gluon_fp8']:.0f}, persistent fp8 "
+                      f"{tflops['persistent_fp8']:.0f}, tl fp8 {tflops['tl_fp8']:.0f}, gluon bf16 "
+                      f"{tflops['gluon_bf16']:.0f}, sdpa bf16 {tflops['sdpa_bf16']:.0f} TFLOP/s; gluon fp8 / tl fp8 "
+                      f"{tflops['gluon_fp8'] / tflops['tl_fp8']:.2f}, persistent fp8 / tl fp8 "
+                      f"{tflops['persistent_fp8'] / tflops['tl_fp8']:.2f}, / sdpa bf16 "
+                      f"{tflops['persistent_fp8'] / tflops['sdpa_bf16']:.2f}; max |gluon - tl| {error:.1e}", flush=True)
 
 
 def gluon_host():
@@ -1757,6 +1770,14 @@ def static():
                     out, elapsed = timed(model)
                 timed(model, disable_compile=True)
                 _, eager = timed(model, disable_compile=True)
+                if os.environ.get("PROBE_PROFILE"):  # where a compiled generate's time goes, by op
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA]) as profile:
+                        timed(model)
+                    for order in ("self_cuda_time_total", "self_cpu_time_total"):
+                        print(f"{name}, by {order}:\n"
+                              + profile.key_averages().table(sort_by=order, row_limit=10, max_name_column_width=60),
+                              flush=True)
         except Exception as error:  # noqa: BLE001 (one implementation's failure must not hide the others')
             line.append(f"{name} failed: {type(error).__name__}: {str(error)[:400]}")
             continue

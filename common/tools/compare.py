@@ -188,7 +188,8 @@ LEVELS = [
      "shared memory, the copies' pipelining and when each product waits"),
     ("warp-group-oriented: Gluon (sm_90)", "impl_triton.gluon_attention",
      ["_softmax_step", "_whole_tiles", "_barriers", "_invalidate", "_gluon_attn_fwd", "_program", "_key_tiles",
-      "_consume", "_v_coord", "_v_operand", "_ws_producer", "_gluon_attn_fwd_ws", "_gluon_attn_fwd_pp"],
+      "_consume", "_load_q", "_prefetch_q", "_v_coord", "_v_operand", "_ws_producer", "_gluon_attn_fwd_ws",
+      "_pp_blocks", "_pp_item", "_pp_next", "_pp_block", "_pp_consumer", "_pp_producer", "_gluon_attn_fwd_pp"],
      "the register layouts of S, O and P, the shared-memory ring and its barriers, each TMA copy, when each "
      "asynchronous warp-group MMA is issued and waited for, and which warps copy and which compute"),
 ]
@@ -225,13 +226,18 @@ def levels_section() -> str:
             "soft-capping, sinks, ALiBi, split keys and their merge); the Gluon one serves the plain forward "
             "(float16/bfloat16, D = Dv 64/128/256, causal or not, grouped heads, the log-sum-exp), written three "
             "ways (one partition; with a producer warp; with a producer warp and two or three consumer warp groups "
-            "taking turns, FlashAttention-3's ping-pong; that one also takes FP8 inputs, at 0.80-1.01x the `tl` "
-            "kernel's FP8 forward on the H200). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
+            "taking turns, FlashAttention-3's ping-pong, also as persistent programs, at most one an SM running "
+            "row blocks one after another, causal ones in pairs of a long and a short block, the next block's Q "
+            "loaded early where shared memory allows; ping-pong also takes FP8 inputs, at 0.88-1.00x the `tl` "
+            "kernel's FP8 forward on the H200 at its best tiles, and 1.01-1.10x at D 128 in persistent programs on "
+            "an H100). On the H200 (`tools/probe.py gluon`, benchmarks/NOTES.md) the "
             "producer-warp variant runs 1.24-1.37x the `tl` kernel at D 256, and ping-pong 1.18-1.24x it at D 128 "
             "and 1.02-1.09x at D 64 from L 4k (0.94-0.95x at 1k): the triton backend sends it the plans its config "
             "table's gluon section names, as `tune --passes gluon` timed them on sm_90 (`ATTENTION_GLUON=1`: "
             "every plan it serves, `0`: none). Against SDPA's cuDNN kernel ping-pong runs 0.95-1.07x at D 128 "
-            "from 4k (0.86-0.90x at 1k) and 0.91-1.00x at D 64 from 4k. "
+            "from 4k (0.86-0.90x at 1k) and 0.91-1.00x at D 64 from 4k; on an H100 persistent programs took D 64 "
+            "at 1k from 0.82x to 0.98x without a mask and from 0.74x to 0.83x causal (the table does not name them "
+            "yet: `tune` decides on the H200). "
             "NineToothed compiles to `triton.language`, so it cannot reach this level."]
     return "\n".join(out)
 

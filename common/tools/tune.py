@@ -126,7 +126,7 @@ def tune_gluon(block_d: int, dtype, is_causal: bool, bucket: int, verbose=True):
     """The fastest kernel for one key of the gluon section ("tl" or a Gluon variant), and every
     kernel's time: the tl kernel through ``attention()`` (the Gluon kernel switched off), each
     variant through ``gluon_attention.forward``, on tune's shape of the bucket (FP8: its inputs, values
-    column-major, and the ping-pong variant alone, the one that takes them)."""
+    column-major, and the ping-pong variants alone, the ones that take them)."""
     from common import attention
     from common.tools.timing import gpu_time_ms
     from impl_triton import gluon_attention as ga
@@ -137,7 +137,7 @@ def tune_gluon(block_d: int, dtype, is_causal: bool, bucket: int, verbose=True):
     with gluon_off():
         times["tl"] = gpu_time_ms(lambda: attention(q, k, v, is_causal=is_causal, backend="triton", **descales))
     fp8 = dtype == torch.float8_e4m3fn
-    variants = {"pingpong": ga.VARIANTS["pingpong"]} if fp8 else ga.VARIANTS
+    variants = {name: options for name, options in ga.VARIANTS.items() if options.get("pingpong") or not fp8}
     given = dict(descales=(descales["q_descale"], descales["k_descale"], descales["v_descale"])) if fp8 else {}
     for name, options in variants.items():
         try:
