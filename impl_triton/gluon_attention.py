@@ -18,9 +18,9 @@ alignment) or not, any scale, grouped-query heads, an optional log-sum-exp; inpu
 strides TMA takes (unit last stride, 16-byte aligned rows and base). Everything else stays on the ``tl``
 kernel (``serves``); of what it serves, the Triton backend sends it the head dims and lengths where it is
 faster (``variant``: the config table's gluon section; ``ATTENTION_GLUON=1`` every plan it serves, ``0``
-none). The ping-pong variant also takes FP8 inputs (``forward(..., pingpong=True, descales=...)``: e4m3 q,
-k and v at D 64 and 128, the values column-major); the config table sends no FP8 plan to it (measured
-slower than or at par with the tl kernel's FP8 forward, benchmarks/NOTES.md).
+none). The ping-pong variants (in persistent programs too) also take FP8 inputs (``forward(..., pingpong=True,
+descales=...)``: e4m3 q, k and v at D 64 and 128, the values column-major); the config table sends FP8
+plans to them where they timed faster than the tl kernel's FP8 forward (at D 128; benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -915,7 +915,7 @@ def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, i
     compiles it (measured fastest, benchmarks/NOTES.md); later Triton spills each consumer's S and O
     there, so keys of 64 until measured. FP8 tiles (half the bytes): keys of 128 at D 64 and 128, the
     fastest of those ``tools/probe.py gluon_tiles_fp8`` times, or close to it, at three of its four shapes
-    (benchmarks/NOTES.md; FP8 runs here only with ``ATTENTION_GLUON=1``)."""
+    (benchmarks/NOTES.md; the config table says which FP8 keys run here)."""
     if dtype == torch.float8_e4m3fn:
         return {64: (128, 128, 3, 8), 128: (128, 128, 3, 8)}[head_dim]
     wide = 128 if _TRITON[:2] <= (3, 6) else 64
