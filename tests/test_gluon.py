@@ -294,7 +294,8 @@ def reference_with_lse(q, k, v):
 def test_fp8_prefill_takes_the_pingpong_variant_when_switched_on(monkeypatch):
     """ATTENTION_GLUON=1: an FP8 prefill whose plan copies the values column-major runs the ping-pong
     variant (FP8 decode, whose values stay row-major, the tl kernel), each call (the third bound), within
-    the tl kernel's FP8 output's reach; unset, the config table decides (no FP8 key committed yet: the tl kernel)."""
+    the tl kernel's FP8 output's reach; unset, the config table decides (behind the size guard: a prefill
+    above it runs the variant the table names for its FP8 key, within the same reach)."""
     from common import attention, quantize_fp8
     from common.backends import get_backend
     from common.reuse import PLANS
@@ -323,6 +324,18 @@ def test_fp8_prefill_takes_the_pingpong_variant_when_switched_on(monkeypatch):
     chosen = get_backend("triton").configs.lookup_gluon(128, torch.float8_e4m3fn, True, 1024)
     by_default = chosen != "tl" and ga.large_enough(2, 4, 1024, 1024, 128, True)
     assert taken == ["pingpong", "pingpong", "bound"] + ([chosen] if by_default else [])
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(torch.randn(2, 16, 4096, 128, device="cuda")) for _ in range(3))
+    fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    assert ga.large_enough(2, 16, 4096, 4096, 128, True)
+    monkeypatch.setenv("ATTENTION_GLUON", "0")
+    expected = attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
+    monkeypatch.setenv("ATTENTION_GLUON", "")
+    PLANS.clear()
+    taken.clear()
+    out = attention(q8, k8, v8, is_causal=True, backend="triton", **fp8)
+    chosen = get_backend("triton").configs.lookup_gluon(128, torch.float8_e4m3fn, True, 4096)
+    assert taken == ([] if chosen == "tl" else [chosen])
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0.05, atol=0.05)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
