@@ -938,3 +938,26 @@ def test_fa_suite_rotary_reference_is_our_rotary(interleaved):
     expected = apply_rotary(resolve("torch"), x, cos, sin, starts, per_row=True, interleaved=interleaved)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[..., 16:], x[..., 16:])
+
+
+def test_ncu_targets_are_the_benchmarks_shapes():
+    """tools/ncu_targets.py (Nsight Compute's cases, GPU only): each case is a benchmark shape (B·L = 16k
+    tokens, H·D = 2048) with a known call, every SDPA case pairs one of ours, and --list names them all."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ncu_targets", root / "tools" / "ncu_targets.py")
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    for name, (B, H, L, D, causal, what) in targets.CASES.items():
+        assert B * L == 16384 and H * D == 2048, name
+        assert what in ("fwd", "fwd-tl", "fwd-nt", "fp8", "bwd", "bwd-nt", "sdpa", "sdpa-bwd"), name
+        if what.startswith("sdpa"):
+            ours = name.replace("-sdpa", "")
+            assert targets.CASES[ours][:5] == (B, H, L, D, causal), name
+    listed = subprocess.run([sys.executable, "tools/ncu_targets.py", "--list"], cwd=root, capture_output=True,
+                            text=True, timeout=120).stdout.splitlines()
+    assert [line.split(":")[0] for line in listed] == list(targets.CASES)

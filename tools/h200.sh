@@ -24,6 +24,8 @@
 #         common.flash_attn_interface through tools/fa_suite/run.py: FA_PER_TEST cases of each test function,
 #         each backend; its 250-iteration race test left out)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
+#         ncu (Nsight Compute's counters of one call of each of NCU_CASES, tools/ncu_targets.py, ours beside SDPA's:
+#         the details page, every raw metric (CSV) and the SASS lines' stall samples under $OUT/ncu_CASE.*)
 # (any other word runs as a shell command)
 set -uo pipefail
 # (once a call: the stages a stage runs side by side, as `rest` does, find it installed)
@@ -235,6 +237,17 @@ for stage in "$@"; do
                 backends="triton ninetoothed"; [ "$tree" = . ] && backends=${AB_HERE:-$backends}
                 (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --masking ${AB_MASKING:-full causal} --dtypes float16 --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
                 cp "/tmp/ab-$name/results.json" "$OUT/results_$name.json"; done 2>&1 | tee "$OUT/ab_bench.log" ;;
+    ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+         [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
+         for case in ${NCU_CASES:-d128-4k d128-4k-sdpa fp8-d128-4k d256-4k d256-4k-sdpa bwd-d128-4k bwd-d128-4k-sdpa}; do
+           timeout ${NCU_TIMEOUT:-150} "$NCU" --profile-from-start off --clock-control none --set full -f \
+             -o "$OUT/ncu_$case" python3 tools/ncu_targets.py "$case" > "$OUT/ncu_$case.log" 2>&1
+           [ -f "$OUT/ncu_$case.ncu-rep" ] || { echo "--- $case: no report"; tail -5 "$OUT/ncu_$case.log"; continue; }
+           "$NCU" --import "$OUT/ncu_$case.ncu-rep" --page details > "$OUT/ncu_$case.txt" 2>&1
+           "$NCU" --import "$OUT/ncu_$case.ncu-rep" --page raw --csv > "$OUT/ncu_$case.csv" 2>&1
+           "$NCU" --import "$OUT/ncu_$case.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$case.sass.csv" 2>&1
+           echo "--- $case"; grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible" "$OUT/ncu_$case.txt" | head -24
+         done ;;
     compare) timeout 300 python3 -m common compare --write 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;
   esac
