@@ -24,6 +24,7 @@
 #         common.flash_attn_interface through tools/fa_suite/run.py: FA_PER_TEST cases of each test function,
 #         each backend; its 250-iteration race test left out)
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
+#         gluon-tiles (the Gluon forward's tiles swept, persistent programs too; PROBE_GLUON_DIMS, _LENGTHS)
 #         ncu (Nsight Compute's counters of one call of each of NCU_CASES, tools/ncu_targets.py, ours beside SDPA's:
 #         the details page, every raw metric (CSV) and the SASS lines' stall samples under $OUT/ncu_CASE.*)
 # (any other word runs as a shell command)
@@ -237,6 +238,9 @@ for stage in "$@"; do
                 backends="triton ninetoothed"; [ "$tree" = . ] && backends=${AB_HERE:-$backends}
                 (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --masking ${AB_MASKING:-full causal} --dtypes float16 --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
                 cp "/tmp/ab-$name/results.json" "$OUT/results_$name.json"; done 2>&1 | tee "$OUT/ab_bench.log" ;;
+    # the Gluon forward's tiles swept, persistent programs among them (2 stages leave D 128 room for the next Q)
+    gluon-tiles) PROBE_GLUON_DIMS="${PROBE_GLUON_DIMS:-128 256}" PROBE_GLUON_LENGTHS="${PROBE_GLUON_LENGTHS:-1024 4096}" \
+                 timeout ${TILES_TIMEOUT:-500} python3 tools/probe.py gluon_tiles 2>&1 | tee "$OUT/gluon_tiles.log" ;;
     ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
          [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
          for case in ${NCU_CASES:-d128-4k d128-4k-sdpa fp8-d128-4k d256-4k d256-4k-sdpa bwd-d128-4k bwd-d128-4k-sdpa}; do

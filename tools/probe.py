@@ -1357,10 +1357,12 @@ def repeat_varlen_bwd():
 
 
 def gluon_tiles():
-    """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants; ping-pong with
-    12 warps: three consumer warp groups, FlashAttention-3's tile at D 64) at the benchmark's L 4096
-    shapes, bf16, causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why.
-    PROBE_GLUON_DIMS: the head dims swept ("64 128" unless set; 256 too)."""
+    """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants, and ping-pong in
+    persistent programs, "ps", with the next Q loaded early where the tile leaves room for it; ping-pong with
+    12 warps: three consumer warp groups, FlashAttention-3's tile at D 64) at the benchmark's shapes, bf16,
+    causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why.
+    PROBE_GLUON_DIMS: the head dims swept ("64 128" unless set; 256 too); PROBE_GLUON_LENGTHS: the lengths
+    L ("4096" unless set), B = 16384 / L."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
@@ -1371,16 +1373,18 @@ def gluon_tiles():
                         (128, 128, 3, 8)],
                   256: [(128, 64, 2, 8), (128, 32, 2, 8), (128, 32, 3, 8), (128, 32, 4, 8), (64, 64, 2, 4),
                         (64, 64, 3, 4)]}
-    shapes = {64: (4, 32, 4096, 64), 128: (4, 16, 4096, 128), 256: (4, 8, 4096, 256)}
+    heads = {64: 32, 128: 16, 256: 8}
     dims = [int(d) for d in os.environ.get("PROBE_GLUON_DIMS", "64 128").split()]
-    for (B, H, L, D) in (shapes[d] for d in dims):
+    lengths = [int(n) for n in os.environ.get("PROBE_GLUON_LENGTHS", "4096").split()]
+    for (B, H, L, D) in ((16384 // L, heads[d], L, d) for d in dims for L in lengths):
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for causal in (False, True):
             flops = 4 * B * H * L * L * D / (2 if causal else 1)
             sdpa = flops / do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) * 1e-9
             line = [f"({B}, {H}, {L}, {D}) causal={causal}: sdpa {sdpa:.0f}"]
             for config in candidates[D]:
-                for variant, kw in (("", {}), (" ws", dict(specialized=True)), (" pp", dict(pingpong=True))):
+                for variant, kw in (("", {}), (" ws", dict(specialized=True)), (" pp", dict(pingpong=True)),
+                                    (" ps", dict(pingpong=True, persistent=True))):
                     # (ping-pong: two or three consumer warp groups of 64 or 128 rows each; the others at most
                     # 128 rows and 8 warps)
                     consumers = config[3] // 4
