@@ -243,14 +243,14 @@ for stage in "$@"; do
                  timeout ${TILES_TIMEOUT:-500} python3 tools/probe.py gluon_tiles 2>&1 | tee "$OUT/gluon_tiles.log" ;;
     ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
          [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
-         for case in ${NCU_CASES:-d128-4k d128-4k-sdpa fp8-d128-4k d256-4k d256-4k-sdpa bwd-d128-4k bwd-d128-4k-sdpa}; do
+         for target in ${NCU_CASES:-d128-4k d128-4k-sdpa fp8-d128-4k d256-4k d256-4k-sdpa bwd-d128-4k bwd-d128-4k-sdpa}; do
            timeout ${NCU_TIMEOUT:-150} "$NCU" --profile-from-start off --clock-control none --set full -f \
-             -o "$OUT/ncu_$case" python3 tools/ncu_targets.py "$case" > "$OUT/ncu_$case.log" 2>&1
-           [ -f "$OUT/ncu_$case.ncu-rep" ] || { echo "--- $case: no report"; tail -5 "$OUT/ncu_$case.log"; continue; }
-           "$NCU" --import "$OUT/ncu_$case.ncu-rep" --page details > "$OUT/ncu_$case.txt" 2>&1
-           "$NCU" --import "$OUT/ncu_$case.ncu-rep" --page raw --csv > "$OUT/ncu_$case.csv" 2>&1
-           "$NCU" --import "$OUT/ncu_$case.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$case.sass.csv" 2>&1
-           echo "--- $case"; grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible" "$OUT/ncu_$case.txt" | head -24
+             -o "$OUT/ncu_$target" python3 tools/ncu_targets.py "$target" > "$OUT/ncu_$target.log" 2>&1
+           [ -f "$OUT/ncu_$target.ncu-rep" ] || { echo "--- $target: no report"; tail -5 "$OUT/ncu_$target.log"; continue; }
+           "$NCU" --import "$OUT/ncu_$target.ncu-rep" --page details > "$OUT/ncu_$target.txt" 2>&1
+           "$NCU" --import "$OUT/ncu_$target.ncu-rep" --page raw --csv > "$OUT/ncu_$target.csv" 2>&1
+           "$NCU" --import "$OUT/ncu_$target.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$target.sass.csv" 2>&1
+           echo "--- $target"; grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible" "$OUT/ncu_$target.txt" | head -24
          done ;;
     compare) timeout 300 python3 -m common compare --write 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;
