@@ -408,9 +408,10 @@ def paged_extras():
 
 # (backend, None: the shipped configuration (NineToothed's small pages' tiles joined into one softmax update a
 # step, impl_ninetoothed.attention.PAGED_JOIN), "per-tile": each tile its own update, "tiles4": at most 4 of them unrolled a step
-# (PAGED_TILES_PER_STEP; 8 shipped), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
+# (PAGED_TILES_PER_STEP; 8 shipped; "tiles2": 2), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
 PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
-NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles4": ("PAGED_TILES_PER_STEP", 4)}
+NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles4": ("PAGED_TILES_PER_STEP", 4),
+                     "tiles2": ("PAGED_TILES_PER_STEP", 2)}
 
 
 @contextlib.contextmanager
@@ -472,7 +473,9 @@ def paged_sweep():
                 print(f"page {page} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
 
 
-PAGED_FP8_SWEEP = [None, (None, 4, 3), (None, 4, 5, 168), (None, 8, 4), (256, 4, 3), (64, 4, 5)]
+# (NineToothed's also at 4 and 2 tiles a step of small pages: 168 and 128 registers against 255 at 8, 3 and 4
+# programs an SM against 2, FP8 pages of 16 compiled for sm_90)
+PAGED_FP8_SWEEP = [None, (None, 4, 3), (None, 4, 5, 168), (None, 8, 4), (256, 4, 3), (64, 4, 5), "tiles4", "tiles2"]
 
 
 def paged_fp8_sweep():
@@ -501,6 +504,8 @@ def paged_fp8_sweep():
                 line = [f"bf16 paged {bf16 * 1e3:.0f} us, fp8 contiguous {dense8 * 1e3:.0f} us"]
                 for name, values in (("rows", value_cache), ("columns", value_columns)):
                     for variant in PAGED_FP8_SWEEP:
+                        if isinstance(variant, str) and backend != "ninetoothed":
+                            continue  # (NineToothed's switches)
                         with _paged_variant(variant):
                             t = _graph_time_ms(lambda: paged_attention(q, key_cache, values, table8, lengths,
                                                                        enable_gqa=True, k_descale=kd,
