@@ -130,7 +130,7 @@ def _gluon_attn_fwd(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bars = _barriers(1, 1)
-    kv_bars = _barriers(STAGES, 1)
+    kv_bars = _barriers(2 * STAGES, 1)
     fence_async_shared()
     q_bar = q_bars.index(0)
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
@@ -139,7 +139,7 @@ def _gluon_attn_fwd(
              start_m * BLOCK_M, n_tiles, 0, 0, True, (-1, 0, 1), BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL,
              WITH_LSE, False, False, 0, NEGATIVE_SCALE, False)
     _invalidate(q_bars, 1)
-    _invalidate(kv_bars, STAGES)
+    _invalidate(kv_bars, 2 * STAGES)
 
 
 @gluon.jit
@@ -171,12 +171,15 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
              PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr,
              PREFETCH_Q: gl.constexpr):
     """The consumer warps' work, every kernel's: Q by TMA (its ``q_bar`` completing phase ``q_phase``), the
-    online softmax over ``n_tiles`` tiles of the K/V ring (the ring's tile t in slot t % STAGES, ready on
-    ``kv_ready``; this row block's first is the ring's tile ``base``: a persistent program's ring runs on
-    across its row blocks), the output and log-sum-exp stored. PRODUCER: a
-    producer warp fills the ring (``_ws_producer``), and a slot goes back to it on ``kv_empty`` once
-    P V of its tile is in; otherwise these warps fill it themselves, the next tile of a slot
-    issued into it as soon as its tile has been read.
+    online softmax over ``n_tiles`` tiles of the K/V ring (the ring's tile t in slot t % STAGES; this row
+    block's first is the ring's tile ``base``: a persistent program's ring runs on across its row blocks),
+    the output and log-sum-exp stored. A slot's K and V have barriers of their own (FlashAttention-3's two
+    pipelines): K's ``kv_ready[slot]`` and ``kv_empty[slot]``, V's ``kv_ready[STAGES + slot]`` and
+    ``kv_empty[STAGES + slot]``. PRODUCER: a producer warp fills the ring (``_ws_producer``); a slot's K goes
+    back to it as soon as S of its tile is in, its V once P V is, so that a slot's next keys load under
+    the tile's softmax and P V instead of after them (a slot released whole leaves a ring of two stages
+    about one tile ahead). Otherwise these warps fill the ring themselves, the next tile of a slot
+    issued into it as soon as its tile has been read by both products.
 
     FlashAttention-3's overlap inside a warp group: while the tensor cores run S of tile j and
     P V of tile j - 1, the warps compute tile j's softmax as soon as its S is back (S_j issued
@@ -222,13 +225,10 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             _load_q(q_desc, q_bar, q_smem, row_start, off_z, off_h)
     else:
         _load_q(q_desc, q_bar, q_smem, row_start, off_z, off_h)
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     if not PRODUCER:
         for s in gl.static_range(STAGES):  # the ring's first tiles in flight
             if s < n_tiles:
-                mbarrier.expect(kv_ready.index(s), kv_bytes)
-                _tma_load(k_desc, [off_z, off_h_kv, s * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
-                _tma_load(v_desc, _v_coord(off_z, off_h_kv, s * BLOCK_N, FP8), kv_ready.index(s), v_smem.index(s))
+                _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, s, s * BLOCK_N, off_z, off_h_kv, STAGES)
 
     qk_scale = scale * LOG2E * qk_descale
     whole = _whole_tiles(Lk, row_start, causal_shift, BLOCK_N, IS_CAUSAL)
@@ -251,7 +251,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             qk_scale = -qk_scale
     if n_tiles > 0:
         first = base % STAGES
-        mbarrier.wait(kv_ready.index(first), (base // STAGES) & 1)
+        mbarrier.wait(kv_ready.index(first), (base // STAGES) & 1)  # (K of the first tile)
         if PINGPONG:
             # (a round a ring tile: the very first consumer's first wait passes at once)
             mbarrier.wait(turn_wait, (base + TURN_FIRST) & 1)
@@ -260,6 +260,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         if PINGPONG:
             mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        if PRODUCER:
+            mbarrier.arrive(kv_empty.index(first), count=1)  # (its K read: the slot's K may be refilled)
         if PREFETCH_Q:
             if n_tiles == 1:  # (Q read for the last time)
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
@@ -268,16 +270,21 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         for j in range(1, n_tiles):
             slot = (base + j) % STAGES
             prev = (base + j - 1) % STAGES
-            mbarrier.wait(kv_ready.index(slot), ((base + j) // STAGES) & 1)
+            mbarrier.wait(kv_ready.index(slot), ((base + j) // STAGES) & 1)  # (K of tile j)
             if PINGPONG:
                 mbarrier.wait(turn_wait, (base + j + TURN_FIRST) & 1)
             qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
+            # (V of tile j - 1, copied before K of tile j: in place by now, and waited for here, where its
+            # slot's address is in hand, it holds no value through the wait above)
+            mbarrier.wait(kv_ready.index(STAGES + prev), ((base + j - 1) // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                                 _v_operand(v_smem.index(prev), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_arrive, count=1)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+            if PRODUCER:
+                mbarrier.arrive(kv_empty.index(slot), count=1)  # (tile j's K read)
             if PREFETCH_Q:
                 if j == n_tiles - 1:  # (Q read for the last time)
                     _prefetch_q(q_desc, q_bar, q_smem, next_q)
@@ -285,20 +292,18 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                                                IS_CAUSAL, NEGATIVE_SCALE, col_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if PRODUCER:
-                mbarrier.arrive(kv_empty.index(prev), count=1)  # (tile j - 1's K and V read by both products)
+                mbarrier.arrive(kv_empty.index(STAGES + prev), count=1)  # (tile j - 1's V read)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             refill = j - 1 + STAGES
             if not PRODUCER and refill < n_tiles:  # (tile j - 1's slot, read by both products)
-                mbarrier.expect(kv_ready.index(prev), kv_bytes)
-                _tma_load(k_desc, [off_z, off_h_kv, refill * BLOCK_N, 0], kv_ready.index(prev), k_smem.index(prev))
-                _tma_load(v_desc, _v_coord(off_z, off_h_kv, refill * BLOCK_N, FP8), kv_ready.index(prev),
-                          v_smem.index(prev))
+                _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, prev, refill * BLOCK_N, off_z, off_h_kv, STAGES)
         last = (base + n_tiles - 1) % STAGES
+        mbarrier.wait(kv_ready.index(STAGES + last), ((base + n_tiles - 1) // STAGES) & 1)  # (V of the last tile)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                             _v_operand(v_smem.index(last), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if PRODUCER:  # (the last tile's slot too: a persistent program's next row block refills it)
-            mbarrier.arrive(kv_empty.index(last), count=1)
+            mbarrier.arrive(kv_empty.index(STAGES + last), count=1)
     elif PREFETCH_Q:  # (a row block that sees no key never reads Q)
         _prefetch_q(q_desc, q_bar, q_smem, next_q)
 
@@ -317,6 +322,17 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     _tma_store(o_desc, [off_z, off_h, row_start, 0], o_smem)
     if not PREFETCH_Q:
         tma.store_wait(0)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, slot, key, off_z, off_h_kv, STAGES: gl.constexpr):
+    """The K and V tiles of keys from ``key`` by TMA into ring slot ``slot``, each completing its own
+    barrier (K's ``kv_ready[slot]``, V's ``kv_ready[STAGES + slot]``)."""
+    mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
+    _tma_load(k_desc, [off_z, off_h_kv, key, 0], kv_ready.index(slot), k_smem.index(slot))
+    mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
+    _tma_load(v_desc, _v_coord(off_z, off_h_kv, key, v_desc.dtype.primitive_bitwidth == 8),
+              kv_ready.index(STAGES + slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -359,16 +375,20 @@ def _v_operand(v_tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.co
 def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, base,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: a row block's ``n_tiles`` K and V tiles into the ring, its tile t being the
-    ring's tile base + t, into slot (base + t) % STAGES once the consumers released that slot's previous
-    tile (the ring's first round passes: a fresh barrier's phase before 0 counts as complete)."""
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    ring's tile base + t, into slot (base + t) % STAGES, K once the consumers released that slot's previous
+    K, then V once they released its previous V (``_consume``'s barriers; the ring's first round passes: a
+    fresh barrier's phase before 0 counts as complete)."""
+    FP8: gl.constexpr = v_desc.dtype.primitive_bitwidth == 8
     for t in range(n_tiles):
         slot = (base + t) % STAGES
-        mbarrier.wait(kv_empty.index(slot), (((base + t) // STAGES) & 1) ^ 1)
-        mbarrier.expect(kv_ready.index(slot), kv_bytes)
+        phase = (((base + t) // STAGES) & 1) ^ 1
+        mbarrier.wait(kv_empty.index(slot), phase)
+        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
         _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
-        _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, v_desc.dtype.primitive_bitwidth == 8),
-                  kv_ready.index(slot), v_smem.index(slot))
+        mbarrier.wait(kv_empty.index(STAGES + slot), phase)
+        mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, FP8), kv_ready.index(STAGES + slot),
+                  v_smem.index(slot))
 
 
 @gluon.jit
@@ -389,8 +409,8 @@ def _gluon_attn_fwd_ws(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bars = _barriers(1, 1)
-    kv_ready = _barriers(STAGES, 1)
-    kv_empty = _barriers(STAGES, 1)
+    kv_ready = _barriers(2 * STAGES, 1)
+    kv_empty = _barriers(2 * STAGES, 1)
     fence_async_shared()
     q_bar = q_bars.index(0)
     n_tiles = _key_tiles(Lk, start_m, causal_shift, BLOCK_M, BLOCK_N, IS_CAUSAL)
@@ -403,8 +423,8 @@ def _gluon_attn_fwd_ws(
                         STAGES)),
     ], [1], [PRODUCER_REGS])
     _invalidate(q_bars, 1)
-    _invalidate(kv_ready, STAGES)
-    _invalidate(kv_empty, STAGES)
+    _invalidate(kv_ready, 2 * STAGES)
+    _invalidate(kv_empty, 2 * STAGES)
 
 
 @gluon.jit
@@ -539,8 +559,8 @@ def _gluon_attn_fwd_pp(
     warp groups of ``num_warps`` warps (the default partition and workers) owning BLOCK_M rows each, taking
     turns (``_consume`` with PINGPONG: each one's products issued once the one before it issued its own,
     consumer c waiting on turn c and completing turn c + 1, so one's softmax runs under the others'
-    products), and a producer warp filling the K/V ring they share (``_ws_producer``; a slot goes back once
-    every consumer is done with it: ``kv_empty`` counts CONSUMERS arrivals). q_desc's blocks are (1, 1,
+    products), and a producer warp filling the K/V ring they share (``_ws_producer``; a slot's K, and its V,
+    goes back once every consumer is done with it: ``kv_empty`` counts CONSUMERS arrivals). q_desc's blocks are (1, 1,
     BLOCK_M, D). BH: B·H.
 
     PERSISTENT (FlashAttention-3's persistent programs): a grid of at most one program an SM, program p
@@ -565,8 +585,8 @@ def _gluon_attn_fwd_pp(
         o_smem = q_smem
     q_bars = _barriers(CONSUMERS, 1)
     turns = _barriers(CONSUMERS, 1)
-    kv_ready = _barriers(STAGES, 1)
-    kv_empty = _barriers(STAGES, CONSUMERS)
+    kv_ready = _barriers(2 * STAGES, 1)
+    kv_empty = _barriers(2 * STAGES, CONSUMERS)
     fence_async_shared()
     # (each warp group's arguments written out: a partition's function and arguments cannot be a value)
     if CONSUMERS == 2:
@@ -606,8 +626,8 @@ def _gluon_attn_fwd_pp(
         ], [num_warps, num_warps, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     _invalidate(q_bars, CONSUMERS)
     _invalidate(turns, CONSUMERS)
-    _invalidate(kv_ready, STAGES)
-    _invalidate(kv_empty, STAGES)
+    _invalidate(kv_ready, 2 * STAGES)
+    _invalidate(kv_empty, 2 * STAGES)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
