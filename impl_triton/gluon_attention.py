@@ -173,13 +173,14 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     """The consumer warps' work, every kernel's: Q by TMA (its ``q_bar`` completing phase ``q_phase``), the
     online softmax over ``n_tiles`` tiles of the K/V ring (the ring's tile t in slot t % STAGES; this row
     block's first is the ring's tile ``base``: a persistent program's ring runs on across its row blocks),
-    the output and log-sum-exp stored. A slot's K and V have barriers of their own (FlashAttention-3's two
-    pipelines): K's ``kv_ready[slot]`` and ``kv_empty[slot]``, V's ``kv_ready[STAGES + slot]`` and
-    ``kv_empty[STAGES + slot]``. PRODUCER: a producer warp fills the ring (``_ws_producer``); a slot's K goes
-    back to it as soon as S of its tile is in, its V once P V is, so that a slot's next keys load under
-    the tile's softmax and P V instead of after them (a slot released whole leaves a ring of two stages
-    about one tile ahead). Otherwise these warps fill the ring themselves, the next tile of a slot
-    issued into it as soon as its tile has been read by both products.
+    the output and log-sum-exp stored. With 16-bit inputs a slot's K and V have barriers of their own
+    (FlashAttention-3's two pipelines): K's ``kv_ready[slot]`` and ``kv_empty[slot]``, V's
+    ``kv_ready[STAGES + slot]`` and ``kv_empty[STAGES + slot]``; FP8 tiles share K's. PRODUCER: a producer
+    warp fills the ring (``_ws_producer``); a slot's K goes back to it as soon as S of its tile is in, its
+    V once P V is (FP8: both then), so that a slot's next keys load under the tile's softmax and P V
+    instead of after them (a slot released whole leaves a ring of two stages about one tile ahead).
+    Otherwise these warps fill the ring themselves, the next tile of a slot issued into it as soon as its
+    tile has been read by both products.
 
     FlashAttention-3's overlap inside a warp group: while the tensor cores run S of tile j and
     P V of tile j - 1, the warps compute tile j's softmax as soon as its S is back (S_j issued
@@ -208,6 +209,10 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    # K and V of a ring slot on barriers of their own with 16-bit inputs, where it shortened the forward at
+    # D 256 by a fifth and more; FP8's loop, bound by its issue slots, ran 1-10% longer at every key with the
+    # second pipeline's waits and arrivals (benchmarks/NOTES.md)
+    SPLIT: gl.constexpr = dtype.primitive_bitwidth == 16
     # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
     # warps, n the tile's width, k 32 bytes), P as O's A operand in registers (32 bits a register)
     K_INSTR: gl.constexpr = 32 if FP8 else 16
@@ -260,7 +265,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         if PINGPONG:
             mbarrier.arrive(turn_arrive, count=1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        if PRODUCER:
+        if PRODUCER and SPLIT:
             mbarrier.arrive(kv_empty.index(first), count=1)  # (its K read: the slot's K may be refilled)
         if PREFETCH_Q:
             if n_tiles == 1:  # (Q read for the last time)
@@ -275,15 +280,14 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 mbarrier.wait(turn_wait, (base + j + TURN_FIRST) & 1)
             qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
-            # (V of tile j - 1, copied before K of tile j: in place by now, and waited for here, where its
-            # slot's address is in hand, it holds no value through the wait above)
-            mbarrier.wait(kv_ready.index(STAGES + prev), ((base + j - 1) // STAGES) & 1)
+            if SPLIT:  # (V of tile j - 1, copied before K of tile j: in place by now)
+                mbarrier.wait(kv_ready.index(STAGES + prev), ((base + j - 1) // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                                 _v_operand(v_smem.index(prev), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_arrive, count=1)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
-            if PRODUCER:
+            if PRODUCER and SPLIT:
                 mbarrier.arrive(kv_empty.index(slot), count=1)  # (tile j's K read)
             if PREFETCH_Q:
                 if j == n_tiles - 1:  # (Q read for the last time)
@@ -292,18 +296,19 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                                                IS_CAUSAL, NEGATIVE_SCALE, col_s)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if PRODUCER:
-                mbarrier.arrive(kv_empty.index(STAGES + prev), count=1)  # (tile j - 1's V read)
+                mbarrier.arrive(kv_empty.index(_v_bar(prev, STAGES, SPLIT)), count=1)  # (tile j - 1's V read)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             refill = j - 1 + STAGES
             if not PRODUCER and refill < n_tiles:  # (tile j - 1's slot, read by both products)
                 _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, prev, refill * BLOCK_N, off_z, off_h_kv, STAGES)
         last = (base + n_tiles - 1) % STAGES
-        mbarrier.wait(kv_ready.index(STAGES + last), ((base + n_tiles - 1) // STAGES) & 1)  # (V of the last tile)
+        if SPLIT:  # (V of the last tile)
+            mbarrier.wait(kv_ready.index(STAGES + last), ((base + n_tiles - 1) // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
                             _v_operand(v_smem.index(last), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if PRODUCER:  # (the last tile's slot too: a persistent program's next row block refills it)
-            mbarrier.arrive(kv_empty.index(STAGES + last), count=1)
+            mbarrier.arrive(kv_empty.index(_v_bar(last, STAGES, SPLIT)), count=1)
     elif PREFETCH_Q:  # (a row block that sees no key never reads Q)
         _prefetch_q(q_desc, q_bar, q_smem, next_q)
 
@@ -325,14 +330,24 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
 
 
 @gluon.jit
+def _v_bar(slot, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """The index of slot ``slot``'s V barriers: their own past K's (SPLIT), or K's."""
+    return STAGES + slot if SPLIT else slot
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, slot, key, off_z, off_h_kv, STAGES: gl.constexpr):
-    """The K and V tiles of keys from ``key`` by TMA into ring slot ``slot``, each completing its own
-    barrier (K's ``kv_ready[slot]``, V's ``kv_ready[STAGES + slot]``)."""
-    mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
+    """The K and V tiles of keys from ``key`` by TMA into ring slot ``slot``, completing K's barrier
+    ``kv_ready[slot]`` and V's (``_v_bar``)."""
+    SPLIT: gl.constexpr = k_desc.dtype.primitive_bitwidth == 16  # (_consume's)
+    if SPLIT:
+        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
+        mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [off_z, off_h_kv, key, 0], kv_ready.index(slot), k_smem.index(slot))
-    mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
     _tma_load(v_desc, _v_coord(off_z, off_h_kv, key, v_desc.dtype.primitive_bitwidth == 8),
-              kv_ready.index(STAGES + slot), v_smem.index(slot))
+              kv_ready.index(_v_bar(slot, STAGES, SPLIT)), v_smem.index(slot))
 
 
 @gluon.jit
@@ -376,18 +391,23 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: a row block's ``n_tiles`` K and V tiles into the ring, its tile t being the
     ring's tile base + t, into slot (base + t) % STAGES, K once the consumers released that slot's previous
-    K, then V once they released its previous V (``_consume``'s barriers; the ring's first round passes: a
-    fresh barrier's phase before 0 counts as complete)."""
+    K, then V once they released its previous V (``_consume``'s barriers; FP8: both at once; the ring's
+    first round passes: a fresh barrier's phase before 0 counts as complete)."""
     FP8: gl.constexpr = v_desc.dtype.primitive_bitwidth == 8
+    SPLIT: gl.constexpr = k_desc.dtype.primitive_bitwidth == 16  # (_consume's)
     for t in range(n_tiles):
         slot = (base + t) % STAGES
         phase = (((base + t) // STAGES) & 1) ^ 1
         mbarrier.wait(kv_empty.index(slot), phase)
-        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
+        if SPLIT:
+            mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(kv_empty.index(STAGES + slot), phase)
-        mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, FP8), kv_ready.index(STAGES + slot),
+        if SPLIT:
+            mbarrier.wait(kv_empty.index(STAGES + slot), phase)
+            mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
+        _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, FP8), kv_ready.index(_v_bar(slot, STAGES, SPLIT)),
                   v_smem.index(slot))
 
 
@@ -637,10 +657,10 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
 
 
-# ATTENTION_GLUON=1: each head dim's variant at every length (the one the H200 measured fastest at long
+# ATTENTION_GLUON=1: each head dim's variant at every length (a non-persistent one measured fastest at long
 # lengths, benchmarks/NOTES.md); unset, the Triton backend's config table says, per key
 # (common.configs.ConfigTable.lookup_gluon, written by ``tune --passes gluon``); 0: the tl kernel everywhere.
-FORCED = {64: "pingpong", 128: "pingpong", 256: "producer"}
+FORCED = {64: "pingpong", 128: "pingpong", 256: "pingpong"}
 # Unset, a plan smaller than this (FLOPs, 4·B·H·Lq·Lk·D, half where causal) stays on the tl kernel whatever
 # the table says: the table is timed on large batches, and below this size the Gluon path's launch (bound, but
 # four descriptors a call) costs a user's loop more than its kernel saves (tools/probe.py gluon_host,

@@ -850,6 +850,19 @@ def test_cpu_sass_reads_the_loops_of_tensor_core_products():
     ])
     assert cpu_sass.mma_loops(sass) == [(".L_x_1", 4, [("FMUL", 2), ("HGMMA", 1), ("BRA", 1)]),
                                         (".L_x_3", 2, [("QGMMA", 1), ("BRA", 1)])]
+    # both_operands: a step holds S (A in shared memory) and P V (A in registers); a wait loop spanning one
+    # product's instructions is not a step
+    step = "\n".join([
+        ".L_x_4:",
+        "        /*0100*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR44], RZ, !UPT ;",
+        ".L_x_5:",
+        "        /*0110*/                   HGMMA.64x128x16.F32.BF16 R88, R176, gdesc[UR20].tnspB, R88 ;",
+        "        /*0120*/              @!P0 BRA `(.L_x_5) ;",
+        "        /*0130*/                   MUFU.EX2 R2, R2 ;",
+        "        /*0140*/                   BRA `(.L_x_4) ;",
+    ])
+    assert [loop[0] for loop in cpu_sass.mma_loops(step)] == [".L_x_4", ".L_x_5"]
+    assert cpu_sass.mma_loops(step, both_operands=True) == [(".L_x_4", 5, [("HGMMA", 2), ("BRA", 2), ("MUFU", 1)])]
 
 
 def test_every_probe_the_docstring_lists_exists():

@@ -237,10 +237,13 @@ def _report(args, compiled) -> int:
     return 0
 
 
-def mma_loops(sass: str, top: int | None = 8) -> list:
+def mma_loops(sass: str, top: int | None = 8, both_operands: bool = False) -> list:
     """The loops of a kernel's SASS that hold tensor-core products (a key or query loop's
     steps): ``(label, instructions a step, the ``top`` commonest opcodes (None: all))`` each, in
-    address order. A loop is the code from a label to the last branch back to it."""
+    address order. A loop is the code from a label to the last branch back to it. ``both_operands``:
+    only loops holding a warp-group MMA whose A operand is in shared memory (an attention step's S)
+    and one whose A is in registers (its P V), so that a barrier's wait loop around one product's
+    instructions does not count as a step."""
     labels, instructions = {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -259,6 +262,11 @@ def mma_loops(sass: str, top: int | None = 8) -> list:
     for label, end in ends.items():
         body = instructions[labels[label]:end + 1]
         opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+        if both_operands:
+            products = [x for x in body if re.search(r"\b[HQ]GMMA\.", x)]
+            if not (any(re.search(r"GMMA\.\S+ R\d+, gdesc", x) for x in products)
+                    and any(re.search(r"GMMA\.\S+ R\d+, R\d+, gdesc", x) for x in products)):
+                continue
         if opcodes["HGMMA"] or opcodes["QGMMA"] or opcodes["HMMA"]:  # (QGMMA: FP8 operands)
             loops.append((labels[label], label, len(body), opcodes.most_common(top)))
     return [loop[1:] for loop in sorted(loops)]

@@ -97,8 +97,9 @@ def main(argv=None) -> int:
         sass, usage = disassemble(kernel, out_dir, f"gluon_fwd_d{D}")
         regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
         overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
-        # the key loop: the shortest loop of tensor-core products (a persistent program's row-block loop holds it)
-        key_loop = dict(min(mma_loops(sass, top=None), key=lambda loop: loop[1])[2])
+        # the key loop: the shortest loop holding both products, S (A in shared memory) and P V (A in
+        # registers): a persistent program's row-block loop holds it, and a wait loop may span one product
+        key_loop = dict(min(mma_loops(sass, top=None, both_operands=True), key=lambda loop: loop[1])[2])
         print(f"D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
               f"HGMMA={len(re.findall(r'HGMMA', sass))} QGMMA={len(re.findall(r'QGMMA', sass))} "
               f"UTMALDG={len(re.findall(r'UTMALDG', sass))} UTMASTG={len(re.findall(r'UTMASTG', sass))} "
