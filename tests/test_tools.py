@@ -974,3 +974,43 @@ def test_ncu_targets_are_the_benchmarks_shapes():
     listed = subprocess.run([sys.executable, "tools/ncu_targets.py", "--list"], cwd=root, capture_output=True,
                             text=True, timeout=120).stdout.splitlines()
     assert [line.split(":")[0] for line in listed] == list(targets.CASES)
+
+
+def test_ncu_stalls_reads_the_samples_per_kernel_reason_and_line(tmp_path):
+    """tools/ncu_stalls.py reads ncu's per-SASS-line CSV: each kernel's samples by reason and by opcode (its
+    predicate and modifiers stripped), and its lines ranked by samples, kernel by kernel."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+              '"Instructions Executed","stall_barrier","stall_long_sb","stall_wait","stall_barrier (Not Issued)"')
+    text = "\n".join([
+        '"Kernel Name","first",', header,
+        '"0x10","      NOP","30","30","2","30","0","0","30"',
+        '"0x20","@!P0  BRA 0x40","50","50","100","0","45","5","0"',
+        '"0x30","      WARPGROUP.DEPBAR.LE gsb0, 0x0","20","18","100","15","0","5","15"',
+        '"Kernel Name","second",', header,
+        '"0x40","      MUFU.EX2 R2, R3","4","4","8","0","0","4","0"',
+    ]) + "\n"
+    path = tmp_path / "report.sass.csv"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("ncu_stalls", root / "tools" / "ncu_stalls.py")
+    stalls = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stalls)
+    import csv
+
+    sections = stalls.kernels(list(csv.reader(path.open(newline=""))))
+    assert [name for name, _, lines in sections] == ["first", "second"]
+    assert [len(lines) for _, _, lines in sections] == [3, 1]
+    first = stalls.summary(sections[0][1], sections[0][2], top=2)
+    assert first["total"] == 100
+    assert first["reasons"] == {"long_sb": 0.45, "barrier": 0.45, "wait": 0.10}
+    assert first["opcodes"]["BRA"] == [0.5, 100] and first["opcodes"]["WARPGROUP"] == [0.2, 100]
+    assert [(address, share) for address, _, share, _ in first["top"]] == [("0x20", 0.5), ("0x10", 0.3)]
+    assert first["top"][0][3][:2] == [("long_sb", 45), ("wait", 5)]
+    out = subprocess.run([sys.executable, "tools/ncu_stalls.py", str(path), "--top", "1"], cwd=root,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "=== first: 3 SASS lines, 100 samples" in out and "=== second: 1 SASS lines, 4 samples" in out

@@ -26,7 +26,8 @@
 #         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
 #         gluon-tiles (the Gluon forward's tiles swept, persistent programs too; PROBE_GLUON_DIMS, _LENGTHS)
 #         ncu (Nsight Compute's counters of one call of each of NCU_CASES, tools/ncu_targets.py, ours beside SDPA's:
-#         the details page, every raw metric (CSV) and the SASS lines' stall samples under $OUT/ncu_CASE.*)
+#         the details page, every raw metric (CSV), the SASS lines' stall samples and tools/ncu_stalls.py's reading
+#         of them, as ncu_CASE.* in $OUT/ncu.tgz)
 # (any other word runs as a shell command)
 set -uo pipefail
 # (once a call: the stages a stage runs side by side, as `rest` does, find it installed)
@@ -251,7 +252,10 @@ for stage in "$@"; do
            "$NCU" --import "$OUT/ncu_$target.ncu-rep" --page raw --csv > "$OUT/ncu_$target.csv" 2>&1
            "$NCU" --import "$OUT/ncu_$target.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_$target.sass.csv" 2>&1
            echo "--- $target"; grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible" "$OUT/ncu_$target.txt" | head -24
-         done ;;
+           python3 tools/ncu_stalls.py "$OUT/ncu_$target.sass.csv" --top 12 > "$OUT/ncu_$target.stalls.txt" 2>&1
+         done
+         # one archive (a call brings back a few files only; the reports themselves stay behind: tens of MB)
+         (cd "$OUT" && tar czf ncu.tgz --exclude='*.ncu-rep' ncu_* && rm -f ncu_*) ;;
     compare) timeout 300 python3 -m common compare --write 2>&1 | tee "$OUT/compare.log"; cp comparison/gpu.json "$OUT/" ;;
     *) eval "$stage" ;;
   esac
