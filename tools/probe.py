@@ -58,6 +58,8 @@ is written to the project.
   time per step, the attention call alone, its kernel time (graph replay), host = wall - kernel.
 - gluon: the Gluon Hopper forward against our tl kernel and SDPA (TFLOP/s, both dtypes, D 64-256).
 - gluon_tiles: the Gluon forward's tiles swept at L 4096 (the three variants), SDPA beside.
+- default_vs_sdpa: the triton backend's default forward (on sm_90 what the config table dispatches)
+  against SDPA's default, bf16, at the benchmark's 18 forward shapes.
 - gluon_tiles_fp8: the Gluon ping-pong forward's FP8 tiles swept at L 4096, the tl FP8 forward and SDPA beside.
 - gluon_host: what a call of the Gluon path costs the host (it is launched through Triton's JIT each call,
   not bound): wall time per call and do_bench of attention() with the table's dispatch and with the tl
@@ -1359,6 +1361,26 @@ def repeat_varlen_bwd():
         differ = sum(any(not torch.equal(a, b) for a, b in zip(first, grads()))
                      for _ in range(0 if os.environ.get("RACE_ONLY") else 100))
         print(f"{backend} varlen float32 D 24: 100 backward calls, {differ} differ bitwise from the first", flush=True)
+
+
+def default_vs_sdpa():
+    """The triton backend's default forward (on sm_90 the kernel its config table names: the Gluon variant or
+    the tl kernel) against SDPA's default backend (cuDNN on an H100/H200), bf16, at the benchmark's shapes (B·L
+    = 16k, H·D = 2048, D 64/128/256, L 1k/4k/16k, causal and not): TFLOP/s each (causal counts half), the
+    better of two ``do_bench`` medians each, and their ratio."""
+    from triton.testing import do_bench
+
+    for D in (64, 128, 256):
+        for L in (1024, 4096, 16384):
+            B, H = 16384 // L, 2048 // D
+            q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for causal in (False, True):
+                flops = 4 * B * H * L * L * D / (2 if causal else 1)
+                runs = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                        "triton": lambda: attention(q, k, v, is_causal=causal, backend="triton")}
+                ms = {name: min(do_bench(fn, warmup=25, rep=100) for _ in range(2)) for name, fn in runs.items()}
+                print(f"D {D} L {L} causal {int(causal)}: sdpa {flops / ms['sdpa'] * 1e-9:.0f} triton "
+                      f"{flops / ms['triton'] * 1e-9:.0f} TFLOP/s, {ms['sdpa'] / ms['triton']:.3f}x", flush=True)
 
 
 def gluon_tiles():
