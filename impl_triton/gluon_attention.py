@@ -209,8 +209,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
-    # K and V of a ring slot on barriers of their own with 16-bit inputs, where it shortened the forward at
-    # D 256 by a fifth and more; FP8's loop, bound by its issue slots, ran 1-10% longer at every key with the
+    # K and V of a ring slot on barriers of their own with 16-bit inputs, where the earlier release of K
+    # shortened the forward; not with FP8, whose loop is bound by its issue slots and ran longer with the
     # second pipeline's waits and arrivals (benchmarks/NOTES.md)
     SPLIT: gl.constexpr = dtype.primitive_bitwidth == 16
     # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
@@ -339,13 +339,28 @@ def _v_bar(slot, STAGES: gl.constexpr, SPLIT: gl.constexpr):
 def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, slot, key, off_z, off_h_kv, STAGES: gl.constexpr):
     """The K and V tiles of keys from ``key`` by TMA into ring slot ``slot``, completing K's barrier
     ``kv_ready[slot]`` and V's (``_v_bar``)."""
-    SPLIT: gl.constexpr = k_desc.dtype.primitive_bitwidth == 16  # (_consume's)
-    if SPLIT:
+    _load_k(k_desc, v_desc, k_smem, kv_ready, slot, key, off_z, off_h_kv)
+    _load_v(k_desc, v_desc, v_smem, kv_ready, slot, key, off_z, off_h_kv, STAGES)
+
+
+@gluon.jit
+def _load_k(k_desc, v_desc, k_smem, kv_ready, slot, key, off_z, off_h_kv):
+    """The K tile of keys from ``key`` into slot ``slot``, on ``kv_ready[slot]``, which also expects the V
+    tile's bytes where V shares K's barrier (FP8, ``_consume``'s SPLIT)."""
+    if k_desc.dtype.primitive_bitwidth == 16:
         mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
-        mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
     else:
         mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [off_z, off_h_kv, key, 0], kv_ready.index(slot), k_smem.index(slot))
+
+
+@gluon.jit
+def _load_v(k_desc, v_desc, v_smem, kv_ready, slot, key, off_z, off_h_kv, STAGES: gl.constexpr):
+    """The V tile of keys from ``key`` into slot ``slot``, on V's barrier (``_v_bar``; its bytes expected
+    there only where it is V's own)."""
+    SPLIT: gl.constexpr = k_desc.dtype.primitive_bitwidth == 16  # (_consume's)
+    if SPLIT:
+        mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
     _tma_load(v_desc, _v_coord(off_z, off_h_kv, key, v_desc.dtype.primitive_bitwidth == 8),
               kv_ready.index(_v_bar(slot, STAGES, SPLIT)), v_smem.index(slot))
 
@@ -393,22 +408,15 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_
     ring's tile base + t, into slot (base + t) % STAGES, K once the consumers released that slot's previous
     K, then V once they released its previous V (``_consume``'s barriers; FP8: both at once; the ring's
     first round passes: a fresh barrier's phase before 0 counts as complete)."""
-    FP8: gl.constexpr = v_desc.dtype.primitive_bitwidth == 8
     SPLIT: gl.constexpr = k_desc.dtype.primitive_bitwidth == 16  # (_consume's)
     for t in range(n_tiles):
         slot = (base + t) % STAGES
         phase = (((base + t) // STAGES) & 1) ^ 1
         mbarrier.wait(kv_empty.index(slot), phase)
-        if SPLIT:
-            mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [off_z, off_h_kv, t * BLOCK_N, 0], kv_ready.index(slot), k_smem.index(slot))
+        _load_k(k_desc, v_desc, k_smem, kv_ready, slot, t * BLOCK_N, off_z, off_h_kv)
         if SPLIT:
             mbarrier.wait(kv_empty.index(STAGES + slot), phase)
-            mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
-        _tma_load(v_desc, _v_coord(off_z, off_h_kv, t * BLOCK_N, FP8), kv_ready.index(_v_bar(slot, STAGES, SPLIT)),
-                  v_smem.index(slot))
+        _load_v(k_desc, v_desc, v_smem, kv_ready, slot, t * BLOCK_N, off_z, off_h_kv, STAGES)
 
 
 @gluon.jit

@@ -36,8 +36,8 @@ def test_compiles_for_sm90_with_the_overlap(variant, tmp_path):
     # no spill, but for ping-pong's tile at D 128 under triton 3.6: keys of 128 leave 8-24 bytes of stack
     # there, and measured fastest (gluon_attention.pingpong_tile); a persistent program keeps its loops' values
     # over items and row blocks on the stack around the key loop (read and written once a row block), and its
-    # causal key loop, with K and V on barriers of their own, one word (a load and a store a step, in a step
-    # of about 600 instructions; measured no slower than the loop without it, benchmarks/NOTES.md)
+    # causal key loop, with K and V on barriers of their own, one word (a load and a store a step; timed no
+    # slower than the loop without it, benchmarks/NOTES.md)
     allowed = {"ping-pong": 24, "persistent": 192}.get(variant, 0)
     assert int(fields["STACK"]) <= allowed and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
     assert int(fields["KEY_LOOP_LOCAL"]) <= (2 if variant == "persistent" else 0), line
