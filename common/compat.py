@@ -373,6 +373,17 @@ def interpreter_builder():
     return getattr(interpreter, "interpreter_builder", None)
 
 
+def wrap_language_patching(wrap) -> bool:
+    """``triton.runtime.interpreter._patch_lang(fn)``: points ``triton.language`` (and ``.core``,
+    where ``fn``'s globals hold it) at the interpreter's builtins and returns the scope whose
+    ``restore()`` undoes that; a launch calls it and restores at its end, and every device-function
+    call inside calls it again and keeps what it patched. Looked up on that module at each call.
+    Checked: triton 3.9."""
+    from triton.runtime import interpreter
+
+    return _wrap_once(interpreter, "_patch_lang", wrap)
+
+
 def wrap_interpreted_run(wrap) -> bool:
     """``InterpretedFunction.run(self, *args, **kwargs)``: one interpreted launch, with
     ``self.fn`` the Python function and ``self.arg_names`` its parameters. Checked: triton 3.9."""

@@ -6,7 +6,7 @@ us: before ``impl_triton`` is imported, or before ``ninetoothed.make`` runs).
 :func:`use_interpreter_if_no_gpu` sets it on machines without a CUDA device.
 
 Three fixes make the interpreter run our kernels, all for reasons outside our
-code, a fourth makes it faster, and a fifth, a sixth and a seventh make it type
+code, a fourth and an eighth make it faster, and a fifth, a sixth and a seventh make it type
 integers and round bfloat16 and float8 as a compiled kernel does. :func:`apply_interpreter_fixes` applies
 them; it is a no-op unless the interpreter is on, so a GPU run never sees them.
 Each reaches the interpreter through ``common.compat``.
@@ -55,12 +55,18 @@ Each reaches the interpreter through ``common.compat``.
    forward rounds probabilities to e4m3 (``p.to(v.dtype)``), so we convert as the GPU does, by
    way of torch's float8_e4m3fn (which rounds to nearest even), where the installed
    interpreter does not already (checked by converting a few values once).
+8. The interpreter points ``triton.language`` at its own builtins when a launch starts and
+   again at every call of a ``@triton.jit`` function inside it (each pass walks the modules'
+   members: about a millisecond). NineToothed's kernels call dozens of helpers a program, so this
+   took an eighth of their interpreted time. A call inside a launch whose language modules the
+   launch already patched now skips the pass (the launch restores them at its end, as before).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 
 from common import compat
 
@@ -152,7 +158,52 @@ def apply_interpreter_fixes() -> bool:
     _annotated_integers()
     _bf16_rounding()
     _e4m3_rounding()
+    compat.wrap_language_patching(_patch_once_a_launch)
     return True
+
+
+class _LaunchPatch(threading.local):
+    """The language modules the running launch (in this thread) has patched; None between launches."""
+
+    modules = None
+
+
+_launch_patch = _LaunchPatch()
+
+
+class _Kept:
+    """The scope of a call that patched nothing: nothing to restore."""
+
+    def restore(self) -> None:
+        pass
+
+
+def _patch_once_a_launch(original):
+    """Fix 8: ``_patch_lang(fn)`` runs in full for a launch (no launch running in this thread) and
+    for a call that uses a language module the launch did not patch; any other call inside a launch
+    finds the modules patched already."""
+    import triton.language as tl
+
+    def languages(fn) -> frozenset:
+        return frozenset(id(value) for value in fn.__globals__.values() if value is tl or value is tl.core)
+
+    def patch_lang(fn):
+        running = _launch_patch.modules
+        if running is not None and languages(fn) <= running:
+            return _Kept()
+        scope = original(fn)
+        if running is None:  # a launch: its scope's restore ends it
+            _launch_patch.modules = languages(fn)
+            restore = scope.restore
+
+            def restore_and_end():
+                _launch_patch.modules = None
+                restore()
+
+            scope.restore = restore_and_end
+        return scope
+
+    return patch_lang
 
 
 class _Int64(int):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -198,3 +200,49 @@ def test_e4m3_rounding_applies_only_where_the_interpreter_misrounds():
     assert interpret._interpreter_rounds_e4m3(truncating) is False
     assert interpret._interpreter_rounds_e4m3(interpret.e4m3_bits) is True
     assert interpret._interpreter_rounds_e4m3() is True
+
+
+def test_calls_inside_a_launch_patch_the_language_once(monkeypatch):
+    """Fix 8: the launch points triton.language at the interpreter's builtins once; the helper called
+    on every step of its loop finds them in place, and the launch restores the originals at its end."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    apply_interpreter_fixes()
+    kernel = _doubling_kernel()
+    passes = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: passes.append(a[0]) or patch_builtin(*a))
+    x, y = torch.randn(16), torch.full((16,), float("nan"))
+    kernel[(1,)](x, y, STEPS=6)
+    torch.testing.assert_close(y, x * 64)
+    launch_passes = len(passes)
+    assert launch_passes > 0
+    passes.clear()
+    kernel[(1,)](x, y, STEPS=1)
+    assert len(passes) == launch_passes  # (the helper's call adds none, however many steps)
+    assert tl.core.is_builtin(tl.arange) and tl.core.is_builtin(tl.tensor.__add__)  # (restored)
+
+
+@functools.cache
+def _doubling_kernel():
+    """A kernel doubling 16 values STEPS times through a helper (made on first use: under the
+    interpreter only, and visible to the kernel as a module global)."""
+    import triton
+    import triton.language as tl
+
+    global _twice
+
+    @triton.jit
+    def _twice(x):
+        return x * 2
+
+    @triton.jit
+    def kernel(X, Y, STEPS: tl.constexpr):
+        offs = tl.arange(0, 16)
+        x = tl.load(X + offs)
+        for _ in range(STEPS):
+            x = _twice(x)
+        tl.store(Y + offs, x)
+
+    return kernel
