@@ -56,10 +56,10 @@ Each reaches the interpreter through ``common.compat``.
    way of torch's float8_e4m3fn (which rounds to nearest even), where the installed
    interpreter does not already (checked by converting a few values once).
 8. The interpreter points ``triton.language`` at its own builtins when a launch starts and
-   again at every call of a ``@triton.jit`` function inside it (each pass walks the modules'
-   members: about a millisecond). NineToothed's kernels call dozens of helpers a program, so this
-   took an eighth of their interpreted time. A call inside a launch whose language modules the
-   launch already patched now skips the pass (the launch restores them at its end, as before).
+   again at every call of a ``@triton.jit`` function inside it, each pass walking the modules'
+   members; NineToothed's kernels call dozens of helpers a program, so the passes were a sizeable
+   part of their interpreted time (benchmarks/NOTES.md). A call inside a launch whose language
+   modules the launch already patched skips the pass (the launch restores them at its end, as before).
 """
 
 from __future__ import annotations

@@ -653,7 +653,7 @@ def test_code_cache_writes_are_atomic_across_processes(tmp_path):
     """Processes writing the same generated module at once: each reads back the whole file."""
     import multiprocessing
 
-    # (120 KB: each writer's codecache.simplified parses it, about 1 s; 10 s at ten times the size)
+    # (a module of 120 KB: each writer's codecache.simplified parses it, whose time grows with its size)
     source = "# generated\n" + "y = 2\n" * 20_000
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         assert all(pool.map(_write_source, [(tmp_path, source)] * 8))
