@@ -373,6 +373,20 @@ def interpreter_builder():
     return getattr(interpreter, "interpreter_builder", None)
 
 
+def wrap_interpreter_semantic(name: str, wrap) -> bool:
+    """Method ``name`` of the interpreter's one ``TritonSemantic`` (``interpreter_semantic``: what
+    every ``tl`` builtin calls under the interpreter, e.g. ``add(input, other, sanitize_overflow)``,
+    ``floordiv(input, other)``, ``less_than(input, other)``, ``and_(input, other)``, on ``tl.tensor``s
+    or Python numbers), replaced on that instance; its ``builder`` is :func:`interpreter_builder`.
+    Checked: triton 3.9."""
+    from triton.runtime import interpreter
+
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    if semantic is None or getattr(semantic, "builder", None) is not interpreter_builder():
+        return False
+    return _wrap_once(semantic, name, wrap)
+
+
 def wrap_language_patching(wrap) -> bool:
     """``triton.runtime.interpreter._patch_lang(fn)``: points ``triton.language`` (and ``.core``,
     where ``fn``'s globals hold it) at the interpreter's builtins and returns the scope whose

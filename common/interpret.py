@@ -6,7 +6,7 @@ us: before ``impl_triton`` is imported, or before ``ninetoothed.make`` runs).
 :func:`use_interpreter_if_no_gpu` sets it on machines without a CUDA device.
 
 Three fixes make the interpreter run our kernels, all for reasons outside our
-code, a fourth and an eighth make it faster, and a fifth, a sixth and a seventh make it type
+code, a fourth, an eighth and a ninth make it faster, and a fifth, a sixth and a seventh make it type
 integers and round bfloat16 and float8 as a compiled kernel does. :func:`apply_interpreter_fixes` applies
 them; it is a no-op unless the interpreter is on, so a GPU run never sees them.
 Each reaches the interpreter through ``common.compat``.
@@ -59,7 +59,16 @@ Each reaches the interpreter through ``common.compat``.
    again at every call of a ``@triton.jit`` function inside it, each pass walking the modules'
    members; NineToothed's kernels call dozens of helpers a program, so the passes were a sizeable
    part of their interpreted time (benchmarks/NOTES.md). A call inside a launch whose language
-   modules the launch already patched skips the pass (the launch restores them at its end, as before).
+   modules the launch already patched skips the pass; one that uses a module the launch has not
+   patched (``tl.sum``'s module sees only ``triton.language.core``) patches it, and it stays patched
+   for the rest of the launch. The launch restores every module at its end.
+9. Every ``tl`` operation under the interpreter goes through Triton's type checking (the operands'
+   computation type, a cast of each to it, a broadcast) before its one NumPy operation; for two
+   scalar int32 values that costs many times the operation. NineToothed's generated index arithmetic
+   is mostly such scalars (tens of thousands a launch, against a few hundred in our kernels). An
+   operation whose operands are scalar int32 tensors or Python ints in int32's range (+, -, *, //, %,
+   comparisons), or scalar int1 tensors (&, |), goes straight to the builder function the type
+   checking would have reached, with the same operands: the same result, in the same type.
 """
 
 from __future__ import annotations
@@ -159,13 +168,16 @@ def apply_interpreter_fixes() -> bool:
     _bf16_rounding()
     _e4m3_rounding()
     compat.wrap_language_patching(_patch_once_a_launch)
+    _scalar_integer_operations()
     return True
 
 
 class _LaunchPatch(threading.local):
-    """The language modules the running launch (in this thread) has patched; None between launches."""
+    """The language modules the running launch (in this thread) has patched, None between launches;
+    and the scopes of the calls inside it that patched more, restored when it ends."""
 
     modules = None
+    deferred = ()
 
 
 _launch_patch = _LaunchPatch()
@@ -180,30 +192,90 @@ class _Kept:
 
 def _patch_once_a_launch(original):
     """Fix 8: ``_patch_lang(fn)`` runs in full for a launch (no launch running in this thread) and
-    for a call that uses a language module the launch did not patch; any other call inside a launch
-    finds the modules patched already."""
+    for a call that uses a language module the launch has not patched yet, which then stays patched
+    until the launch ends; any other call inside a launch finds its modules patched already."""
     import triton.language as tl
 
     def languages(fn) -> frozenset:
         return frozenset(id(value) for value in fn.__globals__.values() if value is tl or value is tl.core)
 
     def patch_lang(fn):
-        running = _launch_patch.modules
-        if running is not None and languages(fn) <= running:
+        running, mine = _launch_patch.modules, languages(fn)
+        if running is not None and mine <= running:
             return _Kept()
         scope = original(fn)
-        if running is None:  # a launch: its scope's restore ends it
-            _launch_patch.modules = languages(fn)
-            restore = scope.restore
+        if running is not None:  # a call inside the launch: its modules stay patched to the launch's end
+            _launch_patch.modules = running | mine
+            _launch_patch.deferred.append(scope)
+            return _Kept()
+        _launch_patch.modules, _launch_patch.deferred = mine, []
+        restore = scope.restore
 
-            def restore_and_end():
-                _launch_patch.modules = None
-                restore()
+        def restore_and_end():  # (the last patched first: each scope puts back what it found)
+            deferred, _launch_patch.modules, _launch_patch.deferred = _launch_patch.deferred, None, ()
+            for inner in reversed(deferred):
+                inner.restore()
+            restore()
 
-            scope.restore = restore_and_end
+        scope.restore = restore_and_end
         return scope
 
     return patch_lang
+
+
+# Fix 9: the builder function Triton's semantic calls for two signed 32-bit integers (an int32
+# result, or int1 for a comparison), and for two int1 values
+_INT32_OPERATIONS = {"add": "create_add", "sub": "create_sub", "mul": "create_mul", "floordiv": "create_sdiv",
+                     "mod": "create_srem"}
+_INT32_COMPARISONS = {"less_than": "create_icmpSLT", "less_equal": "create_icmpSLE",
+                      "greater_than": "create_icmpSGT", "greater_equal": "create_icmpSGE",
+                      "equal": "create_icmpEQ", "not_equal": "create_icmpNE"}
+_INT1_OPERATIONS = {"and_": "create_and", "or_": "create_or"}
+_OVERFLOW_CHECKED = {"add", "sub", "mul"}
+
+
+def _scalar_integer_operations() -> None:
+    """Fix 9: the interpreter's semantic operations on scalar int32 (and int1) operands skip the type
+    checking that leaves them as they are."""
+    import triton.language as tl
+
+    builder = compat.interpreter_builder()
+    int32, int1, dtype = tl.int32, tl.int1, tl.dtype
+
+    def int32_handle(value):
+        """``value``'s handle where it is a scalar int32 tensor or a Python int that Triton types int32."""
+        if type(value) is int:
+            return builder.get_int32(value) if -2**31 <= value < 2**31 else None
+        kind = getattr(value, "type", None)
+        return value.handle if type(kind) is dtype and kind.name == "int32" else None
+
+    def int1_handle(value):
+        kind = getattr(value, "type", None)
+        return value.handle if type(kind) is dtype and kind.name == "int1" else None
+
+    def fast(name, create, result, handle_of):
+        def wrap(original):
+            make = getattr(builder, create)
+            checked = name in _OVERFLOW_CHECKED
+
+            def operation(input, other, *args, **kwargs):
+                # (an overflow-checked operation keeps the check where fix 4 is off)
+                if type(input) is not int or type(other) is not int:
+                    a, b = handle_of(input), handle_of(other)
+                    if a is not None and b is not None and not (checked and builder.options.sanitize_overflow):
+                        return tl.tensor(make(a, b), result)
+                return original(input, other, *args, **kwargs)
+
+            return operation
+
+        return wrap
+
+    for name, create in _INT32_OPERATIONS.items():
+        compat.wrap_interpreter_semantic(name, fast(name, create, int32, int32_handle))
+    for name, create in _INT32_COMPARISONS.items():
+        compat.wrap_interpreter_semantic(name, fast(name, create, int1, int32_handle))
+    for name, create in _INT1_OPERATIONS.items():
+        compat.wrap_interpreter_semantic(name, fast(name, create, int1, int1_handle))
 
 
 class _Int64(int):

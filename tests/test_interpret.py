@@ -224,6 +224,144 @@ def test_calls_inside_a_launch_patch_the_language_once(monkeypatch):
     assert tl.core.is_builtin(tl.arange) and tl.core.is_builtin(tl.tensor.__add__)  # (restored)
 
 
+def test_a_call_inside_a_launch_keeps_the_modules_it_patched(monkeypatch):
+    """Fix 8, a helper whose module sees only ``triton.language.core`` (``tl.sum``, called on every step)
+    in a kernel that sees ``triton.language``: the first call patches core, which then stays patched to
+    the launch's end (one pass however many steps), and the launch restores both modules."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    apply_interpreter_fixes()
+    kernel = _summing_kernel()
+    passes = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: passes.append(a[0]) or patch_builtin(*a))
+    x, y = torch.randn(16), torch.full((16,), float("nan"))
+    kernel[(1,)](x, y, STEPS=1)  # (a first launch: the interpreter's rewrite of a helper adds to its module)
+    passes.clear()
+    kernel[(1,)](x, y, STEPS=6)
+    torch.testing.assert_close(y, x.sum().expand(16) * 6)
+    assert passes.count(tl.core) == 1
+    launch_passes = len(passes)
+    passes.clear()
+    kernel[(1,)](x, y, STEPS=1)
+    assert len(passes) == launch_passes
+    assert tl.core.is_builtin(tl.core.reduce) and tl.core.is_builtin(tl.core.tensor.__add__)  # (restored)
+    assert tl.core.is_builtin(tl.arange)
+
+
+@functools.cache
+def _summing_kernel():
+    """A kernel adding the sum of 16 values STEPS times (``tl.sum``: a @triton.jit function of
+    triton/language/standard.py, whose globals hold ``core``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, Y, STEPS: tl.constexpr):
+        offs = tl.arange(0, 16)
+        x = tl.load(X + offs)
+        total = tl.zeros((16,), tl.float32)
+        for _ in range(STEPS):
+            total += tl.sum(x, axis=0)
+        tl.store(Y + offs, total)
+
+    return kernel
+
+
+_INT32_EDGES = [0, 1, -1, 7, -7, 3, -3, 2**31 - 1, -2**31, 46341, -46341]
+
+
+def _scalar(value, dtype):
+    """A scalar tl.tensor of ``dtype`` (the interpreter's one-element handle, as a kernel's scalars)."""
+    import numpy as np
+    import triton.language as tl
+
+    from common import compat
+
+    numpy_type = {"int32": np.int32, "int64": np.int64, "int1": np.bool_}[dtype.name]
+    return tl.tensor(compat.interpreter_handle(np.array([value], dtype=numpy_type), dtype), dtype)
+
+
+def _same(fast, slow):
+    import numpy as np
+
+    assert fast.type == slow.type and fast.handle.dtype == slow.handle.dtype
+    assert fast.handle.data.dtype == slow.handle.data.dtype and fast.handle.data.shape == slow.handle.data.shape
+    np.testing.assert_array_equal(fast.handle.data, slow.handle.data)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (NumPy: division by zero, as the slow path's)
+def test_scalar_integer_operations_match_the_type_checked_path(monkeypatch):
+    """Fix 9: every operation the fast path takes (scalar int32 tensors and Python ints in int32's range,
+    either side; scalar int1 tensors for & and |) gives what Triton's type-checked semantic gives (value,
+    wrap-around, C division and remainder, result type) without reaching the type checking; operands
+    outside it (int64, a Python int past 32 bits, a block) take the type-checked path, unchanged."""
+    import triton.language as tl
+    from triton.language import semantic as semantic_module
+    from triton.runtime import interpreter
+
+    from common import interpret
+
+    apply_interpreter_fixes()
+    semantic = interpreter.interpreter_semantic
+    checked = []
+    type_checking = semantic_module.TritonSemantic.binary_op_type_checking_impl
+    monkeypatch.setattr(semantic_module.TritonSemantic, "binary_op_type_checking_impl",
+                        lambda self, *a, **k: checked.append(a) or type_checking(self, *a, **k))
+
+    def both(name, a, b):
+        checked.clear()
+        args = (False,) if name in ("add", "sub", "mul") else ()
+        fast = getattr(semantic, name)(a, b, *args)
+        fast_checked = len(checked)
+        slow = getattr(type(semantic), name)(semantic, a, b, *args)
+        _same(fast, slow)
+        return fast_checked
+
+    names = [*interpret._INT32_OPERATIONS, *interpret._INT32_COMPARISONS]
+    for name in names:
+        for a in _INT32_EDGES:
+            for b in _INT32_EDGES:
+                if name in ("floordiv", "mod") and b == 0:
+                    continue
+                for left, right in ((_scalar(a, tl.int32), _scalar(b, tl.int32)), (_scalar(a, tl.int32), b),
+                                    (a, _scalar(b, tl.int32))):
+                    assert both(name, left, right) == 0, (name, a, b)
+    for name in interpret._INT1_OPERATIONS:
+        for a in (False, True):
+            for b in (False, True):
+                assert both(name, _scalar(a, tl.int1), _scalar(b, tl.int1)) == 0
+    # the type-checked path: a 64-bit operand, a float, a block; a Python int past 32 bits
+    assert both("add", _scalar(5, tl.int64), 3) > 0
+    assert both("add", _scalar(5, tl.int32), 1.5) > 0
+    with pytest.raises(ValueError, match="out of range"):  # (Triton's error for both paths)
+        semantic.mul(_scalar(5, tl.int32), 2**33, False)
+    block = tl.tensor(interpreter.TensorHandle(__import__("numpy").arange(4, dtype="int32"), tl.int32),
+                      tl.block_type(tl.int32, [4]))
+    assert both("floordiv", block, _scalar(3, tl.int32)) > 0
+
+
+def test_scalar_integer_operations_keep_overflow_checks_when_asked(monkeypatch):
+    """Fix 9 with fix 4 off (TWIN_ATTENTION_OVERFLOW_CHECKS=1: the interpreter's own overflow checks):
+    +, - and * of int32 scalars take the checked path, whose assertion sees the overflow."""
+    import dataclasses
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from common import compat
+
+    apply_interpreter_fixes()
+    builder = compat.interpreter_builder()
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=True))
+    asserted = []
+    semantic = interpreter.interpreter_semantic
+    monkeypatch.setattr(type(semantic), "device_assert", lambda self, cond, msg, mask: asserted.append(msg))
+    semantic.add(_scalar(2**31 - 1, tl.int32), 1, True)
+    assert asserted and "overflow" in asserted[0]
+
+
 @functools.cache
 def _doubling_kernel():
     """A kernel doubling 16 values STEPS times through a helper (made on first use: under the
