@@ -98,7 +98,7 @@ class Widen(enum.IntEnum):
 # of a row that one 8-bit A operand's k step spans, the columns 8a + 2t + b (a = 0..3, b = 0..1, t the
 # thread's index in its quad); the next product's 8-bit A operand wants 4 consecutive columns a register:
 # 16h + 4t + c. P rounded to e4m3 moves from one layout to the other only through shuffles between threads
-# (about 48 instructions a key step at 64 x 128 tiles on sm_90). Numbering the keys of each group so that
+# (benchmarks/NOTES.md counts them). Numbering the keys of each group so that
 # the thread's own columns come out in the operand's order, column 16a1 + 8a0 + 4t1 + 2t0 + b of a group
 # (a = 2a1 + a0, t = 2t1 + t0) becomes column 16a1 + 8t1 + 4t0 + 2a0 + b, changes nothing but that
 # exchange (P V sums over keys in any order); the values are copied in the same order.
