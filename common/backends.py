@@ -128,9 +128,11 @@ class KernelBackendModule(BackendModule, Protocol):
         angles of rows ``starts[b]`` (+ l where ``per_row``) of ``cos``, ``sin`` (S, R/2), into
         ``o1``, ``o2`` (views of another tensor)."""
 
-    def copy_values(self, value, out) -> None:
+    def copy_values(self, value, out, pv_order: bool = False) -> None:
         """Copy ``value`` (B, H, L, D) into ``out``, the same sizes in another layout (FP8 values
-        made column-major for the e4m3 P·V product, ``common.plan.Planner.fp8_columns``)."""
+        made column-major for the e4m3 P·V product, ``common.plan.Planner.fp8_columns``); ``pv_order``
+        (L a multiple of ``common.plan.PV_GROUP``): row l of ``value`` into row
+        ``common.plan.pv_position(l)`` of ``out``."""
 
     def refine_forward(self, plan: ForwardPlan, kv_bytes: int) -> None:
         """Set ``plan.refinement`` to this backend's own decisions for the launch planned so far

@@ -1,5 +1,6 @@
 """The ``@triton.jit`` helpers both backends' kernels call: dropout's mask, tanh, the
-soft-cap's factors, the scores (capped or scaled, ALiBi's bias added), a band's test and a band's key-block stages.
+soft-cap's factors, the scores (capped or scaled, ALiBi's bias added), a band's test and a band's key-block
+stages, FP8 tiles' widening and the P·V order.
 
 The Triton kernels call them as any jit function. NineToothed copies the source of every
 ``@triton.jit`` function in an application's module into the code it generates, so
@@ -29,6 +30,7 @@ UNIFORM_24 = tl.constexpr(_plan.UNIFORM_24)
 TANH_APPROX = tl.constexpr(int(_plan.Softcap.APPROX))
 WIDEN_F16 = tl.constexpr(int(_plan.Widen.FLOAT16))
 WIDEN_F16_ROWS = tl.constexpr(int(_plan.Widen.FLOAT16_ROWS))
+WIDEN_PV_ORDER = tl.constexpr(int(_plan.Widen.PV_ORDER))
 
 
 @triton.jit
@@ -147,6 +149,29 @@ def _widen(x, WIDEN: triton.language.constexpr):
 
 
 @triton.jit
+def _p_operand(p, dtype, WIDEN: triton.language.constexpr):
+    """P (M, N: float32) as the P·V product's operand: rounded to the values' ``dtype`` and, for
+    values in the P·V order (``Widen.PV_ORDER``; N a multiple of 32), its columns put in that order
+    (``common.plan.pv_position``): a reshape and a transpose of its axes, which leave each thread's
+    registers where the 8-bit operand wants them."""
+    p = p.to(dtype)
+    if WIDEN == WIDEN_PV_ORDER:
+        M: tl.constexpr = p.shape[0]
+        N: tl.constexpr = p.shape[1]
+        p = tl.reshape(tl.permute(tl.reshape(p, (M, N // 32, 2, 2, 2, 2, 2)), (0, 1, 2, 4, 5, 3, 6)), (M, N))
+    return p
+
+
+@triton.jit
+def _pv_rows(x):
+    """The rows of tile ``x`` (L, D; L a multiple of 32) put in the P·V order: row l of ``x`` is row
+    ``common.plan.pv_position(l)`` of the result (``_p_operand``'s order, on the rows)."""
+    L: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, (L // 32, 2, 2, 2, 2, 2, D)), (0, 1, 3, 4, 2, 5, 6)), (L, D))
+
+
+@triton.jit
 def _keep_widened(v, cols_ok):
     """A widened FP8 value tile stored row-major (``Widen.FLOAT16_ROWS``) through a select on its
     columns: nothing changes (the columns past the head dim are zeros already), but the compiler can
@@ -223,4 +248,4 @@ def _to_e4m3(x, descale):
 
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
                _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _half_columns,
-               _column_piece)
+               _column_piece, _p_operand, _pv_rows)

@@ -78,16 +78,37 @@ class Softcap(enum.IntEnum):
 
 
 class Widen(enum.IntEnum):
-    """What the kernels widen FP8 key or value tiles to after loading them: their WIDEN_K, WIDEN_V.
-    Never bfloat16: e4m3 -> float16 is one conversion per pair of values on NVIDIA GPUs, -> bfloat16
-    several, and a memory-bound decode must not spend its time converting; a bfloat16 query is
-    narrowed to float16 instead (``common.jit_helpers._narrow_query``)."""
+    """How the kernels take FP8 key or value tiles after loading them: their WIDEN_K, WIDEN_V (what
+    they widen them to, or in which order an e4m3 product reads them). Never bfloat16: e4m3 -> float16
+    is one conversion per pair of values on NVIDIA GPUs, -> bfloat16 several, and a memory-bound decode
+    must not spend its time converting; a bfloat16 query is narrowed to float16 instead
+    (``common.jit_helpers._narrow_query``)."""
 
     NONE = 0  # kept in e4m3: an FP8 product on the tensor cores
     FLOAT16 = 1
     # float16, values stored row-major (keys a row apart): widened before the P·V product's transpose
     # (common.jit_helpers._keep_widened), which would otherwise move e4m3 bytes one by one
     FLOAT16_ROWS = 2
+    # kept in e4m3, the values copied with each group of PV_GROUP keys in the P·V order (pv_position):
+    # the kernels put P's columns in that order too (common.jit_helpers._p_operand)
+    PV_ORDER = 3
+
+
+# The e4m3 P·V order. A warp-group MMA (and mma.sync) hands each thread, of the PV_GROUP score columns
+# of a row that one 8-bit A operand's k step spans, the columns 8a + 2t + b (a = 0..3, b = 0..1, t the
+# thread's index in its quad); the next product's 8-bit A operand wants 4 consecutive columns a register:
+# 16h + 4t + c. P rounded to e4m3 moves from one layout to the other only through shuffles between threads
+# (benchmarks/NOTES.md counts them). Numbering the keys of each group so that
+# the thread's own columns come out in the operand's order, column 16a1 + 8a0 + 4t1 + 2t0 + b of a group
+# (a = 2a1 + a0, t = 2t1 + t0) becomes column 16a1 + 8t1 + 4t0 + 2a0 + b, changes nothing but that
+# exchange (P V sums over keys in any order); the values are copied in the same order.
+PV_GROUP = 32
+
+
+def pv_position(key):
+    """Where key ``key`` (an int or an integer tensor) sits in the P·V order: the same group of
+    PV_GROUP, bits 1-3 of its index in the group rotated (bit 3 to bit 1, bits 1-2 up one)."""
+    return (key & ~0b01110) | ((key & 0b00110) << 1) | ((key & 0b01000) >> 2)
 
 
 # CUDA's limit on grid axes 1 and 2 (the split index's axis in the Triton kernel).
@@ -322,7 +343,7 @@ class ForwardPlan:
     alibi_shift: torch.Tensor | None = None
     # FP8 inputs: (q, k, v) descales, float32 (B, H_kv) (views; None for 1), read per K/V head,
     # or (B, H, Lq) per query head and row (packed sequences, each row its sequence's: see
-    # descale_kind); None: no FP8 input. The kernels widen FP8 key and value tiles to widen_k, widen_v.
+    # descale_kind); None: no FP8 input. The kernels take FP8 key and value tiles as widen_k, widen_v say.
     descales: tuple | None = None
     widen_k: Widen = Widen.NONE
     widen_v: Widen = Widen.NONE
@@ -572,7 +593,10 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         Lk = max(1, Lq + plan.band[1])
         plan.key, plan.value = k[:, :, :Lk], v[:, :, :Lk]
     if plan.descales is not None and plan.widen_v == Widen.NONE and planner.fp8_columns(plan.value, Lq * (H // H_kv)):
-        plan.value = value_columns(backend, plan.value)
+        pv_order = pv_order_fits(plan.value.shape[2])
+        plan.value = value_columns(backend, plan.value, pv_order)
+        if pv_order:
+            plan.widen_v = Widen.PV_ORDER
     # Dropout's mask is counted by (head, row): packed rows would change it.
     # (Sinks are per row: packed, each row reads its own head's, packed_rows.)
     # (Per-row bands, packed sequences, are indexed by row: packing would shift them.)
@@ -621,13 +645,22 @@ def fp8_descales(descales, query, key) -> tuple:
     return tuple(d if d is not None else one.view((1,) * len(shape)).expand(shape) for d in descales)
 
 
-def value_columns(backend, value: torch.Tensor) -> torch.Tensor:
+def pv_order_fits(keys: int) -> bool:
+    """Whether values of ``keys`` keys are copied in the P·V order (``Widen.PV_ORDER``): where the
+    keys fill whole groups of PV_GROUP, so that the order moves no key past the last."""
+    return keys % PV_GROUP == 0
+
+
+def value_columns(backend, value: torch.Tensor, pv_order: bool = False) -> torch.Tensor:
     """``value`` (B, H_kv, Lk, Dv) copied column-major (each (batch, head)'s keys contiguous) by the
     backend's own kernel: one pass over the values, coalesced on both sides (a strided copy of
-    bytes writes one a row)."""
+    bytes writes one a row). ``pv_order`` (Lk a multiple of PV_GROUP): the keys of each group in the
+    P·V order, key l at row ``pv_position(l)``."""
     B, H_kv, Lk, Dv = value.shape
+    if pv_order and not pv_order_fits(Lk):
+        raise ValueError(f"values in the P·V order take whole groups of {PV_GROUP} keys, got {Lk} keys")
     columns = torch.empty((B, H_kv, Dv, Lk), dtype=value.dtype, device=value.device).transpose(2, 3)
-    backend.load().copy_values(value, columns)
+    backend.load().copy_values(value, columns, pv_order)
     return columns
 
 
@@ -661,6 +694,9 @@ def plan_launch(plan: ForwardPlan, backend, resume=None, allocate: bool = True) 
                                                             config.block_m)
     plan.config = config = planner.shallow_stages(config, plan.m_blocks * B * Hp, plan.num_splits, q.device,
                                                   max(plan.block_d, plan.block_dv))
+    if plan.widen_v == Widen.PV_ORDER and config.block_n % PV_GROUP:
+        raise ValueError(f"block_n of a forced config must be a multiple of {PV_GROUP} where FP8 values are "
+                         f"copied in the P·V order (common.plan.PV_GROUP), got {config.block_n}")
     if plan.row_bands is not None:  # packed sequences: each row block sees its own few
         plan.num_splits, plan.blocks_per_split = 1, -(-Lk // config.block_n)
     if resume is not None:  # one program per row block folds all of its keys in: no split

@@ -109,7 +109,8 @@ class AttentionPlan:
     outputs every run. Holds no tensor."""
 
     __slots__ = ("backend", "layout", "grows_keys", "_arguments", "_fields", "_query_view", "_key_length",
-                 "_keys", "_launched", "_bound", "_growing", "_grown", "_fp8", "_value_columns", "_mask_view")
+                 "_keys", "_launched", "_bound", "_growing", "_grown", "_fp8", "_value_columns", "_pv_order",
+                 "_mask_view")
 
     def __init__(self, backend, call, layout, arguments: dict, mask=None):
         self.backend = backend
@@ -126,6 +127,7 @@ class AttentionPlan:
         # takes them as tensors of the call)
         self._fp8 = call.descales is not None
         self._value_columns = False  # FP8 values copied column-major each run (common.plan.value_columns)
+        self._pv_order = False  # ... in the P·V order (Widen.PV_ORDER)
         # a masked plan's view of each call's mask: (shape, strides) over the caller's mask, where the kernels'
         # view starts (common.plan.make_forward broadcasts it to 4-D and packs it with the query's heads)
         self._mask_view = None
@@ -147,8 +149,10 @@ class AttentionPlan:
         fields = planning.tensorless_fields(plan)
         if self._fp8:
             fields[_DESCALES] = None  # (a tuple of the call's tensors)
-            # the plan copied the values column-major where its value is, and the call's is not
+            # the plan copied the values column-major where its value is, and the call's is not (in the
+            # P·V order where its values are in it)
             self._value_columns = plan.value.stride(2) == 1 and v.stride(2) != 1
+            self._pv_order = plan.widen_v == planning.Widen.PV_ORDER
         self._fields = tuple(fields)
         self._query_view = tuple(plan.query.shape) if plan.query.shape != q.shape else None
         self._key_length = plan.key.shape[2] if plan.key.shape[2] != k.shape[2] else None
@@ -240,7 +244,7 @@ class AttentionPlan:
         if self._key_length is not None:
             key, value = key[:, :, :self._key_length], value[:, :, :self._key_length]
         if self._value_columns:
-            value = planning.value_columns(self.backend, value)
+            value = planning.value_columns(self.backend, value, self._pv_order)
         fp8 = planning.fp8_descales(descales or (None, None, None), query, key) if self._fp8 else None
         return key, value, fp8
 
@@ -276,6 +280,8 @@ class AttentionPlan:
         launch planned again and launched through the launch bound to its config and splits."""
         if not _keys_fit(self.backend, key, value):
             return None  # the full path says what is wrong, or takes them
+        if self._pv_order and not planning.pv_order_fits(key.shape[2]):
+            return None  # (values in the P·V order: keys that do not fill its groups are planned afresh)
         grown = self._grown
         if grown is not None:
             length, block_n, k_blocks, blocks_per_split, bound = grown

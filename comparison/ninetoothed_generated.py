@@ -168,7 +168,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_ALIBI: triton.lan
             ninetoothed_temporary_0_v = _widen(ninetoothed_temporary_0_v, ninetoothed_constexpr_prefix_WIDEN_V)
             if ninetoothed_constexpr_prefix_WIDEN_V == WIDEN_F16_ROWS:
                 ninetoothed_temporary_0_v = _keep_widened(ninetoothed_temporary_0_v, triton.language.arange(0, 64) < (ninetoothed_ninetoothed_tensor_0_size_0, ninetoothed_ninetoothed_tensor_0_size_1, ninetoothed_ninetoothed_tensor_1_size_2, 64)[-1])
-            acc = triton.language.dot(ninetoothed_temporary_0_p.to(ninetoothed_temporary_0_v.dtype), ninetoothed_temporary_0_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
+            acc = triton.language.dot(_p_operand(ninetoothed_temporary_0_p, ninetoothed_temporary_0_v.dtype, ninetoothed_constexpr_prefix_WIDEN_V), ninetoothed_temporary_0_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
             m_i = ninetoothed_temporary_0_m_ij
         ninetoothed_temporary_1_ = (acc, l_i, m_i)
         acc, l_i, m_i = ninetoothed_temporary_1_
@@ -223,7 +223,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_ALIBI: triton.lan
             ninetoothed_temporary_2_v = _widen(ninetoothed_temporary_2_v, ninetoothed_constexpr_prefix_WIDEN_V)
             if ninetoothed_constexpr_prefix_WIDEN_V == WIDEN_F16_ROWS:
                 ninetoothed_temporary_2_v = _keep_widened(ninetoothed_temporary_2_v, triton.language.arange(0, 64) < (ninetoothed_ninetoothed_tensor_0_size_0, ninetoothed_ninetoothed_tensor_0_size_1, ninetoothed_ninetoothed_tensor_6_size_2, 64, 64)[-1])
-            acc = triton.language.dot(ninetoothed_temporary_2_p.to(ninetoothed_temporary_2_v.dtype), ninetoothed_temporary_2_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
+            acc = triton.language.dot(_p_operand(ninetoothed_temporary_2_p, ninetoothed_temporary_2_v.dtype, ninetoothed_constexpr_prefix_WIDEN_V), ninetoothed_temporary_2_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
             m_i = ninetoothed_temporary_2_m_ij
         ninetoothed_temporary_3_ = (acc, l_i, m_i)
         acc, l_i, m_i = ninetoothed_temporary_3_
@@ -275,7 +275,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_ALIBI: triton.lan
             ninetoothed_temporary_4_v = _widen(ninetoothed_temporary_4_v, ninetoothed_constexpr_prefix_WIDEN_V)
             if ninetoothed_constexpr_prefix_WIDEN_V == WIDEN_F16_ROWS:
                 ninetoothed_temporary_4_v = _keep_widened(ninetoothed_temporary_4_v, triton.language.arange(0, 64) < (ninetoothed_ninetoothed_tensor_0_size_0, ninetoothed_ninetoothed_tensor_0_size_1, ninetoothed_ninetoothed_tensor_1_size_2, 64)[-1])
-            acc = triton.language.dot(ninetoothed_temporary_4_p.to(ninetoothed_temporary_4_v.dtype), ninetoothed_temporary_4_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
+            acc = triton.language.dot(_p_operand(ninetoothed_temporary_4_p, ninetoothed_temporary_4_v.dtype, ninetoothed_constexpr_prefix_WIDEN_V), ninetoothed_temporary_4_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
             m_i = ninetoothed_temporary_4_m_ij
         ninetoothed_temporary_5_ = (acc, l_i, m_i)
         acc, l_i, m_i = ninetoothed_temporary_5_
@@ -327,7 +327,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_ALIBI: triton.lan
             ninetoothed_temporary_6_v = _widen(ninetoothed_temporary_6_v, ninetoothed_constexpr_prefix_WIDEN_V)
             if ninetoothed_constexpr_prefix_WIDEN_V == WIDEN_F16_ROWS:
                 ninetoothed_temporary_6_v = _keep_widened(ninetoothed_temporary_6_v, triton.language.arange(0, 64) < (ninetoothed_ninetoothed_tensor_0_size_0, ninetoothed_ninetoothed_tensor_0_size_1, ninetoothed_ninetoothed_tensor_1_size_2, 64)[-1])
-            acc = triton.language.dot(ninetoothed_temporary_6_p.to(ninetoothed_temporary_6_v.dtype), ninetoothed_temporary_6_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
+            acc = triton.language.dot(_p_operand(ninetoothed_temporary_6_p, ninetoothed_temporary_6_v.dtype, ninetoothed_constexpr_prefix_WIDEN_V), ninetoothed_temporary_6_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
             m_i = ninetoothed_temporary_6_m_ij
         ninetoothed_temporary_7_ = (acc, l_i, m_i)
         acc, l_i, m_i = ninetoothed_temporary_7_
@@ -378,7 +378,7 @@ def nt_attention_fwd_64_64_128_64(ninetoothed_constexpr_prefix_ALIBI: triton.lan
         ninetoothed_temporary_8_v = _widen(ninetoothed_temporary_8_v, ninetoothed_constexpr_prefix_WIDEN_V)
         if ninetoothed_constexpr_prefix_WIDEN_V == WIDEN_F16_ROWS:
             ninetoothed_temporary_8_v = _keep_widened(ninetoothed_temporary_8_v, triton.language.arange(0, 64) < (ninetoothed_ninetoothed_tensor_0_size_0, ninetoothed_ninetoothed_tensor_0_size_1, ninetoothed_ninetoothed_tensor_1_size_2, 64)[-1])
-        acc = triton.language.dot(ninetoothed_temporary_8_p.to(ninetoothed_temporary_8_v.dtype), ninetoothed_temporary_8_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
+        acc = triton.language.dot(_p_operand(ninetoothed_temporary_8_p, ninetoothed_temporary_8_v.dtype, ninetoothed_constexpr_prefix_WIDEN_V), ninetoothed_temporary_8_v, acc, input_precision=ninetoothed_constexpr_prefix_DOT_PRECISION)
         m_i = ninetoothed_temporary_8_m_ij
     ninetoothed_temporary_9_ = (acc, l_i, m_i)
     acc, l_i, m_i = ninetoothed_temporary_9_

@@ -626,8 +626,10 @@ def rotary(x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
         x1, x2, o1, o2, cos, sin, starts, PER_ROW=per_row)
 
 
-def copy_values(value, out) -> None:
+def copy_values(value, out, pv_order: bool = False) -> None:
     """Copy ``value`` (B, H, L, D) into ``out``, the same shape in another layout (the FP8 values
-    column-major for the e4m3 P·V product: ``common.plan.Planner.fp8_columns``): one program per
-    64 rows of a (batch, head), see copy_arrangement."""
-    _make(premake_copy, value.shape[3], 64, num_warps=4, num_stages=1, wide=_wide(value, out))(value, out)
+    column-major for the e4m3 P·V product: ``common.plan.Planner.fp8_columns``; ``pv_order``: each
+    group of 32 keys in the P·V order, ``common.plan.pv_position``): one program per 64 rows of a
+    (batch, head), see copy_arrangement."""
+    _make(premake_copy, value.shape[3], 64, num_warps=4, num_stages=1, wide=_wide(value, out))(
+        value, out, PV_ORDER=pv_order)

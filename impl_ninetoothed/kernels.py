@@ -54,6 +54,8 @@ from common.jit_helpers import (
     _keep_widened,
     _key_stages,
     _narrow_query,
+    _p_operand,
+    _pv_rows,
     _scores,
     _sign_unknown,
     _tanh,
@@ -82,7 +84,7 @@ _SCORES_CALLS = (_tanh, _alibi_bias)  # (jit helpers of this module: NineToothed
 ONE_STAGE = 2  # SPLIT's value for a split walked in one masked loop (impl_ninetoothed.attention.one_stage_split)
 KERNEL_CONSTANTS = dict(LOG2E=LOG2E, LN2=LN2, NO_MASK=NO_MASK, BOOL_MASK=BOOL_MASK, ADDITIVE_MASK=ADDITIVE_MASK,
                         UNIFORM_24=UNIFORM_24, TANH_APPROX=TANH_APPROX, WIDEN_F16=int(Widen.FLOAT16),
-                        WIDEN_F16_ROWS=WIDEN_F16_ROWS,
+                        WIDEN_F16_ROWS=WIDEN_F16_ROWS, WIDEN_PV_ORDER=int(Widen.PV_ORDER),
                         ROW_BANDS=ROW_BANDS, DESCALE_ROWS=DESCALE_ROWS, ONE_STAGE=ONE_STAGE)
 
 
@@ -227,7 +229,7 @@ def _attn_fwd_inner(
         v = _widen(v, WIDEN_V)
         if WIDEN_V == WIDEN_F16_ROWS:  # (widened before the product's transpose)
             v = _keep_widened(v, value[j - first].offsets(-1) < value.source.shape[-1])
-        acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
+        acc = ntl.dot(_p_operand(p, v.dtype, WIDEN_V), v, acc, input_precision=DOT_PRECISION)  # (FP8: e4m3)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -390,7 +392,7 @@ def combine_application(o_part, lse_part, output, lse, WITH_LSE):
         lse = ntl.where(m == float("-inf"), 0.0, m) + ntl.log(l)  # noqa: F841 (a store; log(0) = -inf: no key at all)
 
 
-def copy_arrangement(source, target, block_l, block_d):
+def copy_arrangement(source, target, PV_ORDER, block_l, block_d):
     """One program per BLOCK_L rows of a (batch, head): the same (BLOCK_L, BLOCK_D) tile of both
     tensors, each read through its own strides (as :func:`impl_triton.kernels._copy_values`)."""
 
@@ -399,13 +401,17 @@ def copy_arrangement(source, target, block_l, block_d):
         arranged.dtype = arranged.dtype.squeeze((0, 1))
         return arranged
 
-    return tiles(source), tiles(target)
+    return tiles(source), tiles(target), PV_ORDER
 
 
-def copy_application(source, target):
+def copy_application(source, target, PV_ORDER):
     """The tile as it is, into the other layout (FP8 values column-major for the e4m3 P·V
-    product): the load coalesced along the source's unit stride, the store along the target's."""
-    target = source  # noqa: F841 (a store)
+    product): the load coalesced along the source's unit stride, the store along the target's.
+    PV_ORDER (L and BLOCK_L multiples of 32): its rows in the P·V order (``common.plan.pv_position``)."""
+    if PV_ORDER:
+        target = _pv_rows(source)  # noqa: F841 (a store)
+    else:
+        target = source  # noqa: F841 (a store)
 
 
 # -- backward ----------------------------------------------------------------------------------
@@ -852,7 +858,7 @@ def premake_copy(head_dim, block_l):
     """The values' copy into another layout: (B, H, L, D) into the same sizes."""
     arrangement_ = functools.partial(copy_arrangement, block_l=block_l, block_d=padded_head_dim(head_dim))
     source = Tensor(shape=(None, None, None, head_dim))
-    return arrangement_, copy_application, (source, _like(source.shape[:3], head_dim))
+    return arrangement_, copy_application, (source, _like(source.shape[:3], head_dim), *_flags("PV_ORDER"))
 
 
 def premake_dq(head_dim, head_dim_v, block_m, block_n):

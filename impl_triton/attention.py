@@ -478,14 +478,15 @@ def rotary(x1, x2, o1, o2, cos, sin, starts, per_row: bool) -> None:
     )
 
 
-def copy_values(value, out) -> None:
+def copy_values(value, out, pv_order: bool = False) -> None:
     """Copy ``value`` (B, H, L, D) into ``out``, the same shape in another layout (the FP8 values
-    column-major for the e4m3 P·V product: ``common.plan.Planner.fp8_columns``): one program per
-    BLOCK_L rows of a (batch, head), every head dim at once."""
+    column-major for the e4m3 P·V product: ``common.plan.Planner.fp8_columns``; ``pv_order``: each
+    group of 32 keys in the P·V order, ``common.plan.pv_position``): one program per BLOCK_L rows of
+    a (batch, head), every head dim at once."""
     B, H, L, D = value.shape
     block_l = 64
     _copy_launcher(
         (B * H * triton.cdiv(L, block_l), 1, 1),
         value, out, *value.stride(), *out.stride(), H, L, D,
-        num_warps=4, num_stages=1, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4, num_stages=1, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D), PV_ORDER=pv_order,
     )

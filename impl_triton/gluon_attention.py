@@ -19,8 +19,9 @@ strides TMA takes (unit last stride, 16-byte aligned rows and base). Everything 
 kernel (``serves``); of what it serves, the Triton backend sends it the head dims and lengths where it is
 faster (``variant``: the config table's gluon section; ``ATTENTION_GLUON=1`` every plan it serves, ``0``
 none). The ping-pong variants (in persistent programs too) also take FP8 inputs (``forward(..., pingpong=True,
-descales=...)``: e4m3 q, k and v at D 64 and 128, the values column-major); the config table sends FP8
-plans to them where they timed faster than the tl kernel's FP8 forward (at D 128; benchmarks/NOTES.md).
+descales=...)``: e4m3 q, k and v at D 64 and 128, the values column-major, in the P·V order where the plan
+copied them so: ``_p_operand``); the config table sends FP8 plans to them where they timed faster than the
+tl kernel's FP8 forward (at D 128; benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from common import compat
 from common.launch import alignment, launch_compiled
+from common.plan import Widen
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -137,7 +139,7 @@ def _gluon_attn_fwd(
     _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_bars, kv_bars, q_bar, q_bar, o_desc, q_smem,
              Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
              start_m * BLOCK_M, n_tiles, 0, 0, True, (-1, 0, 1), BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL,
-             WITH_LSE, False, False, 0, NEGATIVE_SCALE, False)
+             WITH_LSE, False, False, 0, NEGATIVE_SCALE, False, False)
     _invalidate(q_bars, 1)
     _invalidate(kv_bars, 2 * STAGES)
 
@@ -169,7 +171,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
              row_start, n_tiles, base, q_phase, load_q, next_q, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr,
              PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr, NEGATIVE_SCALE: gl.constexpr,
-             PREFETCH_Q: gl.constexpr):
+             PREFETCH_Q: gl.constexpr, PV_ORDER: gl.constexpr):
     """The consumer warps' work, every kernel's: Q by TMA (its ``q_bar`` completing phase ``q_phase``), the
     online softmax over ``n_tiles`` tiles of the K/V ring (the ring's tile t in slot t % STAGES; this row
     block's first is the ring's tile ``base``: a persistent program's ring runs on across its row blocks),
@@ -199,7 +201,9 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     and keys' descales), the output ``v_descale``; P is rounded to e4m3 for P V (FlashAttention-3's
     choice, the tl kernel's default), whose B operand must be K-major: the values come column-major, their
     tiles (D, BLOCK_N) (``_v_operand``). The output, 16-bit, is staged in ``o_smem`` (Q's own tile where
-    the dtypes agree).
+    the dtypes agree). PV_ORDER: the values' keys are in the P·V order (``common.plan.PV_GROUP``), and so
+    are P's columns (``_p_operand``): a reshape that leaves every thread's registers in place, where P in
+    key order reaches the 8-bit operand's layout only through shuffles between threads.
 
     PREFETCH_Q (a persistent program whose output has a shared tile of its own): Q of the consumer's next
     row block (``next_q``: (rows from, batch·head, heads), rows from -1 where there is none) is loaded into Q's
@@ -282,7 +286,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                                use_acc=False, is_async=True)
             if SPLIT:  # (V of tile j - 1, copied before K of tile j: in place by now)
                 mbarrier.wait(kv_ready.index(STAGES + prev), ((base + j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+            acc = warpgroup_mma(_p_operand(p, dtype, p_layout, PV_ORDER),
                                 _v_operand(v_smem.index(prev), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_arrive, count=1)
@@ -304,7 +308,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
         last = (base + n_tiles - 1) % STAGES
         if SPLIT:  # (V of the last tile)
             mbarrier.wait(kv_ready.index(STAGES + last), ((base + n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+        acc = warpgroup_mma(_p_operand(p, dtype, p_layout, PV_ORDER),
                             _v_operand(v_smem.index(last), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if PRODUCER:  # (the last tile's slot too: a persistent program's next row block refills it)
@@ -327,6 +331,19 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     _tma_store(o_desc, [off_z, off_h, row_start, 0], o_smem)
     if not PREFETCH_Q:
         tma.store_wait(0)
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_ORDER: gl.constexpr):
+    """P (BLOCK_M, BLOCK_N float32, S's layout) as P V's A operand in registers: rounded to ``dtype`` and,
+    PV_ORDER, its columns in the P·V order (``common.jit_helpers._p_operand``'s reshape and transpose),
+    which puts the values S's layout gives each thread where the 8-bit operand's layout wants them."""
+    p = p.to(dtype)
+    if PV_ORDER:
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        p = p.reshape([M, N // 32, 2, 2, 2, 2, 2]).permute((0, 1, 2, 4, 5, 3, 6)).reshape([M, N])
+    return gl.convert_layout(p, p_layout)
 
 
 @gluon.jit
@@ -446,7 +463,7 @@ def _gluon_attn_fwd_ws(
         (_consume, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_bar, q_bar, o_desc,
                     q_smem, Lse, scale, 1.0, 1.0, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
                     start_m * BLOCK_M, n_tiles, 0, 0, True, (-1, 0, 1), BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                    IS_CAUSAL, WITH_LSE, True, False, 0, NEGATIVE_SCALE, False)),
+                    IS_CAUSAL, WITH_LSE, True, False, 0, NEGATIVE_SCALE, False, False)),
         (_ws_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_h_kv, n_tiles, 0, BLOCK_N,
                         STAGES)),
     ], [1], [PRODUCER_REGS])
@@ -514,7 +531,7 @@ def _pp_consumer(q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, st
                  GROUP, Lq, Lk, causal_shift, BH, C: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PERSISTENT: gl.constexpr,
-                 PREFETCH_Q: gl.constexpr):
+                 PREFETCH_Q: gl.constexpr, PV_ORDER: gl.constexpr):
     """Consumer warp group C of ``_gluon_attn_fwd_pp``: rows C·BLOCK_M on of each row block it runs (one, or
     a persistent program's every ``_pp_block``), waiting on turn C and completing turn C + 1 (the first's
     first wait passes at once). Every consumer runs the rounds of the whole row block (their turns must
@@ -547,7 +564,8 @@ def _pp_consumer(q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, st
                      turns.index(C), turns.index((C + 1) % CONSUMERS), o_desc, o_smem.index(C), Lse, scale,
                      qk_descale, v_descale, Lq, Lk, causal_shift, off_z, off_h, off_h_kv, off_hz,
                      start_m * ROWS + C * BLOCK_M, n_tiles, base, i & 1, i == 0, next_q, BLOCK_M, BLOCK_N, HEAD_DIM,
-                     STAGES, IS_CAUSAL, WITH_LSE, True, True, 1 if C == 0 else 0, NEGATIVE_SCALE, PREFETCH_Q)
+                     STAGES, IS_CAUSAL, WITH_LSE, True, True, 1 if C == 0 else 0, NEGATIVE_SCALE, PREFETCH_Q,
+                     PV_ORDER)
             base += n_tiles
             i += 1
     if PREFETCH_Q:
@@ -581,7 +599,7 @@ def _gluon_attn_fwd_pp(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, WITH_LSE: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, PREFETCH_Q: gl.constexpr,
-    num_warps: gl.constexpr,
+    PV_ORDER: gl.constexpr, num_warps: gl.constexpr,
 ):
     """FlashAttention-3's schedule: a program of CONSUMERS x BLOCK_M rows, CONSUMERS (2 or 3) consumer
     warp groups of ``num_warps`` warps (the default partition and workers) owning BLOCK_M rows each, taking
@@ -600,7 +618,8 @@ def _gluon_attn_fwd_pp(
 
     FP8 (float8_e4m3fn q, k and v; v_desc over the column-major values seen as (B, H_kv, D, Lk)): QD, KD,
     VD are the (B, H_kv) float32 descales (FlashAttention-3's: the query's indexed by its K/V head), each
-    with its two strides; the output, 16-bit, gets tiles of its own. Otherwise they are not read."""
+    with its two strides; the output, 16-bit, gets tiles of its own. Otherwise they are not read.
+    PV_ORDER (FP8): the values' keys are in the P·V order (``_consume``)."""
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     v_block: gl.constexpr = v_desc.block_type.shape
@@ -623,12 +642,12 @@ def _gluon_attn_fwd_pp(
                             stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
                             kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 0, CONSUMERS,
                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
-                            PERSISTENT, PREFETCH_Q)),
+                            PERSISTENT, PREFETCH_Q, PV_ORDER)),
             (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
                             stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
                             kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 1, CONSUMERS,
                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
-                            PERSISTENT, PREFETCH_Q)),
+                            PERSISTENT, PREFETCH_Q, PV_ORDER)),
             (_pp_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift,
                             BH, CONSUMERS * BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PERSISTENT)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -638,17 +657,17 @@ def _gluon_attn_fwd_pp(
                             stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
                             kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 0, CONSUMERS,
                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
-                            PERSISTENT, PREFETCH_Q)),
+                            PERSISTENT, PREFETCH_Q, PV_ORDER)),
             (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
                             stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
                             kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 1, CONSUMERS,
                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
-                            PERSISTENT, PREFETCH_Q)),
+                            PERSISTENT, PREFETCH_Q, PV_ORDER)),
             (_pp_consumer, (q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, stride_qdz, stride_qdh, stride_kdz,
                             stride_kdh, stride_vdz, stride_vdh, q_smem, k_smem, v_smem, o_smem, q_bars, turns,
                             kv_ready, kv_empty, scale, H, GROUP, Lq, Lk, causal_shift, BH, 2, CONSUMERS,
                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, WITH_LSE, NEGATIVE_SCALE,
-                            PERSISTENT, PREFETCH_Q)),
+                            PERSISTENT, PREFETCH_Q, PV_ORDER)),
             (_pp_producer, (k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, H, GROUP, Lq, Lk, causal_shift,
                             BH, CONSUMERS * BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PERSISTENT)),
         ], [num_warps, num_warps, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -723,9 +742,10 @@ def serves(plan) -> bool:
     if plan.descales is None:
         inputs = (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS and _tma_ready(v))
     else:
-        # (widen 0: Widen.NONE, both products in e4m3)
+        # (both products in e4m3: widen_k Widen.NONE, widen_v NONE or PV_ORDER)
         inputs = (q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn and q.shape[-1] in FP8_HEAD_DIMS
-                  and plan.descale_kind == 1 and plan.widen_k == plan.widen_v == 0 and v.stride(2) == 1
+                  and plan.descale_kind == 1 and plan.widen_k == Widen.NONE
+                  and plan.widen_v in (Widen.NONE, Widen.PV_ORDER) and v.stride(2) == 1
                   and _tma_ready(v.transpose(2, 3)))
     return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and inputs
             and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] == plan.shape[1]
@@ -739,7 +759,8 @@ def forward_plan(plan, chosen: str):
     """Run a plan this kernel serves (``serves``) through variant ``chosen`` (``variant``'s answer) into
     its buffers: ``(plan.out, plan.lse)``."""
     forward(plan.query, plan.key, plan.value, plan.scale, None if plan.band is None else plan.band[1],
-            plan.with_lse, plan.out, plan.lse, **VARIANTS[chosen], descales=plan.descales)
+            plan.with_lse, plan.out, plan.lse, **VARIANTS[chosen], descales=plan.descales,
+            pv_order=plan.widen_v == Widen.PV_ORDER)
     return plan.out, plan.lse
 
 
@@ -757,7 +778,7 @@ class BoundGluon:
         self.kernel, grid, args, self.meta = _launch(
             plan.query, plan.key, plan.value, plan.out, plan.lse, plan.scale,
             None if plan.band is None else plan.band[1], plan.with_lse, descales=descales, config=None,
-            **VARIANTS[chosen])
+            pv_order=plan.widen_v == Widen.PV_ORDER, **VARIANTS[chosen])
         self.grid = (*grid, 1)
         self.fallback = fallback
         self.templates = args[:4]  # (rebased on each call's tensors; the plan's are not kept)
@@ -859,7 +880,8 @@ def descriptors(q, k, v, out, block_m: int, block_n: int):
 
 def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out=None, lse=None,
             specialized: bool = False, config: tuple[int, int, int, int] | None = None, pingpong: bool = False,
-            descales=None, out_dtype=torch.bfloat16, persistent: bool = False, prefetch_q: bool | None = None):
+            descales=None, out_dtype=torch.bfloat16, persistent: bool = False, prefetch_q: bool | None = None,
+            pv_order: bool = False):
     """q (B, H, Lq, D), k/v (B, H_kv, Lk, D) -> out (B, H, Lq, D) (and lse (B, H, Lq) float32).
     ``causal_shift``: None (every row sees every key) or s, row i seeing keys j <= i + s (0: causal
     top-left; Lk - Lq: bottom-right). ``specialized``: the variant with a producer warp. ``config``:
@@ -872,7 +894,8 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
 
     FP8 (ping-pong only): q, k, v float8_e4m3fn, v column-major (``v.stride(2) == 1``: the layout
     ``common.plan.value_columns`` makes), ``descales`` their (B, H_kv) float32 descales (q's indexed by
-    its K/V head), the output ``out_dtype`` (bfloat16 or float16) unless ``out`` is given."""
+    its K/V head), the output ``out_dtype`` (bfloat16 or float16) unless ``out`` is given; ``pv_order``:
+    v's keys in the P·V order (``common.plan.Widen.PV_ORDER``: value_columns' copy with pv_order)."""
     B, H, Lq, D = q.shape
     if q.dtype == torch.float8_e4m3fn and not pingpong:
         raise ValueError("the Gluon forward takes FP8 inputs in its ping-pong variant only (pingpong=True)")
@@ -880,19 +903,21 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
         raise ValueError("the Gluon forward's persistent programs are the ping-pong variant's (pingpong=True)")
     if prefetch_q and not persistent:
         raise ValueError("prefetch_q=True loads a persistent program's next Q (persistent=True)")
+    if pv_order and (q.dtype != torch.float8_e4m3fn or k.shape[2] % 32):
+        raise ValueError("pv_order=True reads FP8 values of whole groups of 32 keys (common.plan.PV_GROUP)")
     if out is None:
         fp8 = q.dtype == torch.float8_e4m3fn
         out = torch.empty(B, H, Lq, D, dtype=out_dtype if fp8 else q.dtype, device=q.device)
     if with_lse and lse is None:
         lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     kernel, grid, args, meta = _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized, config,
-                                       pingpong, descales, persistent, prefetch_q)
+                                       pingpong, descales, persistent, prefetch_q, pv_order)
     kernel[grid](*args, **meta)
     return (out, lse) if with_lse else out
 
 
 def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False, config=None, pingpong=False,
-            descales=None, persistent=False, prefetch_q=None):
+            descales=None, persistent=False, prefetch_q=None, pv_order=False):
     """(kernel, grid, args, meta) of ``forward``'s launch into ``out`` (and ``lse``): the runtime
     arguments in signature order, the four TMA descriptors (q, k, v, out) first, then the log-sum-exp
     (``out`` where there is none: never written) and, for ping-pong, the three descales (``out`` without
@@ -926,7 +951,7 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
     if prefetch_q is None:
         prefetch_q = persistent and fits
     meta.update(BLOCK_M=rows, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS[consumers], CONSUMERS=consumers,
-                PERSISTENT=persistent, PREFETCH_Q=bool(prefetch_q), num_warps=4)
+                PERSISTENT=persistent, PREFETCH_Q=bool(prefetch_q), PV_ORDER=bool(pv_order), num_warps=4)
     if persistent:  # (one program an SM: a consumer warp group's registers and the ring fill it)
         items = triton.cdiv(grid[0], 2) if causal_shift is not None else grid[0]  # (causal: pairs, _pp_item)
         grid = (min(items * grid[1], _sm_count(q.device)), 1)

@@ -84,6 +84,8 @@ from common.jit_helpers import (
     _keep_widened,
     _key_stages,
     _narrow_query,
+    _p_operand,
+    _pv_rows,
     _scores,
     _sign_unknown,
     _widen,
@@ -225,7 +227,7 @@ def _attn_fwd_inner(
         v = _widen(v, WIDEN_V)
         if WIDEN_V == WIDEN_F16_ROWS:  # (widened before the product's transpose)
             v = _keep_widened(v, dv_ok)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (FP8 values: p rounded to e4m3)
+        acc = tl.dot(_p_operand(p, v.dtype, WIDEN_V), v, acc, input_precision=DOT_PRECISION)  # (FP8: e4m3)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -535,10 +537,11 @@ def _copy_values(
     stride_sb, stride_sh, stride_sl, stride_sd,
     stride_db, stride_dh, stride_dl, stride_dd,
     H, L, D,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, PV_ORDER: tl.constexpr,
 ):
     """DST[b, h, l, d] = SRC[b, h, l, d] over (B, H, L, D), a (BLOCK_L, BLOCK_D) tile a program
-    (BLOCK_D >= D): FP8 values copied column-major (DST's l stride 1) for the e4m3 P·V product.
+    (BLOCK_D >= D): FP8 values copied column-major (DST's l stride 1) for the e4m3 P·V product;
+    PV_ORDER (L and BLOCK_L multiples of 32): DST's row pv_position(l) (``common.plan``).
     The load is coalesced along SRC's unit stride, the store along DST's; the compiler moves the
     tile between the two layouts through shared memory, where a strided copy of bytes would
     write one byte a row. The (batch·head, block) pair is the grid's one axis."""
@@ -553,6 +556,8 @@ def _copy_values(
     src = SRC + off_z.to(tl.int64) * stride_sb + off_h.to(tl.int64) * stride_sh
     dst = DST + off_z.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
     tile = tl.load(src + offs_l.to(tl.int64)[:, None] * stride_sl + offs_d[None, :] * stride_sd, mask=ok)
+    if PV_ORDER:  # (whole groups of 32 in the tile: L is a multiple of 32, the tile's rows too)
+        tile = _pv_rows(tile)
     tl.store(dst + offs_l.to(tl.int64)[:, None] * stride_dl + offs_d[None, :] * stride_dd, tile, mask=ok)
 
 

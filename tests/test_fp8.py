@@ -240,31 +240,45 @@ def test_bfloat16_query_of_any_magnitude_on_fp8_keys(backend, magnitude):
     assert ((out.double() - expected).abs() <= bound).all()
 
 
-def test_fp8_prefill_reads_values_column_major(backend):
+@pytest.mark.parametrize("L", [260, 256], ids=["key_order", "pv_order"])
+def test_fp8_prefill_reads_values_column_major(backend, L):
     """At fp8_v_columns_rows query rows per K/V head or more the plan copies the values column-major
-    for the e4m3 P·V product: the same answer as the values read row-major, within the bound."""
-    B, H, H_kv, L, D = 1, 2, 1, 260, 32
+    for the e4m3 P·V product, each group of 32 keys in the P·V order where the keys fill the groups
+    (Widen.PV_ORDER, 256 keys; 260: in key order): the same answer as the values read row-major or
+    given column-major, within the bound (bit for bit in key order)."""
+    from common import validation
+    from common.backends import resolve
+    from common.plan import Widen, make_forward
+
+    B, H, H_kv, D = 1, 2, 1, 32
     q, k, v, qd, kd, vd, q_real, k_real, v_real = _inputs(B, H, H_kv, L, L, D, D)
     kw = dict(is_causal=True, enable_gqa=True, q_descale=qd, k_descale=kd, v_descale=vd, backend=backend)
     assert L * H // H_kv >= current_planner().fp8_v_columns_rows
+    call = validation.check_call(resolve(backend), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True,
+                                 scale=None, enable_gqa=True, return_lse=False, fp8=(qd, kd, vd, None))
+    plan = make_forward(call, resolve(backend), with_lse=False)
+    assert plan.value.stride(2) == 1 and plan.widen_v == (Widen.PV_ORDER if L % 32 == 0 else Widen.NONE)
     out = attention(q, k, v, **kw)
     with use_planner(dataclasses.replace(current_planner(), fp8_v_columns_rows=1 << 30)):
         rows = attention(q, k, v, **kw)
     columns = attention(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), **kw)  # given column-major
-    assert torch.equal(out, columns)
+    if L % 32:
+        assert torch.equal(out, columns)
     expected = reference(q_real, k_real, v_real, is_causal=True, enable_gqa=True)
     bound = fp8_error_bound(reference_probs(q_real, k_real, is_causal=True), v_real, expected, torch.bfloat16,
                             E4M3_ROUNDING, _score_error(q_real, k_real, D**-0.5))
-    for result in (out, rows):
+    for result in (out, rows, columns):
         assert ((result.double() - expected).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 130, 48), (1, 1, 5, 16)], ids=["ragged", "short"])
+@pytest.mark.parametrize("shape", [(2, 3, 130, 48), (1, 1, 5, 16), (2, 2, 96, 32)], ids=["ragged", "short", "groups"])
 def test_values_copied_column_major_by_each_kernel(backend, shape):
     """The backends' own copy of FP8 values into column-major (common.plan.value_columns): every
-    element, bit for bit, into a poisoned target; a value tensor read through other strides too."""
+    element, bit for bit, into a poisoned target; a value tensor read through other strides too. Keys
+    in whole groups of 32 (96 here, a copy tile and a half) also in the P·V order: key l at row
+    pv_position(l), each group's keys all there once."""
     from common.backends import get_backend
-    from common.plan import value_columns
+    from common.plan import pv_position, value_columns
 
     module = get_backend(backend).load()
     value = (torch.randn(*shape, device=DEVICE) * 3).to(torch.float8_e4m3fn)
@@ -276,6 +290,19 @@ def test_values_copied_column_major_by_each_kernel(backend, shape):
     out = torch.full((B, H, D, L), 0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn).transpose(2, 3)
     module.copy_values(strided, out)  # (0x7F: e4m3's NaN, where an element went unwritten)
     assert torch.equal(out.view(torch.uint8), strided.view(torch.uint8))
+    if L % 32 == 0:
+        keys = torch.arange(L, device=DEVICE)
+        positions = pv_position(keys)
+        assert sorted(positions.tolist()) == list(range(L)) and (positions // 32 == keys // 32).all()
+        out.view(torch.uint8).fill_(0x7F)
+        module.copy_values(strided, out, pv_order=True)
+        assert torch.equal(out[:, :, positions].view(torch.uint8), strided.view(torch.uint8))
+        ordered = value_columns(get_backend(backend), value, pv_order=True)
+        assert ordered.stride(2) == 1
+        assert torch.equal(ordered[:, :, positions].view(torch.uint8), value.view(torch.uint8))
+    else:  # (the order would move keys of the last group past the last key)
+        with pytest.raises(ValueError, match="whole groups of 32 keys"):
+            value_columns(get_backend(backend), value, pv_order=True)
 
 
 # (case, B, H, H_kv, Lq, Lk, D, query dtype, is_causal, descales given: q, k, v)
@@ -283,6 +310,8 @@ KEPT_PLAN_CASES = {
     "prefill_values_copied": (2, 2, 1, 40, 40, 32, torch.float8_e4m3fn, True, (True, True, True)),
     # causal, more keys than rows: the plan drops the keys no row sees, then copies the values it keeps
     "prefill_keys_dropped": (2, 2, 1, 24, 40, 32, torch.float8_e4m3fn, True, (True, True, True)),
+    # keys in whole groups of 32: the values copied in the P·V order (Widen.PV_ORDER) at every call
+    "prefill_values_in_pv_order": (2, 2, 1, 32, 64, 32, torch.float8_e4m3fn, False, (True, True, True)),
     "decode_growing_keys": (2, 8, 2, 1, 70, 32, torch.bfloat16, False, (False, True, True)),
     "unbatched_some_descales": (None, 2, 2, 9, 21, 16, torch.float8_e4m3fn, False, (False, True, False)),
 }
@@ -319,6 +348,7 @@ def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
     assert not any(isinstance(f, torch.Tensor) or (isinstance(f, tuple) and any(isinstance(x, torch.Tensor)
                                                                               for x in f)) for f in kept._fields)
     assert kept._value_columns == copied
+    assert kept._pv_order == (case == "prefill_values_in_pv_order")
     assert (kept._key_length is not None) == (case == "prefill_keys_dropped")
 
     def no_planning(*args, **kwargs):
@@ -349,6 +379,26 @@ def test_fp8_calls_keep_a_plan(backend, case, planner, plans, monkeypatch):
     doubled = attention(*tensors, **kw, **{**descales, "v_descale": 2 * v_descale})
     assert len(plans) == 1 + (descales["v_descale"] is None)  # (a given descale is another layout than None)
     assert torch.equal(doubled, (2 * out.float()).to(out.dtype))
+
+
+def test_fp8_kept_plan_in_the_pv_order_takes_keys_of_other_lengths(backend, planner, plans):
+    """A kept plan whose values it copies in the P·V order (64 keys), called with keys of other lengths
+    (its keys grow: not causal): 96 keys copied in that order by the kept plan; 70, which do not fill
+    the order's groups, planned afresh (their values copied in key order). Every result equals the call
+    planned afresh, bit for bit, and the plan is kept."""
+    from common import dispatch
+
+    planner(fp8_v_columns_rows=16)
+    kw = dict(enable_gqa=True, backend=backend)
+    results = []
+    for Lk in (64, 96, 70, 96):
+        q, k, v, qd, kd, vd, *_ = _inputs(2, 2, 1, 32, Lk, 32, 32)
+        descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        results.append((attention(q, k, v, **kw, **descales), dispatch.full_attention(q, k, v, **kw, **descales)))
+    (kept,) = plans.values()
+    assert kept.grows_keys and kept._pv_order
+    for out, fresh in results:
+        assert torch.equal(out, fresh)
 
 
 def test_fp8_bound_launch_takes_descales_by_position(backend, plans):

@@ -59,15 +59,22 @@ def test_three_consumer_pingpong_compiles_for_sm90(tmp_path):
 
 def test_fp8_pingpong_compiles_for_sm90(tmp_path):
     """The ping-pong variant with FP8 inputs builds for sm_90 with the installed Triton (D 128, causal): FP8
-    warp-group MMAs (QGMMA) for both products, TMA in and out, no spills, the in-warp-group overlap."""
-    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal", "--pingpong",
-               "--dtype", "float8_e4m3fn", "--out", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = re.search(r"D=128 .*", result.stdout).group(0)
-    fields = dict(item.split("=") for item in line.split())
-    assert int(fields["STACK"]) == 0 and int(fields["QGMMA"]) > 0 and int(fields["HGMMA"]) == 0, line
-    assert int(fields["UTMALDG"]) > 0 and int(fields["UTMASTG"]) == 2 and fields["OVERLAP"] == "1", line
+    warp-group MMAs (QGMMA) for both products, TMA in and out, no spills, the in-warp-group overlap; with the
+    values in the P·V order, P reaches its operand without shuffles: the key loop keeps only the rows'
+    reductions' (8 at two rows a thread) and is shorter."""
+    lines = {}
+    for pv_order in (False, True):
+        command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--dims", "128", "--causal", "--pingpong",
+                   "--dtype", "float8_e4m3fn", "--out", str(tmp_path / str(pv_order))] + ["--pv-order"] * pv_order
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        line = re.search(r"D=128 .*", result.stdout).group(0)
+        fields = lines[pv_order] = dict(item.split("=") for item in line.split())
+        assert int(fields["STACK"]) == 0 and int(fields["QGMMA"]) > 0 and int(fields["HGMMA"]) == 0, line
+        assert int(fields["UTMALDG"]) > 0 and int(fields["UTMASTG"]) == 2 and fields["OVERLAP"] == "1", line
+    plain, ordered = lines[False], lines[True]
+    assert int(ordered["KEY_LOOP_SHFL"]) <= 8 < int(plain["KEY_LOOP_SHFL"]), (plain, ordered)
+    assert int(ordered["KEY_LOOP"]) < int(plain["KEY_LOOP"]), (plain, ordered)
 
 
 def test_persistent_prefetch_compiles_for_sm90(tmp_path):
@@ -399,7 +406,7 @@ def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with
 
     q, k, v, out, lse = tensors()
     plan = types.SimpleNamespace(query=q, key=k, value=v, out=out, lse=lse, scale=0.1, band=(1 - L, 0),
-                                 with_lse=with_lse, descales=None)
+                                 with_lse=with_lse, descales=None, widen_v=0)
     fallback = []
     bound = ga.BoundGluon(plan, variant, lambda t: fallback.append(t))
     params = compat.jit_parameters(bound.kernel)

@@ -1,7 +1,7 @@
 """Compile the Gluon Hopper forward for sm_90 on a machine without a GPU, and say what it became.
 
     python tools/gluon_sass.py [--dims 64 128 256] [--dtype bfloat16] [--causal] [--specialized | --pingpong
-        [--persistent]] [--config BLOCK_M BLOCK_N STAGES WARPS] [--out DIR]
+        [--persistent]] [--pv-order] [--config BLOCK_M BLOCK_N STAGES WARPS] [--out DIR]
 
 Gluon kernels do not run under Triton's interpreter; compiling them for a named target needs no
 GPU (Triton ships ptxas and the disassembler), so on a CPU this checks that the kernel builds with
@@ -10,8 +10,9 @@ and the tensor-core, TMA (loads, and the output's store) and wait instructions
 (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the loop waits for S of a tile while P V of the one before is
 still in flight, FlashAttention-3's overlap). One
 line per head dim: ``D=<d> REG=<n> STACK=<n> SMEM=<n> HGMMA=<n> QGMMA=<n> UTMALDG=<n> UTMASTG=<n>
-OVERLAP=<0|1> KEY_LOOP_LOCAL=<n>`` (QGMMA: the FP8 warp-group MMAs; KEY_LOOP_LOCAL: the spill loads and
-stores inside the key loop).
+OVERLAP=<0|1> KEY_LOOP_LOCAL=<n> KEY_LOOP=<n> KEY_LOOP_SHFL=<n>`` (QGMMA: the FP8 warp-group MMAs;
+KEY_LOOP_LOCAL: the spill loads and stores inside the key loop; KEY_LOOP: its instructions a step,
+KEY_LOOP_SHFL the shuffles among them).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
                         help="the variant with two consumer warp groups in ping-pong and a producer warp")
     parser.add_argument("--persistent", action="store_true",
                         help="with --pingpong: persistent programs, one an SM (an H200's 132)")
+    parser.add_argument("--pv-order", action="store_true",
+                        help="with --dtype float8_e4m3fn: values in the P·V order (common.plan.Widen.PV_ORDER)")
     parser.add_argument("--backward", action="store_true",
                         help="the Gluon backward's two passes (impl_triton.gluon_backward) instead of the forward")
     parser.add_argument("--dkdv-overlap", type=int, choices=[0, 1],
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
     fp8 = dtype == torch.float8_e4m3fn
     if fp8 and not args.pingpong:
         parser.error("--dtype float8_e4m3fn takes --pingpong (the Gluon forward's FP8 variant)")
+    if args.pv_order and not fp8:
+        parser.error("--pv-order takes --dtype float8_e4m3fn (an order of FP8 values)")
     if args.persistent and not args.pingpong:
         parser.error("--persistent takes --pingpong (the ping-pong variant's persistent programs)")
     for D in args.dims:
@@ -92,18 +97,20 @@ def main(argv=None) -> int:
             ga._sm_count = lambda device: 132  # (an H200's; a CPU has none to ask)
         fn, _, launch_args, meta = ga._launch(q, k, v, out, lse, 0.125, 0 if args.causal else None, True,
                                               config=tuple(args.config) if args.config else None, descales=descales,
-                                              **variant)
+                                              pv_order=args.pv_order, **variant)
         kernel = fn.warmup(*launch_args, grid=(1,), **meta)
         sass, usage = disassemble(kernel, out_dir, f"gluon_fwd_d{D}")
         regs, stack = (int(re.search(rf"{name}:(\d+)", usage).group(1)) for name in ("REG", "STACK"))
         overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
         # the key loop: the shortest loop holding both products, S (A in shared memory) and P V (A in
         # registers): a persistent program's row-block loop holds it, and a wait loop may span one product
-        key_loop = dict(min(mma_loops(sass, top=None, both_operands=True), key=lambda loop: loop[1])[2])
+        _, steps, opcodes = min(mma_loops(sass, top=None, both_operands=True), key=lambda loop: loop[1])
+        key_loop = dict(opcodes)
         print(f"D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
               f"HGMMA={len(re.findall(r'HGMMA', sass))} QGMMA={len(re.findall(r'QGMMA', sass))} "
               f"UTMALDG={len(re.findall(r'UTMALDG', sass))} UTMASTG={len(re.findall(r'UTMASTG', sass))} "
-              f"OVERLAP={overlap} KEY_LOOP_LOCAL={key_loop.get('LDL', 0) + key_loop.get('STL', 0)}", flush=True)
+              f"OVERLAP={overlap} KEY_LOOP_LOCAL={key_loop.get('LDL', 0) + key_loop.get('STL', 0)} "
+              f"KEY_LOOP={steps} KEY_LOOP_SHFL={key_loop.get('SHFL', 0)}", flush=True)
     return 0
 
 

@@ -9,6 +9,7 @@
 #         peel-tests (branch paged-peel's paged and FP8 tests, the join on, in one call);
 #         fma-tests, fma-tiles (branch fp8-fma's tests and its A/B against main; the FP8 tiles, tl and Gluon);
 #         owed-ab (branch owed against main: the FP8 prefill, NineToothed's forward)
+#         pv-order (branch fp8-pv-order: its FP8 and Gluon tests, the FP8 prefill probe against main's tree)
 #         gluon-persistent (the Gluon forward's persistent programs: their tests, then the Gluon probe in bf16)
 #         one-call (where one call is all the device time there is: the riskiest tests of branch gluon-persistent,
 #         its Gluon FP8 and persistent ones, the FP8 and paged suites with the join on, then the Gluon and FP8 probes)
@@ -211,6 +212,11 @@ for stage in "$@"; do
     owed-ab) cp tools/probe.py ab/tools/probe.py
              for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD PROBE_FP8=prefill timeout ${AB_FP8_TIMEOUT:-150} python3 tools/probe.py fp8); done 2>&1 | tee "$OUT/owed_fp8.log"
              AB_TREES=ab AB_HERE=ninetoothed AB_TIMEOUT=${AB_TIMEOUT:-140} bash "$0" ab-bench ;;
+    # branch fp8-pv-order: the FP8 and Gluon tests, then the FP8 prefill probe in main's tree (ab) and this one
+    # (here "fp8" reads values copied in the P·V order, "V given col-major" the same kernels in key order)
+    pv-order) timeout 260 python3 -m pytest tests/test_fp8.py tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/pv_tests.log"
+              cp tools/probe.py ab/tools/probe.py
+              for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD PROBE_FP8=prefill timeout ${AB_FP8_TIMEOUT:-150} python3 tools/probe.py fp8); done 2>&1 | tee "$OUT/pv_order_fp8.log" ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
     fp8-paged) PROBE_BACKENDS="${PROBE_BACKENDS:-triton ninetoothed}" timeout 420 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
