@@ -213,10 +213,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
-    # K and V of a ring slot on barriers of their own with 16-bit inputs, where the earlier release of K
-    # shortened the forward; not with FP8, whose loop is bound by its issue slots and ran longer with the
-    # second pipeline's waits and arrivals (benchmarks/NOTES.md)
-    SPLIT: gl.constexpr = dtype.primitive_bitwidth == 16
+    SPLIT: gl.constexpr = _split_kv(dtype)
     # S's and O's register layouts (the accumulators of warp-group MMAs: 16-row atoms over the
     # warps, n the tile's width, k 32 bytes), P as O's A operand in registers (32 bits a register)
     K_INSTR: gl.constexpr = 32 if FP8 else 16
@@ -346,6 +343,14 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_ORDER: gl.cons
     return gl.convert_layout(p, p_layout)
 
 
+@gluon.constexpr_function
+def _split_kv(dtype):
+    """Whether K and V of a ring slot are on barriers of their own (V's past K's): with 16-bit inputs, where
+    the earlier release of K shortened the forward; not with FP8, whose loop is bound by its issue slots and
+    ran longer with the second pipeline's waits and arrivals (benchmarks/NOTES.md)."""
+    return dtype.primitive_bitwidth == 16
+
+
 @gluon.jit
 def _v_bar(slot, STAGES: gl.constexpr, SPLIT: gl.constexpr):
     """The index of slot ``slot``'s V barriers: their own past K's (SPLIT), or K's."""
@@ -363,8 +368,8 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, slot, key, off_z, off_h_k
 @gluon.jit
 def _load_k(k_desc, v_desc, k_smem, kv_ready, slot, key, off_z, off_h_kv):
     """The K tile of keys from ``key`` into slot ``slot``, on ``kv_ready[slot]``, which also expects the V
-    tile's bytes where V shares K's barrier (FP8, ``_consume``'s SPLIT)."""
-    if k_desc.dtype.primitive_bitwidth == 16:
+    tile's bytes where V shares K's barrier (``_split_kv``)."""
+    if _split_kv(k_desc.dtype):
         mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
     else:
         mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -375,7 +380,7 @@ def _load_k(k_desc, v_desc, k_smem, kv_ready, slot, key, off_z, off_h_kv):
 def _load_v(k_desc, v_desc, v_smem, kv_ready, slot, key, off_z, off_h_kv, STAGES: gl.constexpr):
     """The V tile of keys from ``key`` into slot ``slot``, on V's barrier (``_v_bar``; its bytes expected
     there only where it is V's own)."""
-    SPLIT: gl.constexpr = k_desc.dtype.primitive_bitwidth == 16  # (_consume's)
+    SPLIT: gl.constexpr = _split_kv(k_desc.dtype)
     if SPLIT:
         mbarrier.expect(kv_ready.index(STAGES + slot), v_desc.block_type.nbytes)
     _tma_load(v_desc, _v_coord(off_z, off_h_kv, key, v_desc.dtype.primitive_bitwidth == 8),
@@ -425,7 +430,7 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, off_z, off_
     ring's tile base + t, into slot (base + t) % STAGES, K once the consumers released that slot's previous
     K, then V once they released its previous V (``_consume``'s barriers; FP8: both at once; the ring's
     first round passes: a fresh barrier's phase before 0 counts as complete)."""
-    SPLIT: gl.constexpr = k_desc.dtype.primitive_bitwidth == 16  # (_consume's)
+    SPLIT: gl.constexpr = _split_kv(k_desc.dtype)
     for t in range(n_tiles):
         slot = (base + t) % STAGES
         phase = (((base + t) // STAGES) & 1) ^ 1
