@@ -104,12 +104,11 @@ def simplified(source: str) -> str:
         tree = ast.parse(source)
     except SyntaxError:
         return source
-    passes = [_FoldOffsets(), _PruneMasks(), _FoldOffsets()]
-    for rewrite in passes:
-        tree = rewrite.visit(tree)
-    if not any(rewrite.changed for rewrite in passes):
+    rewrite = _Simplify()
+    tree = rewrite.visit(tree)
+    if not rewrite.changed:
         return source
-    return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+    return ast.unparse(tree) + "\n"  # (unparse reads no line numbers: the new nodes need none)
 
 
 def _mask_terms(node) -> list:
@@ -131,9 +130,11 @@ def _holds(node) -> bool:
     return type(a) is int and type(b) is int and compare is not None and compare(a, b)
 
 
-class _PruneMasks(ast.NodeTransformer):
-    """Each ``mask=`` of a call: its ``&`` terms in their order, each once, without those that
-    hold (see :func:`simplified`) but a leading ``True``."""
+class _Simplify(ast.NodeTransformer):
+    """One walk of the tree, children first: each ``(x - c) + c`` and ``(x + c) - c`` as ``x``, for an
+    integer constant c; then each ``mask=`` of a call (its terms folded already): its ``&`` terms in
+    their order, each once, without those that hold (see :func:`simplified`) but a leading ``True``.
+    (Pruning joins terms by ``&`` only, so it leaves nothing more to fold.)"""
 
     changed = False
 
@@ -160,12 +161,6 @@ class _PruneMasks(ast.NodeTransformer):
                 keyword.value = mask
                 self.changed = True
         return node
-
-
-class _FoldOffsets(ast.NodeTransformer):
-    """``(x - c) + c`` and ``(x + c) - c`` as ``x``, for an integer constant c."""
-
-    changed = False
 
     def visit_BinOp(self, node):
         self.generic_visit(node)
