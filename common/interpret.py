@@ -64,8 +64,8 @@ Each reaches the interpreter through ``common.compat``.
    for the rest of the launch. The launch restores every module at its end.
 9. Every ``tl`` operation under the interpreter goes through Triton's type checking (the operands'
    computation type, a cast of each to it, a broadcast) before its one NumPy operation; for two
-   scalar int32 values that costs many times the operation. NineToothed's generated index arithmetic
-   is mostly such scalars (tens of thousands a launch, against a few hundred in our kernels). An
+   scalar int32 values that costs many times the operation, and NineToothed's generated index
+   arithmetic is mostly such scalars (benchmarks/NOTES.md has the counts). An
    operation whose operands are scalar int32 tensors or Python ints in int32's range (+, -, *, //, %,
    comparisons), or scalar int1 tensors (&, |), goes straight to the builder function the type
    checking would have reached, with the same operands: the same result, in the same type.
