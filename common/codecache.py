@@ -12,7 +12,10 @@ before anything is generated there:
   call fails with a ``PermissionError`` that says so;
 - files are written atomically (a temporary file, then a rename), so several
   processes making the same kernel at once (pytest-xdist workers, torchrun
-  ranks) never import a half-written file.
+  ranks) never import a half-written file;
+- each kernel made is remembered in ``made/`` under a key of everything its
+  code is generated from (:func:`generation_key`), so that the next process
+  imports the module instead of generating it again (0.1-0.5 s a kernel).
 
 NineToothed itself still creates ``~/.ninetoothed`` when it is imported; we
 write nothing there. Triton's own cache of compiled kernels is
@@ -23,11 +26,14 @@ keeping it private is the user's part (see the README).
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import operator
 import os
 import pathlib
+import re
 import stat
+import sys
 import tempfile
 
 from common import compat
@@ -175,23 +181,91 @@ class _Simplify(ast.NodeTransformer):
         return node
 
 
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` under a temporary name in its directory, then rename it into
+    place (a rename within one directory is atomic)."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        pathlib.Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def _cache_source(source: str) -> pathlib.Path:
-    """NineToothed's ``cache_source``, with the file written under a temporary
-    name and renamed into place (a rename within one directory is atomic), and
-    named by :func:`source_key`; the source :func:`simplified` first."""
+    """NineToothed's ``cache_source``, with the file written atomically and named by
+    :func:`source_key`; the source :func:`simplified` first."""
     source = simplified(source)
-    directory = pathlib.Path(compat.code_cache_dir())
-    path = directory / f"{source_key(source)}.py"
+    path = pathlib.Path(compat.code_cache_dir()) / f"{source_key(source)}.py"
     if not path.exists():
-        fd, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".py")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as file:
-                file.write(source)
-            os.replace(temporary, path)
-        except BaseException:
-            pathlib.Path(temporary).unlink(missing_ok=True)
-            raise
+        _write_atomically(path, source)
     return path
+
+
+# -- kernels made by an earlier process ---------------------------------------------------------
+
+_MODULE_NAME = re.compile(r"[0-9a-f]{64}\.py")
+
+
+@functools.cache
+def _package_sources(packages: tuple) -> str:
+    """A hash of every ``.py`` file under each package's directory (name and text), in a fixed order."""
+    digest = hashlib.sha256()
+    for package in packages:
+        root = pathlib.Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode("utf-8") + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def generation_key(packages: tuple, *parts) -> str | None:
+    """The key of one ``ninetoothed.make``: a hash of the sources of ``packages`` (modules whose
+    directories hold everything the code is generated from: the arrangements, applications and
+    their helpers, this module's :func:`simplified`, NineToothed's generator), of Python's and
+    Triton's versions, of whether Triton's interpreter runs (NineToothed copies ``@triton.jit``
+    helpers into the code only when they are JIT functions), and of ``parts``, which name the
+    kernel (its premake and arguments, name, warps, stages, the device properties NineToothed
+    reads). None, nothing to remember, where a part's ``repr`` would name an object's address."""
+    import triton
+
+    described = repr(parts)
+    if " at 0x" in described:
+        return None
+    digest = hashlib.sha256()
+    for text in (_package_sources(tuple(packages)), sys.version, triton.__version__,
+                 os.environ.get("TRITON_INTERPRET", ""), described):
+        digest.update(text.encode("utf-8") + b"\0")
+    return digest.hexdigest()
+
+
+def _made_dir() -> pathlib.Path:
+    return pathlib.Path(compat.code_cache_dir()) / "made"
+
+
+def made_before(key: str | None) -> pathlib.Path | None:
+    """The module an earlier ``ninetoothed.make`` of ``key`` (:func:`generation_key`) wrote in
+    the code cache (:func:`use_private_cache` first), or None: never made, or its file gone. An
+    entry that does not name a module of this directory is ignored."""
+    if key is None:
+        return None
+    try:
+        name = (_made_dir() / key).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    path = pathlib.Path(compat.code_cache_dir()) / name
+    return path if _MODULE_NAME.fullmatch(name) and path.is_file() else None
+
+
+def remember_made(key: str | None, module) -> None:
+    """Record that ``ninetoothed.make`` of ``key`` wrote ``module``, a file of the code cache."""
+    module = pathlib.Path(module)
+    if key is None or module.parent != pathlib.Path(compat.code_cache_dir()) or not _MODULE_NAME.fullmatch(module.name):
+        return
+    directory = _made_dir()
+    directory.mkdir(mode=0o700, exist_ok=True)
+    _write_atomically(directory / key, module.name + "\n")
 
 
 def number_tensors_from_zero() -> None:

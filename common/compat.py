@@ -241,6 +241,39 @@ def code_cache_dir():
     return generation.CACHE_DIR
 
 
+def generated_source_file(handle) -> str | None:
+    """The path of the module ``ninetoothed.make`` wrote and imported for ``handle``
+    (``handle._source``), or None for a handle of another form. Checked: ninetoothed 0.26."""
+    source = getattr(handle, "_source", None)
+    return source if isinstance(source, str) else None
+
+
+def handle_of_generated(path, kernel_name: str):
+    """The handle ``ninetoothed.make(..., kernel_name=kernel_name)`` returns, rebuilt from the
+    module it wrote to ``path`` without generating it again: the module imported the way ``make``
+    imports it (``ninetoothed.jit.import_from_path``, named by its path), its kernel
+    ``kernel_name`` and its launcher ``launch_<kernel_name>`` in a ``ninetoothed.jit._Handle``.
+    None where the module lacks either (another version's layout). Checked: ninetoothed 0.26."""
+    import importlib
+
+    jit = importlib.import_module("ninetoothed.jit")  # (the package's name ``jit`` is the decorator)
+    module = jit.import_from_path(str(path), str(path))
+    names = vars(module)
+    kernel, launch = names.get(kernel_name), names.get(f"launch_{kernel_name}")
+    if kernel is None or not callable(launch):
+        return None
+    return jit._Handle(kernel, launch, str(path))
+
+
+def generator_device_properties() -> dict:
+    """The properties of the current device that ``ninetoothed.make`` reads (through Triton's
+    active driver) when it generates a kernel: they bound its tiles' sizes. Checked: ninetoothed 0.26."""
+    import triton
+
+    driver = triton.runtime.driver.active
+    return dict(driver.utils.get_device_properties(driver.get_current_device()))
+
+
 def restart_tensor_count() -> bool:
     """Name the ``ninetoothed.Tensor``s made next from ``tensor_0`` on: their names come from the
     class attribute ``Tensor.num_instances``, a count of every tensor made. False (nothing done)

@@ -17,8 +17,10 @@ import ninetoothed
 import torch
 import triton.language as tl
 
+import common
+import impl_ninetoothed
 from common import compat
-from common.codecache import number_tensors_from_zero, use_private_cache
+from common.codecache import generation_key, made_before, number_tensors_from_zero, remember_made, use_private_cache
 from common.configs import padded_head_dim
 from common.interpret import apply_interpreter_fixes, interpreter_requested
 from common.jit_helpers import JIT_HELPERS
@@ -74,8 +76,9 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
     ``make`` generates, writes and imports Triton code on every call (0.1-0.5 s)
     and sets the application's annotations while it works, so it runs under a
     lock and its handles are kept. The code goes to a private directory,
-    written atomically (``common.codecache``). Each handle's generated module gets the
-    kernels' named constants, and its launch goes through a ``CachedLauncher``.
+    written atomically (``common.codecache``), where a later process finds it
+    (:func:`_generate`). Each handle's generated module gets the kernels' named
+    constants, and its launch goes through a ``CachedLauncher``.
     """
     key = (premake_fn, args, num_warps, num_stages, maxnreg, wide)
     handle = _made.get(key)
@@ -90,8 +93,8 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
                              *(str(a) for a in args if a is not None)])
             number_tensors_from_zero()  # the same source in every process, whatever was made before
             arrangement_, application_, tensors = premake_fn(*args)
-            handle = ninetoothed.make(arrangement_, application_, tensors, kernel_name=name, num_warps=num_warps,
-                                      num_stages=num_stages)
+            handle = _generate(arrangement_, application_, tensors, name, num_warps, num_stages,
+                               made_as=(f"{premake_fn.__module__}.{premake_fn.__qualname__}", args))
             define_constants(handle, KERNEL_CONSTANTS)
             # NineToothed copies the module's @triton.jit helpers into the generated
             # code as written (their bodies say ``tl``), but not under the
@@ -104,6 +107,22 @@ def _make(premake_fn, *args, num_warps: int, num_stages: int, maxnreg: int | Non
                             else _COMBINE_SPLIT_COUNT_ARGS if premake_fn is premake_combine else ())
             loose = _loose_arguments(handle, application_, split_counts)
             handle = _made[key] = route_generated_launch(handle, loose, maxnreg, wide_strides=wide)
+    return handle
+
+
+def _generate(arrangement_, application_, tensors, name: str, num_warps: int, num_stages: int, made_as: tuple):
+    """``ninetoothed.make(arrangement_, application_, tensors, ...)``, or the handle of the module
+    an earlier process made of the same (``made_as``: the premake's name and arguments) from the
+    same sources, on the same kind of device (``common.codecache.generation_key``), imported
+    as ``make`` imports it."""
+    key = generation_key((common, impl_ninetoothed, ninetoothed), made_as, name, num_warps, num_stages,
+                         sorted(compat.generator_device_properties().items()))
+    path = made_before(key)
+    handle = compat.handle_of_generated(path, name) if path is not None else None
+    if handle is None:
+        handle = ninetoothed.make(arrangement_, application_, tensors, kernel_name=name, num_warps=num_warps,
+                                  num_stages=num_stages)
+        remember_made(key, compat.generated_source_file(handle))
     return handle
 
 

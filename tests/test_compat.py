@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import pathlib
 
 import pytest
 import torch
@@ -166,6 +167,15 @@ def test_ninetoothed_generated_launch(tmp_path, monkeypatch):
     _holds(written and all(path.stem == codecache.source_key(path.read_text()) for path in written), "ninetoothed",
            "make writes its generated module through ninetoothed.generation.cache_source into generation.CACHE_DIR "
            f"(looked up at each call; found {written})")
+    path = compat.generated_source_file(handle)
+    _holds(path is not None and pathlib.Path(path) in written, "ninetoothed",
+           f"a handle names the module make wrote as _source (named {path})")
+    rebuilt = compat.handle_of_generated(path, "compat_probe")
+    _holds(type(rebuilt) is type(handle) and rebuilt._source == path
+           and rebuilt._launch.__code__.co_code == launch.__code__.co_code
+           and compat.jit_arg_names(rebuilt._kernel) == compat.jit_arg_names(kernel), "ninetoothed",
+           "make's handle is ninetoothed.jit._Handle(module's kernel, module's launch_<kernel_name>, path), "
+           "the module imported by ninetoothed.jit.import_from_path")
     calls = []
 
     class Routed:

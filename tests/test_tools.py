@@ -700,13 +700,69 @@ def test_a_kernel_made_after_others_is_the_same_file(tmp_path, monkeypatch):
     monkeypatch.setattr(generation, "CACHE_DIR", generation.CACHE_DIR)
     monkeypatch.setattr(generation, "cache_source", generation.cache_source)
     monkeypatch.setattr(nt, "_made", {})
+    monkeypatch.setattr(nt, "made_before", lambda key: None)  # each kernel generated, not imported
     first = nt._make(premake_append, 16, 16, num_warps=4, num_stages=1)
     nt._made.clear()
     nt._make(premake_append, 32, 32, num_warps=4, num_stages=1)  # another kernel before it
     monkeypatch.setattr(ninetoothed.Tensor, "num_instances", 987)  # and a process that made many
     again = nt._make(premake_append, 16, 16, num_warps=4, num_stages=1)
     assert again is not first and again._source == first._source
-    assert len(list(tmp_path.iterdir())) == 2
+    assert len(list(tmp_path.glob("*.py"))) == 2
+
+
+def test_a_kernel_made_by_an_earlier_process_is_imported_not_generated(tmp_path, monkeypatch, device):
+    """A kernel made is remembered in the code cache under a key of what its code is generated from:
+    made again by the next process (here: the process's handles forgotten), its module is imported
+    instead of generated, and the kernel works. A kernel whose module is gone, whose entry names
+    no module of the cache, or whose sources changed, is generated again."""
+    import ninetoothed
+    import ninetoothed.generation as generation
+    import torch
+
+    from common import append_kv, codecache
+    from impl_ninetoothed import attention as nt
+    from impl_ninetoothed.paged_kernels import premake_append
+
+    monkeypatch.setenv(codecache.ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(generation, "CACHE_DIR", generation.CACHE_DIR)
+    monkeypatch.setattr(generation, "cache_source", generation.cache_source)
+    monkeypatch.setattr(nt, "_made", {})
+    generated, make = [], ninetoothed.make
+    monkeypatch.setattr(ninetoothed, "make",
+                        lambda *args, **kw: generated.append(kw["kernel_name"]) or make(*args, **kw))
+
+    def remade() -> int:
+        nt._made.clear()
+        nt._make(premake_append, 16, 16, num_warps=4, num_stages=1)
+        return len(generated)
+
+    nt._make(premake_append, 16, 16, num_warps=4, num_stages=1)
+    entries = list((tmp_path / "made").iterdir())
+    assert len(generated) == 1 and len(entries) == 1
+    module = tmp_path / entries[0].read_text().strip()
+    assert module.is_file() and module.suffix == ".py"
+
+    nt._made.clear()
+    page, lens = 16, [14, 30]
+    key_cache = torch.randn(5, page, 2, 16, device=device)
+    value_cache = torch.randn_like(key_cache)
+    block_table = torch.tensor([[4, 0], [2, 1]], dtype=torch.int32, device=device)
+    key, value = torch.randn(2, 2, 2, 16, device=device), torch.randn(2, 2, 2, 16, device=device)
+    append_kv(key_cache, value_cache, block_table, torch.tensor(lens, dtype=torch.int32, device=device), key, value,
+              backend="ninetoothed")
+    assert len(generated) == 1  # imported, and it wrote each new token where it belongs
+    for b, n in enumerate(lens):
+        for i in range(2):
+            slot = block_table[b, (n + i) // page].long(), (n + i) % page
+            assert torch.equal(key_cache[slot], key[b, :, i]) and torch.equal(value_cache[slot], value[b, :, i])
+
+    module.unlink()
+    assert remade() == 2 and module.is_file()  # the module gone: generated (the same file again)
+    entries[0].write_text("../" + module.name + "\n")
+    assert remade() == 3  # an entry that names no module of the cache
+    assert remade() == 3  # (rewritten by the make before)
+    monkeypatch.setattr(codecache, "_package_sources", lambda packages: "other sources")
+    assert remade() == 4 and len(list((tmp_path / "made").iterdir())) == 2
 
 
 def test_no_numpy_warnings_under_the_interpreter(backend, device):
