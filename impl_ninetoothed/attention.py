@@ -15,6 +15,7 @@ import threading
 
 import ninetoothed
 import torch
+import triton
 import triton.language as tl
 
 import common
@@ -49,6 +50,8 @@ from impl_ninetoothed.kernels import (
     premake_dq,
 )
 from impl_ninetoothed.paged_kernels import premake_append, premake_paged, premake_rotary
+
+_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 # -- making kernels: once per process, thread-safe ---------------------------------------------
 
@@ -565,10 +568,12 @@ def bind_backward(plan):
 # Joined (the default): one row maximum and rescale a step instead of one a tile, faster at pages of 16
 # (benchmarks/NOTES.md); False keeps the per-tile form, which the paged tests run beside it.
 PAGED_JOIN = True
-# Tiles unrolled a step, at most: each is a gather of its own, and the compile grows faster than their
-# count (triton 3.9's async-copy coalescing pass: minutes for 16 at 5 stages; benchmarks/NOTES.md), so a
-# step of more keys takes this many.
-PAGED_TILES_PER_STEP = 8
+# Tiles unrolled a step, at most (a step of more keys takes this many): each is a gather of its own, and
+# triton's async-copy coalescing pass after 3.6 takes time that grows much faster than their count (at 5
+# stages: 8 tiles over a minute, 4 about 10 s; triton 3.6 compiles 8 in seconds; benchmarks/NOTES.md). So
+# the GPU's triton 3.6 keeps the 8 its configs were tuned with, and later versions take 4, so that a first
+# call compiles in seconds.
+PAGED_TILES_PER_STEP = 8 if _TRITON <= (3, 6) else 4
 
 
 def paged_tiles(page: int, block_n: int) -> tuple[int, int, int]:

@@ -410,7 +410,7 @@ def paged_extras():
 
 # (backend, None: the shipped configuration (NineToothed's small pages' tiles joined into one softmax update a
 # step, impl_ninetoothed.attention.PAGED_JOIN), "per-tile": each tile its own update, "tiles4": at most 4 of them unrolled a step
-# (PAGED_TILES_PER_STEP; 8 shipped; "tiles2": 2), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
+# (PAGED_TILES_PER_STEP; 8 shipped under triton 3.6; "tiles2": 2), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
 PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
 NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles4": ("PAGED_TILES_PER_STEP", 4),
                      "tiles2": ("PAGED_TILES_PER_STEP", 2)}
