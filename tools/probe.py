@@ -412,8 +412,8 @@ def paged_extras():
 # step, impl_ninetoothed.attention.PAGED_JOIN), "per-tile": each tile its own update, "tiles4": at most 4 of them unrolled a step
 # (PAGED_TILES_PER_STEP; 8 shipped under triton 3.6; "tiles2": 2), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
 PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
-NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles4": ("PAGED_TILES_PER_STEP", 4),
-                     "tiles2": ("PAGED_TILES_PER_STEP", 2)}
+NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles8": ("PAGED_TILES_PER_STEP", 8),
+                     "tiles4": ("PAGED_TILES_PER_STEP", 4), "tiles2": ("PAGED_TILES_PER_STEP", 2)}
 
 
 @contextlib.contextmanager
@@ -485,8 +485,12 @@ def paged_fp8_sweep():
     and 64k, pages of PROBE_PAGES keys, default 16 and 64, shuffled) under PAGED_FP8_SWEEP's (key step,
     warps, stages [, register cap]), the value pages row-major and column-major, PROBE_BACKENDS (default
     triton); against the same kernel's bf16 paged call (target 1.8x) and its contiguous FP8 decode with
-    the values column-major."""
+    the values column-major. PROBE_SWITCHES (e.g. "tiles4 tiles2"): the shipped configuration and those of
+    NineToothed's switches only."""
     from common import paged_attention, quantize_fp8
+
+    switches = os.environ.get("PROBE_SWITCHES", "").split()
+    sweep = [None, *switches] if switches else PAGED_FP8_SWEEP
 
     B, H, H_kv, D = 8, 32, 8, 128
     for Lk in (16384, 65536):
@@ -505,7 +509,7 @@ def paged_fp8_sweep():
                                                           v_descale=vd, backend=backend), replays=20)
                 line = [f"bf16 paged {bf16 * 1e3:.0f} us, fp8 contiguous {dense8 * 1e3:.0f} us"]
                 for name, values in (("rows", value_cache), ("columns", value_columns)):
-                    for variant in PAGED_FP8_SWEEP:
+                    for variant in sweep:
                         if isinstance(variant, str) and backend != "ninetoothed":
                             continue  # (NineToothed's switches)
                         with _paged_variant(variant):
