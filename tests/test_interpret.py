@@ -202,17 +202,24 @@ def test_e4m3_rounding_applies_only_where_the_interpreter_misrounds():
     assert interpret._interpreter_rounds_e4m3() is True
 
 
+def _counted_patch_passes(monkeypatch) -> list:
+    """The fixes applied, and a list that gets the module of each pass of the interpreter pointing a
+    module's ``triton.language`` members at its builtins (``interpreter._patch_builtin``)."""
+    from triton.runtime import interpreter
+
+    apply_interpreter_fixes()
+    passes = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: passes.append(a[0]) or patch_builtin(*a))
+    return passes
+
+
 def test_calls_inside_a_launch_patch_the_language_once(monkeypatch):
     """Fix 8: the launch points triton.language at the interpreter's builtins once; the helper called
     on every step of its loop finds them in place, and the launch restores the originals at its end."""
     import triton.language as tl
-    from triton.runtime import interpreter
 
-    apply_interpreter_fixes()
-    kernel = _doubling_kernel()
-    passes = []
-    patch_builtin = interpreter._patch_builtin
-    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: passes.append(a[0]) or patch_builtin(*a))
+    kernel, passes = _doubling_kernel(), _counted_patch_passes(monkeypatch)
     x, y = torch.randn(16), torch.full((16,), float("nan"))
     kernel[(1,)](x, y, STEPS=6)
     torch.testing.assert_close(y, x * 64)
@@ -229,13 +236,8 @@ def test_a_call_inside_a_launch_keeps_the_modules_it_patched(monkeypatch):
     in a kernel that sees ``triton.language``: the first call patches core, which then stays patched to
     the launch's end (one pass however many steps), and the launch restores both modules."""
     import triton.language as tl
-    from triton.runtime import interpreter
 
-    apply_interpreter_fixes()
-    kernel = _summing_kernel()
-    passes = []
-    patch_builtin = interpreter._patch_builtin
-    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: passes.append(a[0]) or patch_builtin(*a))
+    kernel, passes = _summing_kernel(), _counted_patch_passes(monkeypatch)
     x, y = torch.randn(16), torch.full((16,), float("nan"))
     kernel[(1,)](x, y, STEPS=1)  # (a first launch: the interpreter's rewrite of a helper adds to its module)
     passes.clear()
