@@ -117,9 +117,10 @@ def _generate(arrangement_, application_, tensors, name: str, num_warps: int, nu
     """``ninetoothed.make(arrangement_, application_, tensors, ...)``, or the handle of the module
     an earlier process made of the same (``made_as``: the premake's name and arguments) from the
     same sources, on the same kind of device (``common.codecache.generation_key``), imported
-    as ``make`` imports it."""
+    as ``make`` imports it. (The helpers' type is part of the key: NineToothed copies into the code
+    the ones that are ``JITFunction``s, which under the interpreter they are not.)"""
     key = generation_key((common, impl_ninetoothed, ninetoothed), made_as, name, num_warps, num_stages,
-                         sorted(compat.generator_device_properties().items()))
+                         type(JIT_HELPERS[0]).__name__, sorted(compat.generator_device_properties().items()))
     path = made_before(key)
     handle = compat.handle_of_generated(path, name) if path is not None else None
     if handle is None:
