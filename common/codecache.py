@@ -15,7 +15,7 @@ before anything is generated there:
   ranks) never import a half-written file;
 - each kernel made is remembered in ``made/`` under a key of everything its
   code is generated from (:func:`generation_key`), so that the next process
-  imports the module instead of generating it again (0.1-0.5 s a kernel).
+  imports the module instead of generating it again.
 
 NineToothed itself still creates ``~/.ninetoothed`` when it is imported; we
 write nothing there. Triton's own cache of compiled kernels is
