@@ -13,6 +13,7 @@
 #         gluon-persistent (the Gluon forward's persistent programs: their tests, then the Gluon probe in bf16)
 #         one-call (where one call is all the device time there is: the riskiest tests of branch gluon-persistent,
 #         its Gluon FP8 and persistent ones, the FP8 and paged suites with the join on, then the Gluon and FP8 probes)
+#         test1-mem, rest2 (the suite in two calls, the memory test beside test1 instead of test2 and test3);
 #         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
 #         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
 #         test and test3's last files)
@@ -75,6 +76,14 @@ for stage in "$@"; do
     # side by side): what test1 leaves of the suite, in one call
     rest) for part in test2 test3 memtest; do bash "$0" "$part" > "$OUT/$part.out" 2>&1 & done; wait
           tail -4 "$OUT/test2.out"; tail -4 "$OUT/test3.out"; tail -6 "$OUT/memtest.out" ;;
+    # the suite in two calls with the memory test beside test1 (2026-12-06 on an H200: test1 303 s, the memory test
+    # 273 s on 2 workers), so that test2 and test3 share the next call without it (there test3 took 521 s of the
+    # 600 beside both)
+    test1-mem) (bash "$0" memtest > "$OUT/memtest.out" 2>&1) &
+               TEST_TIMEOUT=560 bash "$0" test1 > "$OUT/test1.out" 2>&1; wait
+               tail -24 "$OUT/test1.out"; tail -8 "$OUT/memtest.out" ;;
+    rest2) for part in test2 test3; do bash "$0" "$part" > "$OUT/$part.out" 2>&1 & done; wait
+           tail -4 "$OUT/test2.out"; tail -4 "$OUT/test3.out" ;;
     memtest) timeout -s INT 570 python3 -m pytest "$MEMTEST" -v -n 2 -p no:cacheprovider --tb=short -rfEP --durations=2 > "$OUT/memtest.log" 2>&1
              tail -12 "$OUT/memtest.log" ;;
     # Both halves at once, one per GPU (kind nvidia-h200-x2): the suite in one call.
