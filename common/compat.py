@@ -37,6 +37,14 @@ _LAUNCH_FORM = ("self.run(grid[0], grid[1], grid[2], stream, self.function, self
                 "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)")
 
 
+def triton_version() -> tuple[int, int]:
+    """The installed Triton's (major, minor) version: where a choice of ours depends on the version
+    (what one compiles faster or without spills), it reads this."""
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
 def compiled_launch_form() -> bool:
     """Whether ``CompiledKernel.__getitem__``'s runner calls ``self.run(grid[0], grid[1], grid[2],
     stream, self.function, self.packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``

@@ -15,7 +15,6 @@ import threading
 
 import ninetoothed
 import torch
-import triton
 import triton.language as tl
 
 import common
@@ -50,8 +49,6 @@ from impl_ninetoothed.kernels import (
     premake_dq,
 )
 from impl_ninetoothed.paged_kernels import premake_append, premake_paged, premake_rotary
-
-_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 # -- making kernels: once per process, thread-safe ---------------------------------------------
 
@@ -574,7 +571,7 @@ PAGED_JOIN = True
 # stages: 8 tiles over a minute, 4 about 10 s; triton 3.6 compiles 8 in seconds; benchmarks/NOTES.md). So
 # the GPU's triton 3.6 keeps the 8 its configs were tuned with, and later versions take 4, so that a first
 # call compiles in seconds.
-PAGED_TILES_PER_STEP = 8 if _TRITON <= (3, 6) else 4
+PAGED_TILES_PER_STEP = 8 if compat.triton_version() <= (3, 6) else 4
 
 
 def paged_tiles(page: int, block_n: int) -> tuple[int, int, int]:

@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from common import compat
 from common.launch import alignment, launch_compiled
-from common.plan import Widen
+from common.plan import PV_GROUP, Widen, pv_order_fits
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -908,8 +908,8 @@ def forward(q, k, v, scale: float, causal_shift: int | None, with_lse: bool, out
         raise ValueError("the Gluon forward's persistent programs are the ping-pong variant's (pingpong=True)")
     if prefetch_q and not persistent:
         raise ValueError("prefetch_q=True loads a persistent program's next Q (persistent=True)")
-    if pv_order and (q.dtype != torch.float8_e4m3fn or k.shape[2] % 32):
-        raise ValueError("pv_order=True reads FP8 values of whole groups of 32 keys (common.plan.PV_GROUP)")
+    if pv_order and (q.dtype != torch.float8_e4m3fn or not pv_order_fits(k.shape[2])):
+        raise ValueError(f"pv_order=True reads FP8 values of whole groups of {PV_GROUP} keys (common.plan.PV_GROUP)")
     if out is None:
         fp8 = q.dtype == torch.float8_e4m3fn
         out = torch.empty(B, H, Lq, D, dtype=out_dtype if fp8 else q.dtype, device=q.device)
@@ -996,8 +996,7 @@ def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, i
     (benchmarks/NOTES.md; the config table says which FP8 keys run here)."""
     if dtype == torch.float8_e4m3fn:
         return {64: (128, 128, 3, 8), 128: (128, 128, 3, 8)}[head_dim]
-    wide = 128 if _TRITON[:2] <= (3, 6) else 64
+    wide = 128 if compat.triton_version() <= (3, 6) else 64
     return {64: (128, 128, 3, 8), 128: (128, wide, 3, 8), 256: (128, 64, 2, 8)}[head_dim]
 
 
-_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2])

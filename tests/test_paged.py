@@ -630,12 +630,10 @@ def test_ninetoothed_paged_step_tiles(monkeypatch):
     tile, at most PAGED_TILES_PER_STEP such tiles unrolled (a longer step: that many; 8 under triton 3.6,
     4 under later versions, whose compile of 8 takes over a minute), all of them one softmax update with
     PAGED_JOIN, each its own without."""
-    import triton
-
     import impl_ninetoothed.attention as nt
+    from common import compat
 
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    assert nt.PAGED_TILES_PER_STEP == (8 if version <= (3, 6) else 4)
+    assert nt.PAGED_TILES_PER_STEP == (8 if compat.triton_version() <= (3, 6) else 4)
     monkeypatch.setattr(nt, "PAGED_TILES_PER_STEP", 8)
     monkeypatch.setattr(nt, "PAGED_JOIN", True)
     assert nt.paged_tiles(16, 64) == (16, 4, 4)
