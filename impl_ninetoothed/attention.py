@@ -567,10 +567,9 @@ def bind_backward(plan):
 # (benchmarks/NOTES.md); False keeps the per-tile form, which the paged tests run beside it.
 PAGED_JOIN = True
 # Tiles unrolled a step, at most (a step of more keys takes this many): each is a gather of its own, and
-# triton's async-copy coalescing pass after 3.6 takes time that grows much faster than their count (at 5
-# stages: 8 tiles over a minute, 4 about 10 s; triton 3.6 compiles 8 in seconds; benchmarks/NOTES.md). So
-# the GPU's triton 3.6 keeps the 8 its configs were tuned with, and later versions take 4, so that a first
-# call compiles in seconds.
+# triton's async-copy coalescing pass after 3.6 takes time that grows much faster than their count
+# (benchmarks/NOTES.md has the timings). So triton 3.6 keeps the 8 the configs were tuned with, and later
+# versions take 4, so that a first call compiles in seconds.
 PAGED_TILES_PER_STEP = 8 if compat.triton_version() <= (3, 6) else 4
 
 
