@@ -571,16 +571,20 @@ PAGED_JOIN = True
 # (benchmarks/NOTES.md has the timings). So triton 3.6 keeps the 8 the configs were tuned with, and later
 # versions take 4, so that a first call compiles in seconds.
 PAGED_TILES_PER_STEP = 8 if compat.triton_version() <= (3, 6) else 4
+# FP8 caches at most 4 on any version: their tiles widened to float16 take twice the registers, and 8 of them
+# spill on sm_90 with column-major value pages (4 ran 2.1x faster there, as fast with row-major ones).
+PAGED_FP8_TILES_PER_STEP = 4
 
 
-def paged_tiles(page: int, block_n: int) -> tuple[int, int, int]:
+def paged_tiles(page: int, block_n: int, fp8: bool = False) -> tuple[int, int, int]:
     """(tile, tiles per step, tiles joined a softmax update) of the paged kernel for pages of
     ``page`` keys (a multiple of 16) and steps of ``block_n``: the largest power of two that
     divides the page, at most a step; a step of BLOCK_N keys (one tile where pages are larger than
-    a step), at most PAGED_TILES_PER_STEP tiles; with PAGED_JOIN, the step's tiles one softmax
-    update, else each its own."""
+    a step), at most PAGED_TILES_PER_STEP tiles (``fp8`` caches: at most PAGED_FP8_TILES_PER_STEP
+    too); with PAGED_JOIN, the step's tiles one softmax update, else each its own."""
     tile = min(page & -page, block_n)
-    per_step = min(max(1, block_n // tile), PAGED_TILES_PER_STEP)
+    cap = min(PAGED_TILES_PER_STEP, PAGED_FP8_TILES_PER_STEP) if fp8 else PAGED_TILES_PER_STEP
+    per_step = min(max(1, block_n // tile), cap)
     return tile, per_step, per_step if PAGED_JOIN else 1
 
 
@@ -596,7 +600,7 @@ def paged_forward(plan):
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, plan.lse if plan.with_lse else _absent(out, B, H, Lq)
-    tile, tiles_per_step, join = paged_tiles(kc.shape[1], config.block_n)
+    tile, tiles_per_step, join = paged_tiles(kc.shape[1], config.block_n, kc.element_size() == 1)
     # (the table's tile per split: its pages)
     pages_per_split = plan.blocks_per_split * plan.split_block // kc.shape[1] if plan.split else None
     _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split,

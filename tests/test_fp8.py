@@ -737,9 +737,10 @@ def test_ninetoothed_paged_fp8_step_forms(value_columns, join, monkeypatch):
 
     taken, shipped = [], nt.paged_tiles
     monkeypatch.setattr(nt, "PAGED_JOIN", join)
-    monkeypatch.setattr(nt, "paged_tiles", lambda page, block_n: taken.append(shipped(page, block_n)) or taken[-1])
+    monkeypatch.setattr(nt, "paged_tiles", lambda *args: taken.append(shipped(*args)) or taken[-1])
     test_paged_fp8_cache("ninetoothed", torch.bfloat16, 3, value_columns)
     assert taken and min(per_step for _, per_step, _ in taken) > 1, taken
+    assert max(per_step for _, per_step, _ in taken) <= nt.PAGED_FP8_TILES_PER_STEP, taken
     assert all((joined == per_step) if join else joined == 1 for _, per_step, joined in taken), taken
 
 

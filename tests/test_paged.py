@@ -629,7 +629,7 @@ def test_ninetoothed_paged_step_tiles(monkeypatch):
     """NineToothed's paged step: the largest power of two dividing the page (at most the step) as its
     tile, at most PAGED_TILES_PER_STEP such tiles unrolled (a longer step: that many; 8 under triton 3.6,
     4 under later versions, whose compile of 8 takes over a minute), all of them one softmax update with
-    PAGED_JOIN, each its own without."""
+    PAGED_JOIN, each its own without; FP8 caches at most PAGED_FP8_TILES_PER_STEP (4: 8 spill on sm_90)."""
     import impl_ninetoothed.attention as nt
     from common import compat
 
@@ -640,8 +640,15 @@ def test_ninetoothed_paged_step_tiles(monkeypatch):
     assert nt.paged_tiles(48, 128) == (16, 8, 8)
     assert nt.paged_tiles(16, 256) == (16, 8, 8) and nt.paged_tiles(32, 64) == (32, 2, 2)
     assert nt.paged_tiles(256, 64) == (64, 1, 1)
+    # FP8 caches: at most PAGED_FP8_TILES_PER_STEP (4) on any version
+    assert nt.PAGED_FP8_TILES_PER_STEP == 4
+    assert nt.paged_tiles(16, 256, fp8=True) == (16, 4, 4) and nt.paged_tiles(32, 64, fp8=True) == (32, 2, 2)
+    monkeypatch.setattr(nt, "PAGED_TILES_PER_STEP", 2)
+    assert nt.paged_tiles(16, 256, fp8=True) == (16, 2, 2)
+    monkeypatch.setattr(nt, "PAGED_TILES_PER_STEP", 8)
     monkeypatch.setattr(nt, "PAGED_JOIN", False)
     assert nt.paged_tiles(16, 64) == (16, 4, 1) and nt.paged_tiles(16, 256) == (16, 8, 1)
+    assert nt.paged_tiles(16, 256, fp8=True) == (16, 4, 1)
     assert nt.paged_tiles(256, 64) == (64, 1, 1)
 
 
@@ -656,8 +663,8 @@ def test_ninetoothed_paged_step_forms(name, splits, join, monkeypatch):
     taken = []
     shipped = nt.paged_tiles
 
-    def tiles(page, block_n):
-        result = shipped(page, block_n)
+    def tiles(*args):
+        result = shipped(*args)
         taken.append(result)
         return result
 

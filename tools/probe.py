@@ -410,10 +410,11 @@ def paged_extras():
 
 # (backend, None: the shipped configuration (NineToothed's small pages' tiles joined into one softmax update a
 # step, impl_ninetoothed.attention.PAGED_JOIN), "per-tile": each tile its own update, "tiles4": at most 4 of them unrolled a step
-# (PAGED_TILES_PER_STEP; 8 shipped under triton 3.6; "tiles2": 2), or (keys per step | None: the shipped one, warps, stages [, maxnreg]))
+# (PAGED_TILES_PER_STEP and PAGED_FP8_TILES_PER_STEP; 8 and 4 shipped under triton 3.6; "tiles2": 2), or (keys per
+# step | None: the shipped one, warps, stages [, maxnreg]))
 PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
-NT_PAGED_SWITCHES = {"per-tile": ("PAGED_JOIN", False), "tiles8": ("PAGED_TILES_PER_STEP", 8),
-                     "tiles4": ("PAGED_TILES_PER_STEP", 4), "tiles2": ("PAGED_TILES_PER_STEP", 2)}
+NT_PAGED_SWITCHES = {"per-tile": {"PAGED_JOIN": False},
+                     **{f"tiles{n}": {"PAGED_TILES_PER_STEP": n, "PAGED_FP8_TILES_PER_STEP": n} for n in (8, 4, 2)}}
 
 
 @contextlib.contextmanager
@@ -424,13 +425,15 @@ def _paged_variant(variant):
     if variant in NT_PAGED_SWITCHES:
         import impl_ninetoothed.attention as nt
 
-        name, value = NT_PAGED_SWITCHES[variant]
-        shipped_value = getattr(nt, name)
-        setattr(nt, name, value)
+        switched = NT_PAGED_SWITCHES[variant]
+        shipped_values = {name: getattr(nt, name) for name in switched}
+        for name, value in switched.items():
+            setattr(nt, name, value)
         try:
             yield
         finally:
-            setattr(nt, name, shipped_value)
+            for name, value in shipped_values.items():
+                setattr(nt, name, value)
         return
     shipped = paged_module.paged_config
 
@@ -475,9 +478,9 @@ def paged_sweep():
                 print(f"page {page} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
 
 
-# (NineToothed's also at 4 and 2 tiles a step of small pages: 168 and 128 registers against 255 at 8, 3 and 4
-# programs an SM against 2, FP8 pages of 16 compiled for sm_90)
-PAGED_FP8_SWEEP = [None, (None, 4, 3), (None, 4, 5, 168), (None, 8, 4), (256, 4, 3), (64, 4, 5), "tiles4", "tiles2"]
+# (NineToothed's also at 8 and 2 tiles a step of small pages, 4 shipped: at 8 its FP8 pages of 16 spill, compiled
+# for sm_90)
+PAGED_FP8_SWEEP = [None, (None, 4, 3), (None, 4, 5, 168), (None, 8, 4), (256, 4, 3), (64, 4, 5), "tiles8", "tiles2"]
 
 
 def paged_fp8_sweep():
