@@ -27,6 +27,8 @@ is written to the project.
 - paged_fp8_sweep: paged decode from FP8 caches (pages of PROBE_PAGES, default 16 and 64) under other key
   steps, warps, stages and register caps (PROBE_BACKENDS, default triton), against bf16 pages and the
   contiguous FP8 decode.
+- paged_fp8_locality: Triton's paged FP8 decode at pages of 16, 32, 64 and 128, the table shuffled or in
+  address order, value pages row- or column-major (the same SASS runs 1.3x slower at pages of 16 than 64).
 - paged_batch: paged decode at a large batch, the paged plan's stages against 3, 2, and 2 with the
   dense path's register cap; beside dense decode and SDPA.
 - decode: split-KV decode shapes under several programs-per-SM targets and
@@ -348,13 +350,15 @@ def paged_prefill():
         print(f"paged prefill Lq {Lq} Lk {Lk} page {page}: " + "; ".join(line), flush=True)
 
 
-def _shuffled_pages(k, v, page: int):
-    """Dense keys and values (B, H_kv, Lk, D) as paged caches of ``page`` keys in a shuffled table:
+def _shuffled_pages(k, v, page: int, shuffled: bool = True):
+    """Dense keys and values (B, H_kv, Lk, D) as paged caches of ``page`` keys in a shuffled table
+    (``shuffled=False``: in order, each sequence's pages one after another in the caches):
     ([key_cache, value_cache], table (B, Lk / page) int32, lengths (B,) int32, all Lk). FP8 tensors
     are moved as their bytes (indexed assignment takes no float8)."""
     B, H_kv, Lk, D = k.shape
     pages = Lk // page
-    table = torch.randperm(B * pages, device=k.device).view(B, pages).to(torch.int32)
+    order = torch.randperm(B * pages, device=k.device) if shuffled else torch.arange(B * pages, device=k.device)
+    table = order.view(B, pages).to(torch.int32)
     caches = []
     for x in (k, v):
         cache = torch.empty(B * pages, page, H_kv, D, dtype=x.dtype, device=x.device)
@@ -522,6 +526,39 @@ def paged_fp8_sweep():
                         line.append(f"{name} {variant or 'shipped'} {t * 1e3:.0f} us {bf16 / t:.2f}x "
                                     f"({dense8 / t:.2f}x contiguous)")
                 print(f"fp8 page {page} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
+
+
+def paged_fp8_locality():
+    """Issue 44: Triton's paged FP8 decode with column-major value pages ran at the contiguous decode's speed
+    at pages of 64 (75 µs at Lk 16k, H200) and 1.3x slower at pages of 16 (97 µs), from the same SASS (the
+    same tile, 760-779 instructions a step): whether it is the pages' order in memory. B 8, 32 query heads
+    over 8, D 128, bf16 query, Lk 16k and 64k; pages of 16, 32, 64 and 128, the table shuffled or in
+    address order; value pages row- and column-major; graph replay, TB/s of FP8 cache read and the ratio
+    to the contiguous FP8 decode with the values column-major."""
+    from common import paged_attention, quantize_fp8
+
+    B, H, H_kv, D = 8, 32, 8, 128
+    for Lk in (16384, 65536):
+        k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        q = torch.randn(B, H, 1, D, dtype=torch.bfloat16, device="cuda")
+        (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
+        gb8 = 2 * k.numel() / 1e9
+        v8_cols = v8.transpose(2, 3).contiguous().transpose(2, 3)
+        dense = _graph_time_ms(lambda: attention(q, k8, v8_cols, enable_gqa=True, k_descale=kd, v_descale=vd,
+                                                 backend="triton"), replays=20)
+        print(f"fp8 locality Lk={Lk}: contiguous {dense * 1e3:.0f} us {gb8 / dense:.2f} TB/s", flush=True)
+        for page in (16, 32, 64, 128):
+            line = []
+            for shuffled in (True, False):
+                (key_cache, value_cache), table, lengths = _shuffled_pages(k8, v8, page, shuffled)
+                for name, values in (("rows", value_cache), ("columns", _column_pages(value_cache))):
+                    t = _graph_time_ms(lambda: paged_attention(q, key_cache, values, table, lengths, enable_gqa=True,
+                                                               k_descale=kd, v_descale=vd, backend="triton"),
+                                       replays=20)
+                    line.append(f"{'shuffled' if shuffled else 'in order'} {name} {t * 1e3:.0f} us "
+                                f"{gb8 / t:.2f} TB/s {dense / t:.2f}x")
+                del key_cache, value_cache
+            print(f"  page {page}: " + "; ".join(line), flush=True)
 
 
 def paged_batch():
