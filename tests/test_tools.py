@@ -1013,7 +1013,7 @@ def test_fa_suite_rotary_reference_is_our_rotary(interleaved):
 def test_ncu_targets_are_the_benchmarks_shapes():
     """tools/ncu_targets.py (Nsight Compute's cases, GPU only): each case is a benchmark shape (B·L = 16k
     tokens, H·D = 2048) with a known call, every SDPA case pairs one of ours, the paged FP8 decode's cases
-    are pages of distinct sizes, and --list names them all."""
+    are distinct (page size, backend) pairs, and --list names them all."""
     import importlib.util
     import pathlib
     import subprocess
@@ -1031,8 +1031,9 @@ def test_ncu_targets_are_the_benchmarks_shapes():
             assert targets.CASES[ours][:5] == (B, H, L, D, causal), name
     listed = subprocess.run([sys.executable, "tools/ncu_targets.py", "--list"], cwd=root, capture_output=True,
                             text=True, timeout=120).stdout.splitlines()
-    pages = list(targets.PAGED_FP8_CASES.values())
-    assert pages and len(set(pages)) == len(pages) and all(page % 16 == 0 for page in pages)
+    cases = list(targets.PAGED_FP8_CASES.values())
+    assert cases and len(set(cases)) == len(cases)
+    assert all(page % 16 == 0 and backend in ("triton", "ninetoothed") for page, backend in cases)
     assert not set(targets.PAGED_FP8_CASES) & set(targets.CASES)
     assert [line.split(":")[0] for line in listed] == [*targets.CASES, *targets.PAGED_FP8_CASES]
 

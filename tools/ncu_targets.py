@@ -40,13 +40,15 @@ CASES = {
     "bwd-d128-4k-nt": (4, 16, 4096, 128, False, "bwd-nt"),
     "bwd-d128-4k-sdpa": (4, 16, 4096, 128, False, "sdpa-bwd"),
 }
-# name: page size of Triton's paged FP8 decode (B 8, 32 query heads over 8, D 128, Lk 16k, bf16 query, value
-# pages column-major, a shuffled table): the same SASS ran 1.3x slower at pages of 16 than 64 (issue 44)
-PAGED_FP8_CASES = {"paged-fp8-p16": 16, "paged-fp8-p64": 64}
+# name: (page size, backend) of a paged FP8 decode (B 8, 32 query heads over 8, D 128, Lk 16k, bf16 query, value
+# pages column-major, a shuffled table): Triton's same SASS ran 1.3x slower at pages of 16 than 64, and
+# NineToothed's pages of 16 ran at 0.4-0.6x Triton's (issue 44)
+PAGED_FP8_CASES = {"paged-fp8-p16": (16, "triton"), "paged-fp8-p64": (64, "triton"),
+                   "paged-fp8-p16-nt": (16, "ninetoothed")}
 
 
-def make_paged_fp8_call(page: int):
-    """Triton's paged FP8 decode over caches of ``page`` keys (``tools/probe.py``'s pages)."""
+def make_paged_fp8_call(page: int, backend: str):
+    """A paged FP8 decode over caches of ``page`` keys (``tools/probe.py``'s pages) by ``backend``."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from common import paged_attention
     from probe import _column_pages, _shuffled_pages
@@ -58,13 +60,13 @@ def make_paged_fp8_call(page: int):
     (key_cache, value_cache), table, lengths = _shuffled_pages(k8, v8, page)
     values = _column_pages(value_cache)
     return lambda: paged_attention(q, key_cache, values, table, lengths, enable_gqa=True, k_descale=kd, v_descale=vd,
-                                   backend="triton")
+                                   backend=backend)
 
 
 def make_call(name: str):
     """The case's inputs and a function running its call once."""
     if name in PAGED_FP8_CASES:
-        return make_paged_fp8_call(PAGED_FP8_CASES[name])
+        return make_paged_fp8_call(*PAGED_FP8_CASES[name])
     B, H, L, D, causal, what = CASES[name]
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -92,7 +94,8 @@ def make_call(name: str):
 def main(argv: list[str]) -> None:
     if not argv or argv[0] == "--list":
         print("\n".join(f"{name}: B, H, L, D, causal, what = {case}" for name, case in CASES.items()))
-        print("\n".join(f"{name}: paged FP8 decode, pages of {page}" for name, page in PAGED_FP8_CASES.items()))
+        print("\n".join(f"{name}: paged FP8 decode, pages of {page}, {backend}"
+                        for name, (page, backend) in PAGED_FP8_CASES.items()))
         return
     call = make_call(argv[0])
     for _ in range(2):  # compiled, planned and bound before the range
