@@ -603,10 +603,13 @@ def paged_forward(plan):
     tile, tiles_per_step, join = paged_tiles(kc.shape[1], config.block_n, kc.element_size() == 1)
     # (the table's tile per split: its pages)
     pages_per_split = plan.blocks_per_split * plan.split_block // kc.shape[1] if plan.split else None
-    _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split,
+    # value pages stored column-major (a page's keys contiguous for each head and column): the kernel's
+    # variant that takes them with their keys last (paged_application's VALUE_COLUMNS)
+    value_columns = vc.stride(1) == 1 and vc.shape[1] > 1
+    _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns,
           num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
-        q, kc, vc, plan.block_table, plan.cache_seqlens,
+        q, kc, vc.permute(0, 2, 3, 1) if value_columns else vc, plan.block_table, plan.cache_seqlens,
         plan.leftpad if plan.leftpad is not None else _absent(plan.cache_seqlens, B),
         plan.query_lengths if plan.query_lengths is not None else _absent(plan.cache_seqlens, B), plan.scale,
         plan.lq_seq,
@@ -619,7 +622,7 @@ def paged_forward(plan):
         SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, JOIN=join, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
-        WIDEN=int(cache_widen(plan.descales, vc)),
+        WIDEN=int(cache_widen(plan.descales, vc)), VALUE_COLUMNS=value_columns,
     )
     if plan.split:
         merge = plan.merge

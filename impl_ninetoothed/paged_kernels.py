@@ -32,14 +32,21 @@ from impl_ninetoothed.tiles import _per_kv_head, _per_split, _row_slices, _rows
 
 # -- a paged KV cache ----------------------------------------------------------------------
 
-def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
+def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None, keys_last=False):
     """(num_pages, PAGE, H_kv, D) -> per program of (batch, heads, m_blocks[, S]), every page
     of the K/V head its query head reads, as a (num_pages, PAGE / tile) array of (tile, D)
     tiles: the program picks a page's tile by index (a gather: which page is data, read from
-    the block table). The batch, the group's heads and the row blocks are broadcast (expand)."""
-    group = heads // cache.shape[2]
-    arranged = cache.tile((1, tile, 1, block_d)).squeeze(3).permute((2, 0, 1))  # (H_kv, num_pages, PAGE / tile)
-    arranged.dtype = arranged.dtype.squeeze((0, 2))
+    the block table). The batch, the group's heads and the row blocks are broadcast (expand).
+    ``keys_last``: the cache given as (num_pages, H_kv, D, PAGE) (value pages stored column-major,
+    viewed with their contiguous keys last), in (D, tile) tiles."""
+    if keys_last:
+        group = heads // cache.shape[1]
+        arranged = cache.tile((1, 1, block_d, tile)).squeeze(2).permute((1, 0, 2))  # (H_kv, num_pages, PAGE / tile)
+        arranged.dtype = arranged.dtype.squeeze((0, 1))
+    else:
+        group = heads // cache.shape[2]
+        arranged = cache.tile((1, tile, 1, block_d)).squeeze(3).permute((2, 0, 1))  # (H_kv, num_pages, PAGE / tile)
+        arranged.dtype = arranged.dtype.squeeze((0, 2))
     arranged = arranged.tile((1, -1, -1)).squeeze((1, 2))  # (H_kv,), each the head's array of tiles
     arranged.dtype = arranged.dtype.squeeze(0)
     arranged = arranged.unsqueeze(0).unsqueeze(2).unsqueeze(3)  # (1, H_kv, 1, 1)
@@ -53,14 +60,16 @@ def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None):
 def paged_arrangement(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
     band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
-    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
-    block_m, tile, block_d, block_dv, pages_per_split=None,
+    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN, VALUE_COLUMNS,
+    block_m, tile, block_d, block_dv, pages_per_split=None, value_columns=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``pages_per_split`` is given: the block table's row for the batch entry
     (its split's part), (1,) tiles each; the sequence's length, first key and query count; all pages of the
     caches,
-    in tiles of ``tile`` keys (a power of two from 16 that divides the page size); its rows' sink
+    in tiles of ``tile`` keys (a power of two from 16 that divides the page size; ``value_columns``: the
+    value cache given as (num_pages, H_kv, Dv, PAGE), its pages stored column-major, in (Dv, tile) tiles,
+    see ``paged_application``); its rows' sink
     logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp); its K/V head's descales
     ((B, H_kv) -> a (1,) tile each, as the dense forward's ``_per_kv_head``)."""
     query_arranged = _rows(query, block_m, block_d)
@@ -96,17 +105,18 @@ def paged_arrangement(
         lse_arranged = _row_slices(lse, block_m)
     return (
         query_arranged, _pages(key_cache, batch, heads, m_blocks, tile, block_d, num_splits),
-        _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits), table, seqlens, starts, new_tokens,
+        _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits, keys_last=value_columns), table,
+        seqlens, starts, new_tokens,
         scale, lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, *descales,
         output_arranged, lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS,
-        ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
+        ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN, VALUE_COLUMNS,
     )
 
 
 def paged_application(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
     band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
-    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
+    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN, VALUE_COLUMNS,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
     an iteration, each its own products (a gather here reads one tile of one page, where ``_paged_fwd``
@@ -116,10 +126,11 @@ def paged_application(
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
     tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE and WIDEN as
-    there; a page entry
-    outside the cache
-    is clamped into it, a length past the table to the table. Tile t of the sequence is tile
-    t % per_page of its page t // per_page."""
+    there; a page entry outside the cache is clamped into it, a length past the table to the table.
+    Tile t of the sequence is tile t % per_page of its page t // per_page. VALUE_COLUMNS: the value
+    tiles come as (Dv, tile), their keys contiguous, and are transposed after the load: a (tile, Dv)
+    tile of 16 keys runs 16 bytes along its contiguous keys, which the pipeliner loads synchronously,
+    where a (Dv, tile) one goes by the copy engine (sm_90, triton 3.6 and 3.9)."""
     q = query
     offs_m = query.offsets(-2)
     TILE = key_cache.dtype.shape[0]
@@ -227,7 +238,10 @@ def paged_application(
                                                num_pages - 1)
                         offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
                         value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
-                        v = _widen(value_cache[page, t % per_page], WIDEN)
+                        v = value_cache[page, t % per_page]
+                        if VALUE_COLUMNS:
+                            v = ntl.trans(v)
+                        v = _widen(v, WIDEN)
                         if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
                             cols = ntl.arange(0, value_cache.dtype.shape[1])  # (inline: arange needs the constant)
                             v = _keep_widened(v, cols < value_cache.source.shape[-1])
@@ -301,12 +315,13 @@ def append_application(key, value, key_cache, value_cache, block_table, cache_se
             value_cache[page, pos % PAGE] = value
 
 
-def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
+def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None, value_columns=False):
     """Paged attention over pages in tiles of ``tile`` keys; with ``pages_per_split``, its
-    split variant (see ``paged_arrangement``)."""
+    split variant; with ``value_columns``, the variant for value pages stored column-major, the
+    value cache given as (num_pages, H_kv, Dv, PAGE) (see ``paged_arrangement``)."""
     arrangement_ = functools.partial(
         paged_arrangement, block_m=block_m, tile=tile, block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v), pages_per_split=pages_per_split,
+        block_dv=padded_head_dim(head_dim_v), pages_per_split=pages_per_split, value_columns=value_columns,
     )
     split = pages_per_split is not None
     # (fills 0.0, a float: Triton converts no integer to an 8-bit float, and FP8 caches take these loads)
@@ -315,7 +330,9 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
     output = _rows_like(query, *((None,) if split else ()), head_dim_v)
     tensors = (
         query, key_cache,
-        _like(key_cache.shape[:3], head_dim_v, other=0.0),  # value_cache
+        # value_cache: (num_pages, PAGE, H_kv, Dv), or (num_pages, H_kv, Dv, PAGE) for column-major pages
+        (Tensor(shape=(key_cache.shape[0], key_cache.shape[2], head_dim_v, key_cache.shape[1]), other=0.0)
+         if value_columns else _like(key_cache.shape[:3], head_dim_v, other=0.0)),
         _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
         _like(query.shape[:1]),  # cache_seqlens (B,) int32
         _like(query.shape[:1]),  # leftpad (B,) int32
@@ -328,7 +345,7 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None):
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
         *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "JOIN", "SOFTCAP", "SINKS", "ALIBI",
-                 "LEFTPADDED", "QUERY_LENGTHS", "DESCALE", "WIDEN"),
+                 "LEFTPADDED", "QUERY_LENGTHS", "DESCALE", "WIDEN", "VALUE_COLUMNS"),
     )
     return arrangement_, paged_application, tensors
 

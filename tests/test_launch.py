@@ -463,6 +463,8 @@ def test_ninetoothed_kernels_take_each_size_once():
         (ntk.premake_dkdv, (32, 32, 16, 16)): query | key | {("query_blocks", 2)},
         (paged_kernels.premake_paged, (32, 32, 16, 16, None)): query | cache | {("block_table", 1)},
         (paged_kernels.premake_paged, (32, 32, 16, 16, 2)): query | cache | {("block_table", 1), ("output", 3)},
+        # (column-major value pages: the value cache of the keys' symbols, its sizes in another order)
+        (paged_kernels.premake_paged, (32, 32, 16, 16, None, True)): query | cache | {("block_table", 1)},
         (paged_kernels.premake_append, (32, 32)): key | cache | {("block_table", 1)},
     }
     for (premake, args), sizes in expected.items():
