@@ -50,8 +50,9 @@ PAGED_FP8_CASES = {"paged-fp8-p16": (16, "triton"), "paged-fp8-p64": (64, "trito
 def make_paged_fp8_call(page: int, backend: str):
     """A paged FP8 decode over caches of ``page`` keys (``tools/probe.py``'s pages) by ``backend``."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from common import paged_attention
     from probe import _column_pages, _shuffled_pages
+
+    from common import paged_attention
 
     torch.manual_seed(0)
     k, v = (torch.randn(8, 8, 16384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -557,7 +557,6 @@ def paged_fp8_locality():
                                        replays=20)
                     line.append(f"{'shuffled' if shuffled else 'in order'} {name} {t * 1e3:.0f} us "
                                 f"{gb8 / t:.2f} TB/s {dense / t:.2f}x")
-                del key_cache, value_cache
             print(f"  page {page}: " + "; ".join(line), flush=True)
 
 
