@@ -487,16 +487,26 @@ def paged_sweep():
 PAGED_FP8_SWEEP = [None, (None, 4, 3), (None, 4, 5, 168), (None, 8, 4), (256, 4, 3), (64, 4, 5), "tiles8", "tiles2"]
 
 
+def _paged_switch(word: str):
+    """A PROBE_SWITCHES word: one of NT_PAGED_SWITCHES as it is, or "cfg:KEYS,WARPS,STAGES[,MAXNREG]" as a
+    _paged_variant configuration (KEYS "-": the shipped key step)."""
+    if not word.startswith("cfg:"):
+        return word
+    keys, *rest = word.removeprefix("cfg:").split(",")
+    return (None if keys == "-" else int(keys), *(int(x) for x in rest))
+
+
 def paged_fp8_sweep():
     """Issue 44's paged FP8 decode (B 8, 32 query heads over 8, D 128, bf16 query, FP8 caches, Lk 16k
     and 64k, pages of PROBE_PAGES keys, default 16 and 64, shuffled) under PAGED_FP8_SWEEP's (key step,
     warps, stages [, register cap]), the value pages row-major and column-major, PROBE_BACKENDS (default
     triton); against the same kernel's bf16 paged call (target 1.8x) and its contiguous FP8 decode with
-    the values column-major. PROBE_SWITCHES (e.g. "tiles4 tiles2"): the shipped configuration and those of
-    NineToothed's switches only."""
+    the values column-major. PROBE_SWITCHES (e.g. "tiles4 tiles2 cfg:-,2,5"): the shipped configuration and
+    those only, each one of NineToothed's switches or a configuration "cfg:KEYS,WARPS,STAGES[,MAXNREG]"
+    (KEYS "-": the shipped key step)."""
     from common import paged_attention, quantize_fp8
 
-    switches = os.environ.get("PROBE_SWITCHES", "").split()
+    switches = [_paged_switch(word) for word in os.environ.get("PROBE_SWITCHES", "").split()]
     sweep = [None, *switches] if switches else PAGED_FP8_SWEEP
 
     B, H, H_kv, D = 8, 32, 8, 128
