@@ -500,6 +500,13 @@ def _check_cache_descales(k_descale, v_descale, key_cache, B, like):
     return _cache_descales(k_descale, v_descale, key_cache, B)
 
 
+def column_pages(value_cache) -> bool:
+    """Whether the value pages are stored column-major (a page's keys contiguous for each head and
+    column), read at each launch as :func:`cache_widen`: both paged kernels then load value tiles along
+    the keys (their ``VALUE_COLUMNS``). A page of one key is either layout; it counts as row-major."""
+    return value_cache.stride(1) == 1 and value_cache.shape[1] > 1
+
+
 def cache_widen(descales, value_cache) -> planning.Widen:
     """What the paged kernels widen their tiles to (one setting for keys and values), read at each
     launch since a kept plan serves value pages of either layout: nothing for 16-bit caches, float16

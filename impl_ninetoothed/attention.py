@@ -32,7 +32,7 @@ from common.launch import (
     route_generated_launch,
     routed_kernel,
 )
-from common.paged import cache_widen
+from common.paged import cache_widen, column_pages
 from common.plan import DESCALE_ROWS, ForwardPlan
 from common.validation import in_wide_storage
 from impl_ninetoothed.kernels import (
@@ -572,7 +572,7 @@ PAGED_JOIN = True
 # versions take 4, so that a first call compiles in seconds.
 PAGED_TILES_PER_STEP = 8 if compat.triton_version() <= (3, 6) else 4
 # FP8 caches at most 4 on any version: their tiles widened to float16 take twice the registers, and 8 of them
-# spill on sm_90 with column-major value pages (4 ran 2.1x faster there, as fast with row-major ones).
+# spill on sm_90 (benchmarks/NOTES.md has the timings).
 PAGED_FP8_TILES_PER_STEP = 4
 
 
@@ -603,9 +603,9 @@ def paged_forward(plan):
     tile, tiles_per_step, join = paged_tiles(kc.shape[1], config.block_n, kc.element_size() == 1)
     # (the table's tile per split: its pages)
     pages_per_split = plan.blocks_per_split * plan.split_block // kc.shape[1] if plan.split else None
-    # value pages stored column-major (a page's keys contiguous for each head and column): the kernel's
-    # variant that takes them with their keys last (paged_application's VALUE_COLUMNS)
-    value_columns = vc.stride(1) == 1 and vc.shape[1] > 1
+    # column-major value pages: the kernel's variant that takes them with their keys last
+    # (paged_application's VALUE_COLUMNS)
+    value_columns = column_pages(vc)
     _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns,
           num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(

@@ -25,7 +25,7 @@ from common.launch import (
     int_classes,
     ticket_counters,
 )
-from common.paged import cache_widen
+from common.paged import cache_widen, column_pages
 from common.plan import ForwardPlan
 from common.validation import in_wide_storage
 from impl_triton import gluon_attention
@@ -430,7 +430,7 @@ def paged_forward(plan):
         int(kernel_merge),
         num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
         HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE=kc.shape[1],
-        VALUE_COLUMNS=vc.stride(1) == 1 and vc.shape[1] > 1, PAGE_RUN=math.gcd(kc.shape[1], config.block_n),
+        VALUE_COLUMNS=column_pages(vc), PAGE_RUN=math.gcd(kc.shape[1], config.block_n),
         BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv, BANDED=plan.band is not None,
         WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision, SPLIT=plan.split,
         SOFTCAP=int(plan.softcap_kind), SINKS=plan.sinks is not None, MERGE_LSE=plan.split and plan.with_lse,
