@@ -606,10 +606,13 @@ def paged_forward(plan):
     # column-major value pages: the kernel's variant that takes them with their keys last
     # (paged_application's VALUE_COLUMNS)
     value_columns = column_pages(vc)
+    # (each page's keys viewed as tiles of `tile`: premake_paged's caches)
+    tiles = (kc.shape[1] // tile, tile)
+    values = vc.permute(0, 2, 3, 1).unflatten(3, tiles) if value_columns else vc.unflatten(1, tiles)
     _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns,
           num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
-        q, kc, vc.permute(0, 2, 3, 1) if value_columns else vc, plan.block_table, plan.cache_seqlens,
+        q, kc.unflatten(1, tiles), values, plan.block_table, plan.cache_seqlens,
         plan.leftpad if plan.leftpad is not None else _absent(plan.cache_seqlens, B),
         plan.query_lengths if plan.query_lengths is not None else _absent(plan.cache_seqlens, B), plan.scale,
         plan.lq_seq,

@@ -33,20 +33,23 @@ from impl_ninetoothed.tiles import _per_kv_head, _per_split, _row_slices, _rows
 # -- a paged KV cache ----------------------------------------------------------------------
 
 def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None, keys_last=False):
-    """(num_pages, PAGE, H_kv, D) -> per program of (batch, heads, m_blocks[, S]), every page
-    of the K/V head its query head reads, as a (num_pages, PAGE / tile) array of (tile, D)
-    tiles: the program picks a page's tile by index (a gather: which page is data, read from
-    the block table). The batch, the group's heads and the row blocks are broadcast (expand).
-    ``keys_last``: the cache given as (num_pages, H_kv, D, PAGE) (value pages stored column-major,
-    viewed with their contiguous keys last), in (D, tile) tiles."""
+    """(num_pages, PAGE / tile, tile, H_kv, D) (a cache with each page's keys viewed as tiles of
+    ``tile``, a constant) -> per program of (batch, heads, m_blocks[, S]), every page of the K/V
+    head its query head reads, as a (num_pages, PAGE / tile) array of (tile, D) tiles: the program
+    picks a page's tile by index (a gather: which page is data, read from the block table). The
+    batch, the group's heads and the row blocks are broadcast (expand). ``keys_last``: the cache
+    given as (num_pages, H_kv, D, PAGE / tile, tile) (value pages stored column-major, viewed with
+    their contiguous keys last), in (D, tile) tiles. The tile's keys are a dimension of their own, of
+    constant size, so a tile's loads check no key against the page's end (every tile is whole)."""
     if keys_last:
         group = heads // cache.shape[1]
-        arranged = cache.tile((1, 1, block_d, tile)).squeeze(2).permute((1, 0, 2))  # (H_kv, num_pages, PAGE / tile)
-        arranged.dtype = arranged.dtype.squeeze((0, 1))
+        # (num_pages, H_kv, PAGE / tile) -> (H_kv, num_pages, PAGE / tile)
+        arranged = cache.tile((1, 1, block_d, 1, tile)).squeeze((2, 4)).permute((1, 0, 2))
     else:
-        group = heads // cache.shape[2]
-        arranged = cache.tile((1, tile, 1, block_d)).squeeze(3).permute((2, 0, 1))  # (H_kv, num_pages, PAGE / tile)
-        arranged.dtype = arranged.dtype.squeeze((0, 2))
+        group = heads // cache.shape[3]
+        # (num_pages, PAGE / tile, H_kv) -> (H_kv, num_pages, PAGE / tile)
+        arranged = cache.tile((1, 1, tile, 1, block_d)).squeeze((2, 4)).permute((2, 0, 1))
+    arranged.dtype = arranged.dtype.squeeze((0, 1, 3))
     arranged = arranged.tile((1, -1, -1)).squeeze((1, 2))  # (H_kv,), each the head's array of tiles
     arranged.dtype = arranged.dtype.squeeze(0)
     arranged = arranged.unsqueeze(0).unsqueeze(2).unsqueeze(3)  # (1, H_kv, 1, 1)
@@ -66,12 +69,11 @@ def paged_arrangement(
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``pages_per_split`` is given: the block table's row for the batch entry
     (its split's part), (1,) tiles each; the sequence's length, first key and query count; all pages of the
-    caches,
-    in tiles of ``tile`` keys (a power of two from 16 that divides the page size; ``value_columns``: the
-    value cache given as (num_pages, H_kv, Dv, PAGE), its pages stored column-major, in (Dv, tile) tiles,
-    see ``paged_application``); its rows' sink
-    logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp); its K/V head's descales
-    ((B, H_kv) -> a (1,) tile each, as the dense forward's ``_per_kv_head``)."""
+    caches, given as (num_pages, PAGE / tile, tile, H_kv, D), in tiles of ``tile`` keys (a power of two from
+    16 that divides the page size; ``value_columns``: the value cache given as (num_pages, H_kv, Dv,
+    PAGE / tile, tile), its pages stored column-major, in (Dv, tile) tiles, see ``paged_application``);
+    its rows' sink logits and ALiBi slopes ((B, H, Lq) views, as the log-sum-exp); its K/V head's
+    descales ((B, H_kv) -> a (1,) tile each, as the dense forward's ``_per_kv_head``)."""
     query_arranged = _rows(query, block_m, block_d)
     batch, heads, m_blocks = query_arranged.shape
     split = pages_per_split is not None
@@ -326,13 +328,15 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None, val
     split = pages_per_split is not None
     # (fills 0.0, a float: Triton converts no integer to an 8-bit float, and FP8 caches take these loads)
     query = Tensor(shape=(None, None, None, head_dim), other=0.0)
-    key_cache = Tensor(shape=(None, None, None, head_dim), other=0.0)  # (num_pages, PAGE, H_kv, D)
+    # (num_pages, PAGE / tile, tile, H_kv, D): each page's keys viewed as tiles (paged_forward)
+    key_cache = Tensor(shape=(None, None, tile, None, head_dim), other=0.0)
+    num_pages, per_page, _, heads_kv, _ = key_cache.shape
     output = _rows_like(query, *((None,) if split else ()), head_dim_v)
     tensors = (
         query, key_cache,
-        # value_cache: (num_pages, PAGE, H_kv, Dv), or (num_pages, H_kv, Dv, PAGE) for column-major pages
-        (Tensor(shape=(key_cache.shape[0], key_cache.shape[2], head_dim_v, key_cache.shape[1]), other=0.0)
-         if value_columns else _like(key_cache.shape[:3], head_dim_v, other=0.0)),
+        # value_cache: as the keys, or (num_pages, H_kv, Dv, PAGE / tile, tile) for column-major pages
+        (Tensor(shape=(num_pages, heads_kv, head_dim_v, per_page, tile), other=0.0) if value_columns
+         else Tensor(shape=(num_pages, per_page, tile, heads_kv, head_dim_v), other=0.0)),
         _like(query.shape[:1], None, other=0),  # block_table (B, max_pages) int32
         _like(query.shape[:1]),  # cache_seqlens (B,) int32
         _like(query.shape[:1]),  # leftpad (B,) int32
@@ -341,7 +345,7 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None, val
         Tensor(0), Tensor(0), Tensor(0),  # band_lo, band_hi, softcap
         _rows_like(query, other=0),  # sinks, (B, H, Lq) float32: a broadcast view of the (H,) logits
         _rows_like(query, other=0),  # slopes, (B, H, Lq) float32: each row's head's slope
-        *(_like(query.shape[:1], key_cache.shape[2]) for _ in range(2)),  # FP8 descales (B, H_kv) of key and value
+        *(_like(query.shape[:1], heads_kv) for _ in range(2)),  # FP8 descales (B, H_kv) of key and value
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
         *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "JOIN", "SOFTCAP", "SINKS", "ALIBI",

@@ -453,6 +453,8 @@ def test_ninetoothed_kernels_take_each_size_once():
     from impl_ninetoothed import paged_kernels
 
     query, key, cache = ({(name, d) for d in range(3)} for name in ("query", "key", "key_cache"))
+    # (the paged kernel's caches: (num_pages, PAGE / tile, tile, H_kv, D), the tile a constant)
+    pages = {("key_cache", d) for d in (0, 1, 3)}
     expected = {
         (ntk.premake, (32, 32, 16, 16, False)): query | {("key", 2), ("key_blocks", 2)},  # (keys of the query's heads)
         (ntk.premake, (32, 32, 16, 16, True)): query | {("key", 2), ("key_blocks", 2), ("output", 3)},
@@ -461,10 +463,10 @@ def test_ninetoothed_kernels_take_each_size_once():
         (ntk.premake_combine, (32, 16, 16)): {("o_part", 0), ("o_part", 1)},
         (ntk.premake_dq, (32, 32, 16, 16)): query | key | {("key_blocks", 2)},
         (ntk.premake_dkdv, (32, 32, 16, 16)): query | key | {("query_blocks", 2)},
-        (paged_kernels.premake_paged, (32, 32, 16, 16, None)): query | cache | {("block_table", 1)},
-        (paged_kernels.premake_paged, (32, 32, 16, 16, 2)): query | cache | {("block_table", 1), ("output", 3)},
+        (paged_kernels.premake_paged, (32, 32, 16, 16, None)): query | pages | {("block_table", 1)},
+        (paged_kernels.premake_paged, (32, 32, 16, 16, 2)): query | pages | {("block_table", 1), ("output", 3)},
         # (column-major value pages: the value cache of the keys' symbols, its sizes in another order)
-        (paged_kernels.premake_paged, (32, 32, 16, 16, None, True)): query | cache | {("block_table", 1)},
+        (paged_kernels.premake_paged, (32, 32, 16, 16, None, True)): query | pages | {("block_table", 1)},
         (paged_kernels.premake_append, (32, 32)): key | cache | {("block_table", 1)},
     }
     for (premake, args), sizes in expected.items():
