@@ -131,7 +131,7 @@ for stage in "$@"; do
     # and the FP8 one at pages of 16 and 64 in main's tree (ab/: git archive main) and in this one
     nt-page-tiles) timeout 200 python3 -m pytest tests/test_paged.py tests/test_fp8.py tests/test_launch.py tests/test_flash_attn_interface.py -k "ninetoothed or size_once" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6 | tee "$OUT/nt_page_tiles_tests.log"
                    for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD PROBE_PAGES="16 64" timeout 100 python3 tools/probe.py paged
-                     PYTHONPATH=/tmp/site:$PWD PROBE_PAGES="16 64" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES=tiles8 timeout 120 python3 tools/probe.py paged_fp8_sweep); done 2>&1 | tee "$OUT/nt_page_tiles.log" ;;
+                     PYTHONPATH=/tmp/site:$PWD PROBE_PAGES="16 64" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="tiles8 cfg:-,2,5" timeout 150 python3 tools/probe.py paged_fp8_sweep); done 2>&1 | tee "$OUT/nt_page_tiles.log" ;;
     # Triton's paged FP8 decode by page size and page order (the same SASS ran 1.3x slower at pages of 16 than 64)
     paged-locality) timeout 200 python3 tools/probe.py paged_fp8_locality 2>&1 | tee "$OUT/paged_locality.log" ;;
     fp8) timeout 240 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 8 -p no:cacheprovider --tb=short -rfEP 2>&1 | grep -v "^$" | tail -40 | tee "$OUT/fp8_tests.log"
