@@ -19,7 +19,8 @@
 #         test and test3's last files)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA); nt-tiles (NineToothed's
 #         paged FP8 decode at 8 / 4 / 2 tiles a step of pages of 16, then the cold first call); paged-locality
-#         (Triton's paged FP8 decode by page size, the table shuffled or in order)
+#         (Triton's paged FP8 decode by page size, the table shuffled or in order); page-runs (branch
+#         paged-page-runs' tests and its paged FP8 decode against main's tree in ab/)
 #         gluon-fp8 (both stages' tests side by side, then both probes)
 #         owed (the FP8 decode probe, NineToothed's small backward)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
@@ -126,6 +127,10 @@ for stage in "$@"; do
     # pages, compiled for sm_90), then the cold first call with the code cache kept between processes
     nt-tiles) PROBE_PAGES=16 PROBE_BACKENDS=ninetoothed PROBE_SWITCHES="tiles8 tiles4 tiles2" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/nt_tiles.log"
               timeout 280 python3 tools/probe.py cold 2>&1 | tee "$OUT/cold.log" ;;
+    # branch paged-page-runs (Triton's column-major value pages read a page's run at a time): its paged tests, then
+    # the paged FP8 decode by page size and order in main's tree (ab/) and in this one
+    page-runs) timeout 150 python3 -m pytest tests/test_paged.py tests/test_fp8.py tests/test_flash_attn_interface.py -k "triton and (paged or column or kvcache)" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6 | tee "$OUT/page_runs_tests.log"
+               for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 tools/probe.py paged_fp8_locality); done 2>&1 | tee "$OUT/page_runs.log" ;;
     # Triton's paged FP8 decode by page size and page order (the same SASS ran 1.3x slower at pages of 16 than 64)
     paged-locality) timeout 200 python3 tools/probe.py paged_fp8_locality 2>&1 | tee "$OUT/paged_locality.log" ;;
     fp8) timeout 240 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 8 -p no:cacheprovider --tb=short -rfEP 2>&1 | grep -v "^$" | tail -40 | tee "$OUT/fp8_tests.log"
