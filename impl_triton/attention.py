@@ -449,7 +449,7 @@ def page_blocks(value_cache, block_n: int) -> bool:
     stored column-major, each head's (Dv, PAGE) block one run of memory, and pages of 16 keys or
     more (a power of two) below a step of ``block_n``, so that a step holds several whole pages."""
     page = value_cache.shape[1]
-    return (value_cache.stride(1) == 1 and value_cache.stride(3) == page and 16 <= page < block_n
+    return (column_pages(value_cache) and value_cache.stride(3) == page and 16 <= page < block_n
             and page & (page - 1) == 0 and block_n % page == 0)
 
 
