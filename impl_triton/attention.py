@@ -437,11 +437,20 @@ def paged_forward(plan):
         ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
         WIDEN=int(cache_widen(plan.descales, vc)),
-        WIDE_PAGES=in_wide_storage(kc, vc),
+        WIDE_PAGES=in_wide_storage(kc, vc), PAGE_BLOCKS=page_blocks(vc, config.block_n),
     )
     if plan.split and not kernel_merge:
         _merge_launcher.run(*_merge_launch(plan, Dv, plan.lse))
     return out, plan.lse
+
+
+def page_blocks(value_cache, block_n: int) -> bool:
+    """Whether ``_paged_fwd`` reads ``value_cache``'s pages as runs (its PAGE_BLOCKS): value pages
+    stored column-major, each head's (Dv, PAGE) block one run of memory, and pages of 16 keys or
+    more (a power of two) below a step of ``block_n``, so that a step holds several whole pages."""
+    page = value_cache.shape[1]
+    return (column_pages(value_cache) and value_cache.stride(3) == page and 16 <= page < block_n
+            and page & (page - 1) == 0 and block_n % page == 0)
 
 
 def append_kv(key_cache, value_cache, block_table, cache_seqlens, key, value, *, block_m: int, block_d: int,

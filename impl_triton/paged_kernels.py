@@ -50,7 +50,7 @@ def _paged_fwd(
     WITH_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, MERGE_LSE: tl.constexpr, ALIBI: tl.constexpr,
     LEFTPADDED: tl.constexpr, QUERY_LENGTHS: tl.constexpr, DESCALE: tl.constexpr, WIDEN: tl.constexpr,
-    WIDE_PAGES: tl.constexpr,
+    WIDE_PAGES: tl.constexpr, PAGE_BLOCKS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head) against the keys of one
     split of that sequence (BLOCKS_PER_SPLIT steps), BLOCK_N keys per step, gathered key
@@ -83,6 +83,10 @@ def _paged_fwd(
     partials that the last program of each row block merges into OUT and, MERGE_LSE,
     LSE_OUT (B, H, Lq) (as in _attn_fwd). WIDE_PAGES: a cache's storage holds 2^31 elements or
     more, so a key's offset within it (page, slot) is taken in 64 bits; in 32 otherwise.
+    PAGE_BLOCKS: column-major value pages whose (Dv, PAGE) block for a head is one run of memory
+    (stride_vd == PAGE), PAGE a power of two below BLOCK_N: a step's values are read as its
+    BLOCK_N / PAGE pages' runs, each warp along one run, then permuted into the (BLOCK_N, Dv) tile
+    (a (BLOCK_N, Dv) load puts a warp across 8 pages' columns, PAGE keys each).
     """
     start_m = tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
@@ -193,7 +197,22 @@ def _paged_fwd(
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]
                 v_ptrs = v_base + (page * stride_vb + slot * stride_vs)[:, None]
-                if VALUE_COLUMNS:  # (every address lies in the caches: pages clamped)
+                if PAGE_BLOCKS:  # (the step's pages' table entries, clamped: every address lies in the caches)
+                    PAGES_PER_STEP: tl.constexpr = BLOCK_N // PAGE
+                    offs_p = j * PAGES_PER_STEP + tl.arange(0, PAGES_PER_STEP)
+                    pages = tl.load(table + offs_p * stride_tb, mask=offs_p < MAX_PAGES, other=0)
+                    pages = tl.minimum(tl.maximum(pages, 0), NUM_PAGES - 1)
+                    if WIDE_PAGES:
+                        pages = pages.to(tl.int64)
+                    offs_run = tl.arange(0, BLOCK_DV * PAGE)  # (column d, slot s) at d * PAGE + s
+                    runs = V_CACHE + off_h_kv * stride_vh + pages[:, None] * stride_vb + offs_run[None, :]
+                    v = _load_tile(runs, offs_p, offs_run < HEAD_DIM_V * PAGE, False, BLOCK_DV != HEAD_DIM_V)
+                    v = tl.reshape(tl.permute(tl.reshape(v, (PAGES_PER_STEP, BLOCK_DV, PAGE)), (0, 2, 1)),
+                                   (BLOCK_N, BLOCK_DV))
+                    v = _widen(v, WIDEN)
+                    if phase != 1:  # (a key past the length or before a left pad may hold anything, NaN too)
+                        v = tl.where(key_ok[:, None], v, 0.0)
+                elif VALUE_COLUMNS:  # (every address lies in the caches: pages clamped)
                     v = _widen(_load_tile(v_ptrs, key_ok, dv_ok, False, BLOCK_DV != HEAD_DIM_V), WIDEN)
                     if phase != 1:  # (a key past the length or before a left pad may hold anything, NaN too)
                         v = tl.where(key_ok[:, None], v, 0.0)

@@ -439,6 +439,45 @@ def test_paged_slots_past_the_length_never_count(backend, page, splits, value_co
     torch.testing.assert_close(out.double(), _reference(query, keys, values, True), rtol=2e-4, atol=2e-4)
 
 
+def test_triton_reads_column_pages_as_runs(monkeypatch):
+    """The Triton kernel reads column-major value pages of 16 keys a page's run at a time (PAGE_BLOCKS:
+    each head's (Dv, page) block one run of memory, several pages a step), the path really taken, with
+    the stray slots and left padding of the two tests above (NaN there) and the same answers; other
+    layouts and page sizes keep the key-by-key tile."""
+    import impl_triton.attention as ta
+
+    taken, shipped = [], ta.page_blocks
+    monkeypatch.setattr(ta, "page_blocks", lambda *args: taken.append(shipped(*args)) or taken[-1])
+    test_paged_slots_past_the_length_never_count("triton", 16, 3, True)
+    test_paged_leftpad_reads_nothing_before_it("triton", None, True)
+    assert taken and all(taken), taken
+    # a value head dim the tile pads (Dv 24 in a 32-column tile: each run's last columns masked), FP8 too
+    lens = [70, 21]
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, 2, 24, 24, 16, f32)
+    query = torch.randn(2, 4, 3, 24, device=DEVICE)
+    out = paged_attention(query, key_cache, _value_columns(value_cache), block_table, seqlens, True,
+                          enable_gqa=True, backend="triton")
+    torch.testing.assert_close(out.double(), _reference(query, keys, values, True), rtol=2e-4, atol=2e-4)
+    from tests.test_fp8 import test_paged_fp8_cache  # (here: a module-level import would collect it twice)
+
+    test_paged_fp8_cache("triton", torch.bfloat16, 3, True)
+    assert taken and all(taken), taken
+    taken.clear()
+    test_paged_slots_past_the_length_never_count("triton", 16, None, False)
+    assert taken and not any(taken), taken
+
+    def cache(page, columns=True, dv=16):
+        c = torch.empty(4, page, 2, dv)
+        return _value_columns(c) if columns else c
+
+    assert shipped(cache(16), 64) and shipped(cache(32), 64) and shipped(cache(16, dv=12), 128)
+    assert not shipped(cache(16, columns=False), 64)  # row-major pages
+    assert not shipped(cache(64), 64) and not shipped(cache(128), 64)  # a page a step or more
+    assert not shipped(cache(8), 64) and not shipped(cache(48), 128)  # under 16 keys; not a power of two
+    heads_inner = torch.empty(4, 16, 2, 16).permute(0, 3, 2, 1)  # stored (num_pages, Dv, H_kv, page)
+    assert heads_inner.stride(1) == 1 and not shipped(heads_inner, 64)  # keys contiguous, a head's block not one run
+
+
 @pytest.mark.parametrize("join", [True, False], ids=["joined", "per_tile"])
 def test_ninetoothed_paged_step_forms_never_count_stray_slots(join, monkeypatch):
     """Both forms of NineToothed's paged step (PAGED_JOIN) zero the values of slots past the length

@@ -19,8 +19,8 @@
 #         test and test3's last files)
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA); nt-tiles (NineToothed's
 #         paged FP8 decode at 8 / 4 / 2 tiles a step of pages of 16, then the cold first call); paged-locality
-#         (Triton's paged FP8 decode by page size, the table shuffled or in order); nt-page-tiles (branch
-#         nt-page-tiles' paged tests and its paged probes against main's tree in ab/)
+#         (Triton's paged FP8 decode by page size, the table shuffled or in order); paged-check (the paged and
+#         FP8 tests of both backends, then the paged FP8 decode by backend and page size, shipped and PAGED_ALT)
 #         gluon-fp8 (both stages' tests side by side, then both probes)
 #         owed (the FP8 decode probe, NineToothed's small backward)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
@@ -127,11 +127,10 @@ for stage in "$@"; do
     # pages, compiled for sm_90), then the cold first call with the code cache kept between processes
     nt-tiles) PROBE_PAGES=16 PROBE_BACKENDS=ninetoothed PROBE_SWITCHES="tiles8 tiles4 tiles2" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/nt_tiles.log"
               timeout 280 python3 tools/probe.py cold 2>&1 | tee "$OUT/cold.log" ;;
-    # branch nt-page-tiles (NineToothed's pages viewed as whole tiles): its paged tests, then the bf16 paged probe
-    # and the FP8 one at pages of 16 and 64 in main's tree (ab/: git archive main) and in this one
-    nt-page-tiles) timeout 200 python3 -m pytest tests/test_paged.py tests/test_fp8.py tests/test_launch.py tests/test_flash_attn_interface.py -k "ninetoothed or size_once" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6 | tee "$OUT/nt_page_tiles_tests.log"
-                   for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD PROBE_PAGES="16 64" timeout 100 python3 tools/probe.py paged
-                     PYTHONPATH=/tmp/site:$PWD PROBE_PAGES="16 64" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="tiles8 cfg:-,2,5" timeout 150 python3 tools/probe.py paged_fp8_sweep); done 2>&1 | tee "$OUT/nt_page_tiles.log" ;;
+    # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
+    # paged FP8 decode at pages of 16, 32 and 64, both backends, shipped and under PAGED_ALT (PROBE_SWITCHES words)
+    paged-check) timeout 260 python3 -m pytest tests/test_paged.py tests/test_fp8.py tests/test_launch.py tests/test_flash_attn_interface.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/paged_tests.log"
+                 PROBE_PAGES="16 32 64" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-small-warps4 cfg:-,2,5}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8.log" ;;
     # Triton's paged FP8 decode by page size and page order (the same SASS ran 1.3x slower at pages of 16 than 64)
     paged-locality) timeout 200 python3 tools/probe.py paged_fp8_locality 2>&1 | tee "$OUT/paged_locality.log" ;;
     fp8) timeout 240 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 8 -p no:cacheprovider --tb=short -rfEP 2>&1 | grep -v "^$" | tail -40 | tee "$OUT/fp8_tests.log"
