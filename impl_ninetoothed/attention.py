@@ -574,6 +574,10 @@ PAGED_TILES_PER_STEP = 8 if compat.triton_version() <= (3, 6) else 4
 # FP8 caches at most 4 on any version: their tiles widened to float16 take twice the registers, and 8 of them
 # spill on sm_90 (benchmarks/NOTES.md has the timings).
 PAGED_FP8_TILES_PER_STEP = 4
+# Warps of the FP8 kernel for tiles of 16 keys with column-major value pages (the plan's otherwise): over 4
+# warps each warp holds 4 keys of the scores' 8-key fragments and converts its FP8 elements twice; 2 warps
+# halve that (benchmarks/NOTES.md has the timings; row-major pages and larger tiles gain nothing).
+PAGED_FP8_SMALL_TILE_WARPS = 2
 
 
 def paged_tiles(page: int, block_n: int, fp8: bool = False) -> tuple[int, int, int]:
@@ -600,17 +604,19 @@ def paged_forward(plan):
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, plan.lse if plan.with_lse else _absent(out, B, H, Lq)
-    tile, tiles_per_step, join = paged_tiles(kc.shape[1], config.block_n, kc.element_size() == 1)
+    fp8 = kc.element_size() == 1
+    tile, tiles_per_step, join = paged_tiles(kc.shape[1], config.block_n, fp8)
     # (the table's tile per split: its pages)
     pages_per_split = plan.blocks_per_split * plan.split_block // kc.shape[1] if plan.split else None
     # column-major value pages: the kernel's variant that takes them with their keys last
     # (paged_application's VALUE_COLUMNS)
     value_columns = column_pages(vc)
+    num_warps = PAGED_FP8_SMALL_TILE_WARPS if fp8 and value_columns and tile == 16 else config.num_warps
     # (each page's keys viewed as tiles of `tile`: premake_paged's caches)
     tiles = (kc.shape[1] // tile, tile)
     values = vc.permute(0, 2, 3, 1).unflatten(3, tiles) if value_columns else vc.unflatten(1, tiles)
     _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns,
-          num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
+          num_warps=num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
         q, kc.unflatten(1, tiles), values, plan.block_table, plan.cache_seqlens,
         plan.leftpad if plan.leftpad is not None else _absent(plan.cache_seqlens, B),

@@ -444,12 +444,20 @@ def paged_forward(plan):
     return out, plan.lse
 
 
+# The largest page read as runs: from pages of 64 keys a key-by-key tile already reads whole
+# 64-byte lines of FP8 values, and the runs' permute and registers cost more than they save
+# (benchmarks/NOTES.md has the timings).
+PAGE_BLOCKS_MAX_PAGE = 32
+
+
 def page_blocks(value_cache, block_n: int) -> bool:
     """Whether ``_paged_fwd`` reads ``value_cache``'s pages as runs (its PAGE_BLOCKS): value pages
-    stored column-major, each head's (Dv, PAGE) block one run of memory, and pages of 16 keys or
-    more (a power of two) below a step of ``block_n``, so that a step holds several whole pages."""
+    stored column-major, each head's (Dv, PAGE) block one run of memory, and pages of 16 to
+    PAGE_BLOCKS_MAX_PAGE keys (a power of two) below a step of ``block_n``, so that a step holds
+    several whole pages."""
     page = value_cache.shape[1]
-    return (column_pages(value_cache) and value_cache.stride(3) == page and 16 <= page < block_n
+    return (column_pages(value_cache) and value_cache.stride(3) == page
+            and 16 <= page <= min(PAGE_BLOCKS_MAX_PAGE, block_n // 2)
             and page & (page - 1) == 0 and block_n % page == 0)
 
 

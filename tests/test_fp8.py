@@ -733,7 +733,7 @@ def test_ninetoothed_paged_fp8_step_forms(value_columns, join, monkeypatch):
     """test_paged_fp8_cache's bound on NineToothed's paged kernel at pages of 16 in both its forms,
     a step's tiles joined into one softmax update (``PAGED_JOIN``) or each its own (shipped), the
     form asked for really taken; column-major value pages by the kernel's variant for them (its value
-    tiles (Dv, tile), keys last), row-major ones by the other."""
+    tiles (Dv, tile), keys last, on PAGED_FP8_SMALL_TILE_WARPS warps), row-major ones by the other."""
     import impl_ninetoothed.attention as nt
     from impl_ninetoothed.paged_kernels import premake_paged
 
@@ -741,13 +741,16 @@ def test_ninetoothed_paged_fp8_step_forms(value_columns, join, monkeypatch):
     made, shipped_make = [], nt._make
     monkeypatch.setattr(nt, "PAGED_JOIN", join)
     monkeypatch.setattr(nt, "paged_tiles", lambda *args: taken.append(shipped(*args)) or taken[-1])
-    monkeypatch.setattr(nt, "_make", lambda premake, *args, **kw: (made.append((premake, args)),
+    monkeypatch.setattr(nt, "_make", lambda premake, *args, **kw: (made.append((premake, args, kw["num_warps"])),
                                                                    shipped_make(premake, *args, **kw))[1])
     test_paged_fp8_cache("ninetoothed", torch.bfloat16, 3, value_columns)
     assert taken and min(per_step for _, per_step, _ in taken) > 1, taken
     assert max(per_step for _, per_step, _ in taken) <= nt.PAGED_FP8_TILES_PER_STEP, taken
-    paged = [args for premake, args in made if premake is premake_paged]
-    assert paged and all(args[5] is value_columns for args in paged), paged
+    paged = [(args, warps) for premake, args, warps in made if premake is premake_paged]
+    assert paged and all(args[5] is value_columns for args, _ in paged), paged
+    # (tiles of 16 keys with column-major value pages: PAGED_FP8_SMALL_TILE_WARPS, the plan's otherwise)
+    assert all(args[3] == 16 for args, _ in paged), paged
+    assert {warps for _, warps in paged} == {nt.PAGED_FP8_SMALL_TILE_WARPS if value_columns else 4}, paged
     assert all((joined == per_step) if join else joined == 1 for _, per_step, joined in taken), taken
 
 

@@ -440,7 +440,7 @@ def test_paged_slots_past_the_length_never_count(backend, page, splits, value_co
 
 
 def test_triton_reads_column_pages_as_runs(monkeypatch):
-    """The Triton kernel reads column-major value pages of 16 keys a page's run at a time (PAGE_BLOCKS:
+    """The Triton kernel reads column-major value pages of 16 or 32 keys a page's run at a time (PAGE_BLOCKS:
     each head's (Dv, page) block one run of memory, several pages a step), the path really taken, with
     the stray slots and left padding of the two tests above (NaN there) and the same answers; other
     layouts and page sizes keep the key-by-key tile."""
@@ -473,6 +473,7 @@ def test_triton_reads_column_pages_as_runs(monkeypatch):
     assert shipped(cache(16), 64) and shipped(cache(32), 64) and shipped(cache(16, dv=12), 128)
     assert not shipped(cache(16, columns=False), 64)  # row-major pages
     assert not shipped(cache(64), 64) and not shipped(cache(128), 64)  # a page a step or more
+    assert not shipped(cache(64), 128) and not shipped(cache(64), 256)  # past PAGE_BLOCKS_MAX_PAGE
     assert not shipped(cache(8), 64) and not shipped(cache(48), 128)  # under 16 keys; not a power of two
     heads_inner = torch.empty(4, 16, 2, 16).permute(0, 3, 2, 1)  # stored (num_pages, Dv, H_kv, page)
     assert heads_inner.stride(1) == 1 and not shipped(heads_inner, 64)  # keys contiguous, a head's block not one run

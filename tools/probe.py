@@ -418,7 +418,8 @@ def paged_extras():
 # step | None: the shipped one, warps, stages [, maxnreg]))
 PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
 NT_PAGED_SWITCHES = {"per-tile": {"PAGED_JOIN": False},
-                     **{f"tiles{n}": {"PAGED_TILES_PER_STEP": n, "PAGED_FP8_TILES_PER_STEP": n} for n in (8, 4, 2)}}
+                     **{f"tiles{n}": {"PAGED_TILES_PER_STEP": n, "PAGED_FP8_TILES_PER_STEP": n} for n in (8, 4, 2)},
+                     **{f"small-warps{n}": {"PAGED_FP8_SMALL_TILE_WARPS": n} for n in (2, 4)}}
 
 
 @contextlib.contextmanager
