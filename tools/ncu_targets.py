@@ -40,15 +40,17 @@ CASES = {
     "bwd-d128-4k-nt": (4, 16, 4096, 128, False, "bwd-nt"),
     "bwd-d128-4k-sdpa": (4, 16, 4096, 128, False, "sdpa-bwd"),
 }
-# name: (page size, backend) of a paged FP8 decode (B 8, 32 query heads over 8, D 128, Lk 16k, bf16 query, value
-# pages column-major, a shuffled table): Triton's same SASS ran 1.3x slower at pages of 16 than 64, and
-# NineToothed's pages of 16 ran at 0.4-0.6x Triton's (issue 44)
-PAGED_FP8_CASES = {"paged-fp8-p16": (16, "triton"), "paged-fp8-p64": (64, "triton"),
-                   "paged-fp8-p16-nt": (16, "ninetoothed")}
+# name: (page size, backend, value pages column-major) of a paged FP8 decode (B 8, 32 query heads over 8, D 128,
+# Lk 16k, bf16 query, a shuffled table): Triton's same SASS ran 1.3x slower at pages of 16 than 64, and
+# NineToothed's pages of 16 ran at 0.4-0.6x Triton's (issue 44); with row-major value pages at 0.64-0.67x
+PAGED_FP8_CASES = {"paged-fp8-p16": (16, "triton", True), "paged-fp8-p64": (64, "triton", True),
+                   "paged-fp8-p16-nt": (16, "ninetoothed", True), "paged-fp8-p16-rows": (16, "triton", False),
+                   "paged-fp8-p16-nt-rows": (16, "ninetoothed", False)}
 
 
-def make_paged_fp8_call(page: int, backend: str):
-    """A paged FP8 decode over caches of ``page`` keys (``tools/probe.py``'s pages) by ``backend``."""
+def make_paged_fp8_call(page: int, backend: str, columns: bool):
+    """A paged FP8 decode over caches of ``page`` keys (``tools/probe.py``'s pages) by ``backend``, the
+    value pages column-major or row-major."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from probe import _column_pages, _shuffled_pages
 
@@ -59,7 +61,7 @@ def make_paged_fp8_call(page: int, backend: str):
     q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
     (key_cache, value_cache), table, lengths = _shuffled_pages(k8, v8, page)
-    values = _column_pages(value_cache)
+    values = _column_pages(value_cache) if columns else value_cache
     return lambda: paged_attention(q, key_cache, values, table, lengths, enable_gqa=True, k_descale=kd, v_descale=vd,
                                    backend=backend)
 
@@ -95,8 +97,8 @@ def make_call(name: str):
 def main(argv: list[str]) -> None:
     if not argv or argv[0] == "--list":
         print("\n".join(f"{name}: B, H, L, D, causal, what = {case}" for name, case in CASES.items()))
-        print("\n".join(f"{name}: paged FP8 decode, pages of {page}, {backend}"
-                        for name, (page, backend) in PAGED_FP8_CASES.items()))
+        print("\n".join(f"{name}: paged FP8 decode, pages of {page}, {backend}, value pages "
+                        f"{'column' if columns else 'row'}-major" for name, (page, backend, columns) in PAGED_FP8_CASES.items()))
         return
     call = make_call(argv[0])
     for _ in range(2):  # compiled, planned and bound before the range
