@@ -1033,7 +1033,8 @@ def test_ncu_targets_are_the_benchmarks_shapes():
                             text=True, timeout=120).stdout.splitlines()
     cases = list(targets.PAGED_FP8_CASES.values())
     assert cases and len(set(cases)) == len(cases)
-    assert all(page % 16 == 0 and backend in ("triton", "ninetoothed") for page, backend in cases)
+    assert all(page % 16 == 0 and backend in ("triton", "ninetoothed") and type(columns) is bool
+               for page, backend, columns in cases)
     assert not set(targets.PAGED_FP8_CASES) & set(targets.CASES)
     assert [line.split(":")[0] for line in listed] == [*targets.CASES, *targets.PAGED_FP8_CASES]
 
