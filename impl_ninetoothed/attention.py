@@ -576,7 +576,8 @@ PAGED_TILES_PER_STEP = 8 if compat.triton_version() <= (3, 6) else 4
 PAGED_FP8_TILES_PER_STEP = 4
 # Warps of the FP8 kernel for tiles of 16 keys with column-major value pages (the plan's otherwise): over 4
 # warps each warp holds 4 keys of the scores' 8-key fragments and converts its FP8 elements twice; 2 warps
-# halve that (benchmarks/NOTES.md has the timings; row-major pages and larger tiles gain nothing).
+# halve that (benchmarks/NOTES.md has the timings; row-major pages and larger tiles gain nothing). Such a
+# launch takes no register cap: 2 warps already fit 5 programs an SM, and capped at 128 they ran 1.5x slower.
 PAGED_FP8_SMALL_TILE_WARPS = 2
 
 
@@ -611,12 +612,14 @@ def paged_forward(plan):
     # column-major value pages: the kernel's variant that takes them with their keys last
     # (paged_application's VALUE_COLUMNS)
     value_columns = column_pages(vc)
-    num_warps = PAGED_FP8_SMALL_TILE_WARPS if fp8 and value_columns and tile == 16 else config.num_warps
+    num_warps, maxnreg = config.num_warps, config.maxnreg
+    if fp8 and value_columns and tile == 16:
+        num_warps, maxnreg = PAGED_FP8_SMALL_TILE_WARPS, None
     # (each page's keys viewed as tiles of `tile`: premake_paged's caches)
     tiles = (kc.shape[1] // tile, tile)
     values = vc.permute(0, 2, 3, 1).unflatten(3, tiles) if value_columns else vc.unflatten(1, tiles)
     _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns,
-          num_warps=num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
+          num_warps=num_warps, num_stages=config.num_stages, maxnreg=maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
         q, kc.unflatten(1, tiles), values, plan.block_table, plan.cache_seqlens,
         plan.leftpad if plan.leftpad is not None else _absent(plan.cache_seqlens, B),

@@ -741,16 +741,26 @@ def test_ninetoothed_paged_fp8_step_forms(value_columns, join, monkeypatch):
     made, shipped_make = [], nt._make
     monkeypatch.setattr(nt, "PAGED_JOIN", join)
     monkeypatch.setattr(nt, "paged_tiles", lambda *args: taken.append(shipped(*args)) or taken[-1])
-    monkeypatch.setattr(nt, "_make", lambda premake, *args, **kw: (made.append((premake, args, kw["num_warps"])),
+    monkeypatch.setattr(nt, "_make", lambda premake, *args, **kw: (made.append((premake, args, kw["num_warps"],
+                                                                                kw["maxnreg"])),
                                                                    shipped_make(premake, *args, **kw))[1])
+    import dataclasses
+
+    import common.paged as paged
+
+    shipped_config = paged.paged_config  # (a register cap, as the plan sets at a large batch)
+    monkeypatch.setattr(paged, "paged_config", lambda *a: dataclasses.replace(shipped_config(*a), maxnreg=128))
+    paged._templates.clear()
     test_paged_fp8_cache("ninetoothed", torch.bfloat16, 3, value_columns)
     assert taken and min(per_step for _, per_step, _ in taken) > 1, taken
     assert max(per_step for _, per_step, _ in taken) <= nt.PAGED_FP8_TILES_PER_STEP, taken
-    paged = [(args, warps) for premake, args, warps in made if premake is premake_paged]
-    assert paged and all(args[5] is value_columns for args, _ in paged), paged
-    # (tiles of 16 keys with column-major value pages: PAGED_FP8_SMALL_TILE_WARPS, the plan's otherwise)
-    assert all(args[3] == 16 for args, _ in paged), paged
-    assert {warps for _, warps in paged} == {nt.PAGED_FP8_SMALL_TILE_WARPS if value_columns else 4}, paged
+    paged = [(args, warps, cap) for premake, args, warps, cap in made if premake is premake_paged]
+    assert paged and all(args[5] is value_columns for args, _, _ in paged), paged
+    # (tiles of 16 keys with column-major value pages: PAGED_FP8_SMALL_TILE_WARPS and no register cap, the
+    # plan's warps and cap otherwise)
+    assert all(args[3] == 16 for args, _, _ in paged), paged
+    expected = (nt.PAGED_FP8_SMALL_TILE_WARPS, None) if value_columns else (4, 128)
+    assert {(warps, cap) for _, warps, cap in paged} == {expected}, paged
     assert all((joined == per_step) if join else joined == 1 for _, per_step, joined in taken), taken
 
 
