@@ -41,8 +41,8 @@ CASES = {
     "bwd-d128-4k-sdpa": (4, 16, 4096, 128, False, "sdpa-bwd"),
 }
 # name: (page size, backend, value pages column-major) of a paged FP8 decode (B 8, 32 query heads over 8, D 128,
-# Lk 16k, bf16 query, a shuffled table): Triton's same SASS ran 1.3x slower at pages of 16 than 64, and
-# NineToothed's pages of 16 ran at 0.4-0.6x Triton's (issue 44); with row-major value pages at 0.64-0.67x
+# Lk 16k, bf16 query, a shuffled table): issue 44's small pages, where the two kernels' speeds part
+# (benchmarks/NOTES.md has what each case showed)
 PAGED_FP8_CASES = {"paged-fp8-p16": (16, "triton", True), "paged-fp8-p64": (64, "triton", True),
                    "paged-fp8-p16-nt": (16, "ninetoothed", True), "paged-fp8-p16-rows": (16, "triton", False),
                    "paged-fp8-p16-nt-rows": (16, "ninetoothed", False)}
