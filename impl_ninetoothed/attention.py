@@ -578,6 +578,7 @@ PAGED_FP8_TILES_PER_STEP = 4
 # warps each warp holds 4 keys of the scores' 8-key fragments and converts its FP8 elements twice; 2 warps
 # halve that (benchmarks/NOTES.md has the timings; row-major pages and larger tiles gain nothing). Such a
 # launch takes no register cap: 2 warps already fit 5 programs an SM, and capped at 128 they ran 1.5x slower.
+# None: the plan's warps and cap.
 PAGED_FP8_SMALL_TILE_WARPS = 2
 
 
@@ -613,7 +614,7 @@ def paged_forward(plan):
     # (paged_application's VALUE_COLUMNS)
     value_columns = column_pages(vc)
     num_warps, maxnreg = config.num_warps, config.maxnreg
-    if fp8 and value_columns and tile == 16:
+    if PAGED_FP8_SMALL_TILE_WARPS and fp8 and value_columns and tile == 16:
         num_warps, maxnreg = PAGED_FP8_SMALL_TILE_WARPS, None
     # (each page's keys viewed as tiles of `tile`: premake_paged's caches)
     tiles = (kc.shape[1] // tile, tile)

@@ -20,7 +20,8 @@
 #         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA); nt-tiles (NineToothed's
 #         paged FP8 decode at 8 / 4 / 2 tiles a step of pages of 16, then the cold first call); paged-locality
 #         (Triton's paged FP8 decode by page size, the table shuffled or in order); paged-check (the paged and
-#         FP8 tests of both backends, then the paged FP8 decode by backend and page size, shipped and PAGED_ALT)
+#         FP8 tests of both backends, then the paged FP8 decode by backend and page size, shipped and PAGED_ALT);
+#         paged-batch (the paged FP8 decode at pages of 16 at B 64, where the plan caps registers)
 #         gluon-fp8 (both stages' tests side by side, then both probes)
 #         owed (the FP8 decode probe, NineToothed's small backward)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
@@ -129,6 +130,9 @@ for stage in "$@"; do
               timeout 280 python3 tools/probe.py cold 2>&1 | tee "$OUT/cold.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
     # paged FP8 decode at pages of 16, 32 and 64, both backends, shipped and under PAGED_ALT (PROBE_SWITCHES words)
+    # NineToothed's FP8 pages of 16 at a large batch (B 64, Lk 4k and 16k), where the plan caps a launch's registers
+    # (its 2-warp column launch takes no cap), against Triton's, shipped and PAGED_ALT
+    paged-batch) PROBE_B=64 PROBE_LK="4096 16384" PROBE_PAGES="16" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-plan-warps}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_batch.log" ;;
     paged-check) timeout 260 python3 -m pytest tests/test_paged.py tests/test_fp8.py tests/test_launch.py tests/test_flash_attn_interface.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/paged_tests.log"
                  PROBE_PAGES="16 32 64" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-small-warps4 cfg:-,2,5}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8.log" ;;
     # Triton's paged FP8 decode by page size and page order (the same SASS ran 1.3x slower at pages of 16 than 64)

@@ -419,7 +419,8 @@ def paged_extras():
 PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-tile")]
 NT_PAGED_SWITCHES = {"per-tile": {"PAGED_JOIN": False},
                      **{f"tiles{n}": {"PAGED_TILES_PER_STEP": n, "PAGED_FP8_TILES_PER_STEP": n} for n in (8, 4, 2)},
-                     **{f"small-warps{n}": {"PAGED_FP8_SMALL_TILE_WARPS": n} for n in (2, 4)}}
+                     **{f"small-warps{n}": {"PAGED_FP8_SMALL_TILE_WARPS": n} for n in (2, 4)},
+                     "plan-warps": {"PAGED_FP8_SMALL_TILE_WARPS": None}}
 
 
 @contextlib.contextmanager
@@ -502,7 +503,8 @@ def paged_fp8_sweep():
     and 64k, pages of PROBE_PAGES keys, default 16 and 64, shuffled) under PAGED_FP8_SWEEP's (key step,
     warps, stages [, register cap]), the value pages row-major and column-major, PROBE_BACKENDS (default
     triton); against the same kernel's bf16 paged call (target 1.8x) and its contiguous FP8 decode with
-    the values column-major. PROBE_SWITCHES (e.g. "tiles4 tiles2 cfg:-,2,5"): the shipped configuration and
+    the values column-major. PROBE_B and PROBE_LK: another batch and lengths (a large batch: the plan's register
+    cap, common.plan.shallow_stages). PROBE_SWITCHES (e.g. "tiles4 tiles2 cfg:-,2,5"): the shipped configuration and
     those only, each one of NineToothed's switches or a configuration "cfg:KEYS,WARPS,STAGES[,MAXNREG]"
     (KEYS "-": the shipped key step)."""
     from common import paged_attention, quantize_fp8
@@ -510,8 +512,8 @@ def paged_fp8_sweep():
     switches = [_paged_switch(word) for word in os.environ.get("PROBE_SWITCHES", "").split()]
     sweep = [None, *switches] if switches else PAGED_FP8_SWEEP
 
-    B, H, H_kv, D = 8, 32, 8, 128
-    for Lk in (16384, 65536):
+    B, H, H_kv, D = int(os.environ.get("PROBE_B", "8")), 32, 8, 128
+    for Lk in [int(n) for n in os.environ.get("PROBE_LK", "16384 65536").split()]:
         k, v = (torch.randn(B, H_kv, Lk, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         q = torch.randn(B, H, 1, D, dtype=torch.bfloat16, device="cuda")
         (k8, kd), (v8, vd) = quantize_fp8(k), quantize_fp8(v)
@@ -536,7 +538,7 @@ def paged_fp8_sweep():
                                                                        v_descale=vd, backend=backend), replays=20)
                         line.append(f"{name} {variant or 'shipped'} {t * 1e3:.0f} us {bf16 / t:.2f}x "
                                     f"({dense8 / t:.2f}x contiguous)")
-                print(f"fp8 page {page} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
+                print(f"fp8 page {page} B={B} Lk={Lk} {backend}: " + "; ".join(line), flush=True)
 
 
 def paged_fp8_locality():
