@@ -128,11 +128,11 @@ for stage in "$@"; do
     # pages, compiled for sm_90), then the cold first call with the code cache kept between processes
     nt-tiles) PROBE_PAGES=16 PROBE_BACKENDS=ninetoothed PROBE_SWITCHES="tiles8 tiles4 tiles2" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/nt_tiles.log"
               timeout 280 python3 tools/probe.py cold 2>&1 | tee "$OUT/cold.log" ;;
-    # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
-    # paged FP8 decode at pages of 16, 32 and 64, both backends, shipped and under PAGED_ALT (PROBE_SWITCHES words)
     # NineToothed's FP8 pages of 16 at a large batch (B 64, Lk 4k and 16k), where the plan caps a launch's registers
     # (its 2-warp column launch takes no cap), against Triton's, shipped and PAGED_ALT
     paged-batch) PROBE_B=64 PROBE_LK="4096 16384" PROBE_PAGES="16" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-plan-warps}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_batch.log" ;;
+    # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
+    # paged FP8 decode at pages of 16, 32 and 64, both backends, shipped and under PAGED_ALT (PROBE_SWITCHES words)
     paged-check) timeout 260 python3 -m pytest tests/test_paged.py tests/test_fp8.py tests/test_launch.py tests/test_flash_attn_interface.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/paged_tests.log"
                  PROBE_PAGES="16 32 64" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-small-warps4 cfg:-,2,5}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8.log" ;;
     # Triton's paged FP8 decode by page size and page order (the same SASS ran 1.3x slower at pages of 16 than 64)
