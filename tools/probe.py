@@ -28,7 +28,7 @@ is written to the project.
   steps, warps, stages and register caps (PROBE_BACKENDS, default triton), against bf16 pages and the
   contiguous FP8 decode.
 - paged_fp8_locality: Triton's paged FP8 decode at pages of 16, 32, 64 and 128, the table shuffled or in
-  address order, value pages row- or column-major (the same SASS runs 1.3x slower at pages of 16 than 64).
+  address order, value pages row- or column-major (whether the pages' size or their order in memory sets its speed).
 - paged_batch: paged decode at a large batch, the paged plan's stages against 3, 2, and 2 with the
   dense path's register cap; beside dense decode and SDPA.
 - decode: split-KV decode shapes under several programs-per-SM targets and
