@@ -428,6 +428,10 @@ def _paged_variant(variant):
     """paged_attention with another configuration (a sweep; the shipped one when None)."""
     import common.paged as paged_module
 
+    if isinstance(variant, tuple) and variant[0] == "splits":  # (either backend: the planner's split count forced)
+        with plan.force_splits(variant[1]):
+            yield
+        return
     if variant in NT_PAGED_SWITCHES:
         import impl_ninetoothed.attention as nt
 
@@ -490,8 +494,11 @@ PAGED_FP8_SWEEP = [None, (None, 4, 3), (None, 4, 5, 168), (None, 8, 4), (256, 4,
 
 
 def _paged_switch(word: str):
-    """A PROBE_SWITCHES word: one of NT_PAGED_SWITCHES as it is, or "cfg:KEYS,WARPS,STAGES[,MAXNREG]" as a
-    _paged_variant configuration (KEYS "-": the shipped key step)."""
+    """A PROBE_SWITCHES word: one of NT_PAGED_SWITCHES as it is, "cfg:KEYS,WARPS,STAGES[,MAXNREG]" as a
+    _paged_variant configuration (KEYS "-": the shipped key step), or "splits:N" (either backend: every call
+    split into N key ranges, common.plan.force_splits)."""
+    if word.startswith("splits:"):
+        return ("splits", int(word.removeprefix("splits:")))
     if not word.startswith("cfg:"):
         return word
     keys, *rest = word.removeprefix("cfg:").split(",")
