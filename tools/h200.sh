@@ -129,11 +129,11 @@ for stage in "$@"; do
     # pages, compiled for sm_90), then the cold first call with the code cache kept between processes
     nt-tiles) PROBE_PAGES=16 PROBE_BACKENDS=ninetoothed PROBE_SWITCHES="tiles8 tiles4 tiles2" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/nt_tiles.log"
               timeout 280 python3 tools/probe.py cold 2>&1 | tee "$OUT/cold.log" ;;
-    # NineToothed's FP8 pages of 16 at a large batch (B 64, Lk 4k and 16k), where the plan caps a launch's registers
-    # (its 2-warp column launch takes no cap), against Triton's, shipped and PAGED_ALT
     # the paged FP8 decode at pages of 16, B 8, both backends, split into 8 and 16 key ranges beside the plan's 4:
     # whether NineToothed's 2-warp programs (one warp a scheduler at 2 programs an SM) want more of them on an H200
     paged-splits) PROBE_PAGES=16 PROBE_BACKENDS="ninetoothed triton" PROBE_SWITCHES="splits:8 splits:16" timeout 240 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_splits.log" ;;
+    # NineToothed's FP8 pages of 16 at a large batch (B 64, Lk 4k and 16k), where the plan caps a launch's registers
+    # (its 2-warp column launch takes no cap), against Triton's, shipped and PAGED_ALT
     paged-batch) PROBE_B=64 PROBE_LK="4096 16384" PROBE_PAGES="16" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-plan-warps}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_batch.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
     # paged FP8 decode at pages of 16, 32 and 64, both backends, shipped and under PAGED_ALT (PROBE_SWITCHES words)
