@@ -89,18 +89,21 @@ BACKWARD_DEFAULTS = {
     128: BackwardConfig(64, 128, 128, 64, 8, 3),
     256: BackwardConfig(16, 64, 64, 16, 8, 2),
 }
-# float32 tiles take twice the shared memory: the D = 128 defaults above run out of it with
-# an additive mask's tiles in flight too (common.launch also drops pipeline stages where a
-# configuration does not fit).
-FLOAT32_DEFAULTS = {**DEFAULTS, 128: Config(64, 32, 4, 3)}
+# float32 inputs multiply on the FMA units (full-precision products: no tensor cores), where a
+# product's operands are spread over the threads, each holding its rows of one and its columns of
+# the other: the 16-bit tiles above spill kilobytes a thread on sm_90 and take ptxas minutes. These
+# keep every product in registers (8 warps: more threads to share them), at any query length (a
+# short query's rows cut to the next power of two; benchmarks/NOTES.md has the compiles).
+FLOAT32_DEFAULTS = {16: Config(32, 64, 8, 2), 32: Config(32, 64, 8, 2), 64: Config(32, 64, 8, 2),
+                    128: Config(16, 32, 8, 2), 256: Config(16, 32, 8, 2)}
 # An FP8 (e4m3) query, keys and values: tiles of half the bytes, at the tensor cores' FP8 rate;
 # at D 128, 128 keys a step ran fastest on the H200; at D 64 that tile spills and the 16-bit one
 # stays (benchmarks/NOTES.md, issue 44).
 FP8_DEFAULTS = {**DEFAULTS, 128: Config(128, 128, 8, 3)}
+# (float32's backward: as FLOAT32_DEFAULTS, every pass's products in registers)
 FLOAT32_BACKWARD_DEFAULTS = {
-    **BACKWARD_DEFAULTS,
-    128: BackwardConfig(32, 128, 128, 32, 4, 3),
-    256: BackwardConfig(16, 32, 32, 16, 4, 1),
+    **{d: BackwardConfig(16, 32, 32, 16, 8, 2) for d in (16, 32, 64, 128)},
+    256: BackwardConfig(16, 16, 16, 16, 8, 2),
 }
 
 
@@ -140,20 +143,23 @@ def default_config(block_d: int, q_len: int, dtype: torch.dtype = torch.float16,
     tile that holds them: their programs stream keys and values, and rows
     past Lq would only burn tensor-core time; FP8 keys and values take half
     the bytes a key, so such a program takes twice the keys a step. float32
-    tiles take twice the shared memory: at D = 128 they take half the keys
-    per step; FP8 tiles half, and take twice the keys at D 128.
+    inputs take FLOAT32_DEFAULTS' tiles at any length (their products run on
+    the FMA units), a short query's rows cut as above; FP8 tiles take twice
+    the keys at D 128.
     """
-    wide = dtype == torch.float32 and block_d == 128
+    if dtype == torch.float32:
+        config = FLOAT32_DEFAULTS[block_d]
+        if q_len <= 64:
+            return dataclasses.replace(config, block_m=min(config.block_m, max(16, next_power_of_2(q_len))))
+        return config
     if q_len <= 64:
         block_m = min(64, max(16, next_power_of_2(q_len)))
         keys = 2 if (kv_dtype or dtype) == torch.float8_e4m3fn else 1
         if block_d <= 64:
             return Config(block_m, 128 * keys, 4, 3)
         if block_d <= 128:
-            return Config(block_m, (32 if wide else 64) * keys, 4, 3)
+            return Config(block_m, 64 * keys, 4, 3)
         return Config(block_m, 32 * keys, 4, 2)
-    if dtype == torch.float32:
-        return FLOAT32_DEFAULTS[block_d]
     return FP8_DEFAULTS[block_d] if dtype == torch.float8_e4m3fn else DEFAULTS[block_d]
 
 

@@ -830,6 +830,29 @@ def test_fp8_kernels_compile_for_hopper(backend, call, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+@pytest.mark.parametrize("call", [["2", "2", "2", "50", "70", "64", "--causal"],
+                                  ["1", "2", "2", "40", "72", "96", "--causal", "--backward"],
+                                  ["1", "1", "1", "9", "33", "256", "--backward"]],
+                         ids=["fwd_d64", "bwd_d96", "bwd_d256"])
+def test_float32_tiles_keep_their_products_in_registers(backend, call, tmp_path):
+    """float32 inputs multiply on the FMA units, a product's operands spread over the threads:
+    compiled for sm_90, the calls' default tiles (common.configs.FLOAT32_DEFAULTS and
+    FLOAT32_BACKWARD_DEFAULTS) spill nothing to speak of, forward and backward (the 16-bit tiles
+    spilled 7-24 KB a thread there and took ptxas minutes)."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, *call, "--dtype", "float32",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    stacks = [int(n) for n in re.findall(r": \d+ registers, (\d+) bytes of stack \(spills\)", result.stdout)]
+    assert len(stacks) == (2 if "--backward" in call else 1) and max(stacks) <= 64, result.stdout
+
+
+@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
 def test_fp8_whole_key_blocks_scale_in_one_fma(backend, tmp_path):
     """Compiled for sm_90, an FP8 forward's loop over the key blocks every row sees whole scales a
     score and subtracts its row maximum in one FMA, the maximum taken from the raw products: no FMUL

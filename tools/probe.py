@@ -1459,6 +1459,53 @@ def default_vs_sdpa():
                       f"{flops / ms['triton'] * 1e-9:.0f} TFLOP/s, {ms['sdpa'] / ms['triton']:.3f}x", flush=True)
 
 
+# float32's tiles before common.configs' FLOAT32_DEFAULTS and FLOAT32_BACKWARD_DEFAULTS kept its products in
+# registers: the 16-bit ones (forward, backward) by padded head dim
+FLOAT32_OLD_TILES = {64: ((128, 64, 4, 3), (32, 128, 128, 32, 4, 3)),
+                     128: ((64, 32, 4, 3), (32, 128, 128, 32, 4, 3)),
+                     256: ((64, 32, 4, 2), (16, 32, 32, 16, 4, 1))}
+
+
+def float32_tiles():
+    """float32 attention (full-precision products, on the FMA units) with the shipped tiles against the
+    16-bit ones it took before (FLOAT32_OLD_TILES), (2, 8, 1024, D), causal, PROBE_F32_DIMS (default
+    "64 128 256"), PROBE_BACKENDS (default triton): each variant's first call of forward + backward in
+    seconds (compiles included: run it with empty TRITON_CACHE_DIR and TWIN_ATTENTION_CACHE_DIR), then
+    do_bench ms of the forward and of forward + backward; the outputs checked against SDPA in float64."""
+    from triton.testing import do_bench
+
+    from common.configs import BackwardConfig
+    from common.reference import reference
+
+    for backend in os.environ.get("PROBE_BACKENDS", "triton").split():
+        for D in [int(d) for d in os.environ.get("PROBE_F32_DIMS", "64 128 256").split()]:
+            q, k, v = (torch.randn(2, 8, 1024, D, device="cuda", requires_grad=True) for _ in range(3))
+            grad = torch.randn(2, 8, 1024, D, device="cuda")
+            expected = reference(q.detach(), k.detach(), v.detach(), is_causal=True)
+            line = []
+            for name, tiles in (("shipped", None), ("16-bit tiles", FLOAT32_OLD_TILES[D])):
+                with contextlib.ExitStack() as stack:
+                    if tiles is not None:
+                        stack.enter_context(override(Config(*tiles[0])))
+                        stack.enter_context(override(BackwardConfig(*tiles[1])))
+
+                    def step():
+                        out = attention(q, k, v, is_causal=True, backend=backend)
+                        out.backward(grad)
+                        return out
+
+                    start = time.perf_counter()
+                    out = step()
+                    torch.cuda.synchronize()
+                    first = time.perf_counter() - start
+                    error = (out.detach().double() - expected).abs().max().item()
+                    fwd = do_bench(lambda: attention(q, k, v, is_causal=True, backend=backend), warmup=5, rep=50)
+                    both = do_bench(step, warmup=5, rep=50)
+                line.append(f"{name}: first call {first:.1f} s, fwd {fwd:.2f} ms, fwd+bwd {both:.2f} ms, "
+                            f"max error {error:.1e}")
+            print(f"float32 {backend} D {D} causal (2, 8, 1024): " + "; ".join(line), flush=True)
+
+
 def gluon_tiles():
     """The Gluon forward's tiles swept (BLOCK_M, BLOCK_N, STAGES, warps; the three variants, and ping-pong in
     persistent programs, "ps", with the next Q loaded early where the tile leaves room for it; ping-pong with
