@@ -36,6 +36,7 @@
 #         ncu (Nsight Compute's counters of one call of each of NCU_CASES, tools/ncu_targets.py, ours beside SDPA's:
 #         the details page, every raw metric (CSV), the SASS lines' stall samples and tools/ncu_stalls.py's reading
 #         of them, as ncu_CASE.* in $OUT/ncu.tgz)
+#         require-h200 (ends the call unless the card is an H200: put it first)
 # (any other word runs as a shell command)
 set -uo pipefail
 # (once a call: the stages a stage runs side by side, as `rest` does, find it installed)
@@ -62,6 +63,9 @@ paged_join_on() {
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
+    # the stages after it only on an H200 (kind nvidia-h200 may bring an H100, where an H200 question gets no
+    # answer): otherwise the call ends here, having spent only its start
+    require-h200) nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: the rest not run"; exit 3; } ;;
     probe) timeout 120 python3 tools/probe.py 2>&1 | tee "$OUT/probe.log" ;;
     test) timeout 570 python3 -m pytest tests -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" ;;
     # The whole suite outgrew one call (600 s) on a fresh machine: three parts, a call each (test2 and test3 may share one;
