@@ -506,16 +506,22 @@ def _check_alibi(slopes, B: int, H: int, device) -> torch.Tensor:
     (they get no gradient: a slopes tensor that requires grad is used as a constant). Their values
     are not read here: that would cost a host sync every call (a non-finite slope gives non-finite
     scores, as a non-finite mask does)."""
+    return check_slopes(slopes, B, "batch", H, device).expand(B, H)
+
+
+def check_slopes(slopes, rows: int, per: str, H: int, device) -> torch.Tensor:
+    """ALiBi's slopes checked: a float32 tensor of shape (H,) or (rows, H) (a slope per query head, or
+    per ``per`` and query head) on ``device``; returned detached, as given."""
     if not isinstance(slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
     if slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be a float32 tensor, got {_dtype_name(slopes.dtype)}")
-    if tuple(slopes.shape) not in ((H,), (B, H)):
-        raise ValueError(f"alibi_slopes must have shape ({H},) or ({B}, {H}): one slope per query head "
-                         f"(or per batch and query head), got {tuple(slopes.shape)}")
+    if tuple(slopes.shape) not in ((H,), (rows, H)):
+        raise ValueError(f"alibi_slopes must have shape ({H},) or ({rows}, {H}): one slope per query head "
+                         f"(or per {per} and query head), got {tuple(slopes.shape)}")
     if slopes.device != device:
         raise ValueError(f"alibi_slopes is on {slopes.device} but query is on {device}")
-    return slopes.detach().expand(B, H)
+    return slopes.detach()
 
 
 # -- 32-bit offsets -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from common import ops
 from common.backends import resolve
 from common.configs import padded_head_dim
 from common.dispatch import _needs_grad
-from common.validation import check_call
+from common.validation import check_call, check_slopes
 
 
 def varlen_attention(
@@ -121,7 +121,7 @@ def varlen_attention(
     total_k = call.key.shape[2]
     if alibi_slopes is not None:  # (each row its sequence's slope and position: per-row ALiBi)
         call.alibi_slopes, call.alibi_shifts = alibi_rows(
-            _check_varlen_alibi(alibi_slopes, num_seqs, H, call.query.device), cu_q, cu_k, total_q, total_k,
+            check_slopes(alibi_slopes, num_seqs, "sequence", H, call.query.device), cu_q, cu_k, total_q, total_k,
             bottom_right=call.bottom_right)
     rows_per_seq = _rows_per_sequence(chosen, call, num_seqs, max_seqlen_q) if chosen.kernels else None
     bands = row_bands(cu_q, cu_k, total_q, total_k, is_causal=call.is_causal, window=call.window,
@@ -259,20 +259,6 @@ def descale_rows(descales, cu_seqlens_q, total_q: int, H: int, rows_per_seq: int
         return d[seq].repeat_interleave(H // d.shape[1], dim=1).transpose(0, 1)[None]
 
     return tuple(None if d is None else per_row(d) for d in descales)
-
-
-def _check_varlen_alibi(slopes, num_seqs: int, H: int, device) -> torch.Tensor:
-    """ALiBi's slopes of a packed batch: float32 (H,) or (num_seqs, H) on ``device``."""
-    if not isinstance(slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
-    if slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be a float32 tensor, got {str(slopes.dtype).removeprefix('torch.')}")
-    if tuple(slopes.shape) not in ((H,), (num_seqs, H)):
-        raise ValueError(f"alibi_slopes must have shape ({H},) or ({num_seqs}, {H}): one slope per query head, "
-                         f"or per sequence and query head, got {tuple(slopes.shape)}")
-    if slopes.device != device:
-        raise ValueError(f"alibi_slopes is on {slopes.device} but query is on {device}")
-    return slopes.detach()
 
 
 def alibi_rows(slopes, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, bottom_right: bool):
