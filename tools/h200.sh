@@ -21,9 +21,9 @@
 #         paged FP8 decode at 8 / 4 / 2 tiles a step of pages of 16, then the cold first call); paged-locality
 #         (Triton's paged FP8 decode by page size, the table shuffled or in order); paged-check (the paged and
 #         FP8 tests of both backends, then the paged FP8 decode by backend and page size, shipped and PAGED_ALT);
-#         paged-batch (the paged FP8 decode at pages of 16 at B 64, where the plan caps registers); f32-tiles (branch
-#         f32-tiles: the float32 tests, then float32's first call and speed with its tiles and the 16-bit ones); paged-splits
-#         (the paged FP8 decode at pages of 16 with 8 and 16 splits forced, both backends)
+#         paged-batch (the paged FP8 decode at pages of 16 at B 64, where the plan caps registers); paged-splits
+#         (the paged FP8 decode at pages of 16 with 8 and 16 splits forced, both backends); f32-tiles (the
+#         float32 tests, then float32's first call and speed with its own tiles and with the 16-bit ones)
 #         gluon-fp8 (both stages' tests side by side, then both probes)
 #         owed (the FP8 decode probe, NineToothed's small backward)
 #         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
@@ -137,8 +137,8 @@ for stage in "$@"; do
     # the paged FP8 decode at pages of 16, B 8, both backends, split into 8 and 16 key ranges beside the plan's 4:
     # whether NineToothed's 2-warp programs (one warp a scheduler at 2 programs an SM) want more of them on an H200
     paged-splits) PROBE_PAGES=16 PROBE_BACKENDS="ninetoothed triton" PROBE_SWITCHES="splits:8 splits:16" timeout 240 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_splits.log" ;;
-    # branch f32-tiles (float32's own tiles, every product in registers): the suite's float32 tests, then the probe
-    # with empty compile caches (the first call's seconds are its compiles)
+    # float32's own tiles (every product in registers): the suite's float32 tests, then the probe with empty
+    # compile caches (the first call's seconds are its compiles), against the 16-bit tiles float32 took before
     f32-tiles) timeout 240 python3 -m pytest tests -k "float32 or f32" -q -n 14 -p no:cacheprovider --tb=short -rfE --durations=6 2>&1 | tail -16 | tee "$OUT/f32_tests.log"
                TRITON_CACHE_DIR=$(mktemp -d) TWIN_ATTENTION_CACHE_DIR=$(mktemp -d) timeout 330 python3 tools/probe.py float32_tiles 2>&1 | tee "$OUT/f32_tiles.log" ;;
     # NineToothed's FP8 pages of 16 at a large batch (B 64, Lk 4k and 16k), where the plan caps a launch's registers
