@@ -94,8 +94,7 @@ BACKWARD_DEFAULTS = {
 # the other: the 16-bit tiles above spill kilobytes a thread on sm_90 and take ptxas minutes. These
 # keep every product in registers (8 warps: more threads to share them), at any query length (a
 # short query's rows cut to the next power of two; benchmarks/NOTES.md has the compiles).
-FLOAT32_DEFAULTS = {16: Config(32, 64, 8, 2), 32: Config(32, 64, 8, 2), 64: Config(32, 64, 8, 2),
-                    128: Config(16, 32, 8, 2), 256: Config(16, 32, 8, 2)}
+FLOAT32_DEFAULTS = {d: Config(32, 64, 8, 2) if d <= 64 else Config(16, 32, 8, 2) for d in (16, 32, 64, 128, 256)}
 # An FP8 (e4m3) query, keys and values: tiles of half the bytes, at the tensor cores' FP8 rate;
 # at D 128, 128 keys a step ran fastest on the H200; at D 64 that tile spills and the 16-bit one
 # stays (benchmarks/NOTES.md, issue 44).

@@ -782,28 +782,36 @@ def test_no_numpy_warnings_under_the_interpreter(backend, device):
     assert (lse[:, :, 3] == float("-inf")).all() and (out[:, :, 3] == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
-def test_cpu_sass_compiles_a_call_for_hopper_without_a_gpu(backend, tmp_path):
-    """tools/cpu_sass.py plans a call, compiles its kernels for sm_90 (no GPU needed, none
-    used: the interpreter switch is cleared) and reads what ptxas made of them."""
+def _cpu_sass(backend: str, *args: str, out) -> str:
+    """tools/cpu_sass.py run on a call (BACKEND B H H_KV LQ LK D, then its options), its files into
+    ``out``: its report (stdout), once it has exited cleanly."""
     import pathlib
-    import re
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, "1", "2", "2", "16", "256",
-                             "64", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, *args, "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
-    found = re.search(r": (\d+) registers, (\d+) bytes of stack \(spills\)", result.stdout)
-    assert found and 0 < int(found.group(1)) <= 255, result.stdout
-    resident = re.search(r"(\d+) programs an SM \(sm_90\)", result.stdout)  # (occupancy from the above)
-    assert resident and 1 <= int(resident.group(1)) <= 32, result.stdout
-    assert re.search(r"MMAs (not )?serialized", result.stdout), result.stdout  # ptxas's C7515 note read
+    return result.stdout
+
+
+@pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
+def test_cpu_sass_compiles_a_call_for_hopper_without_a_gpu(backend, tmp_path):
+    """tools/cpu_sass.py plans a call, compiles its kernels for sm_90 (no GPU needed, none
+    used: the interpreter switch is cleared) and reads what ptxas made of them."""
+    import re
+
+    report = _cpu_sass(backend, "1", "2", "2", "16", "256", "64", out=tmp_path)
+    found = re.search(r": (\d+) registers, (\d+) bytes of stack \(spills\)", report)
+    assert found and 0 < int(found.group(1)) <= 255, report
+    resident = re.search(r"(\d+) programs an SM \(sm_90\)", report)  # (occupancy from the above)
+    assert resident and 1 <= int(resident.group(1)) <= 32, report
+    assert re.search(r"MMAs (not )?serialized", report), report  # ptxas's C7515 note read
     sass = list(tmp_path.glob("*.sass"))
     assert sass and "MMA" in sass[0].read_text()  # tensor-core instructions: compiled for the GPU, not interpreted
-    step = re.search(r"loop \.L_x_\d+: (\d+) instructions a step \(", result.stdout)  # the key loop's step
-    assert step and int(step.group(1)) > 0, result.stdout
+    step = re.search(r"loop \.L_x_\d+: (\d+) instructions a step \(", report)  # the key loop's step
+    assert step and int(step.group(1)) > 0, report
 
 
 @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
@@ -816,17 +824,10 @@ def test_fp8_kernels_compile_for_hopper(backend, call, tmp_path):
     interpreter does not make, and the plan pads the head dim to it), a bfloat16 query over
     FP8 pages with append_kv quantizing into them, and packed sequences with descales per row
     (the interpreter runs a jit function's returns as Python does; the compiler wants one type)."""
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, *call,
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "registers" in result.stdout and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
+    report = _cpu_sass(backend, *call, out=tmp_path)
+    assert "registers" in report and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
     if "--paged" in call:
-        assert "append" in result.stdout  # (the quantizing append compiled too)
+        assert "append" in report  # (the quantizing append compiled too)
 
 
 @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
@@ -839,17 +840,11 @@ def test_float32_tiles_keep_their_products_in_registers(backend, call, tmp_path)
     compiled for sm_90, the calls' default tiles (common.configs.FLOAT32_DEFAULTS and
     FLOAT32_BACKWARD_DEFAULTS) spill nothing to speak of, forward and backward (the 16-bit tiles
     spilled 7-24 KB a thread there and took ptxas minutes)."""
-    import pathlib
     import re
-    import subprocess
-    import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, *call, "--dtype", "float32",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
-    assert result.returncode == 0, result.stderr[-2000:]
-    stacks = [int(n) for n in re.findall(r": \d+ registers, (\d+) bytes of stack \(spills\)", result.stdout)]
-    assert len(stacks) == (2 if "--backward" in call else 1) and max(stacks) <= 64, result.stdout
+    report = _cpu_sass(backend, *call, "--dtype", "float32", out=tmp_path)
+    stacks = [int(n) for n in re.findall(r": \d+ registers, (\d+) bytes of stack \(spills\)", report)]
+    assert len(stacks) == (2 if "--backward" in call else 1) and max(stacks) <= 64, report
 
 
 @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
@@ -858,21 +853,14 @@ def test_fp8_whole_key_blocks_scale_in_one_fma(backend, tmp_path):
     score and subtracts its row maximum in one FMA, the maximum taken from the raw products: no FMUL
     a score (what FMULs remain rescale the output, one per element of Dv <= BLOCK_N). The descales'
     sign is read on the GPU; a second loop, taken where a scale is not positive, scales first."""
-    import pathlib
     import re
-    import subprocess
-    import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, "1", "2", "2", "256",
-                             "1024", "64", "--fp8", "all", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600, cwd=root)
-    assert result.returncode == 0, result.stderr[-2000:]
-    loops = re.findall(r"loop \.L_x_\d+: \d+ instructions a step \((.*)\)", result.stdout)
+    report = _cpu_sass(backend, "1", "2", "2", "256", "1024", "64", "--fp8", "all", out=tmp_path)
+    loops = re.findall(r"loop \.L_x_\d+: \d+ instructions a step \((.*)\)", report)
     counts = [dict((op, int(n)) for n, op in re.findall(r"(\d+) (\w+)", mix)) for mix in loops]
-    assert len(counts) >= 2, result.stdout
-    assert any(c.get("FFMA", 0) >= c["MUFU"] > 0 and c.get("FMUL", 0) <= c["MUFU"] for c in counts), result.stdout
-    assert any(c.get("FMUL", 0) > c["MUFU"] > 0 for c in counts), result.stdout  # (the loop that scales first)
+    assert len(counts) >= 2, report
+    assert any(c.get("FFMA", 0) >= c["MUFU"] > 0 and c.get("FMUL", 0) <= c["MUFU"] for c in counts), report
+    assert any(c.get("FMUL", 0) > c["MUFU"] > 0 for c in counts), report  # (the loop that scales first)
 
 
 @pytest.mark.parametrize("backend, call", [
@@ -886,15 +874,8 @@ def test_kernels_the_interpreter_runs_differently_compile_for_hopper(backend, ca
     step's tiles one softmax update (scores joined, probabilities split back: layouts the
     interpreter does not have), over 16-bit and FP8 caches; a decode step under a mask (transformers'
     static-cache decoding)."""
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "tools" / "cpu_sass.py"), backend, *call,
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "registers" in result.stdout and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
+    report = _cpu_sass(backend, *call, out=tmp_path)
+    assert "registers" in report and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
 
 
 def test_cpu_sass_reads_the_loops_of_tensor_core_products():
