@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
+# stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-table bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
 #         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes);
 #         serving-bench (generate_batch's tokens a second); paged-join (NineToothed's joined small-page tiles timed);
 #         paged-joined (the joined form: a chunked prefill timed, the paged tests with it on);
@@ -187,6 +187,10 @@ for stage in "$@"; do
     tune-fwd-nt-dims) timeout 400 python3 -m common tune --backends ninetoothed --passes fwd --head-dims ${TUNE_DIMS:-64} 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json"
                       timeout 180 python3 -m common bench --sections throughput --modes fwd --dtypes float16 --head-dims ${TUNE_DIMS:-64} --lengths 1024 4096 16384 --backends triton ninetoothed --out /tmp/parity --markdown "" > "$OUT/parity.log" 2>&1; cp /tmp/parity/results.json "$OUT/results_parity.json"; tail -20 "$OUT/parity.log" ;;
     tune-bwd) timeout 500 python3 -m common tune --passes bwd 2>&1 | tee "$OUT/tune_bwd.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
+    # the committed table from one call: the bf16 forward, the homework's shapes, decode and FP8 (one run), then
+    # the bf16 backward (another); merged by `bench --from-json` here
+    bench-table) timeout 330 python3 -m common bench --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-fwd --markdown "" 2>&1 | tail -300 > "$OUT/bench_fwd.log"; cp /tmp/bench-fwd/results.json "$OUT/results_fwd.json"
+                 timeout 255 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -5 "$OUT/bench_fwd.log" "$OUT/bench_bwd.log" ;;
     bench-full) timeout 540 python3 -m common bench --write 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # the FP8 forward's table entries, timed in FP8 (both backends, D 64 and 128, every bucket from 1k)
