@@ -190,7 +190,7 @@ for stage in "$@"; do
     # the committed table from one call: the bf16 forward, the homework's shapes, decode and FP8 (one run), then
     # the bf16 backward (another); merged by `bench --from-json` here
     bench-table) timeout 330 python3 -m common bench --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-fwd --markdown "" 2>&1 | tail -300 > "$OUT/bench_fwd.log"; cp /tmp/bench-fwd/results.json "$OUT/results_fwd.json"
-                 timeout 255 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -5 "$OUT/bench_fwd.log" "$OUT/bench_bwd.log" ;;
+                 timeout 255 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -n 5 "$OUT/bench_fwd.log" "$OUT/bench_bwd.log" ;;
     bench-full) timeout 540 python3 -m common bench --write 2>&1 | tail -300 > "$OUT/bench.log"; cp benchmarks/results.json benchmarks/results.csv benchmarks/*.png "$OUT/" ;;
     tune) timeout 400 python3 -m common tune 2>&1 | tee "$OUT/tune.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # the FP8 forward's table entries, timed in FP8 (both backends, D 64 and 128, every bucket from 1k)
