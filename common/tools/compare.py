@@ -244,6 +244,9 @@ def levels_section() -> str:
             "`tl` kernel's FP8 forward on that H100, whose loop keeps one barrier a slot). On the H200 with that "
             "table (`tools/probe.py default_vs_sdpa`, bf16) the triton backend's default forward runs 0.99-1.10x "
             "cuDNN at D 256, 0.94-1.08x at D 128 and 0.84-1.02x at D 64, 1.02-1.85x its `tl` kernel. "
+            "Two things of FlashAttention-3's schedule Gluon (in triton 3.6) still cannot write: its key tiles of "
+            "160-224 (every Triton tensor's shape is a power of two, and 256 keys spill a consumer's registers), "
+            "and the backward's bulk reduce-add of dQ by a warp of its own (in triton 3.9's Gluon). "
             "NineToothed compiles to `triton.language`, so it cannot reach this level."]
     return "\n".join(out)
 
