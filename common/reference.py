@@ -43,12 +43,24 @@ def reference(query, key, value, *, is_causal=False, scale=None, attn_mask=None,
         )
 
 
+@contextlib.contextmanager
+def ieee_float32():
+    """float32 matrix products in float32, not TF32, whatever the process set: an error measured for
+    the accuracy rule must be float32's (a TF32 one would loosen every float32 bound)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 def same_dtype_math(query, key, value, *, is_causal=False, scale=None, attn_mask=None, enable_gqa=False):
     """SDPA's math backend in the inputs' own dtype: the error it makes is the
     measure the accuracy rule scales (an additive mask is cast to that dtype)."""
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(query.dtype)
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), ieee_float32():
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
 
@@ -59,8 +71,9 @@ def float32_scores_math(query, key, value, *, is_causal=False, scale=None, attn_
     scales that cost and SDPA's math in float32 are two draws of one rounding, and the math backend's
     can come out several times smaller (at scale 12 and D 128, 3-16x in 5 of 20 draws), so
     the accuracy rule takes the larger of the two for float32 inputs (``tests/cases.py``)."""
-    scores = reference_scores(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
-                              dtype=torch.float32).double()
+    with ieee_float32():
+        scores = reference_scores(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
+                                  dtype=torch.float32).double()
     v = value.double()
     if v.shape[-3] != scores.shape[-3]:  # grouped-query heads
         v = v.repeat_interleave(scores.shape[-3] // v.shape[-3], dim=-3)

@@ -11,6 +11,7 @@ from common.reference import (
     error_bound,
     float32_scores_math,
     grad_error_bound,
+    ieee_float32,
     reference,
     reference_lse,
     same_dtype_math,
@@ -200,7 +201,8 @@ def grad_bounds(q, k, v, grad_out, *, grad_lse=None, out=None, **kwargs):
     same = [0.0, 0.0, 0.0]
     if grad_lse is None:  # SDPA's math in the inputs' dtype, differentiated the same way
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        grads_same = torch.autograd.grad(same_dtype_math(*leaves, **kwargs), leaves, grad_out)
+        with ieee_float32():  # (its backward's products too)
+            grads_same = torch.autograd.grad(same_dtype_math(*leaves, **kwargs), leaves, grad_out)
         same = [_max_error(g, r) for g, r in zip(grads_same, refs)]
     lse_kwargs = {name: value for name, value in kwargs.items() if name != "enable_gqa"}
     with torch.no_grad():
