@@ -69,8 +69,8 @@ def float32_scores_math(query, key, value, *, is_causal=False, scale=None, attn_
     """Attention with the scores summed and scaled in float32 and all after them in float64: what
     rounding the scores alone costs a float32 kernel (every kernel here sums Q K^T in float32). At large
     scales that cost and SDPA's math in float32 are two draws of one rounding, and the math backend's
-    can come out several times smaller (at scale 12 and D 128, 3-16x in 5 of 20 draws), so
-    the accuracy rule takes the larger of the two for float32 inputs (``tests/cases.py``)."""
+    can come out several times smaller, so the accuracy rule takes the larger of the two for float32
+    inputs (``tests/cases.py``; benchmarks/NOTES.md has the draws)."""
     with ieee_float32():
         scores = reference_scores(query, key, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
                                   dtype=torch.float32).double()
