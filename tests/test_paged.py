@@ -45,22 +45,23 @@ def _cache(lens, H_kv, D, Dv, page, dtype, spare=3):
     return key_cache, value_cache, block_table, seqlens, keys, values
 
 
-def _reference(query, keys, values, is_causal, *, window=None, softcap=None, sinks=None, alibi_slopes=None,
-               leftpad=None, query_lengths=None, with_lse=False):
+def _reference(query, keys, values, is_causal, *, scale=None, window=None, softcap=None, sinks=None,
+               alibi_slopes=None, leftpad=None, query_lengths=None, with_lse=False):
     """Each sequence's queries against its dense keys, in float64, from the definition: row i of a
     sequence of Lk keys sits at position p = Lk - Lq + i and sees keys j < Lk with j <= p (causal) and
-    p - left <= j <= p + right (window; -1 unbounded); scores scaled, then softcap * tanh(s / softcap),
-    then ALiBi's -slope * |p - j| (slopes (H,) or (B, H)); keys before leftpad[b] unseen; with
-    query_lengths, sequence b's first query_lengths[b] rows at p = Lk - query_lengths[b] + i, the others
-    seeing no key; a head's sink logit joins each row's denominator with no value. Rows with no key: 0 (lse -inf,
-    or the sink's logit). with_lse: also the (B, H, Lq) log-sum-exp."""
+    p - left <= j <= p + right (window; -1 unbounded); scores scaled (by scale, 1/sqrt(D) if None),
+    then softcap * tanh(s / softcap), then ALiBi's -slope * |p - j| (slopes (H,) or (B, H)); keys
+    before leftpad[b] unseen; with query_lengths, sequence b's first query_lengths[b] rows at
+    p = Lk - query_lengths[b] + i, the others seeing no key; a head's sink logit joins each row's
+    denominator with no value. Rows with no key: 0 (lse -inf, or the sink's logit). with_lse: also the
+    (B, H, Lq) log-sum-exp."""
     outs, lses = [], []
     group = query.shape[1] // keys[0].shape[0]
     for b, (k, v) in enumerate(zip(keys, values)):
         q = query[b].double()
         k, v = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
         Lq, Lk = q.shape[1], k.shape[1]
-        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         new_tokens = Lq if query_lengths is None else int(query_lengths[b])
