@@ -32,10 +32,15 @@ def forward(backend, call: Call, with_lse: bool):
     B, H, Lq, _ = q.shape
     Lk, Dv = call.key.shape[2], v.shape[3]
     if B * H * Lq == 0 or Lk == 0:
-        # Nothing to launch. With no keys at all SDPA returns zeros (and the
-        # log-sum-exp of an empty set is -inf).
+        # Nothing to launch. With no keys at all SDPA returns zeros, and the log-sum-exp is
+        # that of an empty set (-inf) or, with sinks, of each head's sink logit alone, as in
+        # any row that sees no key (the sink has no value: the output stays 0).
         out = q.new_zeros((B, H, Lq, Dv), dtype=call.output_dtype)
-        lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32) if with_lse else None
+        lse = None
+        if with_lse:
+            lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)
+            if call.sinks is not None:
+                lse.copy_(call.sinks.float()[None, :, None].expand(B, H, Lq))
         return out, lse
     with _on_device(q.device):
         plan = planning.make_forward(call, backend, with_lse=with_lse)

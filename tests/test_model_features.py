@@ -258,6 +258,20 @@ def test_sinks_forward_and_backward(backend, case):
         torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_sinks_with_no_keys(backend):
+    """No key at all (Lk = 0, where nothing launches): each row's log-sum-exp is its head's sink logit, as in a
+    row that sees no key among others; the output 0; the sinks' gradient that of the lse (d lse / d sink = 1)."""
+    q = torch.randn(2, 4, 3, 16, device=DEVICE)
+    k, v = torch.randn(2, 2, 0, 16, device=DEVICE), torch.randn(2, 2, 0, 16, device=DEVICE)
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    out, lse = attention(q, k, v, enable_gqa=True, sinks=sinks, return_lse=True, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, sinks.detach()[None, :, None].expand(2, 4, 3))
+    grad_lse = torch.randn_like(lse)
+    (out.sum() + (lse * grad_lse).sum()).backward()
+    torch.testing.assert_close(sinks.grad, grad_lse.sum((0, 2)))
+
+
 def test_sinks_keep_grouped_heads_packed(backend):
     """A short-query call with sinks packs each group's query heads into rows of its K/V head (K/V
     read once per group), each row reading its own head's sink logit; the same answer."""
