@@ -46,7 +46,7 @@ def _cache(lens, H_kv, D, Dv, page, dtype, spare=3):
 
 
 def _reference(query, keys, values, is_causal, *, scale=None, window=None, softcap=None, sinks=None,
-               alibi_slopes=None, leftpad=None, query_lengths=None, with_lse=False):
+               alibi_slopes=None, leftpad=None, query_lengths=None, with_lse=False, top_left=False):
     """Each sequence's queries against its dense keys, in float64, from the definition: row i of a
     sequence of Lk keys sits at position p = Lk - Lq + i and sees keys j < Lk with j <= p (causal) and
     p - left <= j <= p + right (window; -1 unbounded); scores scaled (by scale, 1/sqrt(D) if None),
@@ -54,7 +54,7 @@ def _reference(query, keys, values, is_causal, *, scale=None, window=None, softc
     before leftpad[b] unseen; with query_lengths, sequence b's first query_lengths[b] rows at
     p = Lk - query_lengths[b] + i, the others seeing no key; a head's sink logit joins each row's
     denominator with no value. Rows with no key: 0 (lse -inf, or the sink's logit). with_lse: also the
-    (B, H, Lq) log-sum-exp."""
+    (B, H, Lq) log-sum-exp. top_left: row i sits at position i instead (varlen's other alignment)."""
     outs, lses = [], []
     group = query.shape[1] // keys[0].shape[0]
     for b, (k, v) in enumerate(zip(keys, values)):
@@ -65,7 +65,7 @@ def _reference(query, keys, values, is_causal, *, scale=None, window=None, softc
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         new_tokens = Lq if query_lengths is None else int(query_lengths[b])
-        pos = torch.arange(Lq, device=q.device)[:, None] + Lk - new_tokens
+        pos = torch.arange(Lq, device=q.device)[:, None] + (0 if top_left else Lk - new_tokens)
         j = torch.arange(Lk, device=q.device)[None, :]
         if alibi_slopes is not None:
             slopes = alibi_slopes.double().expand(len(keys), -1)[b]
