@@ -49,7 +49,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # the suite in three parts (fuzz and ring have stages of their own); the logs name every test (-v), so a
 # part cut short by the call's limit still says which tests had not finished
 HALF1="tests/test_attention.py tests/test_backward.py tests/test_model_features.py"
-REST="tests --ignore=tests/test_attention.py --ignore=tests/test_backward.py --ignore=tests/test_model_features.py --ignore=tests/test_fuzz.py --ignore=tests/test_fuzz_paged.py --ignore=tests/test_ring.py"
+REST="tests --ignore=tests/test_attention.py --ignore=tests/test_backward.py --ignore=tests/test_model_features.py --ignore=tests/test_fuzz.py --ignore=tests/test_fuzz_paged.py --ignore=tests/test_fuzz_varlen.py --ignore=tests/test_ring.py"
 HALF2="tests/test_paged.py tests/test_varlen.py tests/test_dropout.py tests/test_errors.py tests/test_seed.py tests/test_launch.py"
 HALF3="$REST --ignore=tests/test_paged.py --ignore=tests/test_varlen.py --ignore=tests/test_dropout.py --ignore=tests/test_errors.py --ignore=tests/test_seed.py --ignore=tests/test_launch.py"
 # the memory test compiles a kernel for each class of 10,000 calls' lengths, one after another (NineToothed's
@@ -208,7 +208,7 @@ for stage in "$@"; do
                 (timeout ${SANITIZE_TIMEOUT:-400} compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/sanitize.py $small --backend $b > "$OUT/$tool-$b.log" 2>&1; echo "$tool $b rc $?" >> "$OUT/$tool-$b.log") &
               done; done; wait
               tail -n 4 "$OUT"/memcheck-*.log "$OUT"/racecheck-*.log ;;
-    fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py tests/test_fuzz_paged.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
+    fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py tests/test_fuzz_paged.py tests/test_fuzz_varlen.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     fa-suite) for b in triton ninetoothed; do ATTENTION_BACKEND=$b FA_PER_TEST=${FA_PER_TEST:-100} timeout ${FA_TIMEOUT:-270} python3 tools/fa_suite/run.py .fa/test_flash_attn.py -q -n 8 -rfE --tb=short -k "not race_condition" > "$OUT/fa_suite_$b.log" 2>&1; tail -12 "$OUT/fa_suite_$b.log"; done ;;
     # NineToothed's paged kernel with a step's tiles of small pages joined (PAGED_JOIN), and at 4 tiles a step,
     # against the shipped form and Triton's: bf16 pages of 16 and 64, then FP8 caches
