@@ -24,6 +24,10 @@ from common.interpret import use_interpreter_if_no_gpu
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # in case torch was imported before this module
 INTERPRETED = use_interpreter_if_no_gpu()
+if INTERPRETED:  # every kernel access checked against the launch's tensors (tests/bounds.py)
+    from tests.bounds import install as _check_bounds
+
+    _check_bounds()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_BACKENDS = ("triton", "ninetoothed")
 

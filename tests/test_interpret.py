@@ -386,3 +386,26 @@ def _doubling_kernel():
         tl.store(Y + offs, x)
 
     return kernel
+
+
+def test_accesses_outside_the_launchs_tensors_fail():
+    """tests/bounds.py: a load or store whose mask lets an address past a tensor through fails the launch,
+    naming the kernel; one that stays inside, or is masked off, passes (views of a larger buffer too)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        if MASKED:
+            tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+        else:
+            tl.store(dst + offs, tl.load(src + offs))
+
+    buffer = torch.randn(64)
+    src, dst = buffer[8:20], torch.empty(12)  # (the view's neighbours in the buffer are not its elements)
+    copy[(1,)](src, dst, 12, BLOCK=16, MASKED=True)
+    assert torch.equal(dst, src)
+    with pytest.raises(Exception, match=r"kernel copy: load of 4 address\(es\) outside every tensor of the launch; "
+                                        r"the first 0 bytes past the end of the tensor of shape \(12,\)"):
+        copy[(1,)](src, dst, 12, BLOCK=16, MASKED=False)
