@@ -7,8 +7,10 @@ too), max_seqlen_q as the longest or a bound above it, the packed tensors' strid
 heads-first buffers, every other element), head dims and Dv != D, grouped-query groups, dtypes, the scale
 (negative too), causal or not in either alignment, windows, soft-capping, sinks, ALiBi slopes per head or
 per sequence, the log-sum-exp; FP8 keys and values under a 16-bit query, with per-sequence descales of
-either sign, in about one call in five. Same profiles as ``tests/test_fuzz.py`` (FUZZ_PROFILE,
-FUZZ_EXAMPLES): a few small calls under the interpreter in CI, more and longer on the GPU.
+either sign; and in about one call in three, with the features SDPA's arguments express, the gradients,
+each sequence's judged by the dense tests' rule against SDPA on that sequence alone. Same profiles as
+``tests/test_fuzz.py`` (FUZZ_PROFILE, FUZZ_EXAMPLES): a few small calls under the interpreter in CI, more
+and longer on the GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hypothesis import seed as fixed_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from common import varlen_attention  # noqa: E402
+from tests.cases import check_grads  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
 from tests.test_fuzz_paged import TOLERANCE  # noqa: E402
 from tests.test_paged import _reference  # noqa: E402
@@ -47,7 +50,10 @@ def varlen_cases(draw):
         st.lists(st.integers(0, PROFILE["max_len"]), min_size=B, max_size=B))
     H_kv = draw(st.integers(1, 2))
     D = draw(st.sampled_from((16, 24, 32, 40)))
-    fp8 = draw(st.integers(0, 4)) == 0
+    # about one call in three checks gradients, by SDPA's rule (tests.cases.check_grads): its features then
+    # those SDPA's arguments express (no soft-capping, sinks, ALiBi or FP8)
+    grads = draw(st.integers(0, 2)) == 0
+    fp8 = not grads and draw(st.integers(0, 4)) == 0
     is_causal = draw(st.booleans())
     window = None
     if draw(st.booleans()):
@@ -60,8 +66,10 @@ def varlen_cases(draw):
                 extra_rows=draw(st.sampled_from((0, 0, 3))), is_causal=is_causal,
                 alignment=draw(st.sampled_from(("top_left", "bottom_right"))), window=window,
                 scale=draw(st.sampled_from((None, None, 0.3, -0.5))),
-                softcap=draw(st.sampled_from((None, None, 0.8, 2.5))), sinks=draw(st.booleans()),
-                alibi=draw(st.sampled_from((None, None, "H", "BH"))), return_lse=draw(st.booleans()))
+                softcap=None if grads else draw(st.sampled_from((None, None, 0.8, 2.5))),
+                sinks=not grads and draw(st.booleans()),
+                alibi=None if grads else draw(st.sampled_from((None, None, "H", "BH"))),
+                return_lse=draw(st.booleans()), grads=grads)
 
 
 def _packed(total, heads, width, layout):
@@ -71,6 +79,39 @@ def _packed(total, heads, width, layout):
     if layout == "strided":
         return torch.randn(total, heads, 2 * width, device=DEVICE)[..., ::2]
     return torch.randn(total, heads, width, device=DEVICE)
+
+
+def _check_sequence_grads(case, q, k, v, out, cu):
+    """Backpropagate a random output gradient through the packed call, then judge each sequence's slices
+    of dq, dk and dv as SDPA's gradients of that sequence alone (its rows' places among its keys, causal
+    or windowed, as a boolean mask; a sequence with no query or no key: zero gradients)."""
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    starts_q, starts_k = cu[0].tolist(), cu[1].tolist()
+    for b in range(len(case["lens_q"])):
+        rows, keys = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        Lq, Lk = rows.stop - rows.start, keys.stop - keys.start
+        if Lq == 0 or Lk == 0:
+            for grad in (q.grad[rows], k.grad[keys], v.grad[keys]):
+                assert torch.equal(grad, torch.zeros_like(grad)), f"{case}, sequence {b}: not zero"
+            continue
+        offset = torch.arange(Lk, device=DEVICE)[None, :] - torch.arange(Lq, device=DEVICE)[:, None]
+        offset = offset - (Lk - Lq if case["alignment"] == "bottom_right" else 0)
+        seen = torch.ones(Lq, Lk, dtype=torch.bool, device=DEVICE)
+        if case["is_causal"]:
+            seen &= offset <= 0
+        if case["window"] is not None:
+            left, right = case["window"]
+            seen &= (offset >= -left) if left >= 0 else seen
+            seen &= (offset <= right) if right >= 0 else seen
+
+        def one(x, span):  # (1, heads, length, width): the sequence's slice as SDPA takes it
+            return x[span].transpose(0, 1)[None]
+
+        check_grads((one(q.grad, rows), one(k.grad, keys), one(v.grad, keys)), one(q, rows).detach(),
+                    one(k, keys).detach(), one(v, keys).detach(), one(grad_out, rows),
+                    out=one(out, rows).detach(), attn_mask=seen[None, None], scale=case["scale"],
+                    enable_gqa=case["H_kv"] < case["H"])
 
 
 def _varlen_fuzz_test(shard):
@@ -86,6 +127,8 @@ def _varlen_fuzz_test(shard):
         B = len(lens_q)
         q = (_packed(sum(lens_q), H, case["D"], case["layout"]) * 2).to(dtype)
         k, v = (_packed(sum(lens_k), H_kv, width, case["layout"]) for width in (case["D"], case["Dv"]))
+        if case["grads"]:  # (leaves in the drawn layout)
+            q, k, v = (x.to(dtype).detach().requires_grad_() for x in (q, k, v))
         descales = {}
         if case["fp8"]:  # e4m3 keys and values, a descale of either sign per (sequence, K/V head)
             k, v = ((x * 4).to(torch.float8_e4m3fn) for x in (k, v))
@@ -104,6 +147,8 @@ def _varlen_fuzz_test(shard):
                                   softcap=case["softcap"], sinks=sinks, alibi_slopes=slopes, **descales)
         out, lse = result if case["return_lse"] else (result, None)
         assert out.shape == (sum(lens_q), H, case["Dv"]) and out.dtype == dtype
+        if case["grads"]:
+            _check_sequence_grads(case, q, k, v, out, cu)
 
         tol = TOLERANCE[dtype]
         starts_q, starts_k = cu[0].tolist(), cu[1].tolist()
