@@ -21,28 +21,20 @@ number of examples per shard):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzzer needs hypothesis (extra 'test')")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import seed as fixed_seed  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from common import attention  # noqa: E402
 from tests.cases import Case, check_grads, check_output, make_inputs, sdpa_kwargs  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
+from tests.fuzzing import profile, shard_settings  # noqa: E402
 
-PROFILES = {
-    "cpu": dict(examples=10, shards=1, max_len=40, shrink=True),
-    "gpu": dict(examples=5, shards=6, max_len=300, shrink=False),
-}
-PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
-PROFILE = dict(PROFILES[PROFILE_NAME])
-if "FUZZ_EXAMPLES" in os.environ:  # a longer (or shorter) run of the same profile
-    PROFILE["examples"] = int(os.environ["FUZZ_EXAMPLES"])
+PROFILE = profile(cpu=dict(examples=10, shards=1, max_len=40, shrink=True),
+                  gpu=dict(examples=5, shards=6, max_len=300, shrink=False))
 HEAD_DIMS = (16, 24, 32, 40, 64, 80, 128)
 MASK_SHAPES_4D = ("LqLk", "1Lk", "B11Lk", "B1LqLk", "1HLqLk", "BHLqLk")
 MASK_SHAPES_3D = ("LqLk", "1Lk", "HLqLk")
@@ -73,10 +65,7 @@ def cases(draw):
 def _fuzz_test(shard: int):
     """The fuzz test of one shard: its own fixed seed, so the shards draw different examples."""
 
-    @fixed_seed(20261130 + shard)
-    @settings(max_examples=PROFILE["examples"], deadline=None, database=None,
-              phases=[Phase.explicit, Phase.reuse, Phase.generate, *([Phase.shrink] if PROFILE["shrink"] else [])],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @shard_settings(20261130 + shard, PROFILE)
     @given(case=cases(), with_grads=st.integers(0, 2), seed=st.integers(0, 2**31 - 1))
     @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
     def test_fuzz(backend, case, with_grads, seed):

@@ -12,35 +12,22 @@ per-sequence query lengths, the log-sum-exp, and the keys split into ranges or n
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzzer needs hypothesis (extra 'test')")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import seed as fixed_seed  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from common import paged_attention  # noqa: E402
 from common.plan import force_splits  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
+from tests.fuzzing import TOLERANCE, profile, shard_settings  # noqa: E402
 from tests.test_paged import _reference  # noqa: E402
 
-PROFILES = {
-    "cpu": dict(examples=8, shards=1, max_len=70, shrink=True),
-    "gpu": dict(examples=5, shards=4, max_len=600, shrink=False),
-}
-PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
-PROFILE = dict(PROFILES[PROFILE_NAME])
-if "FUZZ_EXAMPLES" in os.environ:
-    PROFILE["examples"] = int(os.environ["FUZZ_EXAMPLES"])
+PROFILE = profile(cpu=dict(examples=8, shards=1, max_len=70, shrink=True),
+                  gpu=dict(examples=5, shards=4, max_len=600, shrink=False))
 
-# the output's and the log-sum-exp's tolerance by the query's dtype: float32 as the paged feature tests;
-# 16-bit, the probabilities rounded to the dtype for P V (bfloat16's unit 8x float16's). FP8 caches: the
-# keys' and values' real values are the reference's inputs; the kernels widen them to float16 and round the
-# probabilities to it, so a 16-bit query's tolerance holds.
-TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
 @st.composite
@@ -110,10 +97,7 @@ def _paged_inputs(case):
 
 
 def _paged_fuzz_test(shard):
-    @fixed_seed(20261206 + shard)
-    @settings(max_examples=PROFILE["examples"], deadline=None, database=None,
-              phases=[Phase.explicit, Phase.reuse, Phase.generate, *([Phase.shrink] if PROFILE["shrink"] else [])],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @shard_settings(20261206 + shard, PROFILE)
     @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
     @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
     def test_fuzz_paged(backend, data, seed):

@@ -15,30 +15,21 @@ and longer on the GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzzer needs hypothesis (extra 'test')")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import seed as fixed_seed  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from common import varlen_attention  # noqa: E402
 from tests.cases import check_grads  # noqa: E402
 from tests.conftest import DEVICE  # noqa: E402
-from tests.test_fuzz_paged import TOLERANCE  # noqa: E402
+from tests.fuzzing import TOLERANCE, profile, shard_settings  # noqa: E402
 from tests.test_paged import _reference  # noqa: E402
 
-PROFILES = {
-    "cpu": dict(examples=8, shards=1, max_len=40, shrink=True),
-    "gpu": dict(examples=5, shards=4, max_len=400, shrink=False),
-}
-PROFILE_NAME = os.environ.get("FUZZ_PROFILE", "gpu" if DEVICE == "cuda" else "cpu")
-PROFILE = dict(PROFILES[PROFILE_NAME])
-if "FUZZ_EXAMPLES" in os.environ:
-    PROFILE["examples"] = int(os.environ["FUZZ_EXAMPLES"])
+PROFILE = profile(cpu=dict(examples=8, shards=1, max_len=40, shrink=True),
+                  gpu=dict(examples=5, shards=4, max_len=400, shrink=False))
 
 
 @st.composite
@@ -115,10 +106,7 @@ def _check_sequence_grads(case, q, k, v, out, cu):
 
 
 def _varlen_fuzz_test(shard):
-    @fixed_seed(20261207 + shard)
-    @settings(max_examples=PROFILE["examples"], deadline=None, database=None,
-              phases=[Phase.explicit, Phase.reuse, Phase.generate, *([Phase.shrink] if PROFILE["shrink"] else [])],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @shard_settings(20261207 + shard, PROFILE)
     @given(case=varlen_cases(), seed=st.integers(0, 2**31 - 1))
     @pytest.mark.parametrize("backend", ["triton", "ninetoothed"])
     def test_fuzz_varlen(backend, case, seed):
