@@ -1,0 +1,121 @@
+"""Memory layouts against head dims, each case in a process of its own (an illegal access ends the
+process's CUDA context, not the probe): forward and backward checked against float64 SDPA.
+
+    python tools/layout_probe.py [--sanitize] [--backends triton ninetoothed] [CASE ...]
+
+A case names its head dims, lengths, causal flag and each tensor's layout: ``c`` contiguous,
+``t`` a view of a (B, L, H, D) buffer, ``m`` contiguous but one element off 16-byte alignment,
+``tm`` both. The layouts of query, key, value and the output's gradient are given in that
+order. Small head dims (16-wide tiles) are where the compiled code differs most between these
+layouts: a row-by-row load into registers and a 32-byte-swizzled shared tile instead of
+asynchronous copies. ``--sanitize``: each case under compute-sanitizer's memcheck too.
+Prints one line a case and backend: ok, refused (the backend does not take the head dim),
+wrong (the check's message) or died (the exit code and the last lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+
+# name: (D, Dv, Lq, Lk, causal, layouts of q, k, v, grad_out)
+CASES = {
+    "d16_contiguous": (16, 16, 148, 148, True, "c c c c"),
+    "d16_misaligned_values": (16, 16, 40, 40, False, "c c m c"),
+    "d16_misaligned_values_causal": (16, 16, 148, 148, True, "c c m c"),
+    "d64_dv16_misaligned_values": (64, 16, 40, 40, False, "c c m c"),
+    "d16_misaligned_all": (16, 16, 40, 40, False, "m m m m"),
+    "d16_misaligned_all_causal": (16, 16, 148, 148, True, "m m m m"),
+    "d16_transposed": (16, 16, 40, 40, False, "t t t t"),
+    "d16_transposed_misaligned": (16, 16, 148, 148, True, "tm tm tm tm"),
+    "d24_dv16_transposed_misaligned": (24, 16, 40, 40, False, "tm tm tm tm"),
+    "d32_misaligned_all": (32, 32, 148, 148, True, "m m m m"),
+    "d64_misaligned_all": (64, 64, 148, 148, False, "m m m m"),
+    "d24_misaligned_all": (24, 24, 40, 40, False, "m m m m"),
+    # head dims under 16 (refused where the backend takes 16 and up)
+    "dv1_transposed": (24, 1, 40, 40, False, "t t t t"),
+    "dv8_transposed_causal": (24, 8, 148, 14, True, "t t t t"),
+    "d8_misaligned_all": (8, 8, 40, 40, False, "m m m m"),
+}
+
+
+def _tensor(layout, shape, dtype, device):
+    """A (B, H, L, D) tensor in ``layout`` (see the module's docstring), standard normal."""
+    B, H, L, D = shape
+    transposed = "t" in layout
+    full = (B, L, H, D) if transposed else shape
+    n = B * H * L * D
+    offset = 1 if "m" in layout else 0
+    t = torch.randn(n + offset, dtype=dtype, device=device)[offset:].view(full)
+    if offset:
+        assert t.data_ptr() % 16 != 0
+    return t.transpose(1, 2) if transposed else t
+
+
+def run_one(name, backend):
+    """The case in this process: prints ok, refused or wrong; an illegal access ends it."""
+    from common import attention
+    from tests.cases import check_grads, check_output
+    from tests.conftest import DEVICE  # (and the interpreter, without a GPU)
+
+    D, Dv, Lq, Lk, causal, layouts = CASES[name]
+    lq, lk, lv, lg = layouts.split()
+    torch.manual_seed(0)
+    B, H, dtype, device = 2, 2, torch.float16, DEVICE
+    q = _tensor(lq, (B, H, Lq, D), dtype, device).requires_grad_()
+    k = _tensor(lk, (B, H, Lk, D), dtype, device).requires_grad_()
+    v = _tensor(lv, (B, H, Lk, Dv), dtype, device).requires_grad_()
+    try:
+        out = attention(q, k, v, is_causal=causal, backend=backend)
+    except ValueError as error:
+        print(f"refused: {error}")
+        return 0
+    try:
+        check_output(out, q, k, v, is_causal=causal)
+        grad_out = _tensor(lg, tuple(out.shape), dtype, device)
+        out.backward(grad_out)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, is_causal=causal)
+    except AssertionError as error:
+        print(f"wrong: {str(error).splitlines()[0]}")
+        return 1
+    print("ok")
+    return 0
+
+
+def main(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cases", nargs="*", default=list(CASES))
+    parser.add_argument("--backends", nargs="+", default=["triton", "ninetoothed"])
+    parser.add_argument("--sanitize", action="store_true")
+    parser.add_argument("--one", nargs=2, metavar=("CASE", "BACKEND"))
+    args = parser.parse_args(argv)
+    if args.one:
+        return run_one(*args.one)
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    failures = 0
+    for name in args.cases:
+        for backend in args.backends:
+            command = [sys.executable, __file__, "--one", name, backend]
+            if args.sanitize:
+                command = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", *command]
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+            lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+            verdict = next((line for line in lines if line.startswith(("ok", "refused", "wrong"))), None)
+            if done.returncode != 0 or verdict is None:
+                verdict = f"died (rc {done.returncode}): " + " | ".join(lines[-4:])
+            failures += not verdict.startswith(("ok", "refused"))
+            print(f"{name:34s} {backend:12s} {CASES[name]} {verdict[:400]}", flush=True)
+    print(f"layout probe: {failures} failing")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
