@@ -212,8 +212,8 @@ for stage in "$@"; do
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py tests/test_fuzz_paged.py tests/test_fuzz_varlen.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     # every case of tools/layout_probe.py (small head dims in misaligned and (B, L, H, D) inputs) in a process of its
     # own, then again under compute-sanitizer's memcheck (LAYOUT_CASES: those cases only)
-    layouts) timeout 240 python3 tools/layout_probe.py ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts.log"
-             timeout ${LAYOUT_SANITIZE_TIMEOUT:-300} python3 tools/layout_probe.py --sanitize ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts_sanitize.log" ;;
+    layouts) timeout ${LAYOUT_TIMEOUT:-200} python3 tools/layout_probe.py --jobs 8 ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts.log"
+             [ "${LAYOUT_SANITIZE_TIMEOUT:-200}" = 0 ] || timeout ${LAYOUT_SANITIZE_TIMEOUT:-200} python3 tools/layout_probe.py --sanitize --jobs 8 ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts_sanitize.log" ;;
     fa-suite) for b in triton ninetoothed; do ATTENTION_BACKEND=$b FA_PER_TEST=${FA_PER_TEST:-100} timeout ${FA_TIMEOUT:-270} python3 tools/fa_suite/run.py .fa/test_flash_attn.py -q -n 8 -rfE --tb=short -k "not race_condition" > "$OUT/fa_suite_$b.log" 2>&1; tail -12 "$OUT/fa_suite_$b.log"; done ;;
     # NineToothed's paged kernel with a step's tiles of small pages joined (PAGED_JOIN), and at 4 tiles a step,
     # against the shipped form and Triton's: bf16 pages of 16 and 64, then FP8 caches

@@ -1,7 +1,7 @@
 """Memory layouts against head dims, each case in a process of its own (an illegal access ends the
 process's CUDA context, not the probe): forward and backward checked against float64 SDPA.
 
-    python tools/layout_probe.py [--sanitize] [--backends triton ninetoothed] [CASE ...]
+    python tools/layout_probe.py [--sanitize] [--jobs 6] [--backends triton ninetoothed] [CASE ...]
 
 A case names its head dims, lengths, causal flag and each tensor's layout: ``c`` contiguous,
 ``t`` a view of a (B, L, H, D) buffer, ``m`` contiguous but one element off 16-byte alignment,
@@ -16,6 +16,7 @@ wrong (the check's message) or died (the exit code and the last lines).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -95,24 +96,31 @@ def main(argv):
     parser.add_argument("cases", nargs="*", default=list(CASES))
     parser.add_argument("--backends", nargs="+", default=["triton", "ninetoothed"])
     parser.add_argument("--sanitize", action="store_true")
+    parser.add_argument("--jobs", type=int, default=6, help="cases run at once")
     parser.add_argument("--one", nargs=2, metavar=("CASE", "BACKEND"))
     args = parser.parse_args(argv)
     if args.one:
         return run_one(*args.one)
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+
+    def run(name, backend):
+        command = [sys.executable, __file__, "--one", name, backend]
+        if args.sanitize:
+            command = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", *command]
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        verdict = next((line for line in lines if line.startswith(("ok", "refused", "wrong"))), None)
+        if done.returncode != 0 or verdict is None:
+            verdict = f"died (rc {done.returncode}): " + " | ".join(lines[-4:])
+        return f"{name:32s} {backend:12s} {CASES[name]} {verdict[:400]}", verdict.startswith(("ok", "refused"))
+
     failures = 0
-    for name in args.cases:
-        for backend in args.backends:
-            command = [sys.executable, __file__, "--one", name, backend]
-            if args.sanitize:
-                command = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", *command]
-            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-            lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-            verdict = next((line for line in lines if line.startswith(("ok", "refused", "wrong"))), None)
-            if done.returncode != 0 or verdict is None:
-                verdict = f"died (rc {done.returncode}): " + " | ".join(lines[-4:])
-            failures += not verdict.startswith(("ok", "refused"))
-            print(f"{name:34s} {backend:12s} {CASES[name]} {verdict[:400]}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        runs = [pool.submit(run, name, backend) for name in args.cases for backend in args.backends]
+        for future in runs:  # (in the cases' order)
+            line, passed = future.result()
+            failures += not passed
+            print(line, flush=True)
     print(f"layout probe: {failures} failing")
     return 1 if failures else 0
 
