@@ -35,7 +35,9 @@ class Case:
     dtype: torch.dtype = torch.float16
     causal: bool = False
     scale: float | None = None
-    layout: str = "contiguous"  # or "transposed" (a (B, L, H, D) buffer), "strided" (every other element)
+    # or "transposed" (a (B, L, H, D) buffer), "strided" (every other element), "misaligned" (contiguous,
+    # one element past a 16-byte boundary: no vector or asynchronous copies)
+    layout: str = "contiguous"
     mask: str | None = None  # None, "bool", "additive", "bool-empty-rows", "additive-empty-rows"
     mask_shape: str = "BHLqLk"  # which dims the mask has (others broadcast): "LqLk", "B11Lk", "B1LqLk", ...
 
@@ -97,6 +99,9 @@ def _tensor(case: Case, batch, heads, length, dim, device):
         t = torch.randn(batch, length, heads, dim, dtype=dtype, device=device).transpose(1, 2)
     elif case.layout == "strided":
         t = torch.randn(batch, heads, length, 2 * dim, dtype=dtype, device=device)[..., ::2]
+    elif case.layout == "misaligned":
+        t = torch.randn(batch * heads * length * dim + 1, dtype=dtype, device=device)[1:]
+        t = t.view(batch, heads, length, dim)
     else:
         t = torch.randn(batch, heads, length, dim, dtype=dtype, device=device)
     return t[0] if case.B is None else t

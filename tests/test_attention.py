@@ -131,10 +131,16 @@ def test_float32_rule_takes_the_scores_rounding(backend, device):
     Case(1, 1, 1, 1, 16),
     Case(2, 2, 40, 40, 64, scale=-0.5),
     Case(2, 2, 40, 40, 64, scale=2.0, causal=True),
+    # misaligned: 16-wide tiles loaded row by row (value, key and query tiles), and a wide head dim
+    Case(2, 3, 40, 56, 16, layout="misaligned", causal=True),
+    Case(2, 2, 40, 40, 24, Dv=16, layout="misaligned"),
+    Case(1, 2, 148, 148, 64, layout="misaligned", causal=True),
 ]))
 def test_layouts_and_scales(case, backend, device):
     q, _, _, _, _ = run_case(case, backend, device)
-    if case.layout != "contiguous":
+    if case.layout == "misaligned":
+        assert q.data_ptr() % 16 != 0
+    elif case.layout != "contiguous":
         assert not q.is_contiguous()
 
 

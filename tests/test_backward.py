@@ -33,6 +33,8 @@ def run_grad_case(case: Case, backend: str, device: str):
     out = attention(q, k, v, backend=backend, **kwargs)
     check_output(out, q, k, v, **kwargs)
     grad_out = torch.randn_like(out)
+    if case.layout == "misaligned":  # the output's gradient off alignment too (the backward's dO tiles)
+        grad_out = torch.cat([grad_out.new_ones(1), grad_out.flatten()])[1:].view(out.shape)
     out.backward(grad_out)
     return check_grads((q.grad, k.grad, v.grad), q, k, v, grad_out, out=out, **kwargs)
 
@@ -66,6 +68,8 @@ GRAD_CASES = [
     Case(1, 2, 40, 40, 32, scale=2.0, causal=True),
     Case(2, 3, 40, 56, 32, layout="transposed", causal=True),
     Case(1, 2, 30, 20, 32, layout="strided"),
+    Case(2, 2, 40, 56, 16, layout="misaligned", causal=True),
+    Case(1, 2, 40, 40, 24, Dv=16, layout="misaligned"),
     Case(None, 3, 33, 50, 32),
     Case(None, 2, 50, 33, 48, causal=True, layout="transposed"),
     # Dv != D

@@ -2,7 +2,7 @@
 
 Hypothesis draws the shapes (3-D and 4-D, odd lengths, Lq != Lk both ways),
 head dims (powers of two and not, Dv != D), dtypes, grouped-query groups,
-memory layouts, masks (bool or additive, broadcast from any of their shapes,
+memory layouts (misaligned too), masks (bool or additive, broadcast from any of their shapes,
 rows with no visible key), scales (negative and large too) and causal or not;
 about one call in three also checks the gradients. Each example must pass the
 same accuracy rule as the hand-written cases.
@@ -53,7 +53,7 @@ def cases(draw):
     causal = draw(st.booleans())
     scale = draw(st.one_of(st.none(), st.floats(-3.0, 3.0).filter(lambda s: abs(s) > 1e-3),
                            st.sampled_from([-20.0, 12.0])))
-    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "strided", "misaligned"]))
     mask, mask_shape = None, "BHLqLk"
     if not causal:
         mask = draw(st.sampled_from([None, "bool", "additive", "bool-empty-rows", "additive-empty-rows"]))
