@@ -9,7 +9,7 @@ instructions of one step of each loop of tensor-core products).
 
     python tools/cpu_sass.py BACKEND B H H_KV LQ LK D [--dtype bfloat16] [--splits N]
         [--causal] [--backward] [--tile N ...] [--fp8 {all,kv}] [--paged PAGE [--value-columns] [--paged-join]]
-        [--varlen] [--mask {bool,float}] [--capability 90] [--out DIR]
+        [--varlen] [--mask {bool,float}] [--dv DV] [--misaligned {q,k,v,all}] [--capability 90] [--out DIR]
     (from the repository's root, the package installed)
 
 The call (its forward, or with --backward its backward) is planned by the project's own host plan (as on a GPU with that many SMs: give
@@ -99,6 +99,9 @@ def main(argv=None) -> int:
                         "pages of PAGE keys holding the keys and values (with --fp8 kv: FP8 caches)")
     parser.add_argument("--varlen", action="store_true", help="varlen_attention over B packed sequences of LQ "
                         "queries and LK keys each (with --fp8: descales per sequence)")
+    parser.add_argument("--dv", type=int, help="the values' head dim (default D)")
+    parser.add_argument("--misaligned", choices=["q", "k", "v", "all"], help="that input (all: the output's "
+                        "gradient too) one element past a 16-byte boundary")
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--paged-join", action="store_true", help="with --paged, NineToothed's kernel with a step's "
                         "tiles one softmax update (impl_ninetoothed.attention.PAGED_JOIN)")
@@ -141,8 +144,16 @@ def main(argv=None) -> int:
 
     B, H, H_kv, Lq, Lk, D = args.shape
     dtype = getattr(torch, args.dtype)
-    q = torch.randn(B, H, Lq, D, dtype=dtype)
-    k, v = (torch.randn(B, H_kv, Lk, D, dtype=dtype) for _ in range(2))
+    Dv = args.dv or D
+
+    def tensor(*shape, misaligned=False):  # (misaligned: one element past a 16-byte boundary)
+        flat = torch.randn(torch.Size(shape).numel() + misaligned, dtype=dtype)
+        return flat[int(misaligned):].view(shape)
+
+    off = {"q": args.misaligned in ("q", "all"), "k": args.misaligned in ("k", "all"),
+           "v": args.misaligned in ("v", "all")}
+    q = tensor(B, H, Lq, D, misaligned=off["q"])
+    k, v = tensor(B, H_kv, Lk, D, misaligned=off["k"]), tensor(B, H_kv, Lk, Dv, misaligned=off["v"])
     fp8 = None
     if args.fp8:
         e4m3 = torch.float8_e4m3fn
@@ -173,7 +184,7 @@ def main(argv=None) -> int:
     tile = (BackwardConfig if args.backward else Config)(*args.tile) if args.tile else None
     with force_splits(args.splits), override(tile) if tile else contextlib.nullcontext():
         if args.backward:  # (the values do not matter: nothing runs)
-            out, grad_out = torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, H, Lq, D, dtype=dtype)
+            out, grad_out = tensor(B, H, Lq, Dv), tensor(B, H, Lq, Dv, misaligned=args.misaligned == "all")
             plan = make_backward(call, backend, out, torch.zeros(B, H, Lq), grad_out)
             print(f"plan: {plan.config}")
             backend.load().backward(plan)
