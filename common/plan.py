@@ -613,12 +613,41 @@ def make_forward(call, backend, *, with_lse: bool, resume=None, allocate: bool =
         plan.sinks, plan.alibi = (packed_rows(rows, plan.query) for rows in (plan.sinks, plan.alibi))
         if plan.alibi_shift is not None:
             plan.alibi_shift = packed_shifts(plan.alibi_shift, H // H_kv)
-    plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    block_d = padded_head_dim(D)
     if plan.descales is not None and plan.widen_k == Widen.NONE:
-        plan.block_d = max(plan.block_d, 32)  # an e4m3 MMA sums 32 products at least (zeros pad the rest)
+        block_d = max(block_d, 32)  # an e4m3 MMA sums 32 products at least (zeros pad the rest)
+    plan.block_d, plan.block_dv = tile_widths(block_d, padded_head_dim(Dv), plan.query, plan.key, plan.value)
     plan.dot_precision = dot_precision(q.dtype)
     plan_launch(plan, backend, resume, allocate)
     return plan
+
+
+def tile_widths(block_d: int, block_dv: int, *tensors) -> tuple[int, int]:
+    """The query/key and value tiles' widths: as given (each head dim padded), or both the wider of
+    the two where they differ and any of ``tensors`` (the launch's inputs) is read element by element:
+    its start or a stride off 16-element units, as Triton specialises them. Compiled for sm_90
+    (triton 3.6), key and value tiles of different widths both loaded that way returned wrong values
+    or read out of bounds (benchmarks/NOTES.md); tiles of one width are right, and such inputs are
+    already off the fast path."""
+    if block_d != block_dv and not all(_aligned(t) for t in tensors if t is not None):
+        block_d = block_dv = max(block_d, block_dv)
+    return block_d, block_dv
+
+
+def width_class(query, key, value, *more):
+    """What of the tensors' addresses and strides ``tile_widths`` may read, for a kept plan's layout
+    key: None where the widths cannot differ (padded head dims equal and at least 32, FP8's least),
+    else whether every tensor is aligned as ``tile_widths`` asks."""
+    block_d, block_dv = padded_head_dim(query.shape[-1]), padded_head_dim(value.shape[-1])
+    if block_d == block_dv >= 32:
+        return None
+    return all(_aligned(t) for t in (query, key, value, *more) if t is not None)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether Triton sees ``t``'s start as 16-byte aligned and each stride but a unit one as a
+    multiple of 16 (what lets it copy rows in 16-byte pieces)."""
+    return t.data_ptr() % 16 == 0 and all(stride == 1 or stride % 16 == 0 for stride in t.stride())
 
 
 def set_fp8(plan, call, planner: Planner) -> None:
@@ -767,7 +796,7 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
         return plan
     if plan.softcap:  # (without soft-capping: OFF, the field's default; the planner is read only where it decides)
         plan.softcap_kind = current_planner().softcap_kind(plan.softcap, q.dtype, q.device, backend.interpreted())
-    plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    plan.block_d, plan.block_dv = tile_widths(padded_head_dim(D), padded_head_dim(Dv), q, k, v, out, grad_out)
     plan.config = backend.configs.lookup_backward(
         max(plan.block_d, plan.block_dv), q.dtype, call.is_causal, Lq, Lk, backend.interpreted())
     plan.dot_precision = dot_precision(q.dtype)

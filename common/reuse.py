@@ -1,10 +1,11 @@
 """Plans kept across calls: plan a call's layout once, run it on new tensors many times.
 
 What validation decides and what a :class:`common.plan.ForwardPlan` holds depend only on a
-call's arguments and on its tensors' shapes, strides, dtypes and devices, never on their data
-or addresses. So a loop of calls with one layout (every layer of a model, a benchmark, a
-decode loop) need not validate and plan each call: an :class:`AttentionPlan` keeps the
-decisions of one layout (no tensor) and runs them on new tensors:
+call's arguments and on its tensors' shapes, strides, dtypes and devices, never on their data,
+and on their addresses only through whether they are aligned where the tiles' widths depend on
+it (``plan.width_class``, part of the layout). So a loop of calls with one layout (every layer
+of a model, a benchmark, a decode loop) need not validate and plan each call: an
+:class:`AttentionPlan` keeps the decisions of one layout (no tensor) and runs them on new tensors:
 
 - its first run launches through the backend's ``forward``; the second binds that launch to
   the layout (the backend's ``bind_forward``: grid, options and every scalar argument fixed);
@@ -165,7 +166,8 @@ class AttentionPlan:
                            arguments["return_lse"], query, key, value)
         if layout != self.layout:
             raise ValueError(
-                "these tensors are not of the layout the plan was made for (shapes, strides, dtypes, devices"
+                "these tensors are not of the layout the plan was made for (shapes, strides, dtypes, devices, "
+                "alignment where the head dims differ"
                 + (", the keys' length" if not self.grows_keys else "") + ", or the planner settings): "
                 "make a plan for them with common.plan_attention")
         return self.results(query, key, value)
@@ -350,9 +352,11 @@ def layout_of(backend, is_causal, scale, enable_gqa, return_lse, query, key, val
     shapes, strides, dtypes and devices (a plan that grows its keys: less the keys' length and
     strides); FP8 inputs' ``descales`` ``(q_descale, k_descale, v_descale, out_dtype)``: which
     descales are given, their shapes, strides, dtypes and devices, and the output dtype; a masked
-    call's ``mask`` likewise (its keys' length and strides part of it: a masked plan grows no keys)."""
+    call's ``mask`` likewise (its keys' length and strides part of it: a masked plan grows no keys);
+    where the tiles' widths may depend on it, whether the tensors are aligned (``plan.width_class``)."""
     head = (backend.name, backend.interpreted(), planning.reuse_key(), is_causal, scale, enable_gqa, return_lse,
-            query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device)
+            query.shape, query.stride(), query.dtype, query.device, key.dtype, key.device, value.dtype, value.device,
+            planning.width_class(query, key, value))
     if descales is not None:
         head += (*(None if d is None else (d.shape, d.stride(), d.dtype, d.device) for d in descales[:3]),
                  descales[3])
@@ -405,6 +409,7 @@ def backward_layout(backend, call, out, lse, grad_out, grad_lse):
     return (backend.name, backend.interpreted(), planning.reuse_key(), call.is_causal, call.scale, call.window,
             call.bottom_right, call.softcap,
             *[(t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v, out, lse, grad_out)],
+            planning.width_class(q, k, v, out, grad_out),
             None if grad_lse is None else (grad_lse.shape, grad_lse.stride(), grad_lse.dtype, grad_lse.device))
 
 

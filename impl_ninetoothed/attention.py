@@ -267,6 +267,13 @@ def _row_blocks(x, block: int, blocked: bool):
                         x.storage_offset())
 
 
+def _widened(plan, D: int, Dv: int) -> tuple:
+    """(block_d, block_dv): each the plan's tile width where it widens the head dim past
+    ``padded_head_dim``, else None (the kernel's name unchanged)."""
+    return (plan.block_d if plan.block_d != padded_head_dim(D) else None,
+            plan.block_dv if plan.block_dv != padded_head_dim(Dv) else None)
+
+
 def _attention_launch(plan) -> tuple:
     """(kernel, inputs, flags) of the forward's attention launch: ``kernel(*inputs, **flags)``."""
     q, out = plan.query, plan.out
@@ -278,10 +285,11 @@ def _attention_launch(plan) -> tuple:
         o, lse = plan.o_part, plan.lse_part
     else:
         o, lse = out, (plan.lse if plan.lse is not None else _absent(out, B, H, Lq))
-    block_d = plan.block_d if plan.block_d != padded_head_dim(D) else None  # (the kernel's name unchanged)
+    block_d, block_dv = _widened(plan, D, Dv)
     descale_rows = True if plan.descale_kind == DESCALE_ROWS else None  # (None: the kernel's name unchanged)
     grouped = True if plan.group > 1 else None  # (one K/V head a query head: the keys take the query's sizes)
     kernel = _make(premake, D, Dv, config.block_m, config.block_n, plan.split, block_d, descale_rows, grouped,
+                   *((block_dv,) if block_dv is not None else ()),
                    num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
                    wide=_wide(q, plan.key, plan.value, plan.attn_mask, o, lse))
     blocked = blocked_keys(plan)
@@ -520,7 +528,9 @@ def _backward_launches(plan) -> tuple:
     blocked = not plan.dropout and plan.alibi is None  # (both passes' unmasked stages, as the forward's: blocked_keys)
     wide = _wide(q, k, v, plan.attn_mask, plan.out, plan.grad_out, plan.lse, plan.grad_lse, plan.grad_query,
                  plan.grad_key, plan.grad_value)
-    dq = (_make(premake_dq, D, Dv, config.block_m2, config.block_n2,
+    widths = _widened(plan, D, Dv)
+    widths = widths if widths != (None, None) else ()  # (the kernels' names unchanged)
+    dq = (_make(premake_dq, D, Dv, config.block_m2, config.block_n2, *widths,
                 num_warps=config.num_warps, num_stages=config.num_stages, wide=wide),
           (q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
            plan.out, plan.grad_out, plan.lse, grad_lse, plan.scale, *dropout, *_band_args(plan), *_alibi_args(plan),
@@ -533,7 +543,7 @@ def _backward_launches(plan) -> tuple:
     if blocked:
         dq_roles.update({3: 1, 4: 2})
     rows = (q, plan.grad_out, plan.lse, plan.delta)
-    dkdv = (_make(premake_dkdv, D, Dv, config.block_m1, config.block_n1,
+    dkdv = (_make(premake_dkdv, D, Dv, config.block_m1, config.block_n1, *widths,
                   num_warps=config.num_warps, num_stages=config.num_stages, wide=wide),
             (q, k, v, attn_mask, plan.grad_out, plan.lse, plan.delta,
              *(_row_blocks(x, config.block_m1, blocked) for x in rows), plan.scale, *dropout,

@@ -805,16 +805,19 @@ _O_PART, _LSE_PART = (list(inspect.signature(combine_application).parameters).in
 _COMBINE_SPLIT_COUNT_ARGS = (("size", _O_PART, 1), ("stride", _LSE_PART, 0))
 
 
-def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None, descale_rows=None, grouped=None):
-    """The forward; with ``split``, its split-KV variant (see ``arrangement``). ``block_d``: the
-    head dim's tile where the plan widens it past ``padded_head_dim`` (an e4m3 Q·K product: 32).
+def premake(head_dim, head_dim_v, block_m, block_n, split=False, block_d=None, descale_rows=None, grouped=None,
+            block_dv=None):
+    """The forward; with ``split``, its split-KV variant (see ``arrangement``). ``block_d``,
+    ``block_dv``: the head dims' tiles where the plan widens them past ``padded_head_dim`` (an e4m3
+    Q·K product: 32; ``common.plan.tile_widths``).
     ``descale_rows``: FP8 descales per query head and row (DESCALE_ROWS), not per K/V head.
     ``grouped``: query heads read K/V heads in groups (heads not packed); otherwise the keys take
     the query's (B, H) sizes (``_attention_inputs``)."""
     arrangement_ = functools.partial(
         arrangement, block_m=block_m, block_n=block_n,
         block_d=block_d if block_d is not None else padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v), split=split, descale_rows=bool(descale_rows),
+        block_dv=block_dv if block_dv is not None else padded_head_dim(head_dim_v), split=split,
+        descale_rows=bool(descale_rows),
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v, grouped=bool(grouped))
     # output (split: float32 partial outputs, (B, H, Lq, S, Dv)) and lse ((B, H, Lq[, S])); read
@@ -861,11 +864,12 @@ def premake_copy(head_dim, block_l):
     return arrangement_, copy_application, (source, _like(source.shape[:3], head_dim), *_flags("PV_ORDER"))
 
 
-def premake_dq(head_dim, head_dim_v, block_m, block_n):
-    """The backward's dQ pass."""
+def premake_dq(head_dim, head_dim_v, block_m, block_n, block_d=None, block_dv=None):
+    """The backward's dQ pass. ``block_d``, ``block_dv``: as ``premake``'s."""
     arrangement_ = functools.partial(
-        dq_arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v),
+        dq_arrangement, block_m=block_m, block_n=block_n,
+        block_d=block_d if block_d is not None else padded_head_dim(head_dim),
+        block_dv=block_dv if block_dv is not None else padded_head_dim(head_dim_v),
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
     tensors = (
@@ -885,11 +889,12 @@ def premake_dq(head_dim, head_dim_v, block_m, block_n):
     return arrangement_, dq_application, tensors
 
 
-def premake_dkdv(head_dim, head_dim_v, block_m, block_n):
-    """The backward's dK/dV pass."""
+def premake_dkdv(head_dim, head_dim_v, block_m, block_n, block_d=None, block_dv=None):
+    """The backward's dK/dV pass. ``block_d``, ``block_dv``: as ``premake``'s."""
     arrangement_ = functools.partial(
-        dkdv_arrangement, block_m=block_m, block_n=block_n, block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v),
+        dkdv_arrangement, block_m=block_m, block_n=block_n,
+        block_d=block_d if block_d is not None else padded_head_dim(head_dim),
+        block_dv=block_dv if block_dv is not None else padded_head_dim(head_dim_v),
     )
     query, key, value, attn_mask = _attention_inputs(head_dim, head_dim_v)
     # the whole row blocks of query, grad_out, lse and delta, (B, H, Lq // BLOCK_M, BLOCK_M[, D | Dv]):

@@ -1310,3 +1310,24 @@ def test_plan_attention_in_a_cuda_graph(backend, splits):
         graph.replay()
         torch.cuda.synchronize()
         check_output(out, q, k, v, enable_gqa=True)
+
+
+def test_tile_widths_follow_alignment(backend, device):
+    """Head dims whose tiles differ in width take one width where an input is read element by element
+    (compiled for sm_90, two widths loaded that way went wrong); a kept plan's layout tells the two
+    apart, so an aligned call's plan never runs a misaligned call of the same shapes."""
+    from common import reuse
+    from common.backends import resolve
+    from common.plan import tile_widths, width_class
+
+    aligned = make_inputs(Case(2, 2, 40, 40, 64, Dv=32), device)[:3]
+    misaligned = make_inputs(Case(2, 2, 40, 40, 64, Dv=32, layout="misaligned"), device)[:3]
+    assert tile_widths(64, 32, *aligned) == (64, 32)
+    assert tile_widths(64, 32, *misaligned) == (64, 64)
+    assert tile_widths(32, 16, *make_inputs(Case(2, 2, 40, 40, 24, Dv=16), device)[:3]) == (32, 32)  # (rows of 24)
+    assert tile_widths(64, 64, *misaligned) == (64, 64)
+    assert width_class(*aligned) is True and width_class(*misaligned) is False
+    layouts = [reuse.layout_of(resolve(backend), False, None, False, False, *qkv) for qkv in (aligned, misaligned)]
+    assert layouts[0] != layouts[1]
+    for q, k, v in (aligned, aligned, aligned, misaligned, misaligned, aligned):  # (kept plans, both layouts)
+        check_output(attention(q, k, v, backend=backend), q, k, v)

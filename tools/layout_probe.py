@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, ".")
 
-# name: (D, Dv, Lq, Lk, causal, layouts of q, k, v, grad_out)
+# name: (D, Dv, Lq, Lk, causal, layouts of q, k, v, grad_out[, dtype]); float16 unless named
 CASES = {
     "d16_contiguous": (16, 16, 148, 148, True, "c c c c"),
     "d16_misaligned_values": (16, 16, 40, 40, False, "c c m c"),
@@ -39,6 +39,20 @@ CASES = {
     "d32_misaligned_all": (32, 32, 148, 148, True, "m m m m"),
     "d64_misaligned_all": (64, 64, 148, 148, False, "m m m m"),
     "d24_misaligned_all": (24, 24, 40, 40, False, "m m m m"),
+    # value head dims under the query's (a narrower value tile) in each layout
+    "d24_dv16_contiguous": (24, 16, 40, 40, False, "c c c c"),
+    "d24_dv16_misaligned_all": (24, 16, 40, 40, False, "m m m m"),
+    "d24_dv16_misaligned_values": (24, 16, 40, 40, False, "c c m c"),
+    "d24_dv16_misaligned_qk": (24, 16, 40, 40, False, "m m c c"),
+    "d24_dv16_transposed": (24, 16, 40, 40, False, "t t t t"),
+    "d128_dv32_misaligned_all": (128, 32, 235, 238, True, "m m m m", "bfloat16"),
+    "d128_dv32_misaligned_values": (128, 32, 235, 238, True, "c c m c", "bfloat16"),
+    "d128_dv32_misaligned_qk": (128, 32, 235, 238, True, "m m c c", "bfloat16"),
+    "d128_dv32_contiguous": (128, 32, 235, 238, True, "c c c c", "bfloat16"),
+    "d40_dv24_contiguous": (40, 24, 300, 300, False, "c c c c", "bfloat16"),
+    "d40_dv24_transposed": (40, 24, 300, 300, False, "t t t t", "bfloat16"),
+    "d64_dv32_misaligned_all": (64, 32, 148, 148, False, "m m m m"),
+    "d32_dv64_misaligned_all": (32, 64, 148, 148, False, "m m m m"),
     # head dims under 16 (refused where the backend takes 16 and up)
     "dv1_transposed": (24, 1, 40, 40, False, "t t t t"),
     "dv8_transposed_causal": (24, 8, 148, 14, True, "t t t t"),
@@ -65,10 +79,10 @@ def run_one(name, backend):
     from tests.cases import check_grads, check_output
     from tests.conftest import DEVICE  # (and the interpreter, without a GPU)
 
-    D, Dv, Lq, Lk, causal, layouts = CASES[name]
+    D, Dv, Lq, Lk, causal, layouts, *dtype = CASES[name]
     lq, lk, lv, lg = layouts.split()
     torch.manual_seed(0)
-    B, H, dtype, device = 2, 2, torch.float16, DEVICE
+    B, H, dtype, device = 2, 2, getattr(torch, dtype[0] if dtype else "float16"), DEVICE
     q = _tensor(lq, (B, H, Lq, D), dtype, device).requires_grad_()
     k = _tensor(lk, (B, H, Lk, D), dtype, device).requires_grad_()
     v = _tensor(lv, (B, H, Lk, Dv), dtype, device).requires_grad_()
