@@ -79,7 +79,7 @@ def test_lengths(case, backend, device):
 
 # -- head dims, including ones that are not powers of two --------------------
 @pytest.mark.parametrize("case", params(
-    Case(1, 2, 33, 47, D, causal=causal) for D in (16, 40, 64, 80, 96, 128, 256) for causal in (False, True)
+    Case(1, 2, 33, 47, D, causal=causal) for D in (1, 8, 12, 16, 40, 64, 80, 96, 128, 256) for causal in (False, True)
 ))
 def test_head_dims(case, backend, device):
     run_case(case, backend, device)
