@@ -159,7 +159,7 @@ class KernelBackendModule(BackendModule, Protocol):
         row bands, ALiBi: ``common.reuse.KeptBackward`` then plans each call)."""
 
 
-_KERNEL_HEAD_DIMS = (16, 256)
+_KERNEL_HEAD_DIMS = (1, 256)
 
 BACKENDS = {
     b.name: b

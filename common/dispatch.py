@@ -56,7 +56,7 @@ def attention(
         key: (B, H_kv, Lk, D) or (H_kv, Lk, D); same dtype and device as query (FP8: key
             and value float8_e4m3fn with a float8_e4m3fn, float16 or bfloat16 query).
         value: (B, H_kv, Lk, Dv) or (H_kv, Lk, Dv); Dv may differ from D.
-            The kernel backends take head dims 16 <= D, Dv <= 256.
+            The kernel backends take head dims 1 <= D, Dv <= 256.
         is_causal: mask with SDPA's top-left alignment, ``ones(Lq, Lk).tril(0)``:
             query row i sees keys 0..i, also when Lq != Lk.
         scale: multiplies the scores; None means 1/sqrt(D). Any finite float.

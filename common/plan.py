@@ -350,7 +350,7 @@ class ForwardPlan:
     out_dtype: torch.dtype | None = None  # the output's dtype (None: the query's)
     # Kernel backends only (None for "torch"):
     config: Config | None = None
-    block_d: int = 0  # head dims padded to a power of two >= 16
+    block_d: int = 0  # head dims padded by configs.padded_head_dim (zeros fill the pad)
     block_dv: int = 0
     m_blocks: int = 0  # blocks of BLOCK_M query rows per head
     num_splits: int = 1  # key ranges per row block; > 1: partial outputs, then the merge

@@ -79,10 +79,27 @@ def test_lengths(case, backend, device):
 
 # -- head dims, including ones that are not powers of two --------------------
 @pytest.mark.parametrize("case", params(
-    Case(1, 2, 33, 47, D, causal=causal) for D in (16, 40, 64, 80, 96, 128, 256) for causal in (False, True)
+    Case(1, 2, 33, 47, D, causal=causal) for D in (1, 8, 12, 16, 40, 64, 80, 96, 128, 256) for causal in (False, True)
 ))
 def test_head_dims(case, backend, device):
     run_case(case, backend, device)
+
+
+# Small value head dims in (B, L, H, D) buffers: compiled for sm_90 with 16-wide tiles, these read shared memory
+# out of bounds (NineToothed) or returned wrong values (Triton); several key steps, causal or not.
+@pytest.mark.parametrize("case", params(
+    Case(2, 2, Lq, Lk, 24, Dv=Dv, causal=causal, scale=-20.0 if causal else None, layout="transposed")
+    for Dv in (1, 2, 8) for (Lq, Lk, causal) in ((148, 14, True), (40, 40, False))
+))
+def test_small_head_dims_transposed(case, backend, device):
+    run_case(case, backend, device)
+
+
+def test_head_dims_under_16_take_32_wide_tiles():
+    from common.configs import padded_head_dim
+
+    widths = {d: padded_head_dim(d) for d in (1, 2, 8, 15, 16, 17, 32, 40, 64, 256)}
+    assert widths == {1: 32, 2: 32, 8: 32, 15: 32, 16: 16, 17: 32, 32: 32, 40: 64, 64: 64, 256: 256}
 
 
 # -- dtypes -------------------------------------------------------------------

@@ -56,7 +56,7 @@ GRAD_CASES = [
       for (Lq, Lk) in [(1, 1), (17, 17), (65, 65), (1, 40), (40, 1), (17, 63), (63, 17), (130, 130)]
       for causal in (False, True)),
     # head dims, powers of two or not
-    *(Case(1, 2, 33, 47, D, causal=True) for D in (16, 40, 64, 80, 128)),
+    *(Case(1, 2, 33, 47, D, causal=True) for D in (1, 8, 12, 16, 40, 64, 80, 128)),
     # dtypes
     *(Case(2, 2, 50, 70, 64, dtype=dtype, causal=True) for dtype in (f16, bf16, f32)),
     # float32 at the widest head dims (twice the shared memory of half precision)

@@ -73,10 +73,10 @@ def test_gqa_heads_not_divisible(backend, device):
         attention(q, kv, kv, enable_gqa=True, backend=backend)
 
 
-@pytest.mark.parametrize("head_dim", [8, 15, 257, 512])
+@pytest.mark.parametrize("head_dim", [0, 257, 512])
 def test_head_dim_out_of_range(backend, head_dim, device):
     q = torch.randn(1, 2, 8, head_dim, dtype=torch.float16, device=device)
-    with pytest.raises(ValueError, match=r"head dim .* expected 16 <= head_dim <= 256"):
+    with pytest.raises(ValueError, match=r"head dim .* expected 1 <= head_dim <= 256"):
         attention(q, q, q, backend=backend)
 
 

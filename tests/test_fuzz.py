@@ -1,7 +1,7 @@
 """A fuzzer: random calls of both kernel backends against SDPA's math in float64.
 
 Hypothesis draws the shapes (3-D and 4-D, odd lengths, Lq != Lk both ways),
-head dims (powers of two and not, Dv != D), dtypes, grouped-query groups,
+head dims (1 to 128, powers of two and not, Dv != D), dtypes, grouped-query groups,
 memory layouts (misaligned too), masks (bool or additive, broadcast from any of their shapes,
 rows with no visible key), scales (negative and large too) and causal or not;
 about one call in three also checks the gradients. Each example must pass the
@@ -35,7 +35,7 @@ from tests.fuzzing import profile, shard_settings  # noqa: E402
 
 PROFILE = profile(cpu=dict(examples=10, shards=1, max_len=40, shrink=True),
                   gpu=dict(examples=5, shards=6, max_len=300, shrink=False))
-HEAD_DIMS = (16, 24, 32, 40, 64, 80, 128)
+HEAD_DIMS = (1, 8, 12, 16, 24, 32, 40, 64, 80, 128)
 MASK_SHAPES_4D = ("LqLk", "1Lk", "B11Lk", "B1LqLk", "1HLqLk", "BHLqLk")
 MASK_SHAPES_3D = ("LqLk", "1Lk", "HLqLk")
 

@@ -38,7 +38,7 @@ def paged_cases(draw, backend):
     Lq = draw(st.integers(1, 4))
     H_kv = draw(st.integers(1, 2))
     group = draw(st.integers(1, 3))
-    D = draw(st.sampled_from((16, 24, 32, 40)))
+    D = draw(st.sampled_from((8, 16, 24, 32, 40)))
     Dv = draw(st.sampled_from((D, 16, 24)))
     fp8 = draw(st.integers(0, 4)) == 0
     dtype = draw(st.sampled_from((torch.float16, torch.bfloat16) if fp8 else

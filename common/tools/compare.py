@@ -76,7 +76,7 @@ FEATURE_TABLE = [
     ("float16 / bfloat16 / float32", "yes", "yes", "yes"),
     ("3-D (H, L, D) and 4-D (B, H, L, D) inputs", "yes", "yes", "yes"),
     ("any Lq, Lk >= 1; Lq != Lk; top-left causal", "yes", "yes", "yes"),
-    ("head dims 16-256, not only powers of two", "yes", "yes", "yes (any)"),
+    ("head dims 1-256, not only powers of two", "yes", "yes", "yes (any)"),
     ("value head dim != query/key head dim", "yes", "yes", "yes"),
     ("any strides (no copies)", "yes", "yes", "yes"),
     ("grouped-/multi-query heads (enable_gqa)", "yes, in the kernel", "yes, in the arrangement", "yes"),
