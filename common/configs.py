@@ -112,9 +112,9 @@ def next_power_of_2(n: int) -> int:
 
 def padded_head_dim(head_dim: int) -> int:
     """The tile width a head dim is padded to: the next power of two, at least 16 (tl.dot's least),
-    and 32 for head dims under 16. A 16-wide tile of a masked head dim is loaded row by row and kept
-    in a 32-byte swizzle, which the sm_90 compiles (triton 3.6) read wrongly as a product's
-    operand; 32 wide, the zeros cost little at such head dims."""
+    and 32 for head dims under 16, the width they were verified at on sm_90 (a masked 16-wide value
+    tile beside a 32-wide key tile went wrong there: see ``plan.tile_widths``); the zeros cost little
+    at such head dims."""
     return 32 if head_dim < 16 else max(16, next_power_of_2(head_dim))
 
 
