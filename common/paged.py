@@ -296,7 +296,8 @@ def _layout(chosen, query, key_cache, value_cache, block_table, cache_seqlens, i
     if features is None:
         return None
     return (chosen.name, chosen.interpreted(), planning.reuse_key(), paged_config, is_causal, scale, enable_gqa,
-            features, query.stride(), *((t.shape, t.dtype, t.device) for t in tensors))
+            features, query.stride(), planning.width_class(query, key_cache, value_cache),
+            *((t.shape, t.dtype, t.device) for t in tensors))
 
 
 def _feature_key(window, softcap, sinks, alibi_slopes, cache_leftpad, query_lengths, return_lse, k_descale,
@@ -666,7 +667,9 @@ def _make_plan(backend, query, key_cache, value_cache, block_table, cache_seqlen
             plan.query, plan.group = packed, 1
             plan.sinks, plan.alibi = (planning.packed_rows(rows, packed) for rows in (plan.sinks, plan.alibi))
     _, Hp, Lqp, _ = plan.query.shape
-    plan.block_d, plan.block_dv = padded_head_dim(D), padded_head_dim(Dv)
+    # (one width for both tiles where an input is read element by element: planning.tile_widths)
+    plan.block_d, plan.block_dv = planning.tile_widths(padded_head_dim(D), padded_head_dim(Dv), plan.query,
+                                                       key_cache, value_cache)
     plan.config = paged_config(backend.name, plan.block_d, plan.block_dv, Lqp, query.dtype, key_cache.dtype)
     plan.m_blocks = -(-Lqp // plan.config.block_m)
     max_pages = block_table.shape[1]

@@ -629,7 +629,9 @@ def paged_forward(plan):
     # (each page's keys viewed as tiles of `tile`: premake_paged's caches)
     tiles = (kc.shape[1] // tile, tile)
     values = vc.permute(0, 2, 3, 1).unflatten(3, tiles) if value_columns else vc.unflatten(1, tiles)
-    _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns,
+    widths = _widened(plan, D, Dv)
+    widths = widths if widths != (None, None) else ()  # (the kernels' names unchanged)
+    _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns, *widths,
           num_warps=num_warps, num_stages=config.num_stages, maxnreg=maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
         q, kc.unflatten(1, tiles), values, plan.block_table, plan.cache_seqlens,

@@ -317,13 +317,18 @@ def append_application(key, value, key_cache, value_cache, block_table, cache_se
             value_cache[page, pos % PAGE] = value
 
 
-def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None, value_columns=False):
+def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None, value_columns=False, block_d=None,
+                  block_dv=None):
     """Paged attention over pages in tiles of ``tile`` keys; with ``pages_per_split``, its
     split variant; with ``value_columns``, the variant for value pages stored column-major, the
-    value cache given as (num_pages, H_kv, Dv, PAGE) (see ``paged_arrangement``)."""
+    value cache given as (num_pages, H_kv, Dv, PAGE) (see ``paged_arrangement``). ``block_d``,
+    ``block_dv``: the tiles' widths where the plan widens one (``common.plan.tile_widths``), else
+    None for the padded head dims."""
     arrangement_ = functools.partial(
-        paged_arrangement, block_m=block_m, tile=tile, block_d=padded_head_dim(head_dim),
-        block_dv=padded_head_dim(head_dim_v), pages_per_split=pages_per_split, value_columns=value_columns,
+        paged_arrangement, block_m=block_m, tile=tile,
+        block_d=block_d if block_d is not None else padded_head_dim(head_dim),
+        block_dv=block_dv if block_dv is not None else padded_head_dim(head_dim_v),
+        pages_per_split=pages_per_split, value_columns=value_columns,
     )
     split = pages_per_split is not None
     # (fills 0.0, a float: Triton converts no integer to an 8-bit float, and FP8 caches take these loads)

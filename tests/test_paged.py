@@ -385,6 +385,29 @@ def test_paged_plan_reused(backend, splits, monkeypatch):
                         backend=backend)
 
 
+def test_paged_tile_widths_follow_alignment(backend):
+    """The paged plan keeps the dense rule (``common.plan.tile_widths``): key and value tiles of two
+    widths only where every input is read in 16-byte pieces, one width where the query starts off
+    alignment; a kept plan tells the two layouts apart, and both give the right answer."""
+    import common.paged as paged
+
+    paged._templates.clear()
+    lens, H, H_kv, D, Dv, page = [37, 20], 4, 2, 64, 32, 16
+    key_cache, value_cache, block_table, seqlens, keys, values = _cache(lens, H_kv, D, Dv, page, f32)
+    aligned = torch.randn(len(lens), H, 1, D, device=DEVICE)
+    misaligned = torch.randn(aligned.numel() + 1, device=DEVICE)[1:].view(aligned.shape)  # (4 bytes past)
+    misaligned.copy_(aligned)
+    widths = [(plan.block_d, plan.block_dv) for plan in (
+        paged._make_plan(get_backend(backend), q, key_cache, value_cache, block_table, seqlens, False, 0.125)
+        for q in (aligned, misaligned))]
+    assert widths == [(64, 32), (64, 64)]
+    expected = _reference(aligned, keys, values, False)
+    for q in (aligned, misaligned, misaligned, aligned):  # (kept plans, both layouts)
+        out = paged_attention(q, key_cache, value_cache, block_table, seqlens, enable_gqa=True, backend=backend)
+        torch.testing.assert_close(out.double(), expected, rtol=2e-4, atol=2e-4)
+    assert len(paged._templates) == 2
+
+
 @pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
 def test_paged_leftpad_reads_nothing_before_it(backend, splits, value_columns):

@@ -6,7 +6,8 @@ process's CUDA context, not the probe): forward and backward checked against flo
 A case names its head dims, lengths, causal flag and each tensor's layout: ``c`` contiguous,
 ``t`` a view of a (B, L, H, D) buffer, ``m`` contiguous but one element off 16-byte alignment,
 ``tm`` both. The layouts of query, key, value and the output's gradient are given in that
-order. Small head dims (16-wide tiles) are where the compiled code differs most between these
+order. ``paged_`` cases run paged_attention over caches whose rows are off 16-element units
+(PAGED_CASES). Small head dims (16-wide tiles) are where the compiled code differs most between these
 layouts: a row-by-row load into registers and a 32-byte-swizzled shared tile instead of
 asynchronous copies. ``--sanitize``: each case under compute-sanitizer's memcheck too.
 Prints one line a case and backend: ok, refused (the backend does not take the head dim),
@@ -59,6 +60,19 @@ CASES = {
     "d8_misaligned_all": (8, 8, 40, 40, False, "m m m m"),
 }
 
+# paged_attention (forward only): name: (D, Dv, page, H_kv, the query's layout, value pages "rows" or
+# "columns"); float16, caches (num_pages, page, H_kv, D | Dv) with rows of D * H_kv elements (off
+# 16-element units where that product is)
+PAGED_CASES = {
+    "paged_d40_dv24_rows": (40, 24, 16, 1, "c", "rows"),
+    "paged_d40_dv24_misaligned_query": (40, 24, 16, 1, "m", "rows"),
+    "paged_d24_dv16_misaligned_query": (24, 16, 32, 1, "m", "rows"),
+    "paged_d64_dv32_misaligned_query": (64, 32, 16, 2, "m", "rows"),
+    "paged_d64_dv32_columns": (64, 32, 16, 2, "c", "columns"),
+    "paged_d40_dv24_columns_page3": (40, 24, 3, 1, "m", "columns"),
+}
+CASES.update(PAGED_CASES)
+
 
 def _tensor(layout, shape, dtype, device):
     """A (B, H, L, D) tensor in ``layout`` (see the module's docstring), standard normal."""
@@ -73,8 +87,38 @@ def _tensor(layout, shape, dtype, device):
     return t.transpose(1, 2) if transposed else t
 
 
+def run_paged(name, backend):
+    """A PAGED_CASES case in this process, against float64 attention of each sequence's keys."""
+    from common import paged_attention
+    from tests.conftest import DEVICE
+    from tests.test_paged import _cache, _reference
+
+    D, Dv, page, H_kv, layout, values = PAGED_CASES[name]
+    torch.manual_seed(0)
+    lens, H = [300, 77, 0, 161], 4 * H_kv
+    key_cache, value_cache, table, seqlens, keys, vals = _cache(lens, H_kv, D, Dv, page, torch.float16)
+    if values == "columns":  # each value page stored (H_kv, Dv, page)
+        value_cache = value_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    query = _tensor(layout, (len(lens), H, 2, D), torch.float16, DEVICE)
+    try:
+        out = paged_attention(query, key_cache, value_cache, table, seqlens, True, enable_gqa=True,
+                              backend=backend)
+    except ValueError as error:
+        print(f"refused: {error}")
+        return 0
+    try:
+        torch.testing.assert_close(out.double(), _reference(query, keys, vals, True), rtol=1e-2, atol=1e-2)
+    except AssertionError as error:
+        print(f"wrong: {' '.join(str(error).split())[:300]}")
+        return 1
+    print("ok")
+    return 0
+
+
 def run_one(name, backend):
     """The case in this process: prints ok, refused or wrong; an illegal access ends it."""
+    if name in PAGED_CASES:
+        return run_paged(name, backend)
     from common import attention
     from tests.cases import check_grads, check_output
     from tests.conftest import DEVICE  # (and the interpreter, without a GPU)
