@@ -1,43 +1,23 @@
 #!/usr/bin/env bash
 # One call on the lent H200: tests, demo, benchmark, probes; logs under $OUT.
 # Usage (device tool, carry [".whl"]): bash tools/h200.sh STAGE...
-# stages: probe test test1 test2 test3 memtest rest test-x2 bound-check maxnreg tune-fwd-nt tune-fwd-nt-dims test-seq sanitize fuzz demo bench bench-full bench-table bench-x2 bench-fp8 bench-bwd bench-fwd4k tune tune-fp8 tune-bwd tune-gluon bwd-tune-nt tune64 tune128 quirks compare
-#         serving (the paged, varlen and FlashAttention-interface tests, then the paged probe over page sizes);
-#         serving-bench (generate_batch's tokens a second); paged-join (NineToothed's joined small-page tiles timed);
-#         paged-joined (the joined form: a chunked prefill timed, the paged tests with it on);
-#         fp8-paged (the paged FP8 decode's tiles swept); serving-one (issue 45's serving figures in one call);
-#         peel-tests (branch paged-peel's paged and FP8 tests, the join on, in one call);
-#         fma-tests, fma-tiles (branch fp8-fma's tests and its A/B against main; the FP8 tiles, tl and Gluon);
-#         owed-ab (branch owed against main: the FP8 prefill, NineToothed's forward)
-#         pv-order (branch fp8-pv-order: its FP8 and Gluon tests, the FP8 prefill probe against main's tree)
-#         gluon-persistent (the Gluon forward's persistent programs: their tests, then the Gluon probe in bf16)
-#         one-call (where one call is all the device time there is: the riskiest tests of branch gluon-persistent,
-#         its Gluon FP8 and persistent ones, the FP8 and paged suites with the join on, then the Gluon and FP8 probes)
-#         test1-mem, rest2 (the suite in two calls, the memory test beside test1 instead of test2 and test3);
-#         gluon (the Gluon forward's tests and probe); gluon-owed (the Gluon tests, then the FP8 and backward probes);
-#         gluon-owed2 (the Gluon tests, the backward probe, the tile sweeps); test1-tail (test1 beside the memory
-#         test and test3's last files)
-#         fp8 (the FP8 tests, then the FP8 probe: prefill and decode against bf16 and SDPA); nt-tiles (NineToothed's
-#         paged FP8 decode at 8 / 4 / 2 tiles a step of pages of 16, then the cold first call); paged-locality
-#         (Triton's paged FP8 decode by page size, the table shuffled or in order); paged-check (the paged and
-#         FP8 tests of both backends, then the paged FP8 decode by backend and page size, shipped and PAGED_ALT);
-#         paged-batch (the paged FP8 decode at pages of 16 at B 64, where the plan caps registers); paged-splits
-#         (the paged FP8 decode at pages of 16 with 8 and 16 splits forced, both backends); f32-tiles (the
-#         float32 tests, then float32's first call and speed with its own tiles and with the 16-bit ones)
-#         gluon-fp8 (both stages' tests side by side, then both probes)
-#         owed (the FP8 decode probe, NineToothed's small backward)
-#         ab-bench (AB_TREES: forward throughput of both backends in each tree and here)
-#         ab (AB_PROBES="features bandwidth", AB_TREES="ab ab2": the probes in those trees and in this one)
-#         fa-suite (FlashAttention's own tests/test_flash_attn.py, carried unchanged in .fa/ (carry ".fa"), on
-#         common.flash_attn_interface through tools/fa_suite/run.py: FA_PER_TEST cases of each test function,
-#         each backend; its 250-iteration race test left out)
-#         ring-test ring-bench ring-bench-long (two GPUs: kind nvidia-h200-x2)
-#         gluon-tiles (the Gluon forward's tiles swept, persistent programs too; PROBE_GLUON_DIMS, _LENGTHS)
-#         ncu (Nsight Compute's counters of one call of each of NCU_CASES, tools/ncu_targets.py, ours beside SDPA's:
-#         the details page, every raw metric (CSV), the SASS lines' stall samples and tools/ncu_stalls.py's reading
-#         of them, as ncu_CASE.* in $OUT/ncu.tgz)
-#         layouts (tools/layout_probe.py's cases, plain and under memcheck)
-#         require-h200 (ends the call unless the card is an H200: put it first)
+# What a kernel change owes the GPU, a call each: `test1-mem`, `rest2` (the whole suite), `fuzz layouts`.
+# stages:
+#   require-h200 (ends the call unless the card is an H200: put it first)
+#   tests: test (all at once), test1 test2 test3 (the suite in three parts), rest (test2, test3 and the memory
+#     test side by side), test1-mem + rest2 (the suite in two calls), memtest, test-x2 (two GPUs), test-seq
+#     (one process); fuzz (the three fuzzers, the GPU profile); layouts (tools/layout_probe.py's cases, plain
+#     and under memcheck); sanitize (memcheck and racecheck over every kernel); fa-suite (FlashAttention's own
+#     tests/test_flash_attn.py, carried unchanged in .fa/ (carry ".fa"), on common.flash_attn_interface through
+#     tools/fa_suite/run.py: FA_PER_TEST cases of each test function, each backend; its 250-iteration race test
+#     left out); gluon, fp8, paged-check, serving (a feature's tests, then its probe); ring-test (two GPUs)
+#   timings: bench, bench-full (BENCHMARKS.md's run, --write), bench-table (the committed table's bf16 forward and
+#     backward in one call), bench-fp8, bench-bwd, bench-fwd4k, bench-x2 (two GPUs); compare; demo; probe;
+#     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
+#     paged FP8 decode's tiles swept); gluon-tiles (the Gluon forward's tiles swept); maxnreg; quirks; ring-bench,
+#     ring-bench-long (two GPUs); ncu (Nsight Compute's counters of NCU_CASES, tools/ncu_targets.py)
+#   tuning: tune, tune64, tune128, tune-bwd, tune-fp8, tune-gluon, tune-fwd-nt, tune-fwd-nt-dims
+#   A/B of a change: ab (AB_PROBES in each of AB_TREES and here), ab-bench (forward throughput in each tree)
 # (any other word runs as a shell command)
 set -uo pipefail
 # (once a call: the stages a stage runs side by side, as `rest` does, find it installed)
@@ -56,11 +36,6 @@ HALF3="$REST --ignore=tests/test_paged.py --ignore=tests/test_varlen.py --ignore
 # the memory test compiles a kernel for each class of 10,000 calls' lengths, one after another (NineToothed's
 # pass ran past 400 s): a stage of its own, both backends at once, so that test3 fits a call
 MEMTEST="tests/test_reliability.py::test_no_growth_over_10000_calls"
-# NineToothed's joined paged form (PAGED_JOIN) switched on in this copy of the tree (a no-op since it is the default)
-paged_join_on() {
-  sed -i 's/^PAGED_JOIN = False$/PAGED_JOIN = True/' impl_ninetoothed/attention.py
-  grep -q '^PAGED_JOIN = True$' impl_ninetoothed/attention.py || { echo "PAGED_JOIN not switched"; exit 1; }
-}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -100,70 +75,17 @@ for stage in "$@"; do
     test-x2) CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m pytest $HALF1 -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest1.log" 2>&1 &
              CUDA_VISIBLE_DEVICES=1 timeout 570 python3 -m pytest $REST -q -n 14 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest2.log" 2>&1; wait
              tail -8 "$OUT/pytest1.log"; tail -8 "$OUT/pytest2.log" ;;
-    # The bound launch (common.plan.launch_bound): its tests, then where a reused call's host time goes.
-    bound-check) timeout 300 python3 -m pytest tests/test_attention.py tests/test_backends.py tests/test_seed.py -q -n 12 -p no:cacheprovider --tb=short -rfE -k "bound or plan_reuse or homework or backend or seed" 2>&1 | tail -6 | tee "$OUT/bound_tests.log"
-                 timeout 200 python3 tools/probe.py steps loop 2>&1 | tee "$OUT/bound_steps.log" ;;
     test-seq) timeout 420 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     # The Gluon Hopper forward: its tests (both variants against SDPA), then its speed against the tl kernel
     # and SDPA; the whole suite through it: ATTENTION_GLUON=1 bash tools/h200.sh test1 rest
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
-    # what the Gluon work of 2026-12-04 owes the GPU: the Gluon tests (the backward's and FP8's included), then the
-    # FP8 ping-pong forward's and the backward's probes, and the Gluon path's host cost a call
-    gluon-owed) timeout 240 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -25 | tee "$OUT/gluon_tests.log"
-                timeout 150 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log"
-                timeout 150 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log"
-                timeout 90 python3 tools/probe.py gluon_host 2>&1 | tee "$OUT/gluon_host.log" ;;
-    # test1 beside the memory test and the transformers, README and reliability tests (what test3 reaches last):
-    # with test2 and test3 run the call before, the suite in two calls
-    test1-tail) (timeout -s INT 540 python3 -m pytest tests/test_transformers.py tests/test_readme.py tests/test_reliability.py --deselect "$MEMTEST[triton]" --deselect "$MEMTEST[ninetoothed]" -v -n 2 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest_tail.log" 2>&1; tail -8 "$OUT/pytest_tail.log" > "$OUT/tail.out") &
-                (bash "$0" memtest > "$OUT/memtest.out" 2>&1) &
-                TEST_TIMEOUT=545 bash "$0" test1 > "$OUT/test1.out" 2>&1; wait
-                tail -24 "$OUT/test1.out"; cat "$OUT/tail.out"; tail -8 "$OUT/memtest.out" ;;
-    # what the Gluon work after the device time of 2026-12-04 owes the GPU: the Gluon tests (the overlapped and
-    # one-pass backward, three consumer warp groups), then the backward's probe (both overlaps, one pass) and
-    # the tile sweeps (16-bit with three consumers and consumers of 128 rows; FP8)
-    gluon-owed2) timeout 200 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -25 | tee "$OUT/gluon_tests.log"
-                 timeout 170 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log"
-                 timeout 150 python3 tools/probe.py gluon_tiles 2>&1 | tee "$OUT/gluon_tiles.log"
-                 timeout 80 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
-    # the probes that time host work a call (the FP8 decode's wall time, NineToothed's small backward); run
-    # beside the suite's parts on a tree with the owed branches merged: owed test1, then rest
-    owed) timeout 120 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log"
-          timeout 60 python3 tools/probe.py nt_bwd_small 2>&1 | tee "$OUT/nt_bwd_small.log" ;;
-    # NineToothed's paged FP8 decode at pages of 16, 8 / 4 / 2 tiles a step (its 8 spill with column-major value
-    # pages, compiled for sm_90), then the cold first call with the code cache kept between processes
-    nt-tiles) PROBE_PAGES=16 PROBE_BACKENDS=ninetoothed PROBE_SWITCHES="tiles8 tiles4 tiles2" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/nt_tiles.log"
-              timeout 280 python3 tools/probe.py cold 2>&1 | tee "$OUT/cold.log" ;;
-    # the paged FP8 decode at pages of 16, B 8, both backends, split into 8 and 16 key ranges beside the plan's 4:
-    # whether NineToothed's 2-warp programs (one warp a scheduler at 2 programs an SM) want more of them on an H200
-    paged-splits) PROBE_PAGES=16 PROBE_BACKENDS="ninetoothed triton" PROBE_SWITCHES="splits:8 splits:16" timeout 240 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_splits.log" ;;
-    # float32's own tiles (every product in registers): the suite's float32 tests, then the probe with empty
-    # compile caches (the first call's seconds are its compiles), against the 16-bit tiles float32 took before
-    f32-tiles) timeout 240 python3 -m pytest tests -k "float32 or f32" -q -n 14 -p no:cacheprovider --tb=short -rfE --durations=6 2>&1 | tail -16 | tee "$OUT/f32_tests.log"
-               TRITON_CACHE_DIR=$(mktemp -d) TWIN_ATTENTION_CACHE_DIR=$(mktemp -d) timeout 330 python3 tools/probe.py float32_tiles 2>&1 | tee "$OUT/f32_tiles.log" ;;
-    # NineToothed's FP8 pages of 16 at a large batch (B 64, Lk 4k and 16k), where the plan caps a launch's registers
-    # (its 2-warp column launch takes no cap), against Triton's, shipped and PAGED_ALT
-    paged-batch) PROBE_B=64 PROBE_LK="4096 16384" PROBE_PAGES="16" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-plan-warps}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_batch.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
     # paged FP8 decode at pages of 16, 32 and 64, both backends, shipped and under PAGED_ALT (PROBE_SWITCHES words)
     paged-check) timeout 260 python3 -m pytest tests/test_paged.py tests/test_fp8.py tests/test_launch.py tests/test_flash_attn_interface.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/paged_tests.log"
                  PROBE_PAGES="16 32 64" PROBE_BACKENDS="triton ninetoothed" PROBE_SWITCHES="${PAGED_ALT:-small-warps4 cfg:-,2,5}" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8.log" ;;
-    # Triton's paged FP8 decode by page size and page order (benchmarks/NOTES.md has what it showed)
-    paged-locality) timeout 200 python3 tools/probe.py paged_fp8_locality 2>&1 | tee "$OUT/paged_locality.log" ;;
     fp8) timeout 240 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 8 -p no:cacheprovider --tb=short -rfEP 2>&1 | grep -v "^$" | tail -40 | tee "$OUT/fp8_tests.log"
          timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
-    # Gluon's and FP8's tests side by side, then their probes one after the other (one call)
-    gluon-fp8) (timeout 200 python3 -m pytest tests/test_gluon.py -q -n 6 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/gluon_tests.log") &
-               timeout 200 python3 -m pytest tests/test_fp8.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/fp8_tests.log"; wait
-               cat "$OUT/gluon_tests.log" "$OUT/fp8_tests.log"
-               timeout 170 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log"
-               timeout 190 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
-    # FP8's tests beside the default path's (Gluon at D 256: its tests and the suite's D 256 cases), then the FP8 probe
-    fp8-d256) (timeout 200 python3 -m pytest tests -k "256 or default_path or switch" -q -n 6 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/d256_tests.log") &
-              timeout 200 python3 -m pytest tests/test_fp8.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 > "$OUT/fp8_tests.log"; wait
-              cat "$OUT/d256_tests.log" "$OUT/fp8_tests.log"
-              timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_probe.log" ;;
     demo) timeout 180 python3 -m common demo 2>&1 | tee "$OUT/demo.log" ;;
     bench) timeout 300 python3 -m common bench --lengths 1024 4096 16384 --out /tmp/bench --markdown "" 2>&1 | tail -400 > "$OUT/bench.log"; cp /tmp/bench/results.json "$OUT/" ;;
     # FP8's rows for BENCHMARKS.md with their bf16 twins (throughput at 4k and 16k, decode) in one run;
@@ -179,8 +101,6 @@ for stage in "$@"; do
                CUDA_VISIBLE_DEVICES=1 timeout 220 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/b-bwd --markdown "") > "$OUT/bench_bf16.log" 2>&1; wait
               cp /tmp/b-fp16/results.json "$OUT/results_fp16.json"; cp /tmp/b-bf16/results.json "$OUT/results_bf16.json"; cp /tmp/b-bwd/results.json "$OUT/results_bwd.json"
               tail -3 "$OUT/bench_fp16.log" "$OUT/bench_bf16.log" ;;
-    # NineToothed's backward keys not tuned yet (2026-12-01: the D 64 six and D 128 causal L 1k took one call)
-    bwd-tune-nt) BWD_TUNE_KEYS="${BWD_TUNE_KEYS:-128:full:1024 128:full:16384 128:causal:16384}" timeout 560 python3 tools/probe.py bwd_tune 2>&1 | tee "$OUT/bwd_tune.log" ;;
     # NineToothed's forward table again (its D 64 causal 4k entry ran 14% under another candidate on 2026-12-01;
     # on 19:48 UTC it was the fastest again)
     tune-fwd-nt) timeout 450 python3 -m common tune --backends ninetoothed --passes fwd 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
@@ -215,56 +135,6 @@ for stage in "$@"; do
     layouts) timeout ${LAYOUT_TIMEOUT:-200} python3 tools/layout_probe.py --jobs 8 ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts.log"
              [ "${LAYOUT_SANITIZE_TIMEOUT:-200}" = 0 ] || timeout ${LAYOUT_SANITIZE_TIMEOUT:-200} python3 tools/layout_probe.py --sanitize --jobs 8 ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts_sanitize.log" ;;
     fa-suite) for b in triton ninetoothed; do ATTENTION_BACKEND=$b FA_PER_TEST=${FA_PER_TEST:-100} timeout ${FA_TIMEOUT:-270} python3 tools/fa_suite/run.py .fa/test_flash_attn.py -q -n 8 -rfE --tb=short -k "not race_condition" > "$OUT/fa_suite_$b.log" 2>&1; tail -12 "$OUT/fa_suite_$b.log"; done ;;
-    # NineToothed's paged kernel with a step's tiles of small pages joined (PAGED_JOIN), and at 4 tiles a step,
-    # against the shipped form and Triton's: bf16 pages of 16 and 64, then FP8 caches
-    paged-join) PROBE_PAGES="16 64" timeout 200 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged_join.log"
-                timeout 260 python3 tools/probe.py fp8_decode 2>&1 | tee "$OUT/fp8_decode.log" ;;
-    # NineToothed's joined paged form (PAGED_JOIN): a chunked prefill through pages of 16 and 64 timed, then
-    # the paged tests of both backends (16-bit and FP8) with the join switched on in this copy of the tree
-    paged-joined) timeout 100 python3 tools/probe.py paged_prefill 2>&1 | tee "$OUT/paged_prefill.log"
-                paged_join_on
-                timeout 400 python3 -m pytest tests/test_paged.py tests/test_fp8.py -k "paged" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/paged_tests.log" ;;
-    # branch paged-peel's tests in one call: the paged tests of both backends with the join switched on (in this
-    # copy of the tree), beside the FP8 tests and FP8-cache generation; then the chunked-prefill probe
-    peel-tests) paged_join_on
-                (timeout 420 python3 -m pytest tests/test_paged.py tests/test_reliability.py -k "paged" -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/paged_tests.log" 2>&1) &
-                timeout 420 python3 -m pytest tests/test_fp8.py tests/test_transformers.py::test_generation_from_an_fp8_paged_cache -q -n 6 -p no:cacheprovider --tb=short -rfE > "$OUT/fp8_tests.log" 2>&1; wait
-                tail -8 "$OUT/paged_tests.log"; tail -8 "$OUT/fp8_tests.log"
-                timeout 100 python3 tools/probe.py paged_prefill 2>&1 | tee "$OUT/paged_prefill.log" ;;
-    # branch fp8-fma (in owed): the FP8 tests (tl and Gluon) and the FP8 compile tests, then the FP8 probe
-    # (prefill and decode, no tiles) in main's tree (carry "ab": `mkdir ab && git archive main | tar -x -C ab`)
-    # and in this one; fma-tiles: this tree's tl FP8 tiles (whether the D 64 table changes), then the Gluon
-    # FP8 tiles against the tl kernel's FP8 forward (whether FP8 goes to the Gluon kernel)
-    fma-tests) timeout 300 python3 -m pytest tests/test_fp8.py tests/test_tools.py tests/test_gluon.py -k "fp8 or sass" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/fma_tests.log"
-               cp tools/probe.py ab/tools/probe.py  # (the same probe in both trees: PROBE_FP8 is this one's)
-               PROBE_FP8="prefill decode" AB_PROBES=fp8 bash "$0" ab ;;
-    fma-tiles) PROBE_FP8="prefill sweep" timeout 300 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8_sweep.log"
-               timeout 250 python3 tools/probe.py gluon_tiles_fp8 2>&1 | tee "$OUT/gluon_tiles_fp8.log" ;;
-    gluon-persistent) timeout 300 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
-                      PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent persistent-q-late" timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log" ;;
-    # branches align-keys and masked-plans where a call is short: the bound launches' alignment keys and the
-    # masked calls' kept plans (compiled kernels per pattern of the inputs' and masks' alignments), both backends
-    masked-gpu) timeout 400 python3 -m pytest tests/test_attention.py tests/test_launch.py tests/test_fp8.py tests/test_gluon.py tests/test_transformers.py -k "mask or plan or bound or alignment or keep or reuse or static" -q -n 14 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -12 | tee "$OUT/masked_tests.log" ;;
-    # the persistent Gluon programs' GPU tests (causal pairs, the Q prefetch, FP8 through them), then their speed
-    pp-one) timeout 200 python3 -m pytest tests/test_gluon.py -k "persistent or compiles or bound or fp8" -q -n 16 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8 | tee "$OUT/persistent_tests.log"
-            PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent persistent-q-late" timeout 200 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log"
-            timeout 100 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log" ;;
-    one-call) paged_join_on
-              timeout -s INT 230 python3 -m pytest tests/test_gluon.py tests/test_fp8.py tests/test_paged.py -k "persistent or fp8 or bound or compiles or paged" -v -n 16 -p no:cacheprovider --tb=short -rfE > "$OUT/one_tests.log" 2>&1
-              grep -c PASSED "$OUT/one_tests.log"; tail -12 "$OUT/one_tests.log"
-              PROBE_GLUON_DTYPES=bfloat16 PROBE_GLUON_VARIANTS="pingpong persistent" timeout 100 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon.log"
-              timeout 90 python3 tools/probe.py gluon_fp8 2>&1 | tee "$OUT/gluon_fp8.log"
-              PROBE_FP8=prefill timeout 130 python3 tools/probe.py fp8 2>&1 | tee "$OUT/fp8.log" ;;
-    # branch owed's A/B against main (carry "ab": `mkdir ab && git archive main | tar -x -C ab`): the FP8 prefill
-    # (fp8-fma; the same probe in both trees), then NineToothed's forward (nt-one-head; Triton's from main's tree)
-    owed-ab) cp tools/probe.py ab/tools/probe.py
-             for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD PROBE_FP8=prefill timeout ${AB_FP8_TIMEOUT:-150} python3 tools/probe.py fp8); done 2>&1 | tee "$OUT/owed_fp8.log"
-             AB_TREES=ab AB_HERE=ninetoothed AB_TIMEOUT=${AB_TIMEOUT:-140} bash "$0" ab-bench ;;
-    # branch fp8-pv-order: the FP8 and Gluon tests, then the FP8 prefill probe in main's tree (ab) and this one
-    # (here "fp8" reads values copied in the P·V order, "V given col-major" the same kernels in key order)
-    pv-order) timeout 260 python3 -m pytest tests/test_fp8.py tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/pv_tests.log"
-              cp tools/probe.py ab/tools/probe.py
-              for tree in ab .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD PROBE_FP8=prefill timeout ${AB_FP8_TIMEOUT:-150} python3 tools/probe.py fp8); done 2>&1 | tee "$OUT/pv_order_fp8.log" ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
     fp8-paged) PROBE_BACKENDS="${PROBE_BACKENDS:-triton ninetoothed}" timeout 420 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
