@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import operator
 import os
 import pathlib
 import re
@@ -102,9 +101,11 @@ def simplified(source: str) -> str:
     tile's mask from every level of its arrangement, repeating the bounds of each program index
     once per level (a key tile's load carried over 60 terms, most of them copies, and sums such as
     ``n - 1 + 1 - 1 + 1``), which Triton's front end and backend then walk again for every load.
-    Each mask, an ``&`` of terms, keeps one copy of each term and drops the terms that compare two
-    integer constants and hold (``0 < 1``); ``(x - c) + c`` and ``(x + c) - c`` become ``x``. The
-    same boolean values, tensor shapes and integers: only the text is shorter. Source that does
+    Each mask, an ``&`` of terms, keeps one copy of each term and drops the terms that hold whatever
+    the program computes (:func:`_holds`: ``0 < 1``, an ``arange(0, 64)`` below 64, a remainder by 1
+    of an index at least 0); ``(x - c) + c`` and ``(x + c) - c`` become ``x``. The same boolean values
+    (a mask broadcasts to its pointers' shape either way) and integers: only the text is shorter,
+    which is what Triton's front end, and its interpreter, walk term by term. Source that does
     not parse, or holds nothing to prune, is returned as it is (comments and layout kept)."""
     try:
         tree = ast.parse(source)
@@ -124,16 +125,74 @@ def _mask_terms(node) -> list:
 
 
 def _holds(node) -> bool:
-    """Whether a mask term is ``True`` or a comparison of two integer constants that holds."""
+    """Whether a mask term is ``True`` or a comparison that holds for every value of its integer
+    operands' ranges (:func:`_int_range`): ``0 < 1``, ``arange(0, 64)[:, None] < 64``, ``i % 1 >= 0``."""
     if isinstance(node, ast.Constant):
         return node.value is True
-    if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.left, ast.Constant)
-            and isinstance(node.comparators[0], ast.Constant)):
+    if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
         return False
-    a, b = node.left.value, node.comparators[0].value
-    compare = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
-               ast.Eq: operator.eq, ast.NotEq: operator.ne}.get(type(node.ops[0]))
-    return type(a) is int and type(b) is int and compare is not None and compare(a, b)
+    a, b = _int_range(node.left), _int_range(node.comparators[0])
+    if a is None or b is None:
+        return False
+    op = type(node.ops[0])
+    return {ast.Lt: lambda: a[1] < b[0], ast.LtE: lambda: a[1] <= b[0], ast.Gt: lambda: a[0] > b[1],
+            ast.GtE: lambda: a[0] >= b[1], ast.Eq: lambda: a[0] == a[1] == b[0] == b[1]}.get(op, lambda: False)()
+
+
+# Names of NineToothed's generated code that hold integers: a tensor's program-index coordinates
+# (``ninetoothed_tensor_3_index_1``) and its sizes and strides (``ninetoothed_ninetoothed_tensor_3_size_2``).
+_INT_NAME = re.compile(r"ninetoothed_tensor_\d+_index_\d+|ninetoothed_ninetoothed_tensor_\d+_(size|stride)_\d+")
+
+
+def _arange(node) -> tuple[int, int] | None:
+    """(start, end) of ``....arange(start, end)`` with integer constants, indexed or not (``[:, None]``)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if (isinstance(node, ast.Call) and not node.keywords and len(node.args) == 2
+            and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "arange"
+            and all(isinstance(a, ast.Constant) and type(a.value) is int for a in node.args)):
+        return node.args[0].value, node.args[1].value
+    return None
+
+
+def _is_int(node) -> bool:
+    """Whether ``node`` computes integers: integer constants, _INT_NAME names, aranges, and
+    ``+ - * // %`` of those."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    if isinstance(node, ast.Name):
+        return _INT_NAME.fullmatch(node.id) is not None
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, ast.USub) and _is_int(node.operand)
+    if isinstance(node, ast.BinOp):
+        return (isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod))
+                and _is_int(node.left) and _is_int(node.right))
+    return _arange(node) is not None
+
+
+def _int_range(node) -> tuple[int, int] | None:
+    """(least, greatest) of the integers ``node`` can take, where that is known from its text: an
+    integer constant; ``arange(a, b)`` (a to b - 1); ``x % 1`` and ``x * 0`` (0) of an integer x (a
+    remainder by 1 is 0 under either sign rule); sums, differences and negations of such. Else None."""
+    if isinstance(node, ast.Constant):
+        return (node.value, node.value) if type(node.value) is int else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int_range(node.operand)
+        return None if inner is None else (-inner[1], -inner[0])
+    if isinstance(node, ast.BinOp):
+        if isinstance(node.op, ast.Mod) and _is_int(node.left) and _int_range(node.right) == (1, 1):
+            return 0, 0
+        if isinstance(node.op, ast.Mult) and _is_int(node.left) and _is_int(node.right) and (
+                _int_range(node.left) == (0, 0) or _int_range(node.right) == (0, 0)):
+            return 0, 0
+        if isinstance(node.op, (ast.Add, ast.Sub)):
+            a, b = _int_range(node.left), _int_range(node.right)
+            if a is None or b is None:
+                return None
+            return (a[0] + b[0], a[1] + b[1]) if isinstance(node.op, ast.Add) else (a[0] - b[1], a[1] - b[0])
+        return None
+    bounds = _arange(node)
+    return None if bounds is None or bounds[1] <= bounds[0] else (bounds[0], bounds[1] - 1)
 
 
 class _Simplify(ast.NodeTransformer):

@@ -270,6 +270,8 @@ def test_triton_interpreter_annotations_and_arguments():
 def test_generated_masks_are_simplified_without_changing_their_value():
     """common.codecache.simplified: each mask term once, terms comparing two integer constants that
     hold dropped, a leading True kept, (x - c) + c folded; the values it computes are unchanged."""
+    import numpy as np
+
     from common.codecache import simplified
 
     source = ("def f(a, n, load):\n"
@@ -286,6 +288,26 @@ def test_generated_masks_are_simplified_without_changing_their_value():
     assert simplified("def broken(:\n") == "def broken(:\n"  # not Python: as it is
     # a mask whose terms all hold is left whole
     assert "mask=(0 < 1) & (1 >= 0)" in simplified("load(x, mask=(0 < 1) & (1 >= 0))\n")
+    # terms whose operands' integer ranges decide them: aranges against their bounds, remainders by 1
+    # and products by 0 of NineToothed's integer names; kept where the range does not decide or the
+    # name is not one of those (a float's remainder by 1 can be negative)
+    source = ("def g(ninetoothed_tensor_0_index_1, ninetoothed_ninetoothed_tensor_0_size_2, x, np, load):\n"
+              "    return load(x, mask=True & (np.arange(0, 4)[:, None] < 4) & (np.arange(0, 4)[None, :] >= 0)"
+              " & (ninetoothed_tensor_0_index_1 % 1 < 1) & (ninetoothed_tensor_0_index_1 % 1 * 0 >= 0)"
+              " & (ninetoothed_ninetoothed_tensor_0_size_2 * 0 < 1) & (np.arange(0, 4)[:, None] < 3)"
+              " & (x % 1 >= 0) & (np.arange(0, 4)[None, :] < ninetoothed_ninetoothed_tensor_0_size_2)"
+              " & (np.arange(0, 4)[None, :] + 1 - 1 <= 3) & (ninetoothed_tensor_0_index_1 < 2))\n")
+    short = simplified(source)
+    kept = short[short.index("mask="):]
+    assert kept.count("&") == 4 and "< 3" in kept and "x % 1 >= 0" in kept, kept
+    assert "< ninetoothed_ninetoothed_tensor_0_size_2" in kept and "index_1 < 2" in kept, kept
+    namespace_long, namespace_short = {}, {}
+    exec(source, namespace_long)  # noqa: S102 - the test's own source
+    exec(short, namespace_short)  # noqa: S102
+    for i, n, x in ((0, 3, 0.5), (1, 4, -0.5), (3, 2, 1.0)):
+        masks = [namespace["g"](i, n, x, np, lambda x, mask: np.broadcast_to(mask, (4, 4)))
+                 for namespace in (namespace_long, namespace_short)]
+        assert (masks[0] == masks[1]).all()
     # nothing to prune: the source as it is, its comments and layout kept (the code cache names and
     # writes what it was given)
     plain = "# generated\nimport triton\n\n\ny = load(x,  mask=a < n)  # one term\n"

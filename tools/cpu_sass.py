@@ -209,9 +209,11 @@ def _paged(args, backend, q, k, v, fp8, compiled) -> int:
     pages = -(-Lk // page)
     caches = []
     for x in (k, v):
-        padded = torch.zeros(B, H_kv, pages * page, D).to(x.dtype)
+        width = x.shape[3]  # (D, then the values' Dv)
+        padded = torch.zeros(B, H_kv, pages * page, width).to(x.dtype)
         padded[:, :, :Lk] = x
-        caches.append(padded.view(B, H_kv, pages, page, D).permute(0, 2, 3, 1, 4).reshape(B * pages, page, H_kv, D))
+        caches.append(padded.view(B, H_kv, pages, page, width).permute(0, 2, 3, 1, 4)
+                      .reshape(B * pages, page, H_kv, width))
     if args.value_columns:  # each value page column-major: (pages, H_kv, D, page) in memory
         caches[1] = caches[1].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     table = torch.arange(B * pages, dtype=torch.int32).view(B, pages)
@@ -220,8 +222,8 @@ def _paged(args, backend, q, k, v, fp8, compiled) -> int:
     with force_splits(args.splits):
         paged_attention(q, *caches, table, lengths, is_causal=args.causal, enable_gqa=q.shape[1] != H_kv,
                         backend=backend.name, **descales)
-    new = torch.randn(B, H_kv, q.shape[2], D, dtype=q.dtype)
-    append_kv(*caches, table, lengths - q.shape[2], new, new, backend=backend.name, **descales)
+    new_k, new_v = (torch.randn(B, H_kv, q.shape[2], x.shape[3], dtype=q.dtype) for x in (k, v))
+    append_kv(*caches, table, lengths - q.shape[2], new_k, new_v, backend=backend.name, **descales)
     return _report(args, compiled)
 
 
