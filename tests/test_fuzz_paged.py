@@ -3,11 +3,12 @@ sequence's dense keys (``tests.test_paged._reference``).
 
 Hypothesis draws the batch (empty sequences and sequences shorter than their queries too), the page size
 (1, 3, 16, 32, 48: NineToothed takes multiples of 16 only), shuffled block tables with spare pages, value
-pages row- or column-major, head dims and Dv != D, grouped-query groups, dtypes, the scale (negative too),
-causal or not, windows, soft-capping, sinks, ALiBi slopes per head or per sequence and head, left padding,
-per-sequence query lengths, the log-sum-exp, and the keys split into ranges or not; FP8 caches under a
-16-bit query, with their descales, in about one call in five. Same profiles as ``tests/test_fuzz.py``
-(FUZZ_PROFILE, FUZZ_EXAMPLES): a few small calls under the interpreter in CI, more and longer on the GPU.
+pages row- or column-major, head dims and Dv != D, the query off 16-byte alignment, grouped-query groups,
+dtypes, the scale (negative too), causal or not, windows, soft-capping, sinks, ALiBi slopes per head or per
+sequence and head, left padding, per-sequence query lengths, the log-sum-exp, and the keys split into ranges
+or not; FP8 caches under a 16-bit query, with their descales, in about one call in five. Same profiles as
+``tests/test_fuzz.py`` (FUZZ_PROFILE, FUZZ_EXAMPLES): a few small calls under the interpreter in CI, more and
+longer on the GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def paged_cases(draw, backend):
                 if draw(st.integers(0, 3)) == 0 else None,
                 query_lengths=draw(st.lists(st.integers(0, Lq), min_size=B, max_size=B))
                 if draw(st.integers(0, 3)) == 0 else None,
-                return_lse=draw(st.booleans()), splits=draw(st.sampled_from((None, 2, 3))))
+                return_lse=draw(st.booleans()), splits=draw(st.sampled_from((None, 2, 3))),
+                misaligned=draw(st.integers(0, 3)) == 0)
     return case
 
 
@@ -92,6 +94,8 @@ def _paged_inputs(case):
     if case["value_columns"]:  # each value page stored (H_kv, Dv, page): column-major
         caches[1] = caches[1].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     query = torch.randn(B, case["H"], case["Lq"], D, device=DEVICE).to(dtype)
+    if case["misaligned"]:  # one element past a 16-byte boundary: no vector copies of its rows
+        query = torch.empty(query.numel() + 1, dtype=dtype, device=DEVICE)[1:].view(query.shape).copy_(query)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return query, caches, table, seqlens, descales, keys, values
 
