@@ -6,8 +6,9 @@
 #   require-h200 (ends the call unless the card is an H200: put it first)
 #   tests: test (all at once), test1 test2 test3 (the suite in three parts), rest (test2, test3 and the memory
 #     test side by side), test1-mem + rest2 (the suite in two calls), memtest, test-x2 (two GPUs), test-seq
-#     (one process); fuzz (the three fuzzers, the GPU profile); layouts (tools/layout_probe.py's cases, plain
-#     and under memcheck); sanitize (memcheck and racecheck over every kernel); fa-suite (FlashAttention's own
+#     (one process); fuzz (the three fuzzers, the GPU profile); layouts (tools/two_widths.py's small kernel,
+#     then tools/layout_probe.py's cases, plain and under memcheck); sanitize (memcheck and racecheck over
+#     every kernel); fa-suite (FlashAttention's own
 #     tests/test_flash_attn.py, carried unchanged in .fa/ (carry ".fa"), on common.flash_attn_interface through
 #     tools/fa_suite/run.py: FA_PER_TEST cases of each test function, each backend; its 250-iteration race test
 #     left out); gluon, fp8, paged-check, serving (a feature's tests, then its probe); ring-test (two GPUs)
@@ -132,7 +133,8 @@ for stage in "$@"; do
     fuzz) FUZZ_PROFILE=gpu timeout 500 python3 -m pytest tests/test_fuzz.py tests/test_fuzz_paged.py tests/test_fuzz_varlen.py -q -n 12 -p no:cacheprovider --hypothesis-show-statistics 2>&1 | tail -40 | tee "$OUT/fuzz.log" ;;
     # every case of tools/layout_probe.py (small head dims in misaligned and (B, L, H, D) inputs) in a process of its
     # own, then again under compute-sanitizer's memcheck (LAYOUT_CASES: those cases only)
-    layouts) timeout ${LAYOUT_TIMEOUT:-200} python3 tools/layout_probe.py --jobs 8 ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts.log"
+    layouts) timeout 120 python3 tools/two_widths.py 2>&1 | tee "$OUT/two_widths.log"
+             timeout ${LAYOUT_TIMEOUT:-200} python3 tools/layout_probe.py --jobs 8 ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts.log"
              [ "${LAYOUT_SANITIZE_TIMEOUT:-200}" = 0 ] || timeout ${LAYOUT_SANITIZE_TIMEOUT:-200} python3 tools/layout_probe.py --sanitize --jobs 8 ${LAYOUT_CASES:-} 2>&1 | tee "$OUT/layouts_sanitize.log" ;;
     fa-suite) for b in triton ninetoothed; do ATTENTION_BACKEND=$b FA_PER_TEST=${FA_PER_TEST:-100} timeout ${FA_TIMEOUT:-270} python3 tools/fa_suite/run.py .fa/test_flash_attn.py -q -n 8 -rfE --tb=short -k "not race_condition" > "$OUT/fa_suite_$b.log" 2>&1; tail -12 "$OUT/fa_suite_$b.log"; done ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
