@@ -17,6 +17,7 @@
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
 #     paged FP8 decode's tiles swept); gluon-tiles (the Gluon forward's tiles swept); maxnreg; quirks; ring-bench,
 #     ring-bench-long (two GPUs); ncu (Nsight Compute's counters of NCU_CASES, tools/ncu_targets.py)
+#   another Triton (tools/carry_triton.sh): triton-part (a call a part), triton-install; then TRITON_CARRIED=1
 #   tuning: tune, tune64, tune128, tune-bwd, tune-fp8, tune-gluon, tune-fwd-nt, tune-fwd-nt-dims
 #   A/B of a change: ab (AB_PROBES in each of AB_TREES and here), ab-bench (forward throughput in each tree)
 # (any other word runs as a shell command)
@@ -25,6 +26,11 @@ set -uo pipefail
 [ -n "${H200_INSTALLED:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export H200_INSTALLED=1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# TRITON_CARRIED=1: run under the Triton carried in parts (tools/carry_triton.sh; stages triton-part, triton-install)
+if [ -n "${TRITON_CARRIED:-}" ] && [[ " $* " != *" triton-install "* ]]; then
+  [ -d /tmp/triton-carried/triton ] || { echo "no carried Triton here: run the triton-part calls, then triton-install"; exit 1; }
+  export PYTHONPATH=/tmp/triton-carried:$PYTHONPATH
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -44,6 +50,12 @@ for stage in "$@"; do
     # answer): otherwise the call ends here, having spent only its start
     require-h200) nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: the rest not run"; exit 3; } ;;
     probe) timeout 120 python3 tools/probe.py 2>&1 | tee "$OUT/probe.log" ;;
+    # a Triton carried in parts (tools/carry_triton.sh): each call's part kept in /tmp while the machine stays warm,
+    # then unpacked beside the image's own; TRITON_CARRIED=1 puts it first on PYTHONPATH for the stages after
+    triton-part) mkdir -p /tmp/triton-parts && cp .triton-carry/part-* /tmp/triton-parts/ && ls -l /tmp/triton-parts ;;
+    triton-install) rm -rf /tmp/triton-carried && mkdir -p /tmp/triton-carried
+                    cat /tmp/triton-parts/part-* | xz -d | tar -x -C /tmp/triton-carried || exit 1
+                    PYTHONPATH=/tmp/triton-carried:$PYTHONPATH python3 -c "import triton, torch; print('carried triton', triton.__version__, 'under torch', torch.__version__)" ;;
     test) timeout 570 python3 -m pytest tests -q -n 8 -p no:cacheprovider --tb=short -rfE > "$OUT/pytest.log" 2>&1; tail -25 "$OUT/pytest.log" ;;
     # The whole suite outgrew one call (600 s) on a fresh machine: three parts, a call each (test2 and test3 may share one;
     # TEST_TIMEOUT: seconds for each part's pytest, 570 unless set, for a call that runs more after it).
