@@ -847,11 +847,13 @@ def tile(head_dim: int) -> tuple[int, int, int, int]:
     return {64: (128, 128, 3, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}[head_dim]
 
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv,
+              torch.float32: gl.float32}
 
 
 def descriptor(t, rows: int):
-    """A TMA descriptor of a (B, H, L, D) float16/bfloat16/float8_e4m3fn tensor with (1, 1, rows, D) blocks."""
+    """A TMA descriptor of a (B, H, L, D) float16/bfloat16/float8_e4m3fn (or float32: the one-pass backward's
+    dQ sum) tensor with (1, 1, rows, D) blocks."""
     block = (1, 1, rows, t.shape[-1])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
 

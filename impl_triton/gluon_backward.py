@@ -60,6 +60,9 @@ from impl_triton.gluon_attention import descriptor as _descriptor
 HEAD_DIMS = (64, 128)
 # (a barrier of the CTA's threads: triton 3.6 names it thread_barrier, later versions barrier)
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# The copy engine's bulk reduce-add of a shared tile into global memory: triton 3.9's, None under 3.6 (a
+# name a kernel reaches through a module attribute must exist there even in a branch never compiled).
+_bulk_reduce_add = getattr(tma, "async_atomic_add", None)
 
 
 @gluon.jit
@@ -409,20 +412,23 @@ def _gluon_bwd_dkdv(
 
 @gluon.jit
 def _gluon_bwd_fused(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, DELTA,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, dq_desc, LSE, DELTA,
     stride_dqz, stride_dqh, stride_dqm, stride_lz, stride_lh, stride_lm,
     scale, H_KV, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``_gluon_bwd_dkdv``'s program (dK and dV of BLOCK_N keys, summed over the group's query heads)
     that also adds each row tile's share of dQ, dS K, into DQ (float32 (B, H, Lq, D), zeroed by the
-    caller; its unscaled sum) by atomics: five products a tile pair where the two passes take seven
+    caller; its unscaled sum): five products a tile pair where the two passes take seven
     (FlashAttention-2's and -3's scheme). dS^T goes through shared memory: read transposed as dS K's A
     operand, the product split over the warp groups by columns; or, DQ_T, as the B operand of
     dQ^T = K^T dS^T (K read transposed), whose rows are the head dim: row tiles narrower than a warp
-    group's 64 (fewer registers at D 128). The order of dQ's additions is the GPU's: dQ is not bitwise
-    reproducible from run to run."""
+    group's 64 (fewer registers at D 128). The tile is added by per-element float32 atomics, or, DQ_TMA
+    (triton >= 3.9's ``hopper.tma.async_atomic_add``), staged in shared memory and added by the copy
+    engine's bulk reduce-add through ``dq_desc`` (DQ's descriptor), clipped at Lq, while the program
+    goes on to the next tile (two staging buffers: FlashAttention-3 adds dQ so, from a warp of its
+    own). The order of dQ's additions is the GPU's: dQ is not bitwise reproducible from run to run."""
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0)
     off_hz = gl.program_id(1)
@@ -451,6 +457,8 @@ def _gluon_bwd_fused(
         HEAD_DIM, STAGES, IS_CAUSAL)
     kv_bar = kv_bars.index(0)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
+    if DQ_TMA:  # (two: a tile's bulk add reads one while the next tile's dQ is written to the other)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
 
     qk_scale = scale * LOG2E
     offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
@@ -486,14 +494,26 @@ def _gluon_bwd_fused(
         dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
         _cta_barrier()  # (every warp group's dQ product has read dS^T before the next tile's is stored)
         off_h = off_h_kv * GROUP + t // row_blocks
-        rows = block * BLOCK_M + dq_rows
-        base = DQ + off_z.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
-        if DQ_T:
-            gl.atomic_add(base + rows.to(gl.int64)[None, :] * stride_dqm + dq_cols[:, None], dq,
-                          mask=rows[None, :] < Lq, sem="relaxed")
+        if DQ_TMA:
+            staged = dq_smem.index(t % 2)
+            tma.store_wait(1)  # (the bulk add of two tiles ago, which read this buffer, is done)
+            _cta_barrier()
+            if DQ_T:
+                staged.reshape([BLOCK_M, HEAD_DIM]).store(gl.permute(dq, (1, 0)))
+            else:
+                staged.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+            fence_async_shared()
+            _cta_barrier()
+            _bulk_reduce_add(dq_desc, [off_z, off_h, block * BLOCK_M, 0], staged)
         else:
-            gl.atomic_add(base + rows.to(gl.int64)[:, None] * stride_dqm + dq_cols[None, :], dq,
-                          mask=rows[:, None] < Lq, sem="relaxed")
+            rows = block * BLOCK_M + dq_rows
+            base = DQ + off_z.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+            if DQ_T:
+                gl.atomic_add(base + rows.to(gl.int64)[None, :] * stride_dqm + dq_cols[:, None], dq,
+                              mask=rows[None, :] < Lq, sem="relaxed")
+            else:
+                gl.atomic_add(base + rows.to(gl.int64)[:, None] * stride_dqm + dq_cols[None, :], dq,
+                              mask=rows[:, None] < Lq, sem="relaxed")
         refill = t + STAGES
         if refill < n_tiles:  # (slot's tiles read by all five products)
             _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks,
@@ -566,11 +586,21 @@ def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
     return (64, 128, 2, 8, False) if head_dim == 64 else (32, 128, 3, 8, True)
 
 
+def bulk_reduce_add() -> bool:
+    """Whether the installed Triton's Gluon has the copy engine's bulk reduce-add (``hopper.tma.async_atomic_add``,
+    triton 3.9; not in 3.6), which ``backward_fused(dq_tma=True)`` adds dQ by."""
+    return _bulk_reduce_add is not None
+
+
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
-                   dk=None, dv=None):
+                   dk=None, dv=None, dq_tma: bool = False):
     """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta computed first (torch), dQ summed
-    in float32 by atomics, then scaled and cast (a new tensor); ``dk``, ``dv``: buffers to write, else
-    allocated. Not bitwise reproducible (dQ's additions); not dispatched."""
+    in float32 by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where ``bulk_reduce_add()``),
+    then scaled and cast (a new tensor); ``dk``, ``dv``: buffers to write, else allocated. Not bitwise
+    reproducible (dQ's additions); not dispatched."""
+    if dq_tma and not bulk_reduce_add():
+        raise ValueError(f"dq_tma=True needs Gluon's hopper.tma.async_atomic_add (triton 3.9 or later); this is "
+                         f"triton {triton.__version__}")
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
     delta = (out.float() * grad_out.float()).sum(-1)
@@ -581,10 +611,12 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     bm, bn, stages, warps, dq_t = fused_tile(D)
+    q_desc = _descriptor(q, bm)
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
-        _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, lse, delta, *dq_sum.stride()[:3], *lse.stride(),
-        scale, H_kv, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift,
+        q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
+        _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, _descriptor(dq_sum, bm) if dq_tma else q_desc, lse, delta,
+        *dq_sum.stride()[:3], *lse.stride(), scale, H_kv, H // H_kv, Lq, Lk,
+        0 if causal_shift is None else causal_shift,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
-        num_warps=warps)
+        DQ_TMA=dq_tma, num_warps=warps)
     return (dq_sum * scale).to(q.dtype), dk, dv

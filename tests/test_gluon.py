@@ -492,17 +492,24 @@ def test_switched_on_without_hopper_runs_the_tl_kernel(monkeypatch, device):
 def test_backward_compiles_for_sm90_with_the_overlap(tmp_path):
     """The Gluon backward's two passes and its one-pass scheme build for sm_90 with the installed Triton (at
     D 64, causal): warp-group MMAs, TMA copies in and out (dQ once; dK and dV), no spills, and each loop
-    waiting for its first product while the next is in flight."""
+    waiting for its first product while the next is in flight; where the installed Triton has the bulk
+    reduce-add, the one pass adding dQ by it too (one such copy, no per-element atomics in its place)."""
+    from impl_triton import gluon_backward as gb
+
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--backward", "--dims", "64", "--causal",
                "--out", str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {m.group(1): m.group(0) for m in re.finditer(r"pass=(\w+) D=64 .*", result.stdout)}
-    assert set(lines) == {"dq", "dkdv", "fused"}, result.stdout
+    assert set(lines) == {"dq", "dkdv", "fused", *(("fused_tma",) if gb.bulk_reduce_add() else ())}, result.stdout
     for name, line in lines.items():
         fields = dict(item.split("=") for item in line.split())
         assert int(fields["STACK"]) == 0 and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
         assert int(fields["UTMASTG"]) == (1 if name == "dq" else 2) and fields["OVERLAP"] == "1", line
+        assert int(fields["UTMAREDG"]) == (1 if name == "fused_tma" else 0), line
+    if gb.bulk_reduce_add():
+        assert "REDG" not in (tmp_path / "gluon_bwd_fused_tma_d64.sass").read_text().replace("UTMAREDG", "")
+        assert "REDG" in (tmp_path / "gluon_bwd_fused_d64.sass").read_text().replace("UTMAREDG", "")
 
 
 BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum-exp)
@@ -519,13 +526,19 @@ BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum
 @pytest.mark.parametrize("case", BACKWARD_CASES,
                          ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}-dlse{int(c[6])}"
                               for c in BACKWARD_CASES])
-@pytest.mark.parametrize("scheme", ["two-pass", "two-pass-overlap-32", "one-pass"])
+@pytest.mark.parametrize("scheme", ["two-pass", "two-pass-overlap-32", "one-pass", "one-pass-tma"])
 def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal, case, scheme):
     """dq, dk, dv of the Gluon backward (every element written: poisoned buffers; the one-pass scheme's
-    dq is summed from zeros) against float64 autograd of the same attention, each within twice the tl
-    backward's own error (plus a hair) on the same inputs."""
+    dq is summed from zeros, by atomics or, -tma, by the copy engine's bulk reduce-add) against float64
+    autograd of the same attention, each within twice the tl backward's own error (plus a hair) on the
+    same inputs."""
     from common import attention_backward
     from impl_triton import gluon_backward as gb
+
+    if scheme == "one-pass-tma" and not gb.bulk_reduce_add():
+        import triton
+
+        pytest.skip(f"the bulk reduce-add is Gluon's from triton 3.9; this is triton {triton.__version__}")
 
     B, H, H_kv, Lq, Lk, scale, with_dlse = case
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype)
@@ -550,7 +563,8 @@ def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal,
         dkdv = (32, 128, 4, 8, True) if scheme.endswith("32") else None
         gb.backward(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv, dkdv=dkdv)
     else:
-        dq = gb.backward_fused(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dk=dk, dv=dv)[0]
+        dq = gb.backward_fused(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dk=dk, dv=dv,
+                               dq_tma=scheme.endswith("tma"))[0]
     tl_grads = attention_backward(grad_out, q, k, v, out, lse, is_causal=shift is not None, scale=scale,
                                   enable_gqa=True, backend="triton", grad_lse=grad_lse,
                                   alignment="bottom_right" if causal == "bottom_right" else "top_left")

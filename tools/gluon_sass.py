@@ -115,8 +115,9 @@ def main(argv=None) -> int:
 
 
 def _backward(args, out_dir, dtype) -> int:
-    """The backward's dQ and dK/dV passes at each head dim it takes: one line a pass,
-    ``pass=<dq|dkdv> D=<d> REG= STACK= SMEM= HGMMA= UTMALDG= UTMASTG= OVERLAP=``."""
+    """The backward's dQ and dK/dV passes and its one pass at each head dim it takes: one line a kernel,
+    ``pass=<dq|dkdv|fused|fused_tma> D=<d> REG= STACK= SMEM= HGMMA= UTMALDG= UTMASTG= UTMAREDG= OVERLAP=``
+    (fused_tma: dQ by the bulk reduce-add, UTMAREDG, where the installed Triton has it)."""
     import impl_triton.gluon_backward as gb
     from impl_triton.gluon_attention import descriptor
 
@@ -138,18 +139,22 @@ def _backward(args, out_dir, dtype) -> int:
             BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=s2, IS_CAUSAL=args.causal, OVERLAP=overlap, num_warps=w2,
             grid=(1,))
         bm3, bn3, s3, w3, dq_t = gb.fused_tile(D)
-        fused_kernel = gb._gluon_bwd_fused.warmup(
-            descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
-            descriptor(v, bn3), lse.new_empty(2, 8, 1000, D), lse, delta, *q.stride()[:3], *lse.stride(), 0.125, 2, 4,
-            1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3, IS_CAUSAL=args.causal, DQ_T=dq_t,
-            num_warps=w3, grid=(1,))
-        for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), ("fused", fused_kernel)):
+        dq_sum = lse.new_empty(2, 8, 1000, D)
+        fused = []  # (dQ added by atomics; and, where the installed Triton has it, by the bulk reduce-add)
+        for dq_tma in (False, True) if gb.bulk_reduce_add() else (False,):
+            fused.append(("fused_tma" if dq_tma else "fused", gb._gluon_bwd_fused.warmup(
+                descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
+                descriptor(v, bn3), dq_sum, descriptor(dq_sum if dq_tma else q, bm3), lse, delta, *q.stride()[:3],
+                *lse.stride(), 0.125, 2, 4, 1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3,
+                IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, num_warps=w3, grid=(1,))))
+        for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), *fused):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
             regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
             overlap = int(bool(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)))
             print(f"pass={name} D={D} REG={regs} STACK={stack} SMEM={kernel.metadata.shared} "
                   f"HGMMA={len(re.findall(r'HGMMA', sass))} UTMALDG={len(re.findall(r'UTMALDG', sass))} "
-                  f"UTMASTG={len(re.findall(r'UTMASTG', sass))} OVERLAP={overlap}", flush=True)
+                  f"UTMASTG={len(re.findall(r'UTMASTG', sass))} UTMAREDG={len(re.findall(r'UTMAREDG', sass))} "
+                  f"OVERLAP={overlap}", flush=True)
     return 0
 
 

@@ -11,7 +11,7 @@
 #     every kernel); fa-suite (FlashAttention's own
 #     tests/test_flash_attn.py, carried unchanged in .fa/ (carry ".fa"), on common.flash_attn_interface through
 #     tools/fa_suite/run.py: FA_PER_TEST cases of each test function, each backend; its 250-iteration race test
-#     left out); gluon, fp8, paged-check, serving (a feature's tests, then its probe); ring-test (two GPUs)
+#     left out); gluon, gluon-bwd, fp8, paged-check, serving (a feature's tests, then its probe); ring-test (two GPUs)
 #   timings: bench, bench-full (BENCHMARKS.md's run, --write), bench-table (the committed table's bf16 forward and
 #     backward in one call), bench-fp8, bench-bwd, bench-fwd4k, bench-x2 (two GPUs); compare; demo; probe;
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
@@ -91,6 +91,10 @@ for stage in "$@"; do
     test-seq) timeout 420 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest.log" ;;
     # The Gluon Hopper forward: its tests (both variants against SDPA), then its speed against the tl kernel
     # and SDPA; the whole suite through it: ATTENTION_GLUON=1 bash tools/h200.sh test1 rest
+    # the Gluon backward's GPU tests (both schemes; the one pass's dQ by the bulk reduce-add where triton has it,
+    # TRITON_CARRIED=1), then its probe against the tl backward and cuDNN's
+    gluon-bwd) timeout 300 python3 -m pytest tests/test_gluon.py -k "backward" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_tests.log"
+               timeout 260 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
