@@ -492,12 +492,14 @@ def _gluon_bwd_fused(
         else:
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
         dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
-        _cta_barrier()  # (every warp group's dQ product has read dS^T before the next tile's is stored)
+        if DQ_TMA:  # (the bulk add of two tiles ago, which read this tile's staging buffer, is done)
+            tma.store_wait(1)
+        # (every warp group's dQ product has read dS^T before the next tile's is stored; with DQ_TMA, the
+        # issuing thread's wait above is every thread's)
+        _cta_barrier()
         off_h = off_h_kv * GROUP + t // row_blocks
         if DQ_TMA:
             staged = dq_smem.index(t % 2)
-            tma.store_wait(1)  # (the bulk add of two tiles ago, which read this buffer, is done)
-            _cta_barrier()
             if DQ_T:
                 staged.reshape([BLOCK_M, HEAD_DIM]).store(gl.permute(dq, (1, 0)))
             else:
