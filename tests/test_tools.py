@@ -1081,3 +1081,24 @@ def test_ncu_stalls_reads_the_samples_per_kernel_reason_and_line(tmp_path):
     out = subprocess.run([sys.executable, "tools/ncu_stalls.py", str(path), "--top", "1"], cwd=root,
                          capture_output=True, text=True, timeout=120).stdout
     assert "=== first: 3 SASS lines, 100 samples" in out and "=== second: 1 SASS lines, 4 samples" in out
+
+
+def test_two_widths_kernel_matches_torch_under_the_interpreter():
+    """tools/two_widths.py's small kernel (the two-width fault's class, for the GPU) computes what its
+    reference does where nothing goes wrong, so that on a GPU a WRONG is the compiler's: a misaligned case of
+    each MMA kind, under the interpreter on the CPU (on a GPU run the tool itself)."""
+    import importlib.util
+    import pathlib
+
+    from .conftest import DEVICE
+
+    if DEVICE == "cuda":
+        pytest.skip("on a GPU the tool runs as a probe (tools/h200.sh layouts), not as a test")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("two_widths", root / "tools" / "two_widths.py")
+    two_widths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(two_widths)
+    cases = [i for i, case in enumerate(two_widths.CASES) if case[2] == "misaligned" and case[0] != case[1]]
+    assert {two_widths.CASES[i][3] for i in cases} == {16, 64}  # (both MMA kinds among them)
+    for index in (cases[0], cases[-1]):
+        assert two_widths.run_case(index) == 0, two_widths.CASES[index]

@@ -7,6 +7,7 @@ kernels off the failing case; this kernel has no such rule).
     python tools/two_widths.py                 # on a GPU: each case against torch, ok or wrong
     python tools/two_widths.py --compile-only  # on a CPU: each case compiled for sm_90 (the installed
                                                # Triton), its shared and register layouts printed
+    TRITON_INTERPRET=1 python tools/two_widths.py  # on a CPU: the kernel itself checked (all ok)
 
 A case: (D, Dv, layout, BLOCK_M, BLOCK_N), layout "aligned" (contiguous: rows of D or Dv elements, read in
 16-byte pieces only where that is a multiple of 8) or "misaligned" (every input one element past a 16-byte
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
 
 if "--compile-only" in sys.argv:  # (compile for the GPU, never interpret)
@@ -115,27 +117,43 @@ def compile_only(capability: int) -> int:
     return 0
 
 
+def run_case(index: int) -> int:
+    """CASES[index] on the GPU against torch: prints ok or WRONG (an illegal access ends the process).
+    Without a GPU, under Triton's interpreter (TRITON_INTERPRET=1), on the CPU: the kernel's own check."""
+    D, Dv, layout, block_m, block_n = CASES[index]
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = _inputs(D, Dv, layout, device)
+    out = torch.full((q.shape[0], Dv), float("nan"), dtype=torch.float32, device=device)
+    _launch(q, k, v, out, D, Dv, block_m, block_n)
+    expected = (q.float() @ k.float().T).half().float() @ v.float()
+    error = (out - expected).abs().max().item()
+    bound = 2e-2 * max(1.0, expected.abs().max().item())
+    print(f"{'ok' if error <= bound else 'WRONG'} (error {error:.3g}, bound {bound:.3g})", flush=True)
+    return 0 if error <= bound else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--capability", type=int, default=90)
+    parser.add_argument("--one", type=int, metavar="INDEX", help="run CASES[INDEX] in this process")
     args = parser.parse_args(argv)
     if args.compile_only:
         return compile_only(args.capability)
-    torch.manual_seed(0)
+    if args.one is not None:
+        return run_case(args.one)
     failures = 0
-    for D, Dv, layout, block_m, block_n in CASES:
-        q, k, v = _inputs(D, Dv, layout, "cuda")
-        out = torch.full((q.shape[0], Dv), float("nan"), dtype=torch.float32, device="cuda")
-        _launch(q, k, v, out, D, Dv, block_m, block_n)
-        expected = (q.float() @ k.float().T).half().float() @ v.float()
-        error = (out - expected).abs().max().item()
-        bound = 2e-2 * max(1.0, expected.abs().max().item())
-        verdict = "ok" if error <= bound else "WRONG"
-        failures += verdict != "ok"
-        print(f"D {D:3d} Dv {Dv:3d} {layout:10s} {block_m:3d} x {block_n:3d}: {verdict} (error {error:.3g}, "
-              f"bound {bound:.3g})", flush=True)
-    print(f"two widths: {failures} wrong")
+    for index, (D, Dv, layout, block_m, block_n) in enumerate(CASES):  # (a process each: see run_case)
+        done = subprocess.run([sys.executable, __file__, "--one", str(index)], capture_output=True, text=True,
+                              env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        verdict = next((line for line in lines if line.startswith(("ok", "WRONG"))), None)
+        if verdict is None or done.returncode not in (0, 1):
+            verdict = f"died (rc {done.returncode}): " + " | ".join(lines[-3:])
+        failures += not verdict.startswith("ok")
+        print(f"D {D:3d} Dv {Dv:3d} {layout:10s} {block_m:3d} x {block_n:3d}: {verdict[:300]}", flush=True)
+    print(f"two widths: {failures} wrong or died")
     return 1 if failures else 0
 
 
