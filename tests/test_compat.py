@@ -268,8 +268,8 @@ def test_triton_interpreter_annotations_and_arguments():
 
 
 def test_generated_masks_are_simplified_without_changing_their_value():
-    """common.codecache.simplified: each mask term once, terms comparing two integer constants that
-    hold dropped, a leading True kept, (x - c) + c folded; the values it computes are unchanged."""
+    """common.codecache.simplified: each mask term once, terms that hold for every value of their integer
+    operands' ranges dropped, a leading True kept, (x - c) + c folded; the values it computes are unchanged."""
     import numpy as np
 
     from common.codecache import simplified
