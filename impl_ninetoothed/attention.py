@@ -274,6 +274,13 @@ def _widened(plan, D: int, Dv: int) -> tuple:
             plan.block_dv if plan.block_dv != padded_head_dim(Dv) else None)
 
 
+def _width_args(plan, D: int, Dv: int) -> tuple:
+    """The trailing (block_d, block_dv) arguments of a premake whose widths come last: ``_widened``'s
+    pair, or nothing where neither is widened (the kernel's name unchanged)."""
+    widths = _widened(plan, D, Dv)
+    return widths if widths != (None, None) else ()
+
+
 def _attention_launch(plan) -> tuple:
     """(kernel, inputs, flags) of the forward's attention launch: ``kernel(*inputs, **flags)``."""
     q, out = plan.query, plan.out
@@ -528,8 +535,7 @@ def _backward_launches(plan) -> tuple:
     blocked = not plan.dropout and plan.alibi is None  # (both passes' unmasked stages, as the forward's: blocked_keys)
     wide = _wide(q, k, v, plan.attn_mask, plan.out, plan.grad_out, plan.lse, plan.grad_lse, plan.grad_query,
                  plan.grad_key, plan.grad_value)
-    widths = _widened(plan, D, Dv)
-    widths = widths if widths != (None, None) else ()  # (the kernels' names unchanged)
+    widths = _width_args(plan, D, Dv)
     dq = (_make(premake_dq, D, Dv, config.block_m2, config.block_n2, *widths,
                 num_warps=config.num_warps, num_stages=config.num_stages, wide=wide),
           (q, k, v, _row_blocks(k, config.block_n2, blocked), _row_blocks(v, config.block_n2, blocked), attn_mask,
@@ -629,9 +635,7 @@ def paged_forward(plan):
     # (each page's keys viewed as tiles of `tile`: premake_paged's caches)
     tiles = (kc.shape[1] // tile, tile)
     values = vc.permute(0, 2, 3, 1).unflatten(3, tiles) if value_columns else vc.unflatten(1, tiles)
-    widths = _widened(plan, D, Dv)
-    widths = widths if widths != (None, None) else ()  # (the kernels' names unchanged)
-    _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns, *widths,
+    _make(premake_paged, D, Dv, config.block_m, tile, pages_per_split, value_columns, *_width_args(plan, D, Dv),
           num_warps=num_warps, num_stages=config.num_stages, maxnreg=maxnreg,
           wide=_wide(q, kc, vc, plan.block_table, o))(
         q, kc.unflatten(1, tiles), values, plan.block_table, plan.cache_seqlens,
