@@ -1777,10 +1777,11 @@ def gluon_bwd():
                 "tl": lambda: attention_backward(grad, q, k, v, out, lse, is_causal=causal, backend="triton"),
                 "sdpa": lambda: torch.autograd.grad(sdpa_out, (qs, ks, vs), grad, retain_graph=True),
             }
-            # (the dK/dV pass's other tiles: the overlap at row tiles of 64 and 32, or none)
+            # (the dK/dV pass's other tiles: the overlap at row tiles of 64 and 32, or none; PROBE_BWD_TILES=0
+            # leaves them out, for a call that only compares the schemes)
             for name, dkdv in (("overlap 64", (64, 128, 3, 8, True)), ("overlap 32", (32, 128, 4, 8, True)),
                                ("no overlap", (64, 128, 2, 8, False))):
-                if dkdv != gb.tiles(D)[1]:
+                if dkdv != gb.tiles(D)[1] and os.environ.get("PROBE_BWD_TILES", "1") != "0":
                     runs[name] = functools.partial(gb.backward, q, k, v, out, grad, lse, D ** -0.5,
                                                    0 if causal else None, dkdv=dkdv)
             runs["one-pass"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None)
