@@ -292,10 +292,11 @@ def _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, 
 @gluon.jit
 def _dkdv_tile(k, v, q_tile, do_tile, dk, dv, zero_st, m2, delta, qk_scale, offs_kn, offs_m, block, full_lo,
                causal_shift, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               op_layout: gl.constexpr):
+               op_layout: gl.constexpr, ISSUE_DK: gl.constexpr):
     """One row tile of a key block, each product after the one before (no overlap with the next tile):
     S^T and dP^T issued together, p^T under dP^T's product, dV's product issued, dS^T, dK's product
-    issued. Returns (dk, dv) in flight and dS^T (the inputs' dtype)."""
+    issued (unless not ISSUE_DK: the caller issues it). Returns (dk, dv) in flight and dS^T (the inputs'
+    dtype)."""
     dtype: gl.constexpr = k.dtype
     q = q_tile.reshape([BLOCK_M, HEAD_DIM])
     do = do_tile.reshape([BLOCK_M, HEAD_DIM])
@@ -308,7 +309,8 @@ def _dkdv_tile(k, v, q_tile, do_tile, dk, dv, zero_st, m2, delta, qk_scale, offs
     dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
     dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
     dsT = (pT * (dpT - delta[None, :])).to(dtype)
-    dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)
+    if ISSUE_DK:
+        dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)
     return dk, dv, dsT
 
 
@@ -399,7 +401,7 @@ def _gluon_bwd_dkdv(
             mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
             dk, dv, _ = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta,
                                    qk_scale, offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM,
-                                   IS_CAUSAL, op_layout)
+                                   IS_CAUSAL, op_layout, True)
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
             refill = t + STAGES
             if refill < n_tiles:  # (slot's tiles read by all four products)
@@ -416,7 +418,8 @@ def _gluon_bwd_fused(
     stride_dqz, stride_dqh, stride_dqm, stride_lz, stride_lh, stride_lm,
     scale, H_KV, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, DQ_TMA: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, DQ_TMA: gl.constexpr, DQ_FIRST: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``_gluon_bwd_dkdv``'s program (dK and dV of BLOCK_N keys, summed over the group's query heads)
     that also adds each row tile's share of dQ, dS K, into DQ (float32 (B, H, Lq, D), zeroed by the
@@ -428,7 +431,10 @@ def _gluon_bwd_fused(
     (triton >= 3.9's ``hopper.tma.async_atomic_add``), staged in shared memory and added by the copy
     engine's bulk reduce-add through ``dq_desc`` (DQ's descriptor), clipped at Lq, while the program
     goes on to the next tile (two staging buffers: FlashAttention-3 adds dQ so, from a warp of its
-    own). The order of dQ's additions is the GPU's: dQ is not bitwise reproducible from run to run."""
+    own). DQ_FIRST: dK's product is issued after dQ's, so that dQ's tile goes out while dK's product runs
+    (waited for at the tile's end: every warp group's, once past the next tile's first barrier, where the
+    tile's slot is refilled).
+    The order of dQ's additions is the GPU's: dQ is not bitwise reproducible from run to run."""
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0)
     off_hz = gl.program_id(1)
@@ -482,16 +488,27 @@ def _gluon_bwd_fused(
                                               GROUP, lo, row_blocks, t, Lq, BLOCK_M, row_st)
         mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
         dk, dv, dsT = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta, qk_scale,
-                                 offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM, IS_CAUSAL, op_layout)
+                                 offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM, IS_CAUSAL, op_layout,
+                                 not DQ_FIRST)
         # dS^T to shared memory for dQ's product (every warp's rows of it before any warp group reads)
         ds_smem.store(dsT)
         fence_async_shared()
         _cta_barrier()
+        if DQ_FIRST:  # (past the barrier every warp group has S^T of this tile: the last tile's products are done)
+            refill = t - 1 + STAGES
+            if t > 0 and refill < n_tiles:
+                _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, (t - 1) % STAGES, off_z, off_h_kv, GROUP, lo,
+                               row_blocks, refill, BLOCK_M)
         if DQ_T:
             dq = warpgroup_mma(k.permute((1, 0)), ds_smem, zero_dq, use_acc=False, is_async=True)
         else:
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
-        dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
+        if DQ_FIRST:
+            dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]), dk,
+                               is_async=True)
+            dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
+        else:
+            dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
         if DQ_TMA:  # (the bulk add of two tiles ago, which read this tile's staging buffer, is done)
             tma.store_wait(1)
         # (every warp group's dQ product has read dS^T before the next tile's is stored; with DQ_TMA, the
@@ -516,10 +533,13 @@ def _gluon_bwd_fused(
             else:
                 gl.atomic_add(base + rows.to(gl.int64)[:, None] * stride_dqm + dq_cols[None, :], dq,
                               mask=rows[:, None] < Lq, sem="relaxed")
-        refill = t + STAGES
-        if refill < n_tiles:  # (slot's tiles read by all five products)
-            _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks,
-                           refill, BLOCK_M)
+        if DQ_FIRST:  # (dK's product ran under dQ's addition)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+        else:
+            refill = t + STAGES
+            if refill < n_tiles:  # (slot's tiles read by all five products)
+                _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks,
+                               refill, BLOCK_M)
 
     _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, q_bars, off_z, off_h_kv, key_start,
                       BLOCK_N, HEAD_DIM, STAGES)
@@ -595,11 +615,13 @@ def bulk_reduce_add() -> bool:
 
 
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
-                   dk=None, dv=None, dq_tma: bool = False):
+                   dk=None, dv=None, dq_tma: bool = False, dq_first: bool = False, tile: tuple | None = None):
     """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta computed first (torch), dQ summed
     in float32 by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where ``bulk_reduce_add()``),
-    then scaled and cast (a new tensor); ``dk``, ``dv``: buffers to write, else allocated. Not bitwise
-    reproducible (dQ's additions); not dispatched."""
+    then scaled and cast (a new tensor); ``dk``, ``dv``: buffers to write, else allocated. ``dq_first``:
+    dK's product issued after dQ's (the kernel's DQ_FIRST); ``tile``: (BLOCK_M, BLOCK_N, STAGES, num_warps,
+    DQ_T) instead of ``fused_tile``'s (a probe's comparison, a test's). Not bitwise reproducible (dQ's
+    additions); not dispatched."""
     if dq_tma and not bulk_reduce_add():
         raise ValueError(f"dq_tma=True needs Gluon's hopper.tma.async_atomic_add (triton 3.9 or later); this is "
                          f"triton {triton.__version__}")
@@ -612,7 +634,7 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     dq_sum = torch.zeros(B, H, Lq, D, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    bm, bn, stages, warps, dq_t = fused_tile(D)
+    bm, bn, stages, warps, dq_t = tile or fused_tile(D)
     q_desc = _descriptor(q, bm)
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
@@ -620,5 +642,5 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
         *dq_sum.stride()[:3], *lse.stride(), scale, H_kv, H // H_kv, Lq, Lk,
         0 if causal_shift is None else causal_shift,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
-        DQ_TMA=dq_tma, num_warps=warps)
+        DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=warps)
     return (dq_sum * scale).to(q.dtype), dk, dv

@@ -116,8 +116,9 @@ def main(argv=None) -> int:
 
 def _backward(args, out_dir, dtype) -> int:
     """The backward's dQ and dK/dV passes and its one pass at each head dim it takes: one line a kernel,
-    ``pass=<dq|dkdv|fused|fused_tma> D=<d> REG= STACK= SMEM= HGMMA= UTMALDG= UTMASTG= UTMAREDG= OVERLAP=``
-    (fused_tma: dQ by the bulk reduce-add, UTMAREDG, where the installed Triton has it)."""
+    ``pass=<dq|dkdv|fused|fused_tma>[_first] D=<d> REG= STACK= SMEM= HGMMA= UTMALDG= UTMASTG= UTMAREDG=
+    OVERLAP=`` (fused_tma: dQ by the bulk reduce-add, UTMAREDG, where the installed Triton has it; _first: dK's
+    product issued after dQ's, DQ_FIRST)."""
     import impl_triton.gluon_backward as gb
     from impl_triton.gluon_attention import descriptor
 
@@ -140,13 +141,17 @@ def _backward(args, out_dir, dtype) -> int:
             grid=(1,))
         bm3, bn3, s3, w3, dq_t = gb.fused_tile(D)
         dq_sum = lse.new_empty(2, 8, 1000, D)
-        fused = []  # (dQ added by atomics; and, where the installed Triton has it, by the bulk reduce-add)
-        for dq_tma in (False, True) if gb.bulk_reduce_add() else (False,):
-            fused.append(("fused_tma" if dq_tma else "fused", gb._gluon_bwd_fused.warmup(
+        # (dQ added by atomics; and, where the installed Triton has it, by the bulk reduce-add; each with dK's
+        # product issued before dQ's and after it, _first)
+        fused = []
+        for dq_tma, dq_first in [(tma, first) for tma in ((False, True) if gb.bulk_reduce_add() else (False,))
+                                 for first in (False, True)]:
+            name = "fused" + ("_tma" if dq_tma else "") + ("_first" if dq_first else "")
+            fused.append((name, gb._gluon_bwd_fused.warmup(
                 descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
                 descriptor(v, bn3), dq_sum, descriptor(dq_sum if dq_tma else q, bm3), lse, delta, *q.stride()[:3],
                 *lse.stride(), 0.125, 2, 4, 1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3,
-                IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, num_warps=w3, grid=(1,))))
+                IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=w3, grid=(1,))))
         for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), *fused):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
             regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))

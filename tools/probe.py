@@ -1755,8 +1755,9 @@ def _tl_kernel(*args, **kwargs):
 
 def gluon_bwd():
     """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
-    scheme (dQ by atomics; where triton has it, by the bulk reduce-add too) against the tl backward (attention_backward, triton) and SDPA's backward (its
-    default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's
+    scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
+    issued after dQ's, "first") against the tl backward (attention_backward, triton) and SDPA's backward
+    (its default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's
     FLOPs (causal half), do_bench median, bf16; and the largest gradient difference from the tl
     backward's."""
     from triton.testing import do_bench
@@ -1785,19 +1786,24 @@ def gluon_bwd():
                     runs[name] = functools.partial(gb.backward, q, k, v, out, grad, lse, D ** -0.5,
                                                    0 if causal else None, dkdv=dkdv)
             runs["one-pass"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None)
+            runs["one-pass first"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
+                                                               0 if causal else None, dq_first=True)
             if gb.bulk_reduce_add():  # (dQ by the copy engine's bulk reduce-add: triton 3.9)
                 runs["one-pass tma"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
                                                                  0 if causal else None, dq_tma=True)
+                runs["one-pass tma first"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
+                                                                       0 if causal else None, dq_tma=True,
+                                                                       dq_first=True)
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
             fused_error = max((a.float() - b.float()).abs().max().item()
                               for a, b in zip(runs["one-pass"](), runs["tl"]()))
             others = ", ".join(f"{name} {tflops[name]:.0f}" for name in runs if name.startswith(("overlap", "no ")))
-            if "one-pass tma" in runs:
-                tma_error = max((a.float() - b.float()).abs().max().item()
-                                for a, b in zip(runs["one-pass tma"](), runs["tl"]()))
-                others += (f"; one pass, dQ by the bulk reduce-add: {tflops['one-pass tma']:.0f}, "
-                           f"max |it - tl| {tma_error:.1e}")
+            for name in ("one-pass first", "one-pass tma", "one-pass tma first"):  # (dK after dQ: "first")
+                if name in runs:
+                    name_error = max((a.float() - b.float()).abs().max().item()
+                                     for a, b in zip(runs[name](), runs["tl"]()))
+                    others += f"; {name}: {tflops[name]:.0f}, max |it - tl| {name_error:.1e}"
             print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f} "
                   f"(dK/dV {others}; one pass with atomic dQ: "
                   f"{tflops['one-pass']:.0f}, max |one-pass - tl| {fused_error:.1e}), "
