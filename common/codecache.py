@@ -105,16 +105,8 @@ def simplified(source: str) -> str:
     the program computes (:func:`_holds`: ``0 < 1``, an ``arange(0, 64)`` below 64, a remainder by 1
     of an index at least 0); ``(x - c) + c`` and ``(x + c) - c`` become ``x``. The same boolean values
     (a mask broadcasts to its pointers' shape either way) and integers: only the text is shorter,
-    which is what Triton's front end, and its interpreter, walk term by term.
-
-    A load's or store's address, ``pointers + (a + t + b + u)`` with scalar terms a, b (program
-    indices, a loop's tile index, by their strides) and terms t, u that hold an ``arange``, becomes
-    ``pointers + (a + b) + (t + u)``: the tile's offsets within it do not change from one step of a
-    loop to the next, so the compiler keeps them and adds each step's scalar base to them, where
-    the one sum made it add the step's scalar to every element's offset first (an instruction an
-    address a step, measured in the compiled loop). The same addresses (pointer arithmetic adds
-    element counts; a sum that overflows 32 bits overflowed before too). Source that does not
-    parse, or holds nothing to change, is returned as it is (comments and layout kept)."""
+    which is what Triton's front end, and its interpreter, walk term by term. Source that does
+    not parse, or holds nothing to prune, is returned as it is (comments and layout kept)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -203,38 +195,6 @@ def _int_range(node) -> tuple[int, int] | None:
     return None if bounds is None or bounds[1] <= bounds[0] else (bounds[0], bounds[1] - 1)
 
 
-def _sum_terms(node) -> list:
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _sum_terms(node.left) + _sum_terms(node.right)
-    return [node]
-
-
-def _holds_arange(node) -> bool:
-    return any(isinstance(n, ast.Call) and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) == "arange"
-               for n in ast.walk(node))
-
-
-def _joined(terms: list):
-    node = terms[0]
-    for term in terms[1:]:
-        node = ast.BinOp(node, ast.Add(), term)
-    return node
-
-
-def _split_address(node):
-    """``pointers + (scalar terms) + (arange terms)`` for a generated address ``pointers + (sum)`` whose
-    sum holds terms of both kinds (see :func:`simplified`), else None."""
-    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.Name)
-            and node.left.id.endswith("_pointers")):
-        return None
-    terms = _sum_terms(node.right)
-    tile = [term for term in terms if _holds_arange(term)]
-    scalar = [term for term in terms if not _holds_arange(term)]
-    if not tile or not scalar:
-        return None
-    return ast.BinOp(ast.BinOp(node.left, ast.Add(), _joined(scalar)), ast.Add(), _joined(tile))
-
-
 class _Simplify(ast.NodeTransformer):
     """One walk of the tree, children first: each ``(x - c) + c`` and ``(x + c) - c`` as ``x``, for an
     integer constant c; then each ``mask=`` of a call (its terms folded already): its ``&`` terms in
@@ -245,10 +205,6 @@ class _Simplify(ast.NodeTransformer):
 
     def visit_Call(self, node):
         self.generic_visit(node)
-        if (getattr(node.func, "attr", None) in ("load", "store") and node.args
-                and (address := _split_address(node.args[0])) is not None):
-            node.args[0] = address
-            self.changed = True
         for keyword in node.keywords:
             if keyword.arg != "mask":
                 continue
