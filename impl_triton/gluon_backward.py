@@ -63,6 +63,7 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # The copy engine's bulk reduce-add of a shared tile into global memory: triton 3.9's, None under 3.6 (a
 # name a kernel reaches through a module attribute must exist there even in a branch never compiled).
 _bulk_reduce_add = getattr(tma, "async_atomic_add", None)
+WORKER_REGS = gl.constexpr(24)  # the warp-specialised one pass's loader and dQ warps hold no tile
 
 
 @gluon.jit
@@ -545,6 +546,166 @@ def _gluon_bwd_fused(
                       BLOCK_N, HEAD_DIM, STAGES)
 
 
+@gluon.jit
+def _ws_loader(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, off_z, off_h_kv, GROUP, lo, row_blocks, n_tiles,
+               BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The warp-specialised one pass's loader warp: row tile t's Q and dO into ring slot t % STAGES once the
+    consumers gave back its tile t - STAGES (``q_empty``; the ring's first round passes on fresh barriers)."""
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        _load_row_tile(q_desc, do_desc, q_ready, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks, t,
+                       BLOCK_M)
+
+
+@gluon.jit
+def _ws_dq_writer(dq_desc, dq_smem, dq_ready, dq_empty, off_z, off_h_kv, GROUP, lo, row_blocks, n_tiles,
+                  BLOCK_M: gl.constexpr):
+    """The warp-specialised one pass's dQ warp (FlashAttention-3's): row tile t's dQ, staged by the consumers
+    in buffer t % 2 (``dq_ready``), added into the float32 sum by the copy engine's bulk reduce-add; the
+    buffer goes back (``dq_empty``) once the copy has read it."""
+    for t in range(n_tiles):
+        buf = t % 2
+        mbarrier.wait(dq_ready.index(buf), (t // 2) & 1)
+        off_h = off_h_kv * GROUP + t // row_blocks
+        _bulk_reduce_add(dq_desc, [off_z, off_h, (lo + t % row_blocks) * BLOCK_M, 0], dq_smem.index(buf))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(buf), count=1)
+
+
+@gluon.jit
+def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, dq_ready, dq_empty,
+                 dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq, causal_shift,
+                 off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 DQ_T: gl.constexpr, WARPS: gl.constexpr):
+    """The warp-specialised one pass's consumer warps (``_gluon_bwd_fused``'s loop with DQ_FIRST, less its
+    copies): per row tile the five products, dS^T through shared memory, dQ staged for the dQ warp while
+    dK's product runs; the tile's ring slot and staging buffer handed over by mbarriers. Then dK and dV out
+    by TMA."""
+    dtype: gl.constexpr = k_smem.dtype
+    GROUPS: gl.constexpr = WARPS // 4
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    if DQ_T:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        zero_dq = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=dq_layout)
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
+                                                            instr_shape=[16, HEAD_DIM // GROUPS, 16])
+        zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    qk_scale = scale * LOG2E
+    offs_kn = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    for t in range(n_tiles):
+        slot = t % STAGES
+        buf = t % 2
+        block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                              GROUP, lo, row_blocks, t, Lq, BLOCK_M, gl.SliceLayout(0, st_layout))
+        mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
+        dk, dv, dsT = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta, qk_scale,
+                                 offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM, IS_CAUSAL, op_layout,
+                                 False)
+        ds_smem.store(dsT)
+        fence_async_shared()
+        _cta_barrier()  # (every warp's rows of dS^T in before any warp group's dQ product reads them)
+        if DQ_T:
+            dq = warpgroup_mma(k.permute((1, 0)), ds_smem, zero_dq, use_acc=False, is_async=True)
+        else:
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]), dk,
+                           is_async=True)
+        dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
+        mbarrier.wait(dq_empty.index(buf), ((t // 2) & 1) ^ 1)  # (its add of two tiles ago has read it)
+        staged = dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
+        if DQ_T:
+            staged.store(gl.permute(dq, (1, 0)))
+        else:
+            staged.store(dq)
+        fence_async_shared()
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+        # (every warp group's products of this tile done and its dQ staged: dS^T, the slot and the buffer free)
+        _cta_barrier()
+        mbarrier.arrive(dq_ready.index(buf), count=1)
+        mbarrier.arrive(q_empty.index(slot), count=1)
+    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
+    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
+    fence_async_shared()
+    _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
+    _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _gluon_bwd_ws(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA,
+    stride_lz, stride_lh, stride_lm,
+    scale, H_KV, GROUP, Lq, Lk, causal_shift,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``_gluon_bwd_fused`` (DQ_TMA, DQ_FIRST) with FlashAttention-3's warp roles: the ``num_warps``
+    consumer warps (``_ws_consumer``) only wait, multiply and compute p and dS; a loader warp
+    (``_ws_loader``) keeps the Q/dO ring of STAGES slots full; a dQ warp (``_ws_dq_writer``) adds each
+    staged dQ tile into the float32 sum by the bulk reduce-add (triton >= 3.9). K and V are loaded before
+    the roles split. Not bitwise reproducible (dQ's additions)."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_n = gl.program_id(0)
+    off_hz = gl.program_id(1)
+    off_z = off_hz // H_KV
+    off_h_kv = off_hz % H_KV
+    key_start = start_n * BLOCK_N
+    ds_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_M * 2), element_bitwidth=16,
+                                                   rank=2)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    kv_bars = _barriers(1, 1)
+    q_ready = _barriers(STAGES, 1)
+    q_empty = _barriers(STAGES, 1)
+    dq_ready = _barriers(2, 1)
+    dq_empty = _barriers(2, 1)
+    fence_async_shared()
+    kv_bar = kv_bars.index(0)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
+    lo = 0
+    full_lo = 0
+    if IS_CAUSAL:
+        lo = gl.maximum(key_start - causal_shift, 0) // BLOCK_M
+        full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
+    row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
+    n_tiles = GROUP * row_blocks
+    gl.warp_specialize([
+        (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, dq_ready, dq_empty,
+                        dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq,
+                        causal_shift, off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M, BLOCK_N,
+                        HEAD_DIM, STAGES, IS_CAUSAL, DQ_T, num_warps)),
+        (_ws_loader, (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, off_z, off_h_kv, GROUP, lo, row_blocks,
+                      n_tiles, BLOCK_M, STAGES)),
+        (_ws_dq_writer, (dq_desc, dq_smem, dq_ready, dq_empty, off_z, off_h_kv, GROUP, lo, row_blocks, n_tiles,
+                         BLOCK_M)),
+    ], [1, 1], [WORKER_REGS, WORKER_REGS])
+    _invalidate(kv_bars, 1)
+    _invalidate(q_ready, STAGES)
+    _invalidate(q_empty, STAGES)
+    _invalidate(dq_ready, 2)
+    _invalidate(dq_empty, 2)
+
+
 def tiles(head_dim: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, bool]]:
     """((BLOCK_M, BLOCK_N, STAGES, num_warps) of the dQ pass, (BLOCK_M, BLOCK_N, STAGES, num_warps,
     OVERLAP) of the dK/dV pass): the tl backward's shapes (128 rows x 64 keys for dQ, 128 keys x 64 rows
@@ -615,16 +776,18 @@ def bulk_reduce_add() -> bool:
 
 
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
-                   dk=None, dv=None, dq_tma: bool = False, dq_first: bool = False, tile: tuple | None = None):
+                   dk=None, dv=None, dq_tma: bool = False, dq_first: bool = False, tile: tuple | None = None,
+                   specialized: bool = False):
     """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta computed first (torch), dQ summed
     in float32 by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where ``bulk_reduce_add()``),
     then scaled and cast (a new tensor); ``dk``, ``dv``: buffers to write, else allocated. ``dq_first``:
     dK's product issued after dQ's (the kernel's DQ_FIRST); ``tile``: (BLOCK_M, BLOCK_N, STAGES, num_warps,
-    DQ_T) instead of ``fused_tile``'s (a probe's comparison, a test's). Not bitwise reproducible (dQ's
-    additions); not dispatched."""
-    if dq_tma and not bulk_reduce_add():
-        raise ValueError(f"dq_tma=True needs Gluon's hopper.tma.async_atomic_add (triton 3.9 or later); this is "
-                         f"triton {triton.__version__}")
+    DQ_T) instead of ``fused_tile``'s (a probe's comparison, a test's); ``specialized``: FlashAttention-3's
+    warp roles, a loader warp and a dQ warp beside the consumers (``_gluon_bwd_ws``: dQ by the bulk
+    reduce-add, dK after dQ). Not bitwise reproducible (dQ's additions); not dispatched."""
+    if (dq_tma or specialized) and not bulk_reduce_add():
+        raise ValueError(f"dq_tma=True and specialized=True need Gluon's hopper.tma.async_atomic_add (triton 3.9 or "
+                         f"later); this is triton {triton.__version__}")
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
     delta = (out.float() * grad_out.float()).sum(-1)
@@ -636,6 +799,14 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     dv = torch.empty_like(v) if dv is None else dv
     bm, bn, stages, warps, dq_t = tile or fused_tile(D)
     q_desc = _descriptor(q, bm)
+    if specialized:
+        _gluon_bwd_ws[(triton.cdiv(Lk, bn), B * H_kv)](
+            q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm), _descriptor(dk, bn),
+            _descriptor(dv, bn), _descriptor(dq_sum, bm), lse, delta, *lse.stride(), scale, H_kv, H // H_kv, Lq, Lk,
+            0 if causal_shift is None else causal_shift,
+            BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
+            num_warps=warps)
+        return (dq_sum * scale).to(q.dtype), dk, dv
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
         _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, _descriptor(dq_sum, bm) if dq_tma else q_desc, lse, delta,

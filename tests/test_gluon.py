@@ -493,7 +493,8 @@ def test_backward_compiles_for_sm90_with_the_overlap(tmp_path):
     """The Gluon backward's two passes and its one-pass scheme build for sm_90 with the installed Triton (at
     D 64, causal): warp-group MMAs, TMA copies in and out (dQ once; dK and dV), no spills, and each loop
     waiting for its first product while the next is in flight; where the installed Triton has the bulk
-    reduce-add, the one pass adding dQ by it too (one such copy, no per-element atomics in its place)."""
+    reduce-add, the one pass adding dQ by it too (one such copy, no per-element atomics in its place), also
+    with a loader warp and a dQ warp of their own."""
     from impl_triton import gluon_backward as gb
 
     command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--backward", "--dims", "64", "--causal",
@@ -502,13 +503,17 @@ def test_backward_compiles_for_sm90_with_the_overlap(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {m.group(1): m.group(0) for m in re.finditer(r"pass=(\w+) D=64 .*", result.stdout)}
     fused = ("fused", "fused_tma") if gb.bulk_reduce_add() else ("fused", )
-    assert set(lines) == {"dq", "dkdv", *fused, *(f"{name}_first" for name in fused)}, result.stdout
+    specialized = ("fused_ws", ) if gb.bulk_reduce_add() else ()
+    assert set(lines) == {"dq", "dkdv", *fused, *(f"{name}_first" for name in fused), *specialized}, result.stdout
     for name, line in lines.items():
         fields = dict(item.split("=") for item in line.split())
         assert int(fields["STACK"]) == 0 and int(fields["HGMMA"]) > 0 and int(fields["UTMALDG"]) > 0, line
         assert int(fields["UTMASTG"]) == (1 if name == "dq" else 2) and fields["OVERLAP"] == "1", line
-        assert int(fields["UTMAREDG"]) == (1 if name.startswith("fused_tma") else 0), line
-    for name in ("fused_tma", "fused_tma_first") if gb.bulk_reduce_add() else ():
+        if name == "fused_ws":  # (its dQ warp's loop: the bulk reduce-add, unrolled or not)
+            assert int(fields["UTMAREDG"]) >= 1, line
+        else:
+            assert int(fields["UTMAREDG"]) == (1 if name.startswith("fused_tma") else 0), line
+    for name in ("fused_tma", "fused_tma_first", "fused_ws") if gb.bulk_reduce_add() else ():
         assert "REDG" not in (tmp_path / f"gluon_bwd_{name}_d64.sass").read_text().replace("UTMAREDG", "")
     assert "REDG" in (tmp_path / "gluon_bwd_fused_d64.sass").read_text().replace("UTMAREDG", "")
 
@@ -528,17 +533,17 @@ BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum
                          ids=[f"B{c[0]}-H{c[1]}-Hkv{c[2]}-Lq{c[3]}-Lk{c[4]}-s{c[5]}-dlse{int(c[6])}"
                               for c in BACKWARD_CASES])
 @pytest.mark.parametrize("scheme", ["two-pass", "two-pass-overlap-32", "one-pass", "one-pass-tma", "one-pass-first",
-                                    "one-pass-tma-first"])
+                                    "one-pass-tma-first", "one-pass-ws"])
 def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal, case, scheme):
     """dq, dk, dv of the Gluon backward (every element written: poisoned buffers; the one-pass scheme's
     dq is summed from zeros, by atomics or, -tma, by the copy engine's bulk reduce-add; -first: dK's product
-    issued after dQ's) against float64
+    issued after dQ's; -ws: with a loader warp and a dQ warp) against float64
     autograd of the same attention, each within twice the tl backward's own error (plus a hair) on the
     same inputs."""
     from common import attention_backward
     from impl_triton import gluon_backward as gb
 
-    if "tma" in scheme and not gb.bulk_reduce_add():
+    if ("tma" in scheme or scheme.endswith("ws")) and not gb.bulk_reduce_add():
         import triton
 
         pytest.skip(f"the bulk reduce-add is Gluon's from triton 3.9; this is triton {triton.__version__}")
@@ -567,7 +572,8 @@ def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal,
         gb.backward(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv, dkdv=dkdv)
     else:
         dq = gb.backward_fused(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dk=dk, dv=dv,
-                               dq_tma="tma" in scheme, dq_first=scheme.endswith("first"))[0]
+                               dq_tma="tma" in scheme, dq_first=scheme.endswith("first"),
+                               specialized=scheme.endswith("ws"))[0]
     tl_grads = attention_backward(grad_out, q, k, v, out, lse, is_causal=shift is not None, scale=scale,
                                   enable_gqa=True, backend="triton", grad_lse=grad_lse,
                                   alignment="bottom_right" if causal == "bottom_right" else "top_left")

@@ -118,7 +118,7 @@ def _backward(args, out_dir, dtype) -> int:
     """The backward's dQ and dK/dV passes and its one pass at each head dim it takes: one line a kernel,
     ``pass=<dq|dkdv|fused|fused_tma>[_first] D=<d> REG= STACK= SMEM= HGMMA= UTMALDG= UTMASTG= UTMAREDG=
     OVERLAP=`` (fused_tma: dQ by the bulk reduce-add, UTMAREDG, where the installed Triton has it; _first: dK's
-    product issued after dQ's, DQ_FIRST)."""
+    product issued after dQ's, DQ_FIRST; fused_ws, there too: the one pass with a loader warp and a dQ warp)."""
     import impl_triton.gluon_backward as gb
     from impl_triton.gluon_attention import descriptor
 
@@ -152,6 +152,12 @@ def _backward(args, out_dir, dtype) -> int:
                 descriptor(v, bn3), dq_sum, descriptor(dq_sum if dq_tma else q, bm3), lse, delta, *q.stride()[:3],
                 *lse.stride(), 0.125, 2, 4, 1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3,
                 IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=w3, grid=(1,))))
+        if gb.bulk_reduce_add():  # (FlashAttention-3's warp roles: a loader warp, a dQ warp, the consumers)
+            fused.append(("fused_ws", gb._gluon_bwd_ws.warmup(
+                descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
+                descriptor(v, bn3), descriptor(dq_sum, bm3), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
+                BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3, IS_CAUSAL=args.causal, DQ_T=dq_t, num_warps=w3,
+                grid=(1,))))
         for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), *fused):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
             regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))

@@ -1756,7 +1756,7 @@ def _tl_kernel(*args, **kwargs):
 def gluon_bwd():
     """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
     scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
-    issued after dQ's, "first") against the tl backward (attention_backward, triton) and SDPA's backward
+    issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws") against the tl backward (attention_backward, triton) and SDPA's backward
     (its default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's
     FLOPs (causal half), do_bench median, bf16; and the largest gradient difference from the tl
     backward's."""
@@ -1794,12 +1794,15 @@ def gluon_bwd():
                 runs["one-pass tma first"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
                                                                        0 if causal else None, dq_tma=True,
                                                                        dq_first=True)
+                runs["one-pass ws"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
+                                                                0 if causal else None, specialized=True)
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
             fused_error = max((a.float() - b.float()).abs().max().item()
                               for a, b in zip(runs["one-pass"](), runs["tl"]()))
             others = ", ".join(f"{name} {tflops[name]:.0f}" for name in runs if name.startswith(("overlap", "no ")))
-            for name in ("one-pass first", "one-pass tma", "one-pass tma first"):  # (dK after dQ: "first")
+            for name in ("one-pass first", "one-pass tma", "one-pass tma first", "one-pass ws"):  # (dK after dQ:
+                # "first"; ws: a loader warp and a dQ warp beside the consumers)
                 if name in runs:
                     name_error = max((a.float() - b.float()).abs().max().item()
                                      for a, b in zip(runs[name](), runs["tl"]()))
