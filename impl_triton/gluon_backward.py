@@ -15,6 +15,9 @@ probabilities and dS passed in registers), the results written by TMA.
   head of its group that see those keys: S^T = K Q^T and dP^T = V dO^T, p^T, dV += p^T dO,
   dS^T = p^T * (dP^T - delta), dK += dS^T Q; with OVERLAP, dV's and dK's products are issued around
   the next tile's S^T and dP^T (FlashAttention-3's overlap inside a warp group, as the forward's).
+- ``_gluon_bwd_fused`` (the one-pass scheme, not deterministic): the dK/dV program also adds each row
+  tile's dS K into a float32 dQ sum, by atomics or (triton >= 3.9) the copy engine's bulk reduce-add;
+  ``_gluon_bwd_ws`` is it with FlashAttention-3's warp roles (a loader warp, a dQ warp, the consumers).
 
 The products accumulate in the same order either way: the gradients do not depend on the overlap.
 
@@ -26,8 +29,9 @@ j <= i + causal_shift).
 It serves what the forward's Gluon kernel serves, less the head dim 256: float16 or bfloat16,
 D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-ready tensors.
 Not dispatched: it passes its GPU tests, but on the H200 both schemes run slower than the tl
-backward (benchmarks/NOTES.md), so the Triton backend's backward stays the tl kernels; ``backward`` and
-``backward_fused`` are called by those tests and ``tools/probe.py gluon_bwd``.
+backward (benchmarks/NOTES.md; the warp-specialised one pass is not yet measured), so the Triton backend's
+backward stays the tl kernels; ``backward`` and ``backward_fused`` are called by those tests and
+``tools/probe.py gluon_bwd``.
 """
 
 from __future__ import annotations
