@@ -252,12 +252,13 @@ def _resident_and_ring(a_desc, b_desc, c_desc, d_desc, A_ROWS: gl.constexpr, C_R
 @gluon.jit
 def _key_block_start(q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                     IS_CAUSAL: gl.constexpr):
+                     IS_CAUSAL: gl.constexpr, PRELOAD: gl.constexpr):
     """A key block's program (the dK/dV pass, the one-pass backward) starts: its shared buffers (K and V
     tiles, a ring of STAGES Q and dO row tiles, their barriers), its K and V tiles by TMA, the row blocks
     that see its keys (causal: from the first row at or past key_start - causal_shift; those before
-    ``full_lo`` cross the diagonal: masked; the rest see every key here) and the ring's first row tiles in
-    flight. Returns (k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles)."""
+    ``full_lo`` cross the diagonal: masked; the rest see every key here) and, PRELOAD, the ring's first row
+    tiles in flight (else a loader warp fills the ring). Returns (k_smem, v_smem, q_smem, do_smem, kv_bars,
+    q_bars, lo, full_lo, row_blocks, n_tiles)."""
     k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars = _resident_and_ring(k_desc, v_desc, q_desc, do_desc, BLOCK_N,
                                                                           BLOCK_M, HEAD_DIM, STAGES)
     kv_bar = kv_bars.index(0)
@@ -271,7 +272,7 @@ def _key_block_start(q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start
         full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
     row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
     n_tiles = GROUP * row_blocks
-    for s in gl.static_range(STAGES):
+    for s in gl.static_range(STAGES if PRELOAD else 0):
         if s < n_tiles:
             _load_row_tile(q_desc, do_desc, q_bars, q_smem, do_smem, s, off_z, off_h_kv, GROUP, lo, row_blocks, s,
                            BLOCK_M)
@@ -279,10 +280,10 @@ def _key_block_start(q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start
 
 
 @gluon.jit
-def _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, q_bars, off_z, off_h_kv, key_start,
-                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+def _store_dk_dv(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, off_z, off_h_kv, key_start, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
     """dK (scaled) and dV leave by TMA through K's and V's shared tiles (every product that read them is
-    complete), clipped at Lk; the barriers are invalidated."""
+    complete), clipped at Lk."""
     dtype: gl.constexpr = k_smem.dtype
     k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
     v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
@@ -290,6 +291,13 @@ def _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, 
     _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
     _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, q_bars, off_z, off_h_kv, key_start,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """``_store_dk_dv``, then the key block's barriers invalidated."""
+    _store_dk_dv(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, off_z, off_h_kv, key_start, BLOCK_N, HEAD_DIM)
     _invalidate(kv_bars, 1)
     _invalidate(q_bars, STAGES)
 
@@ -348,7 +356,7 @@ def _gluon_bwd_dkdv(
 
     k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles = _key_block_start(
         q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift, BLOCK_M, BLOCK_N,
-        HEAD_DIM, STAGES, IS_CAUSAL)
+        HEAD_DIM, STAGES, IS_CAUSAL, True)
     kv_bar = kv_bars.index(0)
 
     qk_scale = scale * LOG2E
@@ -417,6 +425,23 @@ def _gluon_bwd_dkdv(
                       BLOCK_N, HEAD_DIM, STAGES)
 
 
+@gluon.constexpr_function
+def _one_pass_layouts(BLOCK_M, BLOCK_N, HEAD_DIM, WARPS, DQ_T):
+    """The one pass's register layouts, the plain and the warp-specialised kernel's: (S^T's and dP^T's, BLOCK_N x
+    BLOCK_M; dK's and dV's accumulators; dQ's: with DQ_T dQ^T, HEAD_DIM x BLOCK_M, rows over all the warps, else
+    BLOCK_M x HEAD_DIM, columns over the warp groups; p^T's and dS^T's as the A operand of dV's and dK's
+    products)."""
+    st = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_M, 16])
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    if DQ_T:
+        dq = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_M, 16])
+    else:
+        groups = WARPS // 4
+        dq = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+                                       instr_shape=[16, HEAD_DIM // groups, 16])
+    return st, acc, dq, gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+
+
 @gluon.jit
 def _gluon_bwd_fused(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, dq_desc, LSE, DELTA,
@@ -446,18 +471,11 @@ def _gluon_bwd_fused(
     off_z = off_hz // H_KV
     off_h_kv = off_hz % H_KV
     key_start = start_n * BLOCK_N
-    GROUPS: gl.constexpr = num_warps // 4  # (warp groups: dQ's columns split among them)
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    if DQ_T:  # (dQ^T: HEAD_DIM x BLOCK_M, rows over all the warps)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
-    else:  # (dQ: BLOCK_M x HEAD_DIM, columns over the warp groups)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
-                                                            instr_shape=[16, HEAD_DIM // GROUPS, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    layouts: gl.constexpr = _one_pass_layouts(BLOCK_M, BLOCK_N, HEAD_DIM, num_warps, DQ_T)
+    st_layout: gl.constexpr = layouts[0]
+    acc_layout: gl.constexpr = layouts[1]
+    dq_layout: gl.constexpr = layouts[2]
+    op_layout: gl.constexpr = layouts[3]
     ds_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_M * 2), element_bitwidth=16,
                                                    rank=2)
     key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
@@ -465,7 +483,7 @@ def _gluon_bwd_fused(
 
     k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles = _key_block_start(
         q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift, BLOCK_M, BLOCK_N,
-        HEAD_DIM, STAGES, IS_CAUSAL)
+        HEAD_DIM, STAGES, IS_CAUSAL, True)
     kv_bar = kv_bars.index(0)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
     if DQ_TMA:  # (two: a tile's bulk add reads one while the next tile's dQ is written to the other)
@@ -587,21 +605,15 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
     copies): per row tile the five products, dS^T through shared memory, dQ staged for the dQ warp while
     dK's product runs; the tile's ring slot and staging buffer handed over by mbarriers. Then dK and dV out
     by TMA."""
-    dtype: gl.constexpr = k_smem.dtype
-    GROUPS: gl.constexpr = WARPS // 4
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    layouts: gl.constexpr = _one_pass_layouts(BLOCK_M, BLOCK_N, HEAD_DIM, WARPS, DQ_T)
+    st_layout: gl.constexpr = layouts[0]
+    acc_layout: gl.constexpr = layouts[1]
+    dq_layout: gl.constexpr = layouts[2]
+    op_layout: gl.constexpr = layouts[3]
     if DQ_T:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
         zero_dq = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=dq_layout)
     else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, GROUPS],
-                                                            instr_shape=[16, HEAD_DIM // GROUPS, 16])
         zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     qk_scale = scale * LOG2E
     offs_kn = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
@@ -641,12 +653,7 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
         _cta_barrier()
         mbarrier.arrive(dq_ready.index(buf), count=1)
         mbarrier.arrive(q_empty.index(slot), count=1)
-    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * scale).to(dtype))
-    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
-    fence_async_shared()
-    _tma_store(dk_desc, [off_z, off_h_kv, key_start, 0], k_smem)
-    _tma_store(dv_desc, [off_z, off_h_kv, key_start, 0], v_smem)
-    tma.store_wait(0)
+    _store_dk_dv(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, off_z, off_h_kv, key_start, BLOCK_N, HEAD_DIM)
 
 
 @gluon.jit
@@ -670,29 +677,16 @@ def _gluon_bwd_ws(
     key_start = start_n * BLOCK_N
     ds_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_M * 2), element_bitwidth=16,
                                                    rank=2)
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem, v_smem, q_smem, do_smem, kv_bars, q_ready, lo, full_lo, row_blocks, n_tiles = _key_block_start(
+        q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start, GROUP, Lq, causal_shift, BLOCK_M, BLOCK_N,
+        HEAD_DIM, STAGES, IS_CAUSAL, False)
+    kv_bar = kv_bars.index(0)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
-    kv_bars = _barriers(1, 1)
-    q_ready = _barriers(STAGES, 1)
     q_empty = _barriers(STAGES, 1)
     dq_ready = _barriers(2, 1)
     dq_empty = _barriers(2, 1)
     fence_async_shared()
-    kv_bar = kv_bars.index(0)
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [off_z, off_h_kv, key_start, 0], kv_bar, k_smem)
-    _tma_load(v_desc, [off_z, off_h_kv, key_start, 0], kv_bar, v_smem)
-    lo = 0
-    full_lo = 0
-    if IS_CAUSAL:
-        lo = gl.maximum(key_start - causal_shift, 0) // BLOCK_M
-        full_lo = gl.maximum(gl.cdiv(key_start + BLOCK_N - 1 - causal_shift, BLOCK_M), lo)
-    row_blocks = gl.maximum(gl.cdiv(Lq, BLOCK_M) - lo, 0)
-    n_tiles = GROUP * row_blocks
     gl.warp_specialize([
         (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, dq_ready, dq_empty,
                         dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq,
