@@ -1756,10 +1756,10 @@ def _tl_kernel(*args, **kwargs):
 def gluon_bwd():
     """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
     scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
-    issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws") against the tl backward (attention_backward, triton) and SDPA's backward
-    (its default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's
-    FLOPs (causal half), do_bench median, bf16; and the largest gradient difference from the tl
-    backward's."""
+    issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws") against the tl backward
+    (attention_backward, triton) and SDPA's backward (its default, cuDNN) on the same forward's output, the
+    backward alone: TFLOP/s at 2.5x the forward's FLOPs (causal half), do_bench median, bf16; and the largest
+    gradient difference from the tl backward's."""
     from triton.testing import do_bench
 
     from common import attention_backward
