@@ -1794,8 +1794,9 @@ def gluon_bwd():
                 runs["one-pass tma first"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
                                                                        0 if causal else None, dq_tma=True,
                                                                        dq_first=True)
-                runs["one-pass ws"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
-                                                                0 if causal else None, specialized=True)
+                if os.environ.get("PROBE_BWD_WS", "1") != "0":  # (0: its GPU tests failed or hung)
+                    runs["one-pass ws"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
+                                                                    0 if causal else None, specialized=True)
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
             fused_error = max((a.float() - b.float()).abs().max().item()
