@@ -103,7 +103,7 @@ for stage in "$@"; do
                echo "${PIPESTATUS[0]}" > /tmp/gluon_bwd_ws.rc ;;
     gluon-bwd-probe) ws=$(cat /tmp/gluon_bwd_ws.rc 2>/dev/null || echo 0)
                [ "$ws" = 0 ] || echo "the warp-specialised cases ended with exit $ws: the probe leaves them out"
-               PROBE_BWD_WS=$([ "$ws" = 0 ] && echo 1 || echo 0) timeout 280 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
+               PROBE_BWD_WS=$([ "$ws" = 0 ] && echo 1 || echo 0) timeout 500 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the

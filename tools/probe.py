@@ -1797,13 +1797,18 @@ def gluon_bwd():
                 if os.environ.get("PROBE_BWD_WS", "1") != "0":  # (0: its GPU tests failed or hung)
                     runs["one-pass ws"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
                                                                     0 if causal else None, specialized=True)
+                    # (its consumers hold 240 registers: at D 128 row tiles of 64 fit with 64 B of spills, where
+                    # the plain one pass takes 32; at D 64 a third ring slot fits)
+                    ws_tile = (64, 128, 2, 8, True) if D == 128 else (64, 128, 3, 8, False)
+                    runs["one-pass ws tile"] = functools.partial(gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5,
+                                                                 0 if causal else None, specialized=True, tile=ws_tile)
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
             fused_error = max((a.float() - b.float()).abs().max().item()
                               for a, b in zip(runs["one-pass"](), runs["tl"]()))
             others = ", ".join(f"{name} {tflops[name]:.0f}" for name in runs if name.startswith(("overlap", "no ")))
-            for name in ("one-pass first", "one-pass tma", "one-pass tma first", "one-pass ws"):  # (dK after dQ:
-                # "first"; ws: a loader warp and a dQ warp beside the consumers)
+            # (dK after dQ: "first"; ws: a loader warp and a dQ warp beside the consumers)
+            for name in ("one-pass first", "one-pass tma", "one-pass tma first", "one-pass ws", "one-pass ws tile"):
                 if name in runs:
                     name_error = max((a.float() - b.float()).abs().max().item()
                                      for a, b in zip(runs[name](), runs["tl"]()))
