@@ -3,15 +3,16 @@
 #
 #   bash tools/carry_triton.sh [VERSION]     (default 3.9.0, the newest pyproject.toml allows)
 #
-# The wheel (about 290 MB) is over a call's 64 MiB, so it goes in parts: downloaded for the machine's
-# Python 3.12 on x86-64, less what our kernels never load there (the AMD backend's code generator,
-# CUPTI, Blackwell's ptxas, the instrumentation test library), packed with xz and split into parts of
-# at most 55 MB under .triton-carry/ (ignored: add `/.triton-carry/` to .git/info/exclude). Each part
-# travels in a call of its own to the same warm machine, each call a few seconds apart (a machine left
-# idle 30 s goes back, and its parts with it):
+# The wheel (about 290 MB) is over a call's 64 MiB: it is downloaded for the machine's Python 3.12 on
+# x86-64, less what our kernels never load there (the AMD backend's code generator, CUPTI, Blackwell's
+# ptxas, the instrumentation test library) and its libraries' debug information, packed with xz and split
+# into parts of at most 55 MiB under .triton-carry/ (ignored: add `/.triton-carry/` to .git/info/exclude):
+# 3.9.0 packs into one part of 53 MiB, which travels with the working tree in one call:
 #
-#   run(carry=[".whl", ".triton-carry/part-aa"], command="bash tools/h200.sh triton-part")
-#   run(carry=[".whl", ".triton-carry/part-ab"], command="bash tools/h200.sh triton-part triton-install")
+#   run(carry=[".whl", ".triton-carry/part-aa"], command="bash tools/h200.sh triton-part triton-install && ...")
+#
+# More parts travel in a call each to the same warm machine, a few seconds apart (a machine left idle 30 s
+# goes back, and its parts with it), the last call's stages `triton-part triton-install`.
 #
 # after which, on that machine, `TRITON_CARRIED=1 bash tools/h200.sh STAGE...` runs any stage under it.
 set -euo pipefail
@@ -27,6 +28,9 @@ mkdir -p "$work/site"
 rm -rf "$work/site/triton/backends/amd/lib/libtriton_amd_codegen.so" \
        "$work/site/triton/backends/nvidia/lib/cupti" "$work/site/triton/backends/nvidia/lib/cupti-blackwell" \
        "$work/site/triton/backends/nvidia/bin/ptxas-blackwell" "$work"/site/triton/instrumentation/*.so
+# (the shared libraries' debug information is most of the wheel: libtriton.so 500 MB -> 192 MB without it, which
+# brings the packed wheel under one part)
+strip --strip-unneeded "$work"/site/triton/_C/*.so
 rm -rf "$out"; mkdir -p "$out"
 tar -cf - -C "$work/site" . | xz -6 -T0 | split -b 55M - "$out/part-"
 echo "$version" > "$out/VERSION"

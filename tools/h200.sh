@@ -17,7 +17,7 @@
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
 #     paged FP8 decode's tiles swept); gluon-tiles (the Gluon forward's tiles swept); maxnreg; quirks; ring-bench,
 #     ring-bench-long (two GPUs); ncu (Nsight Compute's counters of NCU_CASES, tools/ncu_targets.py)
-#   another Triton (tools/carry_triton.sh): triton-part (a call a part), triton-install; then TRITON_CARRIED=1
+#   another Triton (tools/carry_triton.sh): triton-part (a call a part; 3.9.0 is one), triton-install; then TRITON_CARRIED=1
 #   tuning: tune, tune64, tune128, tune-bwd, tune-fp8, tune-gluon, tune-fwd-nt, tune-fwd-nt-dims
 #   A/B of a change: ab (AB_PROBES in each of AB_TREES and here), ab-bench (forward throughput in each tree)
 # (any other word runs as a shell command)
