@@ -98,12 +98,14 @@ for stage in "$@"; do
     # (the warp-specialised one pass's cases apart and bounded, so that a kernel waiting forever on an mbarrier
     # costs its own cases only; the probe then leaves it out, PROBE_BWD_WS=0; the two halves fit a call each)
     gluon-bwd) bash "$0" gluon-bwd-tests gluon-bwd-probe ;;
-    gluon-bwd-tests) timeout 240 python3 -m pytest tests/test_gluon.py -k "backward and not one-pass-ws" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_tests.log"
+    # (GLUON_BWD_K: a -k expression more, e.g. "tma" for the cases only triton 3.9 runs; GLUON_BWD_T: the first
+    # half's seconds, 240 unless set)
+    gluon-bwd-tests) timeout "${GLUON_BWD_T:-240}" python3 -m pytest tests/test_gluon.py -k "backward and not one-pass-ws${GLUON_BWD_K:+ and ($GLUON_BWD_K)}" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_tests.log"
                timeout -k 10 150 python3 -m pytest tests/test_gluon.py -k "backward and one-pass-ws" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_ws_tests.log"
                echo "${PIPESTATUS[0]}" > /tmp/gluon_bwd_ws.rc ;;
     gluon-bwd-probe) ws=$(cat /tmp/gluon_bwd_ws.rc 2>/dev/null || echo 0)
                [ "$ws" = 0 ] || echo "the warp-specialised cases ended with exit $ws: the probe leaves them out"
-               PROBE_BWD_WS=$([ "$ws" = 0 ] && echo 1 || echo 0) timeout 500 python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
+               PROBE_BWD_WS=$([ "$ws" = 0 ] && echo 1 || echo 0) timeout "${GLUON_BWD_PROBE_T:-500}" python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the

@@ -1765,8 +1765,11 @@ def gluon_bwd():
     from common import attention_backward
     from impl_triton import gluon_backward as gb
 
+    lengths = [int(n) for n in os.environ.get("PROBE_BWD_LENGTHS", "1024 4096 16384").split()]
     for B, H, L, D in ((16, 32, 1024, 64), (4, 32, 4096, 64), (1, 32, 16384, 64), (16, 16, 1024, 128),
                        (4, 16, 4096, 128), (1, 16, 16384, 128)):
+        if L not in lengths:  # (PROBE_BWD_LENGTHS: the lengths to run, for a call short of time)
+            continue
         q, k, v, grad = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         for causal in (False, True):
             flops = 2.5 * 4 * B * H * L * L * D / (2 if causal else 1)
