@@ -1805,10 +1805,16 @@ def gluon_bwd():
                     ws_tile = (64, 128, 2, 8, True) if D == 128 else (64, 128, 3, 8, False)
                     runs["one-pass ws tile"] = functools.partial(gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5,
                                                                  0 if causal else None, specialized=True, tile=ws_tile)
+            # (PROBE_BWD_SCHEMES: the one-pass variants to run, comma-separated names, for a call short of time)
+            schemes = os.environ.get("PROBE_BWD_SCHEMES")
+            if schemes:
+                runs = {name: fn for name, fn in runs.items()
+                        if not name.startswith("one-pass") or name in schemes.split(",")}
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
+            fused = "one-pass" in runs
             fused_error = max((a.float() - b.float()).abs().max().item()
-                              for a, b in zip(runs["one-pass"](), runs["tl"]()))
+                              for a, b in zip(runs["one-pass"](), runs["tl"]())) if fused else float("nan")
             others = ", ".join(f"{name} {tflops[name]:.0f}" for name in runs if name.startswith(("overlap", "no ")))
             # (dK after dQ: "first"; ws: a loader warp and a dQ warp beside the consumers)
             for name in ("one-pass first", "one-pass tma", "one-pass tma first", "one-pass ws", "one-pass ws tile"):
@@ -1818,7 +1824,7 @@ def gluon_bwd():
                     others += f"; {name}: {tflops[name]:.0f}, max |it - tl| {name_error:.1e}"
             print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f} "
                   f"(dK/dV {others}; one pass with atomic dQ: "
-                  f"{tflops['one-pass']:.0f}, max |one-pass - tl| {fused_error:.1e}), "
+                  f"{tflops.get('one-pass', float('nan')):.0f}, max |one-pass - tl| {fused_error:.1e}), "
                   f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/tl "
                   f"{tflops['gluon'] / tflops['tl']:.2f}, gluon/sdpa {tflops['gluon'] / tflops['sdpa']:.2f}; "
                   f"max |gluon - tl| {error:.1e}", flush=True)
