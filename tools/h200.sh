@@ -96,12 +96,13 @@ for stage in "$@"; do
     # the Gluon backward's GPU tests (both schemes; the one pass's dQ by the bulk reduce-add where triton has it,
     # TRITON_CARRIED=1), then its probe against the tl backward and cuDNN's
     # (the warp-specialised one pass's cases apart and bounded, so that a kernel waiting forever on an mbarrier
-    # costs its own cases only; the probe then leaves it out, PROBE_BWD_WS=0; the two halves fit a call each)
+    # costs its own cases only; the probe then leaves it out, PROBE_BWD_WS=0; the tests and the probe fit a call
+    # each; GLUON_BWD_K: a -k expression more for the other cases, e.g. "tma" for those only triton 3.9 runs;
+    # GLUON_BWD_T: their seconds, 240 unless set)
     gluon-bwd) bash "$0" gluon-bwd-tests gluon-bwd-probe ;;
-    # (GLUON_BWD_K: a -k expression more, e.g. "tma" for the cases only triton 3.9 runs; GLUON_BWD_T: the first
-    # half's seconds, 240 unless set)
-    gluon-bwd-tests) timeout "${GLUON_BWD_T:-240}" python3 -m pytest tests/test_gluon.py -k "backward and not one-pass-ws${GLUON_BWD_K:+ and ($GLUON_BWD_K)}" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_tests.log"
-               timeout -k 10 150 python3 -m pytest tests/test_gluon.py -k "backward and one-pass-ws" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_ws_tests.log"
+    gluon-bwd-tests) bash "$0" gluon-bwd-plain gluon-bwd-ws ;;
+    gluon-bwd-plain) timeout "${GLUON_BWD_T:-240}" python3 -m pytest tests/test_gluon.py -k "backward and not one-pass-ws${GLUON_BWD_K:+ and ($GLUON_BWD_K)}" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_tests.log" ;;
+    gluon-bwd-ws) timeout -k 10 150 python3 -m pytest tests/test_gluon.py -k "backward and one-pass-ws" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_ws_tests.log"
                echo "${PIPESTATUS[0]}" > /tmp/gluon_bwd_ws.rc ;;
     gluon-bwd-probe) ws=$(cat /tmp/gluon_bwd_ws.rc 2>/dev/null || echo 0)
                [ "$ws" = 0 ] || echo "the warp-specialised cases ended with exit $ws: the probe leaves them out"
