@@ -1756,10 +1756,11 @@ def _tl_kernel(*args, **kwargs):
 def gluon_bwd():
     """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
     scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
-    issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws") against the tl backward
-    (attention_backward, triton) and SDPA's backward (its default, cuDNN) on the same forward's output, the
-    backward alone: TFLOP/s at 2.5x the forward's FLOPs (causal half), do_bench median, bf16; and the largest
-    gradient difference from the tl backward's."""
+    issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws", also at the tile its consumers'
+    registers allow, "ws tile") against the tl backward (attention_backward, triton) and SDPA's backward (its
+    default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's FLOPs (causal
+    half), do_bench median, bf16; and the largest gradient difference from the tl backward's. PROBE_BWD_LENGTHS,
+    PROBE_BWD_SCHEMES, PROBE_BWD_TILES=0, PROBE_BWD_WS=0: less of it, for a call short of time."""
     from triton.testing import do_bench
 
     from common import attention_backward
@@ -1805,29 +1806,22 @@ def gluon_bwd():
                     ws_tile = (64, 128, 2, 8, True) if D == 128 else (64, 128, 3, 8, False)
                     runs["one-pass ws tile"] = functools.partial(gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5,
                                                                  0 if causal else None, specialized=True, tile=ws_tile)
-            # (PROBE_BWD_SCHEMES: the one-pass variants to run, comma-separated names, for a call short of time)
+            # (PROBE_BWD_SCHEMES: the variants to run beside tl and sdpa, comma-separated names, for a call
+            # short of time)
             schemes = os.environ.get("PROBE_BWD_SCHEMES")
             if schemes:
-                runs = {name: fn for name, fn in runs.items()
-                        if not name.startswith("one-pass") or name in schemes.split(",")}
+                runs = {name: fn for name, fn in runs.items() if name in ("tl", "sdpa", *schemes.split(","))}
             tflops = {name: flops / do_bench(fn, warmup=25, rep=100) * 1e-9 for name, fn in runs.items()}
-            error = max((a.float() - b.float()).abs().max().item() for a, b in zip(runs["gluon"](), runs["tl"]()))
-            fused = "one-pass" in runs
-            fused_error = max((a.float() - b.float()).abs().max().item()
-                              for a, b in zip(runs["one-pass"](), runs["tl"]())) if fused else float("nan")
-            others = ", ".join(f"{name} {tflops[name]:.0f}" for name in runs if name.startswith(("overlap", "no ")))
-            # (dK after dQ: "first"; ws: a loader warp and a dQ warp beside the consumers)
-            for name in ("one-pass first", "one-pass tma", "one-pass tma first", "one-pass ws", "one-pass ws tile"):
-                if name in runs:
-                    name_error = max((a.float() - b.float()).abs().max().item()
-                                     for a, b in zip(runs[name](), runs["tl"]()))
-                    others += f"; {name}: {tflops[name]:.0f}, max |it - tl| {name_error:.1e}"
-            print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}: backward gluon {tflops['gluon']:.0f} "
-                  f"(dK/dV {others}; one pass with atomic dQ: "
-                  f"{tflops.get('one-pass', float('nan')):.0f}, max |one-pass - tl| {fused_error:.1e}), "
-                  f"tl {tflops['tl']:.0f}, sdpa {tflops['sdpa']:.0f} TFLOP/s; gluon/tl "
-                  f"{tflops['gluon'] / tflops['tl']:.2f}, gluon/sdpa {tflops['gluon'] / tflops['sdpa']:.2f}; "
-                  f"max |gluon - tl| {error:.1e}", flush=True)
+            tl_grads = runs["tl"]()
+            # (gluon: the two passes; overlap / no overlap: their dK/dV pass's other tiles; one-pass: dQ by
+            # atomics, tma: by the bulk reduce-add, first: dK's product after dQ's; ws: a loader warp and a dQ
+            # warp beside the consumers)
+            variants = "; ".join(
+                f"{name} {tflops[name]:.0f} ({tflops[name] / tflops['tl']:.2f}x tl, max |it - tl| "
+                f"{max((a.float() - b.float()).abs().max().item() for a, b in zip(fn(), tl_grads)):.1e})"
+                for name, fn in runs.items() if name not in ("tl", "sdpa"))
+            print(f"bf16 ({B}, {H}, {L}, {D}) causal={causal}, backward TFLOP/s: {variants}; tl {tflops['tl']:.0f}, "
+                  f"sdpa {tflops['sdpa']:.0f} (tl/sdpa {tflops['tl'] / tflops['sdpa']:.2f})", flush=True)
 
 
 def serving():
