@@ -10,8 +10,9 @@
 #     then tools/layout_probe.py's cases, plain and under memcheck); sanitize (memcheck and racecheck over
 #     every kernel); fa-suite (FlashAttention's own tests/test_flash_attn.py, carried unchanged in .fa/ (carry
 #     ".fa"), on common.flash_attn_interface through tools/fa_suite/run.py: FA_PER_TEST cases of each test
-#     function, each backend; its 250-iteration race test left out); gluon, gluon-bwd, fp8, paged-check,
-#     serving (a feature's tests, then its probe); ring-test (two GPUs)
+#     function, each backend; its 250-iteration race test left out); gluon, gluon-bwd (its halves
+#     gluon-bwd-plain, gluon-bwd-ws, gluon-bwd-probe), fp8, paged-check, serving (a feature's tests, then its
+#     probe); ring-test (two GPUs)
 #   timings: bench, bench-full (BENCHMARKS.md's run, --write), bench-table (the committed table's bf16 forward and
 #     backward in one call), bench-fp8, bench-bwd, bench-fwd4k, bench-x2 (two GPUs); compare; demo; probe;
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
