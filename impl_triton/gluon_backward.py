@@ -280,6 +280,21 @@ def _key_block_start(q_desc, k_desc, v_desc, do_desc, off_z, off_h_kv, key_start
 
 
 @gluon.jit
+def _key_block_resident(scale, key_start, k_smem, v_smem, kv_bar, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, st_layout: gl.constexpr, acc_layout: gl.constexpr):
+    """What a key block's program holds across its row tiles, once its K and V tiles are in (waited for
+    here): (qk_scale, its keys' indices, S^T's zero, dK's and dV's zeroed float32 accumulators, K and V as
+    BLOCK_N x HEAD_DIM tiles)."""
+    qk_scale = scale * LOG2E
+    offs_kn = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    return qk_scale, offs_kn, zero_st, dk, dv, k_smem.reshape([BLOCK_N, HEAD_DIM]), v_smem.reshape([BLOCK_N, HEAD_DIM])
+
+
+@gluon.jit
 def _store_dk_dv(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, off_z, off_h_kv, key_start, BLOCK_N: gl.constexpr,
                  HEAD_DIM: gl.constexpr):
     """dK (scaled) and dV leave by TMA through K's and V's shared tiles (every product that read them is
@@ -351,7 +366,6 @@ def _gluon_bwd_dkdv(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
     row_st: gl.constexpr = gl.SliceLayout(0, st_layout)
 
     k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles = _key_block_start(
@@ -359,14 +373,8 @@ def _gluon_bwd_dkdv(
         HEAD_DIM, STAGES, IS_CAUSAL, True)
     kv_bar = kv_bars.index(0)
 
-    qk_scale = scale * LOG2E
-    offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
-    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    k = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    qk_scale, offs_kn, zero_st, dk, dv, k, v = _key_block_resident(scale, key_start, k_smem, v_smem, kv_bar, BLOCK_M,
+                                                                   BLOCK_N, HEAD_DIM, st_layout, acc_layout)
     # Tile t's S^T and dP^T are issued before dV's and dK's products of tile t - 1 (its p^T and dS^T
     # carried in registers), so the tensor cores run all four while the warps wait for S^T alone, then
     # compute p^T under dP^T's product and dS^T under dV's and dK's (``_dkdv_p_ds``); a slot is refilled
@@ -478,7 +486,6 @@ def _gluon_bwd_fused(
     op_layout: gl.constexpr = layouts[3]
     ds_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_M * 2), element_bitwidth=16,
                                                    rank=2)
-    key_st: gl.constexpr = gl.SliceLayout(1, st_layout)
     row_st: gl.constexpr = gl.SliceLayout(0, st_layout)
 
     k_smem, v_smem, q_smem, do_smem, kv_bars, q_bars, lo, full_lo, row_blocks, n_tiles = _key_block_start(
@@ -489,9 +496,6 @@ def _gluon_bwd_fused(
     if DQ_TMA:  # (two: a tile's bulk add reads one while the next tile's dQ is written to the other)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
 
-    qk_scale = scale * LOG2E
-    offs_kn = key_start + gl.arange(0, BLOCK_N, layout=key_st)
-    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
     if DQ_T:
         zero_dq = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=dq_layout)
         dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, dq_layout))
@@ -500,11 +504,8 @@ def _gluon_bwd_fused(
         zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
         dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    k = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    qk_scale, offs_kn, zero_st, dk, dv, k, v = _key_block_resident(scale, key_start, k_smem, v_smem, kv_bar, BLOCK_M,
+                                                                   BLOCK_N, HEAD_DIM, st_layout, acc_layout)
     for t in range(n_tiles):
         slot = t % STAGES
         block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
@@ -614,14 +615,8 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
         zero_dq = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=dq_layout)
     else:
         zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    qk_scale = scale * LOG2E
-    offs_kn = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    k = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    qk_scale, offs_kn, zero_st, dk, dv, k, v = _key_block_resident(scale, key_start, k_smem, v_smem, kv_bar, BLOCK_M,
+                                                                   BLOCK_N, HEAD_DIM, st_layout, acc_layout)
     for t in range(n_tiles):
         slot = t % STAGES
         buf = t % 2
