@@ -1801,8 +1801,8 @@ def gluon_bwd():
                 if os.environ.get("PROBE_BWD_WS", "1") != "0":  # (0: its GPU tests failed or hung)
                     runs["one-pass ws"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
                                                                     0 if causal else None, specialized=True)
-                    # (its consumers hold 240 registers: at D 128 row tiles of 64 fit with 64 B of spills, where
-                    # the plain one pass takes 32; at D 64 a third ring slot fits)
+                    # (its consumers' 240 registers hold D 128's 64-row tile, which the plain one pass spills at
+                    # and so runs 32-row tiles; at D 64 they leave room for a third ring slot)
                     ws_tile = (64, 128, 2, 8, True) if D == 128 else (64, 128, 3, 8, False)
                     runs["one-pass ws tile"] = functools.partial(gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5,
                                                                  0 if causal else None, specialized=True, tile=ws_tile)
