@@ -37,6 +37,9 @@ from common.outputs import stream_key
 _MAX_BY_VALUE = 4096  # entries before the by-value cache starts over
 _BY_CLASS, _BY_VALUE, _LOOSE = range(3)  # how the by-class cache keys a scalar argument
 _compile_lock = threading.RLock()
+# Every compile asks for fused multiply-adds: the kernels are written for them (a score's scale and its
+# row maximum in one FMA, exp2's argument, FP8 descales), and Triton 3.10 turns fusion off by default.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
 MIN_COUNTERS = 1024  # counters made at once: most launches never need more
@@ -232,7 +235,7 @@ class CachedLauncher:
         capped = {} if maxnreg is None else {"maxnreg": maxnreg}
         while True:
             try:
-                return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **capped)
+                return self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **capped, **COMPILE_OPTIONS)
             except triton.runtime.errors.OutOfResources as error:
                 if num_stages <= 1 or error.name != "shared memory":
                     raise

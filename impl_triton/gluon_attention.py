@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from common import compat
-from common.launch import alignment, launch_compiled
+from common.launch import COMPILE_OPTIONS, alignment, launch_compiled
 from common.plan import PV_GROUP, Widen, pv_order_fits
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
@@ -934,7 +934,8 @@ def _launch(q, k, v, out, lse, scale, causal_shift, with_lse, specialized=False,
     block_m, block_n, stages, num_warps = config or (pingpong_tile(D, q.dtype) if pingpong else tile(D))
     grid = (triton.cdiv(Lq, block_m), B * H)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None,
-                WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0 and descales is None, num_warps=num_warps)
+                WITH_LSE=with_lse, NEGATIVE_SCALE=scale < 0 and descales is None, num_warps=num_warps,
+                **COMPILE_OPTIONS)
     scalars = (scale, H, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
     lse_arg = lse if with_lse else out
     if not pingpong:

@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from common.launch import COMPILE_OPTIONS
 from impl_triton.gluon_attention import (
     LOG2E,
     _barriers,
@@ -745,13 +746,13 @@ def backward(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None
         out.stride(0), out.stride(1), out.stride(2), *lse.stride(), *dlse.stride(),
         scale, H, H // H_kv, Lq, Lk, shift,
         BLOCK_M=bm1, BLOCK_N=bn1, HEAD_DIM=D, STAGES=stages1, IS_CAUSAL=is_causal,
-        WITH_DLSE=grad_lse is not None, num_warps=warps1)
+        WITH_DLSE=grad_lse is not None, num_warps=warps1, **COMPILE_OPTIONS)
     _gluon_bwd_dkdv[(triton.cdiv(Lk, bn2), B * H_kv)](
         _descriptor(q, bm2), _descriptor(k, bn2), _descriptor(v, bn2), _descriptor(grad_out, bm2),
         _descriptor(dk, bn2), _descriptor(dv, bn2), lse, delta, *lse.stride(),
         scale, H_kv, H // H_kv, Lq, Lk, shift,
         BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=stages2, IS_CAUSAL=is_causal, OVERLAP=overlap2,
-        num_warps=warps2)
+        num_warps=warps2, **COMPILE_OPTIONS)
     return dq, dk, dv
 
 
@@ -798,7 +799,7 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
             _descriptor(dv, bn), _descriptor(dq_sum, bm), lse, delta, *lse.stride(), scale, H_kv, H // H_kv, Lq, Lk,
             0 if causal_shift is None else causal_shift,
             BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
-            num_warps=warps)
+            num_warps=warps, **COMPILE_OPTIONS)
         return (dq_sum * scale).to(q.dtype), dk, dv
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
@@ -806,5 +807,5 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
         *dq_sum.stride()[:3], *lse.stride(), scale, H_kv, H // H_kv, Lq, Lk,
         0 if causal_shift is None else causal_shift,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
-        DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=warps)
+        DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=warps, **COMPILE_OPTIONS)
     return (dq_sum * scale).to(q.dtype), dk, dv

@@ -180,7 +180,8 @@ class OptionsJIT(FakeJIT):
 
 
 def test_a_register_cap_compiles_a_kernel_of_its_own(monkeypatch):
-    """``maxnreg`` goes to Triton's compile as its launch option (and none where there is no cap);
+    """``maxnreg`` goes to Triton's compile as its launch option (and none where there is no cap), beside
+    the fused multiply-adds every compile asks for (``COMPILE_OPTIONS``);
     a capped and an uncapped launch of one kernel each keep their own compiled kernel; a routed
     generated launcher passes the cap it was routed with."""
     monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
@@ -191,12 +192,14 @@ def test_a_register_cap_compiles_a_kernel_of_its_own(monkeypatch):
     for _ in range(2):
         launcher.launch((4, 1, 1), args, 4, 2)
         launcher.launch((4, 1, 1), args, 4, 2, 128)
-    assert fn.options == [{"num_warps": 4, "num_stages": 2}, {"num_warps": 4, "num_stages": 2, "maxnreg": 128}]
+    fused = {"enable_fp_fusion": True}
+    assert fn.options == [{"num_warps": 4, "num_stages": 2, **fused},
+                          {"num_warps": 4, "num_stages": 2, "maxnreg": 128, **fused}]
     assert [entry[:2] for entry in fn.log] == [("dispatch", 1), ("dispatch", 2), ("direct", 1), ("direct", 2)]
     routed = launch._RoutedKernel(OptionsJIT(), maxnreg=96)
     routed.launcher.enabled = True
     routed[(4,)](*args, num_warps=4, num_stages=3)
-    assert routed.fn.options == [{"num_warps": 4, "num_stages": 3, "maxnreg": 96}]
+    assert routed.fn.options == [{"num_warps": 4, "num_stages": 3, "maxnreg": 96, **fused}]
 
 
 def test_one_dimensional_and_callable_grids(fake):

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         grid = grid({}) if callable(grid) else grid
         capped = {} if maxnreg is None else {"maxnreg": maxnreg}
         compiled[self.fn.__name__] = self.fn.warmup(*arguments, grid=grid, num_warps=num_warps,
-                                                    num_stages=num_stages, **capped)
+                                                    num_stages=num_stages, **capped, **launch.COMPILE_OPTIONS)
 
     launch.CachedLauncher.launch = compile_only
     validation._check_kernel_device = lambda *a: None  # CPU tensors, planned as if on the GPU

@@ -34,6 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from cpu_sass import disassemble, mma_loops  # noqa: E402
 
 from common.interpret import _StandInDriver  # noqa: E402
+from common.launch import COMPILE_OPTIONS  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -133,12 +134,12 @@ def _backward(args, out_dir, dtype) -> int:
             descriptor(q, bm1), descriptor(k, bn1), descriptor(v, bn1), descriptor(do, bm1), descriptor(q, bm1),
             o, lse, lse, delta, *o.stride()[:3], *lse.stride(), *lse.stride(), 0.125, 8, 4, 1000, 1000, 0,
             BLOCK_M=bm1, BLOCK_N=bn1, HEAD_DIM=D, STAGES=s1, IS_CAUSAL=args.causal, WITH_DLSE=False,
-            num_warps=w1, grid=(1,))
+            num_warps=w1, grid=(1,), **COMPILE_OPTIONS)
         dkdv_kernel = gb._gluon_bwd_dkdv.warmup(
             descriptor(q, bm2), descriptor(k, bn2), descriptor(v, bn2), descriptor(do, bm2), descriptor(k, bn2),
             descriptor(v, bn2), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
             BLOCK_M=bm2, BLOCK_N=bn2, HEAD_DIM=D, STAGES=s2, IS_CAUSAL=args.causal, OVERLAP=overlap, num_warps=w2,
-            grid=(1,))
+            grid=(1,), **COMPILE_OPTIONS)
         bm3, bn3, s3, w3, dq_t = gb.fused_tile(D)
         dq_sum = lse.new_empty(2, 8, 1000, D)
         # (dQ added by atomics; and, where the installed Triton has it, by the bulk reduce-add; each with dK's
@@ -151,13 +152,13 @@ def _backward(args, out_dir, dtype) -> int:
                 descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
                 descriptor(v, bn3), dq_sum, descriptor(dq_sum if dq_tma else q, bm3), lse, delta, *q.stride()[:3],
                 *lse.stride(), 0.125, 2, 4, 1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3,
-                IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=w3, grid=(1,))))
+                IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=w3, grid=(1,), **COMPILE_OPTIONS)))
         if gb.bulk_reduce_add():  # (FlashAttention-3's warp roles: a loader warp, a dQ warp, the consumers)
             fused.append(("fused_ws", gb._gluon_bwd_ws.warmup(
                 descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
                 descriptor(v, bn3), descriptor(dq_sum, bm3), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
                 BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3, IS_CAUSAL=args.causal, DQ_T=dq_t, num_warps=w3,
-                grid=(1,))))
+                grid=(1,), **COMPILE_OPTIONS)))
         for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), *fused):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
             regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
