@@ -48,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from common.launch import COMPILE_OPTIONS
+from common.interpret import apply_interpreter_fixes
+from common.launch import COMPILE_OPTIONS, CachedLauncher
 from impl_triton.gluon_attention import (
     LOG2E,
     _barriers,
@@ -61,6 +62,7 @@ from impl_triton.gluon_attention import (
     _whole_tiles,
 )
 from impl_triton.gluon_attention import descriptor as _descriptor
+from impl_triton.kernels import _one_pass_epilogue, _one_pass_prologue
 
 HEAD_DIMS = (64, 128)
 # (a barrier of the CTA's threads: triton 3.6 names it thread_barrier, later versions barrier)
@@ -763,6 +765,39 @@ def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
     return (64, 128, 2, 8, False) if head_dim == 64 else (32, 128, 3, 8, True)
 
 
+apply_interpreter_fixes()  # (the launches before and after the one pass are tl kernels, which it runs)
+_prologue_launcher = CachedLauncher(_one_pass_prologue)
+_epilogue_launcher = CachedLauncher(_one_pass_epilogue)
+_SUM_ROWS = 64  # (BLOCK_M of the launches before and after the one pass: reads and writes only)
+
+
+def one_pass_sums(out, grad_out, grad_lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta, dq_sum) that the one pass starts from, in one launch: delta = rowsum(grad_out * out) -
+    grad_lse, float32 (B·H, Lq); dq_sum float32 zeros (B, H, Lq, D), contiguous. ``out``, ``grad_out``:
+    (B, H, Lq, D), any strides; ``grad_lse``: (B, H, Lq) float32 or None."""
+    B, H, Lq, D = out.shape
+    delta = torch.empty(B * H, Lq, dtype=torch.float32, device=out.device)
+    dq_sum = torch.empty(B, H, Lq, D, dtype=torch.float32, device=out.device)
+    dlse = grad_lse if grad_lse is not None else delta  # (never read without WITH_DLSE)
+    m_blocks = triton.cdiv(Lq, _SUM_ROWS)
+    _prologue_launcher((m_blocks * B * H, ), out, grad_out, dlse, delta, dq_sum, *out.stride(), *grad_out.stride(),
+                       *(grad_lse.stride() if grad_lse is not None else (0, 0, 0)), H, Lq, m_blocks,
+                       num_warps=4, num_stages=1, HEAD_DIM=D, BLOCK_M=_SUM_ROWS,
+                       BLOCK_D=triton.next_power_of_2(D), WITH_DLSE=grad_lse is not None)
+    return delta, dq_sum
+
+
+def one_pass_dq(dq_sum, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """dQ from the one pass's float32 sum (B, H, Lq, D), contiguous: ``dq_sum * scale`` rounded once to
+    ``dtype``, in one launch; a new contiguous tensor."""
+    B, H, Lq, D = dq_sum.shape
+    dq = torch.empty(B, H, Lq, D, dtype=dtype, device=dq_sum.device)
+    m_blocks = triton.cdiv(Lq, _SUM_ROWS)
+    _epilogue_launcher((m_blocks * B * H, ), dq_sum, dq, scale, Lq, m_blocks, num_warps=4, num_stages=1,
+                       HEAD_DIM=D, BLOCK_M=_SUM_ROWS, BLOCK_D=triton.next_power_of_2(D))
+    return dq
+
+
 def bulk_reduce_add() -> bool:
     """Whether the installed Triton's Gluon has the copy engine's bulk reduce-add (``hopper.tma.async_atomic_add``,
     triton 3.9; not in 3.6), which ``backward_fused(dq_tma=True)`` adds dQ by."""
@@ -772,23 +807,19 @@ def bulk_reduce_add() -> bool:
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
                    dk=None, dv=None, dq_tma: bool = False, dq_first: bool = False, tile: tuple | None = None,
                    specialized: bool = False):
-    """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta computed first (torch), dQ summed
-    in float32 by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where ``bulk_reduce_add()``),
-    then scaled and cast (a new tensor); ``dk``, ``dv``: buffers to write, else allocated. ``dq_first``:
-    dK's product issued after dQ's (the kernel's DQ_FIRST); ``tile``: (BLOCK_M, BLOCK_N, STAGES, num_warps,
-    DQ_T) instead of ``fused_tile``'s (a probe's comparison, a test's); ``specialized``: FlashAttention-3's
-    warp roles, a loader warp and a dQ warp beside the consumers (``_gluon_bwd_ws``: dQ by the bulk
-    reduce-add, dK after dQ). Not bitwise reproducible (dQ's additions); not dispatched."""
+    """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta and dQ's zeroed float32 sum first
+    (``one_pass_sums``, one launch), dQ summed by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where
+    ``bulk_reduce_add()``), then scaled and rounded into a new tensor (``one_pass_dq``, one launch); ``dk``, ``dv``:
+    buffers to write, else allocated. ``dq_first``: dK's product issued after dQ's (the kernel's DQ_FIRST); ``tile``:
+    (BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) instead of ``fused_tile``'s (a probe's comparison, a test's);
+    ``specialized``: FlashAttention-3's warp roles, a loader warp and a dQ warp beside the consumers (``_gluon_bwd_ws``:
+    dQ by the bulk reduce-add, dK after dQ). Not bitwise reproducible (dQ's additions); not dispatched."""
     if (dq_tma or specialized) and not bulk_reduce_add():
         raise ValueError(f"dq_tma=True and specialized=True need Gluon's hopper.tma.async_atomic_add (triton 3.9 or "
                          f"later); this is triton {triton.__version__}")
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
-    delta = (out.float() * grad_out.float()).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse
-    delta = delta.reshape(B * H, Lq).contiguous()
-    dq_sum = torch.zeros(B, H, Lq, D, dtype=torch.float32, device=q.device)
+    delta, dq_sum = one_pass_sums(out, grad_out, grad_lse)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     bm, bn, stages, warps, dq_t = tile or fused_tile(D)
@@ -800,7 +831,7 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
             0 if causal_shift is None else causal_shift,
             BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
             num_warps=warps, **COMPILE_OPTIONS)
-        return (dq_sum * scale).to(q.dtype), dk, dv
+        return one_pass_dq(dq_sum, scale, q.dtype), dk, dv
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
         _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, _descriptor(dq_sum, bm) if dq_tma else q_desc, lse, delta,
@@ -808,4 +839,4 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
         0 if causal_shift is None else causal_shift,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
         DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=warps, **COMPILE_OPTIONS)
-    return (dq_sum * scale).to(q.dtype), dk, dv
+    return one_pass_dq(dq_sum, scale, q.dtype), dk, dv

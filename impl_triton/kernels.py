@@ -882,3 +882,58 @@ def _attn_bwd_dkdv(
     tl.store(DK + rows * HEAD_DIM + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])
     tl.store(DV + rows * HEAD_DIM_V + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=key_ok[:, None] & dv_ok[None, :])
+
+
+# -- the one-pass backward's launches before and after (impl_triton.gluon_backward.backward_fused) ----------
+
+@triton.jit
+def _one_pass_prologue(
+    O, DO, DLSE, DELTA, DQ_SUM,
+    stride_oz, stride_oh, stride_om, stride_od,
+    stride_doz, stride_doh, stride_dom, stride_dod,
+    stride_dlz, stride_dlh, stride_dlm,
+    H, Lq, M_BLOCKS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WITH_DLSE: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, head). delta = rowsum(do * o) - dlse into DELTA
+    ((B·H, Lq) float32), and the rows' float32 dQ sum (DQ_SUM, contiguous (B, H, Lq, HEAD_DIM)) zeroed,
+    which the one pass's key blocks then add into: one read of O and dO, where torch's expression
+    made float32 copies of both."""
+    start_m = tl.program_id(0) % M_BLOCKS
+    off_hz = tl.program_id(0) // M_BLOCKS
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Lq
+    tile_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(O + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_d[None, :] * stride_od,
+                mask=tile_ok, other=0.0)
+    do = tl.load(DO + off_z * stride_doz + off_h * stride_doh + rows * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=tile_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if WITH_DLSE:
+        delta -= tl.load(DLSE + off_z * stride_dlz + off_h * stride_dlh + offs_m.to(tl.int64) * stride_dlm,
+                         mask=m_ok, other=0.0)
+    tl.store(DELTA + off_hz.to(tl.int64) * Lq + offs_m, delta, mask=m_ok)
+    tl.store(DQ_SUM + (off_hz.to(tl.int64) * Lq + rows) * HEAD_DIM + offs_d[None, :],
+             tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=tile_ok)
+
+
+@triton.jit
+def _one_pass_epilogue(
+    DQ_SUM, DQ, scale,
+    Lq, M_BLOCKS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program: BLOCK_M rows of one (batch, head)'s float32 dQ sum (DQ_SUM, contiguous (B, H, Lq,
+    HEAD_DIM)) times ``scale``, rounded once into DQ (contiguous, the inputs' dtype)."""
+    start_m = tl.program_id(0) % M_BLOCKS
+    off_hz = tl.program_id(0) // M_BLOCKS
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tile_ok = (offs_m < Lq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    at = (off_hz.to(tl.int64) * Lq + offs_m.to(tl.int64)[:, None]) * HEAD_DIM + offs_d[None, :]
+    dq = tl.load(DQ_SUM + at, mask=tile_ok, other=0.0) * scale
+    tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=tile_ok)

@@ -518,6 +518,30 @@ def test_backward_compiles_for_sm90_with_the_overlap(tmp_path):
     assert "REDG" in (tmp_path / "gluon_bwd_fused_d64.sass").read_text().replace("UTMAREDG", "")
 
 
+@pytest.mark.parametrize("D", [64, 24])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_one_pass_sums_and_dq(D, with_dlse, monkeypatch):
+    """The one pass's launches before and after it (tl kernels, so the interpreter runs them too): delta =
+    rowsum(grad_out * out) - grad_lse from (B, L, H, D) views, dQ's float32 sum all zeros, then dQ = sum *
+    scale rounded once; every element written (the buffers they allocate come poisoned)."""
+    from impl_triton import gluon_backward as gb
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    B, H, Lq = 2, 3, 100  # (rows off the 64-row blocks)
+    out, grad_out = (torch.randn(B, Lq, H, D, device=device, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    grad_lse = torch.randn(B, H, Lq, device=device) if with_dlse else None
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: empty(*shape, **kw).fill_(float("nan")))
+    delta, dq_sum = gb.one_pass_sums(out, grad_out, grad_lse)
+    expected = (out.float() * grad_out.float()).sum(-1) - (grad_lse if with_dlse else 0)
+    torch.testing.assert_close(delta, expected.reshape(B * H, Lq), rtol=1e-5, atol=1e-5)
+    assert dq_sum.shape == (B, H, Lq, D) and dq_sum.is_contiguous() and (dq_sum == 0).all()
+    dq_sum.normal_()
+    dq = gb.one_pass_dq(dq_sum, 0.3, torch.bfloat16)
+    assert dq.dtype == torch.bfloat16 and dq.is_contiguous()
+    assert torch.equal(dq, (dq_sum * 0.3).to(torch.bfloat16))
+
+
 BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum-exp)
     (2, 4, 2, 300, 517, 0.3, False),  # grouped heads, lengths off the tiles
     (1, 4, 4, 700, 129, -0.2, True),  # more queries than keys (causal top-left: rows with no key), dlse
