@@ -531,7 +531,12 @@ def test_one_pass_sums_and_dq(D, with_dlse, monkeypatch):
     out, grad_out = (torch.randn(B, Lq, H, D, device=device, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
     grad_lse = torch.randn(B, H, Lq, device=device) if with_dlse else None
     empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: empty(*shape, **kw).fill_(float("nan")))
+
+    def poisoned(*shape, **kw):
+        made = empty(*shape, **kw)
+        return made.fill_(float("nan")) if made.is_floating_point() else made
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     delta, dq_sum = gb.one_pass_sums(out, grad_out, grad_lse)
     expected = (out.float() * grad_out.float()).sum(-1) - (grad_lse if with_dlse else 0)
     torch.testing.assert_close(delta, expected.reshape(B * H, Lq), rtol=1e-5, atol=1e-5)
