@@ -40,6 +40,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import _core as _gl_core
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -71,6 +72,19 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # name a kernel reaches through a module attribute must exist there even in a branch never compiled).
 _bulk_reduce_add = getattr(tma, "async_atomic_add", None)
 WORKER_REGS = gl.constexpr(24)  # the warp-specialised one pass's loader and dQ warps hold no tile
+
+
+@_gl_core.builtin
+def _own_mma_wait(num_outstanding, deps, _semantic=None):
+    """``warpgroup_mma_wait`` for this warp group's products alone. Triton 3.9 follows a wait in a partition of
+    two warp groups with a barrier of all its warps (the other group's products may still read a shared operand
+    that a later write would change), unless the wait is marked ``warpGroupLocal``; a caller whose shared-memory
+    reuse is already ordered (by a barrier of its own or by mbarriers) marks it so. Triton 3.6 has no such
+    barrier, and the mark does nothing there."""
+    results = warpgroup_mma_wait(num_outstanding, deps, _semantic=_semantic)
+    first = results[0] if isinstance(results, tuple) else results
+    first.handle.set_attr("warpGroupLocal", _semantic.builder.get_unit_attr())
+    return results
 
 
 @gluon.jit
@@ -323,22 +337,29 @@ def _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, 
 @gluon.jit
 def _dkdv_tile(k, v, q_tile, do_tile, dk, dv, zero_st, m2, delta, qk_scale, offs_kn, offs_m, block, full_lo,
                causal_shift, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               op_layout: gl.constexpr, ISSUE_DK: gl.constexpr):
+               op_layout: gl.constexpr, ISSUE_DK: gl.constexpr, OWN_WAITS: gl.constexpr = False):
     """One row tile of a key block, each product after the one before (no overlap with the next tile):
     S^T and dP^T issued together, p^T under dP^T's product, dV's product issued, dS^T, dK's product
     issued (unless not ISSUE_DK: the caller issues it). Returns (dk, dv) in flight and dS^T (the inputs'
-    dtype)."""
+    dtype). OWN_WAITS: its two waits are each warp group's own (``_own_mma_wait``): nothing here writes
+    shared memory, and the caller orders its next writes."""
     dtype: gl.constexpr = k.dtype
     q = q_tile.reshape([BLOCK_M, HEAD_DIM])
     do = do_tile.reshape([BLOCK_M, HEAD_DIM])
     qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
+    if OWN_WAITS:
+        qkT = _own_mma_wait(1, (qkT, ))
+    else:
+        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
     pT = gl.exp2(qkT * qk_scale - m2[None, :])
     if IS_CAUSAL and block < full_lo:
         pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
     dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
-    dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+    if OWN_WAITS:
+        dpT = _own_mma_wait(1, (dpT, ))
+    else:
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
     dsT = (pT * (dpT - delta[None, :])).to(dtype)
     if ISSUE_DK:
         dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)
@@ -516,7 +537,7 @@ def _gluon_bwd_fused(
         mbarrier.wait(q_bars.index(slot), (t // STAGES) & 1)
         dk, dv, dsT = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta, qk_scale,
                                  offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM, IS_CAUSAL, op_layout,
-                                 not DQ_FIRST)
+                                 not DQ_FIRST, True)
         # dS^T to shared memory for dQ's product (every warp's rows of it before any warp group reads)
         ds_smem.store(dsT)
         fence_async_shared()
@@ -533,9 +554,9 @@ def _gluon_bwd_fused(
         if DQ_FIRST:
             dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]), dk,
                                is_async=True)
-            dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
+            dv, dq = _own_mma_wait(1, (dv, dq))
         else:
-            dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
+            dk, dv, dq = _own_mma_wait(0, (dk, dv, dq))
         if DQ_TMA:  # (the bulk add of two tiles ago, which read this tile's staging buffer, is done)
             tma.store_wait(1)
         # (every warp group's dQ product has read dS^T before the next tile's is stored; with DQ_TMA, the
@@ -561,7 +582,7 @@ def _gluon_bwd_fused(
                 gl.atomic_add(base + rows.to(gl.int64)[:, None] * stride_dqm + dq_cols[None, :], dq,
                               mask=rows[:, None] < Lq, sem="relaxed")
         if DQ_FIRST:  # (dK's product ran under dQ's addition)
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+            dk = _own_mma_wait(0, (dk, ))
         else:
             refill = t + STAGES
             if refill < n_tiles:  # (slot's tiles read by all five products)
@@ -628,7 +649,7 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
         mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
         dk, dv, dsT = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta, qk_scale,
                                  offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM, IS_CAUSAL, op_layout,
-                                 False)
+                                 False, True)
         ds_smem.store(dsT)
         fence_async_shared()
         _cta_barrier()  # (every warp's rows of dS^T in before any warp group's dQ product reads them)
@@ -638,7 +659,7 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k, zero_dq, use_acc=False, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]), dk,
                            is_async=True)
-        dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq))
+        dv, dq = _own_mma_wait(1, (dv, dq))
         mbarrier.wait(dq_empty.index(buf), ((t // 2) & 1) ^ 1)  # (its add of two tiles ago has read it)
         staged = dq_smem.index(buf).reshape([BLOCK_M, HEAD_DIM])
         if DQ_T:
@@ -646,7 +667,7 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
         else:
             staged.store(dq)
         fence_async_shared()
-        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+        dk = _own_mma_wait(0, (dk, ))
         # (every warp group's products of this tile done and its dQ staged: dS^T, the slot and the buffer free)
         _cta_barrier()
         mbarrier.arrive(dq_ready.index(buf), count=1)
