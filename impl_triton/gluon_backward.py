@@ -75,15 +75,16 @@ WORKER_REGS = gl.constexpr(24)  # the warp-specialised one pass's loader and dQ 
 
 
 @_gl_core.builtin
-def _own_mma_wait(num_outstanding, deps, _semantic=None):
-    """``warpgroup_mma_wait`` for this warp group's products alone. Triton 3.9 follows a wait in a partition of
-    two warp groups with a barrier of all its warps (the other group's products may still read a shared operand
-    that a later write would change), unless the wait is marked ``warpGroupLocal``; a caller whose shared-memory
-    reuse is already ordered (by a barrier of its own or by mbarriers) marks it so. Triton 3.6 has no such
-    barrier, and the mark does nothing there."""
+def _own_mma_wait(num_outstanding, deps, own=True, _semantic=None):
+    """``warpgroup_mma_wait``, for this warp group's products alone where ``own``. Triton 3.9 follows a wait in a
+    partition of two warp groups with a barrier of all its warps (the other group's products may still read a
+    shared operand that a later write would change), unless the wait is marked ``warpGroupLocal``; a caller whose
+    shared-memory reuse is already ordered (by a barrier of its own or by mbarriers) marks it so. Triton 3.6 has
+    no such barrier, and the mark does nothing there."""
     results = warpgroup_mma_wait(num_outstanding, deps, _semantic=_semantic)
-    first = results[0] if isinstance(results, tuple) else results
-    first.handle.set_attr("warpGroupLocal", _semantic.builder.get_unit_attr())
+    if _gl_core._unwrap_if_constexpr(own):
+        first = results[0] if isinstance(results, tuple) else results
+        first.handle.set_attr("warpGroupLocal", _semantic.builder.get_unit_attr())
     return results
 
 
@@ -348,18 +349,12 @@ def _dkdv_tile(k, v, q_tile, do_tile, dk, dv, zero_st, m2, delta, qk_scale, offs
     do = do_tile.reshape([BLOCK_M, HEAD_DIM])
     qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    if OWN_WAITS:
-        qkT = _own_mma_wait(1, (qkT, ))
-    else:
-        qkT = warpgroup_mma_wait(num_outstanding=1, deps=(qkT, ))
+    qkT = _own_mma_wait(1, (qkT, ), OWN_WAITS)
     pT = gl.exp2(qkT * qk_scale - m2[None, :])
     if IS_CAUSAL and block < full_lo:
         pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
     dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
-    if OWN_WAITS:
-        dpT = _own_mma_wait(1, (dpT, ))
-    else:
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))
+    dpT = _own_mma_wait(1, (dpT, ), OWN_WAITS)
     dsT = (pT * (dpT - delta[None, :])).to(dtype)
     if ISSUE_DK:
         dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)

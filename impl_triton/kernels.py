@@ -897,8 +897,7 @@ def _one_pass_prologue(
 ):
     """One program: BLOCK_M query rows of one (batch, head). delta = rowsum(do * o) - dlse into DELTA
     ((B·H, Lq) float32), and the rows' float32 dQ sum (DQ_SUM, contiguous (B, H, Lq, HEAD_DIM)) zeroed,
-    which the one pass's key blocks then add into: one read of O and dO, where torch's expression
-    made float32 copies of both."""
+    which the one pass's key blocks then add into, from one read of O and dO."""
     start_m = tl.program_id(0) % M_BLOCKS
     off_hz = tl.program_id(0) // M_BLOCKS
     off_z = (off_hz // H).to(tl.int64)
