@@ -42,6 +42,7 @@ def attention(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ):
     """Scaled-dot-product attention, as ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -123,6 +124,12 @@ def attention(
             the GPU (no host sync); "torch" dequantizes and calls SDPA.
         out_dtype: the output's dtype for an FP8 query: torch.bfloat16 (None) or
             torch.float16. Otherwise None or the query's dtype.
+        deterministic: the backward must give the same gradients bit for bit from
+            run to run (FlashAttention's flag; ``torch.use_deterministic_algorithms(True)``
+            asks it of every call). False lets the "triton" backend take its one-pass
+            backward on sm_90 where it runs (README: which backward runs where), whose
+            dQ is summed in whatever order its tiles finish. The "ninetoothed"
+            backward is always deterministic; "torch" (SDPA's own backward) refuses True.
 
     Returns:
         The output, (B, H, Lq, Dv) or (H, Lq, Dv), in the inputs' dtype (an FP8 query's:
@@ -132,7 +139,7 @@ def attention(
         TypeError, ValueError: for bad input, before any kernel launches.
     """
     if (dropout_seed is None and window is None and softcap is None and sinks is None and alibi_slopes is None
-            and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"
+            and deterministic is False and type(dropout_p) is not bool and dropout_p == 0 and alignment == "top_left"
             and (attn_mask is None or (type(attn_mask) is torch.Tensor and is_causal is False))):
         descales = None
         if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
@@ -144,13 +151,13 @@ def attention(
                           enable_gqa=enable_gqa, backend=backend, return_lse=return_lse, dropout_seed=dropout_seed,
                           alignment=alignment, window=window, softcap=softcap, sinks=sinks,
                           alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                          out_dtype=out_dtype)
+                          out_dtype=out_dtype, deterministic=deterministic)
 
 
 def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=None, dropout_p=0.0,
                    enable_gqa=False, backend=None, return_lse=False, dropout_seed=None, alignment="top_left",
                    window=None, softcap=None, sinks=None, alibi_slopes=None, q_descale=None, k_descale=None,
-                   v_descale=None, out_dtype=None):
+                   v_descale=None, out_dtype=None, deterministic=False):
     """:func:`attention` without a kept plan: validated, planned and launched afresh (through
     the backend's operator where autograd or ``torch.compile`` watches)."""
     chosen = resolve(backend)
@@ -159,7 +166,7 @@ def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, dropout_seed=dropout_seed,
         alignment=alignment, window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-        fp8=(q_descale, k_descale, v_descale, out_dtype),
+        fp8=(q_descale, k_descale, v_descale, out_dtype), deterministic=deterministic,
     )
     if call.dropout_p > 0.0 and call.dropout_seed is None and chosen.kernels:
         call.dropout_seed = ops.new_seed(call.query.device)
@@ -172,7 +179,8 @@ def full_attention(query, key, value, is_causal=False, scale=None, *, attn_mask=
     elif chosen.kernels and (torch.compiler.is_compiling() or _needs_grad(call)):
         out, lse = ops.FUNCTIONS[chosen.name].apply(call.query, call.key, call.value, call.attn_mask,
                                                     call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
-                                                    *ops.extras(call), call.sinks, None, call.alibi_slopes)
+                                                    *ops.extras(call), call.sinks, None, call.alibi_slopes, None,
+                                                    call.deterministic)
     else:
         out, lse = ops.forward(chosen, call, with_lse=call.return_lse)
     if call.unbatched:
@@ -201,6 +209,7 @@ def attention_backward(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
 ):
     """The gradients of :func:`attention` with respect to query, key and value.
 
@@ -212,6 +221,7 @@ def attention_backward(
         grad_out: (B, H, Lq, Dv) or (H, Lq, Dv): the gradient of the output.
         query, key, value, attn_mask, is_causal, scale, enable_gqa, backend,
             alignment, window, softcap, alibi_slopes: as given to :func:`attention` for the forward call.
+        deterministic: as :func:`attention`'s: gradients bit for bit the same from run to run.
         out: the forward's output, (B, H, Lq, Dv) or (H, Lq, Dv).
         lse: the forward's log-sum-exp (``return_lse=True``), float32,
             (B, H, Lq) or (H, Lq). (With attention sinks it includes them, which
@@ -233,13 +243,13 @@ def attention_backward(
         chosen, query, key, value,
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa, return_lse=False, dropout_seed=dropout_seed,
-        alignment=alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        alignment=alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
     )
     grad_out, out, lse, grad_lse = check_backward(chosen, call, grad_out, out, lse, grad_lse)
     if torch.compiler.is_compiling():
         grads = ops.OPS[chosen.name][1](grad_out, call.query, call.key, call.value, call.attn_mask, out, lse,
                                         grad_lse, call.is_causal, call.scale, call.dropout_p, call.dropout_seed,
-                                        *ops.extras(call), None, call.alibi_slopes)
+                                        *ops.extras(call), None, call.alibi_slopes, None, call.deterministic)
     else:
         grads = ops.backward(chosen, call, out, lse, grad_out, grad_lse)
     return tuple(g[0] for g in grads) if call.unbatched else tuple(grads)

@@ -21,8 +21,13 @@ semantics:
   and key j. The slopes get no gradient (as FlashAttention's).
 - Grouped-query attention by the key/value heads alone: ``nheads`` a multiple of ``nheads_k``.
 - ``softmax_scale=None`` is ``1 / sqrt(head_dim)``; ``dropout_p`` applies whenever it is > 0.
-- ``deterministic`` is accepted and has nothing to choose: our backward is always
-  deterministic (no atomics), bit for bit from one run to the next.
+- ``deterministic``: in the dense functions, as FlashAttention's: True keeps the backward
+  bit for bit the same from run to run. False (the default) lets the "triton" backend
+  take its one-pass backward where it runs (sm_90, triton >= 3.9, head dim 128 from 4096
+  keys; README), whose dQ sums land in any order; ``torch.use_deterministic_algorithms(True)``
+  asks for the deterministic one everywhere. The "torch" backend refuses True (SDPA's own
+  backward: use torch's switch). In the varlen and KV-cache functions it has nothing to
+  choose (their backward is always deterministic, or there is none).
 - ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``. Without dropout
   ``S_dmask`` is FlashAttention's empty tensor. With dropout it is what FlashAttention's
   tests read (it says: for testing only): (batch, nheads, seqlen_q, seqlen_k), each rounded
@@ -109,7 +114,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``(out, softmax_lse (B, H, Lq) float32, S_dmask)``. Differentiable in q, k and v. The other
     arguments as FlashAttention 2's (module docstring)."""
     _check_dims(q=(q, 4), k=(k, 4), v=(v, 4))
-    _refuse(deterministic=deterministic)
     Lq, Lk = q.shape[1], k.shape[1]
     is_causal, window, alignment = _mask(causal, window_size, Lq, Lk, alibi_slopes is not None)
     with_lse = _wants_probs(return_attn_probs)
@@ -117,7 +121,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, softmax_scale,
                        dropout_p=dropout_p, enable_gqa=True, backend=backend, return_lse=with_lse,
                        alignment=alignment, window=window, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
-                       dropout_seed=seed)
+                       dropout_seed=seed, deterministic=deterministic)
     if not with_lse:
         return result.transpose(1, 2).contiguous()
     out, lse = result

@@ -111,14 +111,16 @@ def _quiet(backend):
 
 
 def _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-          sinks=None, row_bands=None, alibi_slopes=None, alibi_shifts=None, descales=None, out_dtype=None):
+          sinks=None, row_bands=None, alibi_slopes=None, alibi_shifts=None, descales=None, out_dtype=None,
+          deterministic=False):
     left, right, bottom_right = band_spec
     window = None if left == right == -1 else (left, right)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse=True, unbatched=False,
                 dropout_p=dropout_p, dropout_seed=dropout_seed, window=window, bottom_right=bool(bottom_right),
                 softcap=softcap if softcap > 0.0 else None, sinks=sinks, row_bands=row_bands,
                 alibi_slopes=alibi_slopes, alibi_shifts=alibi_shifts,
-                descales=descales if key.dtype in FP8_DTYPES else None, out_dtype=out_dtype)
+                descales=descales if key.dtype in FP8_DTYPES else None, out_dtype=out_dtype,
+                deterministic=deterministic)
 
 
 
@@ -156,7 +158,8 @@ _FORWARD_SCHEMA = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, 
 _BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor out, "
                     "Tensor lse, Tensor? grad_lse, bool is_causal, float scale, float dropout_p, "
                     "Tensor? dropout_seed, int[] band_spec, float softcap, Tensor? row_bands=None, "
-                    "Tensor? alibi_slopes=None, Tensor? alibi_shifts=None) -> (Tensor, Tensor, Tensor)")
+                    "Tensor? alibi_slopes=None, Tensor? alibi_shifts=None, bool deterministic=False) "
+                    "-> (Tensor, Tensor, Tensor)")
 
 
 def _register(name: str):
@@ -187,13 +190,16 @@ def _register(name: str):
                 query.new_empty((B, H, Lq), dtype=torch.float32))
 
     def backward_impl(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None, alibi_shifts=None):
+                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None, alibi_shifts=None,
+                      deterministic=False):
         call = _call(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                     row_bands=row_bands, alibi_slopes=alibi_slopes, alibi_shifts=alibi_shifts)
+                     row_bands=row_bands, alibi_slopes=alibi_slopes, alibi_shifts=alibi_shifts,
+                     deterministic=deterministic)
         return backward(backend, call, out, lse, grad_out, grad_lse)
 
     def backward_fake(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, dropout_p,
-                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None, alibi_shifts=None):
+                      dropout_seed, band_spec, softcap, row_bands=None, alibi_slopes=None, alibi_shifts=None,
+                      deterministic=False):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format))
@@ -211,13 +217,13 @@ def _register(name: str):
 
         @staticmethod
         def forward(ctx, query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec, softcap,
-                    sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None):
+                    sinks, row_bands=None, alibi_slopes=None, alibi_shifts=None, deterministic=False):
             out, lse = forward_op(query, key, value, attn_mask, is_causal, scale, dropout_p, dropout_seed, band_spec,
                                   softcap, sinks, row_bands, alibi_slopes, alibi_shifts)
             ctx.save_for_backward(query, key, value, attn_mask, out, lse, dropout_seed, sinks, row_bands, alibi_slopes,
                                   alibi_shifts)
             ctx.is_causal, ctx.scale, ctx.dropout_p = is_causal, scale, dropout_p
-            ctx.band_spec, ctx.softcap = band_spec, softcap
+            ctx.band_spec, ctx.softcap, ctx.deterministic = band_spec, softcap, deterministic
             # An output that takes no part in the loss gets None, not zeros: most
             # calls use the output alone, and a zero gradient of the lse would
             # still cost a read in the kernel.
@@ -237,9 +243,10 @@ def _register(name: str):
                 grad_out = torch.zeros_like(out)
             dq, dk, dv = backward_op(grad_out, query, key, value, attn_mask, out, lse, grad_lse,
                                      ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_seed, ctx.band_spec,
-                                     ctx.softcap, row_bands, alibi_slopes, alibi_shifts)
+                                     ctx.softcap, row_bands, alibi_slopes, alibi_shifts, ctx.deterministic)
             dsinks = sinks_grad(sinks, out, lse, grad_out, grad_lse) if ctx.needs_input_grad[10] else None
-            return dq, dk, dv, None, None, None, None, None, None, None, dsinks, None, None, None  # (slopes: none)
+            # (the slopes get no gradient)
+            return dq, dk, dv, None, None, None, None, None, None, None, dsinks, None, None, None, None
 
     return forward_op, backward_op, Attention
 

@@ -454,6 +454,8 @@ class BackwardPlan:
     grad_query: torch.Tensor | None = None  # (B, H, Lq, D), contiguous
     grad_key: torch.Tensor | None = None  # (B, H_kv, Lk, D)
     grad_value: torch.Tensor | None = None  # (B, H_kv, Lk, Dv)
+    # the gradients must be bitwise reproducible: the call asked it, or torch.use_deterministic_algorithms
+    deterministic: bool = False
 
     # the tensors a bound backward launch takes, in this order (common.reuse.KeptBackward; the
     # backends' bind_backward)
@@ -791,6 +793,7 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
     plan.softcap = call.softcap or 0.0
     plan.row_bands = call.row_bands
+    plan.deterministic = call.deterministic or torch.are_deterministic_algorithms_enabled()
     set_alibi(plan, call, Lq, Lk)
     if not backend.kernels:
         return plan

@@ -58,6 +58,9 @@ class Call:
     # None: no FP8 input. out_dtype: the output's dtype (None: the query's).
     descales: tuple | None = None
     out_dtype: torch.dtype | None = None
+    # the backward must be bitwise reproducible (so is every backward where torch.use_deterministic_algorithms
+    # is on): the Triton backend's one pass, whose dQ sums land in any order, is not
+    deterministic: bool = False
 
     @property
     def output_dtype(self) -> torch.dtype:
@@ -76,6 +79,7 @@ def check_call(
     query, key, value, *,
     attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dropout_seed=None,
     alignment="top_left", window=None, softcap=None, sinks=None, alibi_slopes=None, fp8=None, sequences=None,
+    deterministic=False,
 ) -> Call:
     """Check one call of :func:`common.attention`; return it in 4-D form.
 
@@ -87,6 +91,11 @@ def check_call(
     is_causal = _check_flag("is_causal", is_causal)
     enable_gqa = _check_flag("enable_gqa", enable_gqa)
     return_lse = _check_flag("return_lse", return_lse)
+    deterministic = _check_flag("deterministic", deterministic)
+    if deterministic and not backend.kernels:  # (its backward is SDPA's, which only torch's global switch steers)
+        raise ValueError(f"the {backend.name!r} backend cannot choose its backward, but the call passed "
+                         f"deterministic=True (torch.use_deterministic_algorithms(True) makes SDPA's reproducible); "
+                         f"use backend='triton' or backend='ninetoothed'")
     dropout_p = _check_dropout_p(dropout_p)
     device = _check_like_query(query, key, value, fp8_inputs)
     unbatched = query.ndim == 3
@@ -120,7 +129,7 @@ def check_call(
         alibi_slopes = _check_alibi(alibi_slopes, B, H, device)
     return Call(query, key, value, attn_mask, is_causal, scale, return_lse, unbatched, dropout_p, dropout_seed,
                 window, bottom_right, softcap, sinks, alibi_slopes=alibi_slopes, descales=descales,
-                out_dtype=out_dtype)
+                out_dtype=out_dtype, deterministic=deterministic)
 
 
 # -- scalars ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from common.launch import (
 from common.paged import cache_widen, column_pages
 from common.plan import ForwardPlan
 from common.validation import in_wide_storage
-from impl_triton import gluon_attention
+from impl_triton import gluon_attention, gluon_backward
 from impl_triton.kernels import _attn_bwd_dkdv, _attn_bwd_dq, _attn_fwd, _copy_values, _merge_kernel
 from impl_triton.paged_kernels import _append_kv, _paged_fwd, _rotary
 
@@ -325,7 +325,11 @@ class BoundMerge(BoundKernel):
 
 def backward(plan):
     """Launch the backward for a ``common.plan.BackwardPlan``: the dQ pass (which
-    also stores delta), then the dK/dV pass. Returns ``(dq, dk, dv)``, filled in."""
+    also stores delta), then the dK/dV pass; on sm_90, where ``gluon_backward.one_pass``
+    says, the Gluon one pass instead (not bitwise reproducible: never for a plan that asks
+    for a deterministic backward). Returns ``(dq, dk, dv)``, filled in."""
+    if gluon_backward.one_pass(plan):
+        return gluon_backward.backward_plan(plan)
     for launcher, grid, args, num_warps, num_stages, _ in _backward_launches(plan):
         launcher.run(grid, args, num_warps, num_stages)
     return plan.grad_query, plan.grad_key, plan.grad_value
@@ -385,6 +389,8 @@ def bind_backward(plan):
     (one tensor may be passed as two of them); the rest must be the stand-in for what a plain
     launch never reads, the query."""
     if plan.attn_mask is not None or plan.seed is not None or plan.row_bands is not None or plan.alibi is not None:
+        return None
+    if gluon_backward.one_pass(plan):  # (its launches are not bound: each call plans)
         return None
     bound = []
     for launcher, grid, args, num_warps, num_stages, roles in _backward_launches(plan):

@@ -702,12 +702,19 @@ VARIANTS = {"one": {}, "producer": {"specialized": True}, "pingpong": {"pingpong
             "persistent": {"pingpong": True, "persistent": True}}
 
 
-def variant(plan) -> str | None:
-    """The Gluon variant ("one", "producer", "pingpong" or "persistent") that runs ``plan`` (a
-    ``common.plan.ForwardPlan``) on the Triton backend, or None for the tl kernel."""
+def gluon_switch() -> str:
+    """The ``ATTENTION_GLUON`` environment variable: "" (unset: where measured faster), "0" (never) or "1"
+    (every plan a Gluon kernel serves); anything else is an error."""
     switch = os.environ.get("ATTENTION_GLUON", "")
     if switch not in ("", "0", "1"):
         raise ValueError(f"ATTENTION_GLUON must be 0, 1 or unset, got {switch!r}")
+    return switch
+
+
+def variant(plan) -> str | None:
+    """The Gluon variant ("one", "producer", "pingpong" or "persistent") that runs ``plan`` (a
+    ``common.plan.ForwardPlan``) on the Triton backend, or None for the tl kernel."""
+    switch = gluon_switch()
     if switch == "0":
         return None
     q = plan.query

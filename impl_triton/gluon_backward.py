@@ -28,9 +28,12 @@ j <= i + causal_shift).
 
 It serves what the forward's Gluon kernel serves, less the head dim 256: float16 or bfloat16,
 D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-ready tensors.
-Not dispatched: it passes its GPU tests, but on the H200 both schemes run slower than the tl
-backward (benchmarks/NOTES.md; the warp-specialised one pass is not yet measured), so the Triton backend's
-backward stays the tl kernels; ``backward`` and ``backward_fused`` are called by those tests and
+
+The Triton backend's backward takes the warp-specialised one pass where ``one_pass`` says (``backward_plan``):
+triton >= 3.9 (the bulk reduce-add), sm_90, D 128 from 4096 rows and keys, no call or setting asking for a
+deterministic backward; measured 1.12-1.23x the tl backward there (an H100, benchmarks/NOTES.md). Everything
+else, and every deterministic backward, stays on the tl kernels: the two passes here and the one pass with
+dQ by atomics ran slower than them; ``backward`` and ``backward_fused`` are called by the GPU tests and
 ``tools/probe.py gluon_bwd``.
 """
 
@@ -61,6 +64,7 @@ from impl_triton.gluon_attention import (
     _tma_ready,
     _tma_store,
     _whole_tiles,
+    gluon_switch,
 )
 from impl_triton.gluon_attention import descriptor as _descriptor
 from impl_triton.kernels import _one_pass_epilogue, _one_pass_prologue
@@ -781,6 +785,14 @@ def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
     return (64, 128, 2, 8, False) if head_dim == 64 else (32, 128, 3, 8, True)
 
 
+def ws_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the warp-specialised one pass: ``fused_tile``'s at D 64;
+    at D 128 FlashAttention-3's 64 rows by 128 keys with dQ^T's product, which its consumers' 240 registers hold
+    (the plain one pass spills there), measured fastest of the two on an H100 under triton 3.9
+    (benchmarks/NOTES.md): 1.12-1.23x the tl backward at D 128, where row tiles of 32 ran 0.90-0.95x."""
+    return fused_tile(head_dim) if head_dim == 64 else (64, 128, 2, 8, True)
+
+
 apply_interpreter_fixes()  # (the launches before and after the one pass are tl kernels, which it runs)
 _prologue_launcher = CachedLauncher(_one_pass_prologue)
 _epilogue_launcher = CachedLauncher(_one_pass_epilogue)
@@ -803,11 +815,15 @@ def one_pass_sums(out, grad_out, grad_lse=None) -> tuple[torch.Tensor, torch.Ten
     return delta, dq_sum
 
 
-def one_pass_dq(dq_sum, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def one_pass_dq(dq_sum, scale: float, dtype: torch.dtype, dq=None) -> torch.Tensor:
     """dQ from the one pass's float32 sum (B, H, Lq, D), contiguous: ``dq_sum * scale`` rounded once to
-    ``dtype``, in one launch; a new contiguous tensor."""
+    ``dtype``, in one launch, into ``dq`` (contiguous, that shape and dtype) or a new contiguous tensor."""
     B, H, Lq, D = dq_sum.shape
-    dq = torch.empty(B, H, Lq, D, dtype=dtype, device=dq_sum.device)
+    if dq is None:
+        dq = torch.empty(B, H, Lq, D, dtype=dtype, device=dq_sum.device)
+    elif dq.shape != dq_sum.shape or dq.dtype != dtype or not dq.is_contiguous():
+        raise ValueError(f"dq must be a contiguous {tuple(dq_sum.shape)} {dtype} tensor, got {tuple(dq.shape)} "
+                         f"{dq.dtype} with strides {dq.stride()}")
     m_blocks = triton.cdiv(Lq, _SUM_ROWS)
     _epilogue_launcher((m_blocks * B * H, ), dq_sum, dq, scale, Lq, m_blocks, num_warps=4, num_stages=1,
                        HEAD_DIM=D, BLOCK_M=_SUM_ROWS, BLOCK_D=triton.next_power_of_2(D))
@@ -822,14 +838,15 @@ def bulk_reduce_add() -> bool:
 
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
                    dk=None, dv=None, dq_tma: bool = False, dq_first: bool = False, tile: tuple | None = None,
-                   specialized: bool = False):
+                   specialized: bool = False, dq=None):
     """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta and dQ's zeroed float32 sum first
     (``one_pass_sums``, one launch), dQ summed by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where
-    ``bulk_reduce_add()``), then scaled and rounded into a new tensor (``one_pass_dq``, one launch); ``dk``, ``dv``:
-    buffers to write, else allocated. ``dq_first``: dK's product issued after dQ's (the kernel's DQ_FIRST); ``tile``:
-    (BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) instead of ``fused_tile``'s (a probe's comparison, a test's);
+    ``bulk_reduce_add()``), then scaled and rounded (``one_pass_dq``, one launch); ``dq`` (contiguous), ``dk``,
+    ``dv``: buffers to write, else allocated. ``dq_first``: dK's product issued after dQ's (the kernel's
+    DQ_FIRST); ``tile``: (BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) instead of ``fused_tile``'s (``ws_tile``'s
+    where ``specialized``; a probe's comparison, a test's);
     ``specialized``: FlashAttention-3's warp roles, a loader warp and a dQ warp beside the consumers (``_gluon_bwd_ws``:
-    dQ by the bulk reduce-add, dK after dQ). Not bitwise reproducible (dQ's additions); not dispatched."""
+    dQ by the bulk reduce-add, dK after dQ; what ``backward_plan`` runs). Not bitwise reproducible (dQ's additions)."""
     if (dq_tma or specialized) and not bulk_reduce_add():
         raise ValueError(f"dq_tma=True and specialized=True need Gluon's hopper.tma.async_atomic_add (triton 3.9 or "
                          f"later); this is triton {triton.__version__}")
@@ -838,7 +855,7 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     delta, dq_sum = one_pass_sums(out, grad_out, grad_lse)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    bm, bn, stages, warps, dq_t = tile or fused_tile(D)
+    bm, bn, stages, warps, dq_t = tile or (ws_tile(D) if specialized else fused_tile(D))
     q_desc = _descriptor(q, bm)
     if specialized:
         _gluon_bwd_ws[(triton.cdiv(Lk, bn), B * H_kv)](
@@ -847,7 +864,7 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
             0 if causal_shift is None else causal_shift,
             BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
             num_warps=warps, **COMPILE_OPTIONS)
-        return one_pass_dq(dq_sum, scale, q.dtype), dk, dv
+        return one_pass_dq(dq_sum, scale, q.dtype, dq), dk, dv
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
         _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, _descriptor(dq_sum, bm) if dq_tma else q_desc, lse, delta,
@@ -855,4 +872,47 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
         0 if causal_shift is None else causal_shift,
         BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
         DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=warps, **COMPILE_OPTIONS)
-    return one_pass_dq(dq_sum, scale, q.dtype), dk, dv
+    return one_pass_dq(dq_sum, scale, q.dtype, dq), dk, dv
+
+
+# The warp-specialised one pass runs the Triton backend's backward (impl_triton.attention.backward) for the head
+# dims and lengths where it timed faster than the tl backward: D 128 from 4096 rows and keys, 1.12-1.23x (an H100,
+# triton 3.9, bf16, causal and not; benchmarks/NOTES.md). At D 64 it ran 0.96-1.04x, so D 64 keeps the tl kernels;
+# shorter lengths are unmeasured. ATTENTION_GLUON=1 takes it for every backward it serves, 0 for none.
+ONE_PASS_HEAD_DIMS = (128,)
+ONE_PASS_MIN_LENGTH = 4096
+
+
+def one_pass(plan) -> bool:
+    """Whether the warp-specialised one pass (``backward_plan``) runs a ``common.plan.BackwardPlan``: no
+    deterministic backward asked (its dQ sums land in any order), ``ATTENTION_GLUON`` not 0, Gluon's bulk
+    reduce-add in the installed Triton, D in ONE_PASS_HEAD_DIMS and Lq, Lk >= ONE_PASS_MIN_LENGTH (unless
+    ``ATTENTION_GLUON=1``), and a plan it serves (``serves_plan``)."""
+    if plan.deterministic or gluon_switch() == "0" or not bulk_reduce_add():
+        return False
+    q = plan.query
+    if gluon_switch() != "1" and (q.shape[-1] not in ONE_PASS_HEAD_DIMS
+                                  or min(q.shape[2], plan.key.shape[2]) < ONE_PASS_MIN_LENGTH):
+        return False
+    return serves_plan(plan)
+
+
+def serves_plan(plan) -> bool:
+    """Whether the one pass computes a ``common.plan.BackwardPlan``'s gradients: no mask, dropout, soft-capping,
+    ALiBi or packed sequences, a band with no left edge (causal, either alignment, or a right window alone), and
+    tensors ``serves`` takes."""
+    q = plan.query
+    return (plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.alibi is None
+            and plan.row_bands is None and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
+            and serves(q, plan.key, plan.value, plan.out, plan.grad_out, plan.grad_query, plan.grad_key,
+                       plan.grad_value)
+            and plan.lse.stride(-1) == 1)
+
+
+def backward_plan(plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``common.plan.BackwardPlan``'s gradients by the warp-specialised one pass, into its buffers:
+    ``(plan.grad_query, plan.grad_key, plan.grad_value)``."""
+    causal_shift = None if plan.band is None else plan.band[1]
+    return backward_fused(plan.query, plan.key, plan.value, plan.out, plan.grad_out, plan.lse, plan.scale,
+                          causal_shift, grad_lse=plan.grad_lse, dq=plan.grad_query, dk=plan.grad_key,
+                          dv=plan.grad_value, specialized=True)

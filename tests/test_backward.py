@@ -169,6 +169,51 @@ def test_deterministic(backend, device):
         assert torch.equal(a, b)
 
 
+def test_deterministic_reaches_the_backward_plan(backend, device, monkeypatch):
+    """Asking for a deterministic backward (``deterministic=True`` of attention, attention_backward and
+    FlashAttention's flash_attn_func; torch.use_deterministic_algorithms(True)) reaches the backend's backward
+    plan, which a plain call leaves free (the Triton backend's one pass runs only where it is); here, off
+    sm_90, every way gives the same gradients bit for bit."""
+    from common import flash_attn_interface as fa
+    from common.backends import get_backend
+    from common.reuse import BACKWARDS
+
+    module = get_backend(backend).load()
+    seen, run = [], module.backward
+    monkeypatch.setattr(module, "backward", lambda plan: seen.append(plan.deterministic) or run(plan))
+    q, k, v = leaves(*(torch.randn(1, 2, 40, 32, dtype=f16, device=device) for _ in range(3)))
+    grad_out = torch.randn(1, 2, 40, 32, dtype=f16, device=device)
+
+    def through_attention(**kw):
+        return torch.autograd.grad(attention(q, k, v, is_causal=True, backend=backend, **kw), (q, k, v), grad_out)
+
+    def through_flash_attn():
+        out = fa.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, deterministic=True,
+                                 backend=backend)
+        return torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad_out)
+
+    def through_the_building_block():
+        with torch.no_grad():
+            out, lse = attention(q, k, v, is_causal=True, backend=backend, return_lse=True)
+        return attention_backward(grad_out, q, k, v, out, lse, is_causal=True, backend=backend, deterministic=True)
+
+    grads = []
+    for way in (through_attention, lambda: through_attention(deterministic=True), through_flash_attn,
+                through_the_building_block):
+        BACKWARDS.clear()  # (each way's first call of its layout plans: the spy sees it)
+        grads.append(way())
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        BACKWARDS.clear()
+        grads.append(through_attention())
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [False, True, True, True, True]
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
 # -- attention_backward: the public building block ------------------------------------
 
 def test_attention_backward_matches_autograd(backend, device):

@@ -119,7 +119,8 @@ def test_scale_accepts_ints_and_numpy(qkv, backend):
             attention(*qkv, scale=scale, backend=backend)
 
 
-@pytest.mark.parametrize("name, value", [("is_causal", 1), ("enable_gqa", "yes"), ("return_lse", None)])
+@pytest.mark.parametrize("name, value", [("is_causal", 1), ("enable_gqa", "yes"), ("return_lse", None),
+                                         ("deterministic", 0)])
 def test_flags_must_be_bool(qkv, backend, name, value):
     with pytest.raises(TypeError, match=f"{name} must be a bool"):
         attention(*qkv, backend=backend, **{name: value})
@@ -200,7 +201,11 @@ def test_unknown_backend_from_environment(qkv, monkeypatch):
     (lambda device: dict(sinks=torch.zeros(4, device=device)),
      r"the 'torch' backend has no attention sinks, but the call passed sinks \(a float32 tensor of shape \(4,\)\); "
      "use backend='triton' or backend='ninetoothed'"),
-], ids=["return_lse", "softcap", "sinks"])
+    (lambda device: dict(deterministic=True),
+     r"the 'torch' backend cannot choose its backward, but the call passed deterministic=True "
+     r"\(torch.use_deterministic_algorithms\(True\) makes SDPA's reproducible\); "
+     "use backend='triton' or backend='ninetoothed'"),
+], ids=["return_lse", "softcap", "sinks", "deterministic"])
 def test_missing_capability_names_argument_and_value(qkv, kwargs, message, device):
     """A backend without a feature says which argument and value asked for it, and which backends have it."""
     with pytest.raises(ValueError, match=message):

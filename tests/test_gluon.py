@@ -553,6 +553,98 @@ def test_one_pass_sums_and_dq(D, with_dlse, monkeypatch):
     assert torch.equal(dq, (dq_sum * 0.3).to(torch.bfloat16))
 
 
+def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
+    """gluon_backward.one_pass (the tensors' sm_90 and TMA checks stood in, so any machine runs it): with the
+    bulk reduce-add and nothing asking for a deterministic backward, D 128 from 4096 rows and keys, causal or
+    not, takes the warp-specialised one pass; D 64, shorter rows or keys, ATTENTION_GLUON=0, deterministic=True
+    or torch.use_deterministic_algorithms keep the tl backward; ATTENTION_GLUON=1 takes every plan it serves,
+    never a mask or a window with a left edge; without the bulk reduce-add, none. The Triton backend binds no
+    launch for a plan the one pass runs."""
+    import impl_triton.attention as triton_attention
+    from common import plan as planning
+    from common.backends import get_backend
+    from common.validation import check_call
+    from impl_triton import gluon_backward as gb
+    from tests.conftest import DEVICE
+
+    backend = get_backend("triton")
+    monkeypatch.setattr(gb, "serves", lambda *tensors: True)
+    monkeypatch.setattr(gb, "bulk_reduce_add", lambda: True)
+    monkeypatch.delenv("ATTENTION_GLUON", raising=False)
+
+    def plan(L=4096, D=128, Lk=None, is_causal=True, **kw):
+        q = torch.randn(1, 1, L, D, dtype=torch.bfloat16, device=DEVICE)
+        k = torch.randn(1, 1, Lk or L, D, dtype=torch.bfloat16, device=DEVICE)
+        call = check_call(backend, q, k, k, dropout_p=0.0, is_causal=is_causal, scale=None, enable_gqa=False,
+                          return_lse=False, **{"attn_mask": None, **kw})
+        return planning.make_backward(call, backend, torch.randn_like(q), torch.randn(1, 1, L, device=DEVICE),
+                                      torch.randn_like(q))
+
+    mask = torch.ones(4096, 4096, dtype=torch.bool, device=DEVICE)
+    assert gb.one_pass(plan()) and gb.one_pass(plan(is_causal=False)) and gb.one_pass(plan(L=8192, Lk=4096))
+    assert triton_attention.bind_backward(plan()) is None
+    kept_tl = (plan(deterministic=True), plan(D=64), plan(L=2048), plan(Lk=2048), plan(attn_mask=mask, is_causal=False),
+               plan(window=(256, 0)))
+    assert not any(gb.one_pass(p) for p in kept_tl)
+    assert triton_attention.bind_backward(plan(D=64)) is not None
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert not gb.one_pass(plan())
+    finally:
+        torch.use_deterministic_algorithms(was)
+    monkeypatch.setenv("ATTENTION_GLUON", "1")
+    assert [gb.one_pass(p) for p in kept_tl] == [False, True, True, True, False, False]
+    monkeypatch.setenv("ATTENTION_GLUON", "0")
+    assert not gb.one_pass(plan())
+    monkeypatch.setenv("ATTENTION_GLUON", "yes")
+    with pytest.raises(ValueError, match="ATTENTION_GLUON must be 0, 1 or unset"):
+        gb.one_pass(plan())
+    monkeypatch.delenv("ATTENTION_GLUON")
+    monkeypatch.setattr(gb, "bulk_reduce_add", lambda: False)
+    assert not gb.one_pass(plan())
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_backward_takes_the_one_pass_where_dispatched(causal, monkeypatch):
+    """attention's backward on the Triton backend at a benchmark's head dim and length (D 128, 4096, grouped
+    heads, bf16) runs the warp-specialised one pass, its gradients within twice the tl backward's error of
+    float32 autograd through SDPA (plus a hair); with deterministic=True the tl backward runs instead, bit for
+    bit the same twice."""
+    from common import attention
+    from common.reuse import BACKWARDS
+    from impl_triton import gluon_backward as gb
+
+    if not gb.bulk_reduce_add():
+        import triton
+
+        pytest.skip(f"the one pass adds dQ by Gluon's bulk reduce-add (triton 3.9); this is {triton.__version__}")
+    monkeypatch.delenv("ATTENTION_GLUON", raising=False)
+    taken, run = [], gb.backward_plan
+    monkeypatch.setattr(gb, "backward_plan", lambda plan: taken.append(plan.query.shape) or run(plan))
+    q = torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    BACKWARDS.clear()
+
+    def grads(**kw):
+        out = attention(q, k, v, is_causal=causal, enable_gqa=True, backend="triton", **kw)
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    one_pass = grads()
+    assert taken == [q.shape]
+    tl, again = grads(deterministic=True), grads(deterministic=True)
+    assert taken == [q.shape] and all(torch.equal(a, b) for a, b in zip(tl, again))
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=True)
+    expected = torch.autograd.grad(out, (qf, kf, vf), grad_out.float())
+    for name, got, tl_got, want in zip(("dq", "dk", "dv"), one_pass, tl, expected):
+        error = (got.float() - want).abs().max().item()
+        tl_error = (tl_got.float() - want).abs().max().item()
+        assert error <= 2 * tl_error + 1e-3 * want.abs().max().item(), (name, error, tl_error)
+
+
 BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum-exp)
     (2, 4, 2, 300, 517, 0.3, False),  # grouped heads, lengths off the tiles
     (1, 4, 4, 700, 129, -0.2, True),  # more queries than keys (causal top-left: rows with no key), dlse

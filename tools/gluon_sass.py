@@ -153,11 +153,12 @@ def _backward(args, out_dir, dtype) -> int:
                 descriptor(v, bn3), dq_sum, descriptor(dq_sum if dq_tma else q, bm3), lse, delta, *q.stride()[:3],
                 *lse.stride(), 0.125, 2, 4, 1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3,
                 IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=w3, grid=(1,), **COMPILE_OPTIONS)))
-        if gb.bulk_reduce_add():  # (FlashAttention-3's warp roles: a loader warp, a dQ warp, the consumers)
+        if gb.bulk_reduce_add():  # (FlashAttention-3's warp roles: a loader warp, a dQ warp, the consumers; its tile)
+            bm4, bn4, s4, w4, dq_t4 = gb.ws_tile(D)
             fused.append(("fused_ws", gb._gluon_bwd_ws.warmup(
-                descriptor(q, bm3), descriptor(k, bn3), descriptor(v, bn3), descriptor(do, bm3), descriptor(k, bn3),
-                descriptor(v, bn3), descriptor(dq_sum, bm3), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
-                BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3, IS_CAUSAL=args.causal, DQ_T=dq_t, num_warps=w3,
+                descriptor(q, bm4), descriptor(k, bn4), descriptor(v, bn4), descriptor(do, bm4), descriptor(k, bn4),
+                descriptor(v, bn4), descriptor(dq_sum, bm4), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
+                BLOCK_M=bm4, BLOCK_N=bn4, HEAD_DIM=D, STAGES=s4, IS_CAUSAL=args.causal, DQ_T=dq_t4, num_warps=w4,
                 grid=(1,), **COMPILE_OPTIONS)))
         for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), *fused):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")

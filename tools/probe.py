@@ -1756,8 +1756,8 @@ def _tl_kernel(*args, **kwargs):
 def gluon_bwd():
     """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
     scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
-    issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws", also at the tile its consumers'
-    registers allow, "ws tile") against the tl backward (attention_backward, triton) and SDPA's backward (its
+    issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws" (at gluon_backward.ws_tile's tile),
+    also at another, "ws other") against the tl backward (attention_backward, triton) and SDPA's backward (its
     default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's FLOPs (causal
     half), do_bench median, bf16; and the largest gradient difference from the tl backward's. PROBE_BWD_LENGTHS,
     PROBE_BWD_SCHEMES, PROBE_BWD_TILES=0, PROBE_BWD_WS=0: less of it, for a call short of time."""
@@ -1801,11 +1801,11 @@ def gluon_bwd():
                 if os.environ.get("PROBE_BWD_WS", "1") != "0":  # (0: its GPU tests failed or hung)
                     runs["one-pass ws"] = lambda: gb.backward_fused(q, k, v, out, grad, lse, D ** -0.5,
                                                                     0 if causal else None, specialized=True)
-                    # (its consumers' 240 registers hold D 128's 64-row tile, which the plain one pass spills at
-                    # and so runs 32-row tiles; at D 64 they leave room for a third ring slot)
-                    ws_tile = (64, 128, 2, 8, True) if D == 128 else (64, 128, 3, 8, False)
-                    runs["one-pass ws tile"] = functools.partial(gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5,
-                                                                 0 if causal else None, specialized=True, tile=ws_tile)
+                    # (its other tile: the plain one pass's row tiles of 32 at D 128, a third ring slot at D 64;
+                    # gluon_backward.ws_tile has the measured one)
+                    other = (32, 128, 3, 8, True) if D == 128 else (64, 128, 3, 8, False)
+                    runs["one-pass ws other"] = functools.partial(gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5,
+                                                                  0 if causal else None, specialized=True, tile=other)
             # (PROBE_BWD_SCHEMES: the variants to run beside tl and sdpa, comma-separated names, for a call
             # short of time)
             schemes = os.environ.get("PROBE_BWD_SCHEMES")
