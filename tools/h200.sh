@@ -11,8 +11,9 @@
 #     every kernel); fa-suite (FlashAttention's own tests/test_flash_attn.py, carried unchanged in .fa/ (carry
 #     ".fa"), on common.flash_attn_interface through tools/fa_suite/run.py: FA_PER_TEST cases of each test
 #     function, each backend; its 250-iteration race test left out); gluon, gluon-bwd (its halves
-#     gluon-bwd-plain, gluon-bwd-ws, gluon-bwd-probe), fp8, paged-check, serving (a feature's tests, then its
-#     probe); ring-test (two GPUs)
+#     gluon-bwd-plain, gluon-bwd-ws, gluon-bwd-probe), gluon-bwd-dispatch (the one pass as the backward, its
+#     tests and timings; TRITON_CARRIED=1), fp8, paged-check, serving (a feature's tests, then its probe); ring-test
+#     (two GPUs)
 #   timings: bench, bench-full (BENCHMARKS.md's run, --write), bench-table (the committed table's bf16 forward and
 #     backward in one call), bench-fp8, bench-bwd, bench-fwd4k, bench-x2 (two GPUs); compare; demo; probe;
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
@@ -108,6 +109,11 @@ for stage in "$@"; do
     gluon-bwd-probe) ws=$(cat /tmp/gluon_bwd_ws.rc 2>/dev/null || echo 0)
                [ "$ws" = 0 ] || echo "the warp-specialised cases ended with exit $ws: the probe leaves them out"
                PROBE_BWD_WS=$([ "$ws" = 0 ] && echo 1 || echo 0) timeout "${GLUON_BWD_PROBE_T:-500}" python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
+    # the one pass as the triton backend's backward (TRITON_CARRIED=1: it runs under triton >= 3.9 only): its GPU
+    # tests (the dispatch, the warp-specialised cases at ws_tile), then the bf16 backward and training step at
+    # D 128 against SDPA's, from 4096 keys where it runs
+    gluon-bwd-dispatch) timeout 240 python3 -m pytest tests/test_gluon.py -k "takes_the_one_pass or one-pass-ws or one_pass_runs" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_dispatch.log"
+                 timeout 300 python3 -m common bench --sections throughput --modes bwd fwd+bwd --dtypes bfloat16 --head-dims 128 --lengths 4096 16384 --backends triton torch --out /tmp/bench-bwd39 --markdown "" 2>&1 | tail -80 > "$OUT/bench_bwd39.log"; cp /tmp/bench-bwd39/results.json "$OUT/results_bwd39.json"; tail -30 "$OUT/bench_bwd39.log" ;;
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the
