@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from common import compat
 from common.launch import COMPILE_OPTIONS, alignment, launch_compiled
-from common.plan import PV_GROUP, Widen, pv_order_fits
+from common.plan import MAX_GRID_AXIS, PV_GROUP, Widen, pv_order_fits
 
 # (triton 3.6 names the TMA copy async_copy_global_to_shared; later versions async_load)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -749,7 +749,8 @@ def serves(plan) -> bool:
     widened, the values column-major as the plan copies them) with D = Dv in FP8_HEAD_DIMS; heads not packed,
     no mask, dropout, soft-capping, sinks, ALiBi, packed sequences, split or running result, a band with no
     left edge (causal, either alignment, or a right window alone: row i sees keys up to i + band[1]),
-    TMA-ready inputs and output."""
+    TMA-ready inputs and output, B·H within a grid axis (the launches' second, CUDA's 65535; the tl kernel
+    takes more)."""
     q, k, v = plan.query, plan.key, plan.value
     if plan.descales is None:
         inputs = (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS and _tma_ready(v))
@@ -760,6 +761,7 @@ def serves(plan) -> bool:
                   and plan.widen_v in (Widen.NONE, Widen.PV_ORDER) and v.stride(2) == 1
                   and _tma_ready(v.transpose(2, 3)))
     return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and inputs
+            and q.shape[0] * q.shape[1] <= MAX_GRID_AXIS
             and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[1] == plan.shape[1]
             and plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.sinks is None
             and plan.row_bands is None and plan.alibi is None and not plan.split and not plan.resume

@@ -54,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from common.interpret import apply_interpreter_fixes
 from common.launch import COMPILE_OPTIONS, CachedLauncher
+from common.plan import MAX_GRID_AXIS
 from impl_triton.gluon_attention import (
     LOG2E,
     _barriers,
@@ -899,11 +900,12 @@ def one_pass(plan) -> bool:
 
 def serves_plan(plan) -> bool:
     """Whether the one pass computes a ``common.plan.BackwardPlan``'s gradients: no mask, dropout, soft-capping,
-    ALiBi or packed sequences, a band with no left edge (causal, either alignment, or a right window alone), and
-    tensors ``serves`` takes."""
+    ALiBi or packed sequences, a band with no left edge (causal, either alignment, or a right window alone),
+    B·H_kv programs' rows within a grid axis (its second, CUDA's 65535), and tensors ``serves`` takes."""
     q = plan.query
     return (plan.attn_mask is None and not plan.dropout and plan.softcap == 0.0 and plan.alibi is None
             and plan.row_bands is None and (plan.band is None or plan.band[0] <= 1 - q.shape[2])
+            and q.shape[0] * plan.key.shape[1] <= MAX_GRID_AXIS
             and serves(q, plan.key, plan.value, plan.out, plan.grad_out, plan.grad_query, plan.grad_key,
                        plan.grad_value)
             and plan.lse.stride(-1) == 1)

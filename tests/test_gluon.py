@@ -560,6 +560,8 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     or torch.use_deterministic_algorithms keep the tl backward; ATTENTION_GLUON=1 takes every plan it serves,
     never a mask or a window with a left edge; without the bulk reduce-add, none. The Triton backend binds no
     launch for a plan the one pass runs."""
+    import dataclasses
+
     import impl_triton.attention as triton_attention
     from common import plan as planning
     from common.backends import get_backend
@@ -593,6 +595,9 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
         assert not gb.one_pass(plan())
     finally:
         torch.use_deterministic_algorithms(was)
+    wide = torch.empty(1, 1, 1, 128, device=DEVICE).expand(65536, 1, 4096, 128)
+    many = dataclasses.replace(plan(), query=wide, key=wide)
+    assert not gb.one_pass(many)  # (B·H_kv programs past a grid axis)
     monkeypatch.setenv("ATTENTION_GLUON", "1")
     assert [gb.one_pass(p) for p in kept_tl] == [False, True, True, True, False, False]
     monkeypatch.setenv("ATTENTION_GLUON", "0")

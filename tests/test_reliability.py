@@ -74,6 +74,20 @@ def test_more_than_65535_batch_heads(backend):
         torch.testing.assert_close(grad[:, -300:].double(), leaf.grad, rtol=2e-2, atol=2e-2)
 
 
+@needs_gpu
+def test_more_than_65535_batch_heads_where_gluon_would_run(monkeypatch):
+    """(2, 32800, 128, 128) bf16, causal, ATTENTION_GLUON=1 (every plan the Gluon forward serves, any
+    length): its launches put B·H on grid axis 1, so past 65535 the tl kernel runs it (keys and values
+    broadcast over the heads by stride 0)."""
+    monkeypatch.setenv("ATTENTION_GLUON", "1")
+    q = torch.randn(2, 32800, 128, 128, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (torch.randn(2, 1, 128, 128, dtype=torch.bfloat16, device=DEVICE).expand(-1, 32800, -1, -1)
+            for _ in range(2))
+    out = attention(q, k, v, is_causal=True, backend="triton")
+    expected = reference(*(t[:, -4:].double() for t in (q, k, v)), is_causal=True)
+    torch.testing.assert_close(out[:, -4:].double(), expected, rtol=2e-2, atol=2e-2)
+
+
 # -- 64-bit offsets --------------------------------------------------------------------------------
 
 @needs_gpu
