@@ -25,6 +25,7 @@ something else: position biases.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -83,7 +84,9 @@ def _flash_forward(backend, module, query, key, value, attention_mask, dropout=0
 
     Causal attention and ``sliding_window`` (keys within sliding_window - 1 of a row's position,
     both sides where not causal) align bottom-right within each sequence, as FlashAttention's;
-    ``s_aux`` (or ``sinks``): attention sinks; ``softcap``; ``dropout``.
+    ``s_aux`` (or ``sinks``): attention sinks; ``softcap``; ``dropout``; ``deterministic`` (None:
+    transformers' FLASH_ATTENTION_DETERMINISTIC=1), as FlashAttention's: a bitwise-reproducible backward
+    (``common.attention``'s; the packed and padded paths' backward always is).
 
     transformers calls FlashAttention's own ``flash_attn_with_kvcache`` (its decode step over a
     block table) only for names carrying FlashAttention's version (flash_attention_2, _3) and
@@ -116,7 +119,10 @@ def _flash_forward(backend, module, query, key, value, attention_mask, dropout=0
         return out.unsqueeze(0), None
     if attention_mask is not None:
         return _unpadded(query, key, value, attention_mask.bool(), features), None
-    out = attention(query, key, value, **features)
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:  # (as transformers' flash_attention_forward reads it)
+        deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+    out = attention(query, key, value, deterministic=deterministic, **features)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -287,6 +287,24 @@ def test_flash_forward_sinks_window_softcap(backend, device):
         common.hf._flash_forward(backend, module, q, k, v, torch.ones(2, 1, 5, 9, dtype=torch.bool, device=device))
 
 
+def test_flash_forward_deterministic(backend, device, monkeypatch):
+    """transformers' ``deterministic`` (FlashAttention's flag; None: FLASH_ATTENTION_DETERMINISTIC=1) reaches
+    ``common.attention``, whose backward it keeps bitwise reproducible; a bad value is a TypeError there."""
+    q, k, v = (torch.randn(1, 2, 6, 16, device=device) for _ in range(3))
+    module = torch.nn.Module()
+    asked, shipped = [], common.hf.attention
+    monkeypatch.setattr(common.hf, "attention", lambda *a, **kw: asked.append(kw["deterministic"]) or shipped(*a, **kw))
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    common.hf._flash_forward(backend, module, q, k, v, None)
+    common.hf._flash_forward(backend, module, q, k, v, None, deterministic=True)
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    common.hf._flash_forward(backend, module, q, k, v, None)
+    common.hf._flash_forward(backend, module, q, k, v, None, deterministic=False)
+    assert asked == [False, True, True, False]
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        common.hf._flash_forward(backend, module, q, k, v, None, deterministic="yes")
+
+
 def tiny_qwen3(dtype, device, implementation):
     """A Qwen3 (RMS-normed queries and keys, a head dim of its own) of tiny_llama's size."""
     config = transformers.Qwen3Config(
