@@ -553,6 +553,31 @@ def test_one_pass_sums_and_dq(D, with_dlse, monkeypatch):
     assert torch.equal(dq, (dq_sum * 0.3).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_dispatched_one_pass_compiles_for_sm90_as_measured(causal, tmp_path):
+    """The one pass the triton backend runs (warp-specialised, D 128 at ``ws_tile``) builds for sm_90 with the
+    installed Triton where it has the bulk reduce-add: dQ added by the copy engine (no per-element atomics), its
+    waits without a barrier after them, and no more stack than the build timed on the GPU (64 bytes, 136
+    causal: a few loop-invariant scalars, none of the accumulators)."""
+    from impl_triton import gluon_backward as gb
+
+    if not gb.bulk_reduce_add():
+        import triton
+
+        pytest.skip(f"the one pass adds dQ by Gluon's bulk reduce-add (triton 3.9); this is {triton.__version__}")
+    command = [sys.executable, str(ROOT / "tools" / "gluon_sass.py"), "--backward", "--dims", "128",
+               "--out", str(tmp_path), *(["--causal"] if causal else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = re.search(r"pass=fused_ws D=128 .*", result.stdout).group(0)
+    fields = dict(item.split("=") for item in line.split())
+    assert int(fields["STACK"]) <= (136 if causal else 64) and int(fields["UTMAREDG"]) >= 1, line
+    assert int(fields["UTMASTG"]) == 2 and int(fields["HGMMA"]) > 0, line
+    assert "REDG" not in (tmp_path / "gluon_bwd_fused_ws_d128.sass").read_text().replace("UTMAREDG", "")
+    wait_then_barrier = re.compile(r"wgmma\.wait_group\.sync\.aligned \d+;(\s*//[^\n]*)*\s*bar\.sync")
+    assert not wait_then_barrier.search((tmp_path / "gluon_bwd_fused_ws_d128.ptx").read_text())
+
+
 def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     """gluon_backward.one_pass (the tensors' sm_90 and TMA checks stood in, so any machine runs it): with the
     bulk reduce-add and nothing asking for a deterministic backward, D 128 from 4096 rows and keys, causal or
