@@ -31,9 +31,9 @@ D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-r
 
 The Triton backend's backward takes the warp-specialised one pass where ``one_pass`` says (``backward_plan``):
 triton >= 3.9 (the bulk reduce-add), sm_90, D 128 from 4096 rows and keys, no call or setting asking for a
-deterministic backward; measured 1.12-1.23x the tl backward there (an H100, benchmarks/NOTES.md). Everything
-else, and every deterministic backward, stays on the tl kernels: the two passes here and the one pass with
-dQ by atomics ran slower than them; ``backward`` and ``backward_fused`` are called by the GPU tests and
+deterministic backward: where it timed faster than the tl backward (benchmarks/NOTES.md). Everything else, and
+every deterministic backward, stays on the tl kernels: the two passes here and the one pass with dQ by
+atomics timed slower than them; ``backward`` and ``backward_fused`` are called by the GPU tests and
 ``tools/probe.py gluon_bwd``.
 """
 
@@ -789,8 +789,7 @@ def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
 def ws_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the warp-specialised one pass: ``fused_tile``'s at D 64;
     at D 128 FlashAttention-3's 64 rows by 128 keys with dQ^T's product, which its consumers' 240 registers hold
-    (the plain one pass spills there), measured fastest of the two on an H100 under triton 3.9
-    (benchmarks/NOTES.md): 1.12-1.23x the tl backward at D 128, where row tiles of 32 ran 0.90-0.95x."""
+    (the plain one pass spills there): of the tiles timed, the fastest (benchmarks/NOTES.md)."""
     return fused_tile(head_dim) if head_dim == 64 else (64, 128, 2, 8, True)
 
 
@@ -877,9 +876,9 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
 
 
 # The warp-specialised one pass runs the Triton backend's backward (impl_triton.attention.backward) for the head
-# dims and lengths where it timed faster than the tl backward: D 128 from 4096 rows and keys, 1.12-1.23x (an H100,
-# triton 3.9, bf16, causal and not; benchmarks/NOTES.md). At D 64 it ran 0.96-1.04x, so D 64 keeps the tl kernels;
-# shorter lengths are unmeasured. ATTENTION_GLUON=1 takes it for every backward it serves, 0 for none.
+# dims and lengths where it timed faster than the tl backward (benchmarks/NOTES.md): D 128 from 4096 rows and keys.
+# At D 64 it ran at par, so D 64 keeps the tl kernels; shorter lengths are untimed. ATTENTION_GLUON=1 takes it for
+# every backward it serves, 0 for none.
 ONE_PASS_HEAD_DIMS = (128,)
 ONE_PASS_MIN_LENGTH = 4096
 
@@ -889,11 +888,12 @@ def one_pass(plan) -> bool:
     deterministic backward asked (its dQ sums land in any order), ``ATTENTION_GLUON`` not 0, Gluon's bulk
     reduce-add in the installed Triton, D in ONE_PASS_HEAD_DIMS and Lq, Lk >= ONE_PASS_MIN_LENGTH (unless
     ``ATTENTION_GLUON=1``), and a plan it serves (``serves_plan``)."""
-    if plan.deterministic or gluon_switch() == "0" or not bulk_reduce_add():
+    switch = gluon_switch()
+    if plan.deterministic or switch == "0" or not bulk_reduce_add():
         return False
     q = plan.query
-    if gluon_switch() != "1" and (q.shape[-1] not in ONE_PASS_HEAD_DIMS
-                                  or min(q.shape[2], plan.key.shape[2]) < ONE_PASS_MIN_LENGTH):
+    if switch != "1" and (q.shape[-1] not in ONE_PASS_HEAD_DIMS
+                          or min(q.shape[2], plan.key.shape[2]) < ONE_PASS_MIN_LENGTH):
         return False
     return serves_plan(plan)
 
