@@ -32,8 +32,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 if [ -n "${TRITON_CARRIED:-}" ] && [[ " $* " != *" triton-install "* ]]; then
   [ -d /tmp/triton-carried/triton ] || { echo "no carried Triton here: run the triton-part calls, then triton-install"; exit 1; }
   export PYTHONPATH=/tmp/triton-carried:$PYTHONPATH
-  # (the carried wheel has no ptxas-blackwell, which 3.9 asks for when it hashes any compile: the sm_90 one serves)
-  export TRITON_PTXAS_BLACKWELL_PATH=/tmp/triton-carried/triton/backends/nvidia/bin/ptxas
+  # (the carried wheel keeps the ptxas 3.9 compiles sm_90 with, CUDA 13's ptxas-blackwell, and not the legacy
+  # one it runs for older GPUs: that name points at the one kept)
+  export TRITON_PTXAS_PATH=/tmp/triton-carried/triton/backends/nvidia/bin/ptxas-blackwell
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
