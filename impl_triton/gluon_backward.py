@@ -343,23 +343,29 @@ def _key_block_finish(dk, dv, scale, dk_desc, dv_desc, k_smem, v_smem, kv_bars, 
 @gluon.jit
 def _dkdv_tile(k, v, q_tile, do_tile, dk, dv, zero_st, m2, delta, qk_scale, offs_kn, offs_m, block, full_lo,
                causal_shift, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               op_layout: gl.constexpr, ISSUE_DK: gl.constexpr, OWN_WAITS: gl.constexpr = False):
+               op_layout: gl.constexpr, ISSUE_DK: gl.constexpr, OWN_WAITS: gl.constexpr = False,
+               STATS_SMEM: gl.constexpr = False):
     """One row tile of a key block, each product after the one before (no overlap with the next tile):
     S^T and dP^T issued together, p^T under dP^T's product, dV's product issued, dS^T, dK's product
     issued (unless not ISSUE_DK: the caller issues it). Returns (dk, dv) in flight and dS^T (the inputs'
     dtype). OWN_WAITS: its two waits are each warp group's own (``_own_mma_wait``): nothing here writes
-    shared memory, and the caller orders its next writes."""
+    shared memory, and the caller orders its next writes. STATS_SMEM: m2 and delta are shared-memory rows,
+    read into S^T's columns where each is used (not held across the tile's products)."""
     dtype: gl.constexpr = k.dtype
     q = q_tile.reshape([BLOCK_M, HEAD_DIM])
     do = do_tile.reshape([BLOCK_M, HEAD_DIM])
     qkT = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
     qkT = _own_mma_wait(1, (qkT, ), OWN_WAITS)
+    if STATS_SMEM:
+        m2 = m2.load(gl.SliceLayout(0, zero_st.type.layout))
     pT = gl.exp2(qkT * qk_scale - m2[None, :])
     if IS_CAUSAL and block < full_lo:
         pT = gl.where(offs_kn[:, None] <= offs_m[None, :] + causal_shift, pT, 0.0)
     dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do, dv, is_async=True)
     dpT = _own_mma_wait(1, (dpT, ), OWN_WAITS)
+    if STATS_SMEM:
+        delta = delta.load(gl.SliceLayout(0, zero_st.type.layout))
     dsT = (pT * (dpT - delta[None, :])).to(dtype)
     if ISSUE_DK:
         dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q, dk, is_async=True)
@@ -621,15 +627,18 @@ def _ws_dq_writer(dq_desc, dq_smem, dq_ready, dq_empty, off_z, off_h_kv, GROUP, 
 
 
 @gluon.jit
-def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, dq_ready, dq_empty,
+def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, q_ready, q_empty, dq_ready,
+                 dq_empty,
                  dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq, causal_shift,
                  off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 DQ_T: gl.constexpr, WARPS: gl.constexpr):
+                 DQ_T: gl.constexpr, WARPS: gl.constexpr, STATS_SMEM: gl.constexpr):
     """The warp-specialised one pass's consumer warps (``_gluon_bwd_fused``'s loop with DQ_FIRST, less its
     copies): per row tile the five products, dS^T through shared memory, dQ staged for the dQ warp while
     dK's product runs; the tile's ring slot and staging buffer handed over by mbarriers. Then dK and dV out
-    by TMA."""
+    by TMA. STATS_SMEM: each tile's m2 and delta go through ``stats_smem`` (two buffers of both rows): loaded a few a
+    thread during the tile before, stored before its closing barrier, read where used, so that no thread
+    holds a copy for every column of S^T across the tile (FlashAttention-3's registers at 128 x 128)."""
     layouts: gl.constexpr = _one_pass_layouts(BLOCK_M, BLOCK_N, HEAD_DIM, WARPS, DQ_T)
     st_layout: gl.constexpr = layouts[0]
     acc_layout: gl.constexpr = layouts[1]
@@ -639,17 +648,35 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
         zero_dq = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, layout=dq_layout)
     else:
         zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    few: gl.constexpr = gl.BlockedLayout([max(BLOCK_M // 32, 1)], [32], [WARPS], [0])
     qk_scale, offs_kn, zero_st, dk, dv, k, v = _key_block_resident(scale, key_start, k_smem, v_smem, kv_bar, BLOCK_M,
                                                                    BLOCK_N, HEAD_DIM, st_layout, acc_layout)
+    if STATS_SMEM and n_tiles > 0:
+        _, _, m2_next, delta_next = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                               GROUP, lo, row_blocks, 0, Lq, BLOCK_M, few)
+        stats_smem.index(0).store(m2_next)
+        stats_smem.index(1).store(delta_next)
+        _cta_barrier()
     for t in range(n_tiles):
         slot = t % STAGES
         buf = t % 2
-        block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
-                                              GROUP, lo, row_blocks, t, Lq, BLOCK_M, gl.SliceLayout(0, st_layout))
+        if STATS_SMEM:
+            block = lo + t % row_blocks
+            offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=cols)
+            m2 = stats_smem.index(2 * buf)
+            delta = stats_smem.index(2 * buf + 1)
+            # (the next tile's, stored before this tile's closing barrier; the last tile reloads its own)
+            _, _, m2_next, delta_next = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                                   GROUP, lo, row_blocks, gl.minimum(t + 1, n_tiles - 1), Lq, BLOCK_M,
+                                                   few)
+        else:
+            block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
+                                                  GROUP, lo, row_blocks, t, Lq, BLOCK_M, cols)
         mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
         dk, dv, dsT = _dkdv_tile(k, v, q_smem.index(slot), do_smem.index(slot), dk, dv, zero_st, m2, delta, qk_scale,
                                  offs_kn, offs_m, block, full_lo, causal_shift, BLOCK_M, HEAD_DIM, IS_CAUSAL, op_layout,
-                                 False, True)
+                                 False, True, STATS_SMEM)
         ds_smem.store(dsT)
         fence_async_shared()
         _cta_barrier()  # (every warp's rows of dS^T in before any warp group's dQ product reads them)
@@ -668,6 +695,9 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_re
             staged.store(dq)
         fence_async_shared()
         dk = _own_mma_wait(0, (dk, ))
+        if STATS_SMEM:  # (buffer 1 - buf was last read in the tile before, behind its closing barrier)
+            stats_smem.index(2 - 2 * buf).store(m2_next)
+            stats_smem.index(3 - 2 * buf).store(delta_next)
         # (every warp group's products of this tile done and its dQ staged: dS^T, the slot and the buffer free)
         _cta_barrier()
         mbarrier.arrive(dq_ready.index(buf), count=1)
@@ -681,7 +711,7 @@ def _gluon_bwd_ws(
     stride_lz, stride_lh, stride_lm,
     scale, H_KV, GROUP, Lq, Lk, causal_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DQ_T: gl.constexpr, num_warps: gl.constexpr, STATS_SMEM: gl.constexpr = False,
 ):
     """``_gluon_bwd_fused`` (DQ_TMA, DQ_FIRST) with FlashAttention-3's warp roles: the ``num_warps``
     consumer warps (``_ws_consumer``) only wait, multiply and compute p and dS; a loader warp
@@ -702,15 +732,17 @@ def _gluon_bwd_ws(
     kv_bar = kv_bars.index(0)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_empty = _barriers(STAGES, 1)
     dq_ready = _barriers(2, 1)
     dq_empty = _barriers(2, 1)
     fence_async_shared()
     gl.warp_specialize([
-        (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, q_empty, dq_ready, dq_empty,
+        (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, q_ready, q_empty,
+                        dq_ready, dq_empty,
                         dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq,
                         causal_shift, off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M, BLOCK_N,
-                        HEAD_DIM, STAGES, IS_CAUSAL, DQ_T, num_warps)),
+                        HEAD_DIM, STAGES, IS_CAUSAL, DQ_T, num_warps, STATS_SMEM)),
         (_ws_loader, (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, off_z, off_h_kv, GROUP, lo, row_blocks,
                       n_tiles, BLOCK_M, STAGES)),
         (_ws_dq_writer, (dq_desc, dq_smem, dq_ready, dq_empty, off_z, off_h_kv, GROUP, lo, row_blocks, n_tiles,
@@ -838,7 +870,7 @@ def bulk_reduce_add() -> bool:
 
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
                    dk=None, dv=None, dq_tma: bool = False, dq_first: bool = False, tile: tuple | None = None,
-                   specialized: bool = False, dq=None):
+                   specialized: bool = False, dq=None, stats_smem: bool = False):
     """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta and dQ's zeroed float32 sum first
     (``one_pass_sums``, one launch), dQ summed by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where
     ``bulk_reduce_add()``), then scaled and rounded (``one_pass_dq``, one launch); ``dq`` (contiguous), ``dk``,
@@ -846,7 +878,9 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     DQ_FIRST); ``tile``: (BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) instead of ``fused_tile``'s (``ws_tile``'s
     where ``specialized``; a probe's comparison, a test's);
     ``specialized``: FlashAttention-3's warp roles, a loader warp and a dQ warp beside the consumers (``_gluon_bwd_ws``:
-    dQ by the bulk reduce-add, dK after dQ; what ``backward_plan`` runs). Not bitwise reproducible (dQ's additions)."""
+    dQ by the bulk reduce-add, dK after dQ; what ``backward_plan`` runs); ``stats_smem`` (with ``specialized``): each
+    row tile's m2 and delta read from shared memory where used (its STATS_SMEM; untimed, a probe's and a test's),
+    else held in registers through the tile. Not bitwise reproducible (dQ's additions)."""
     if (dq_tma or specialized) and not bulk_reduce_add():
         raise ValueError(f"dq_tma=True and specialized=True need Gluon's hopper.tma.async_atomic_add (triton 3.9 or "
                          f"later); this is triton {triton.__version__}")
@@ -863,7 +897,7 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
             _descriptor(dv, bn), _descriptor(dq_sum, bm), lse, delta, *lse.stride(), scale, H_kv, H // H_kv, Lq, Lk,
             0 if causal_shift is None else causal_shift,
             BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
-            num_warps=warps, **COMPILE_OPTIONS)
+            STATS_SMEM=stats_smem, num_warps=warps, **COMPILE_OPTIONS)
         return one_pass_dq(dq_sum, scale, q.dtype, dq), dk, dv
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),

@@ -119,7 +119,8 @@ def _backward(args, out_dir, dtype) -> int:
     """The backward's dQ and dK/dV passes and its one pass at each head dim it takes: one line a kernel,
     ``pass=<dq|dkdv|fused|fused_tma>[_first] D=<d> REG= STACK= SMEM= HGMMA= UTMALDG= UTMASTG= UTMAREDG=
     OVERLAP=`` (fused_tma: dQ by the bulk reduce-add, UTMAREDG, where the installed Triton has it; _first: dK's
-    product issued after dQ's, DQ_FIRST; fused_ws, there too: the one pass with a loader warp and a dQ warp)."""
+    product issued after dQ's, DQ_FIRST; fused_ws, there too: the one pass with a loader warp and a dQ warp;
+    fused_ws_stats: that one with its row tiles' stats read from shared memory, STATS_SMEM)."""
     import impl_triton.gluon_backward as gb
     from impl_triton.gluon_attention import descriptor
 
@@ -153,13 +154,15 @@ def _backward(args, out_dir, dtype) -> int:
                 descriptor(v, bn3), dq_sum, descriptor(dq_sum if dq_tma else q, bm3), lse, delta, *q.stride()[:3],
                 *lse.stride(), 0.125, 2, 4, 1000, 1000, 0, BLOCK_M=bm3, BLOCK_N=bn3, HEAD_DIM=D, STAGES=s3,
                 IS_CAUSAL=args.causal, DQ_T=dq_t, DQ_TMA=dq_tma, DQ_FIRST=dq_first, num_warps=w3, grid=(1,), **COMPILE_OPTIONS)))
-        if gb.bulk_reduce_add():  # (FlashAttention-3's warp roles: a loader warp, a dQ warp, the consumers; its tile)
+        if gb.bulk_reduce_add():  # (FlashAttention-3's warp roles: a loader warp, a dQ warp, the consumers; its tile;
+            # _stats: each row tile's m2 and delta read from shared memory where used)
             bm4, bn4, s4, w4, dq_t4 = gb.ws_tile(D)
-            fused.append(("fused_ws", gb._gluon_bwd_ws.warmup(
-                descriptor(q, bm4), descriptor(k, bn4), descriptor(v, bn4), descriptor(do, bm4), descriptor(k, bn4),
-                descriptor(v, bn4), descriptor(dq_sum, bm4), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
-                BLOCK_M=bm4, BLOCK_N=bn4, HEAD_DIM=D, STAGES=s4, IS_CAUSAL=args.causal, DQ_T=dq_t4, num_warps=w4,
-                grid=(1,), **COMPILE_OPTIONS)))
+            for suffix, stats_smem in (("", False), ("_stats", True)):
+                fused.append(("fused_ws" + suffix, gb._gluon_bwd_ws.warmup(
+                    descriptor(q, bm4), descriptor(k, bn4), descriptor(v, bn4), descriptor(do, bm4), descriptor(k, bn4),
+                    descriptor(v, bn4), descriptor(dq_sum, bm4), lse, delta, *lse.stride(), 0.125, 2, 4, 1000, 1000, 0,
+                    BLOCK_M=bm4, BLOCK_N=bn4, HEAD_DIM=D, STAGES=s4, IS_CAUSAL=args.causal, DQ_T=dq_t4, num_warps=w4,
+                    STATS_SMEM=stats_smem, grid=(1,), **COMPILE_OPTIONS)))
         for name, kernel in (("dq", dq_kernel), ("dkdv", dkdv_kernel), *fused):
             sass, usage = disassemble(kernel, out_dir, f"gluon_bwd_{name}_d{D}")
             regs, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))

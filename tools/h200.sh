@@ -12,8 +12,8 @@
 #     ".fa"), on common.flash_attn_interface through tools/fa_suite/run.py: FA_PER_TEST cases of each test
 #     function, each backend; its 250-iteration race test left out); gluon, gluon-bwd (its halves
 #     gluon-bwd-plain, gluon-bwd-ws, gluon-bwd-probe), gluon-bwd-dispatch (the one pass as the backward, its
-#     tests and timings; TRITON_CARRIED=1), fp8, paged-check, serving (a feature's tests, then its probe); ring-test
-#     (two GPUs)
+#     tests and timings, its stats in shared memory, the grouped-query training step; TRITON_CARRIED=1), fp8,
+#     paged-check, serving (a feature's tests, then its probe); ring-test (two GPUs)
 #   timings: bench, bench-full (BENCHMARKS.md's run, --write), bench-table (the committed table's bf16 forward and
 #     backward in one call), bench-fp8, bench-bwd, bench-fwd4k, bench-x2 (two GPUs); compare; demo; probe;
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
@@ -114,7 +114,11 @@ for stage in "$@"; do
     # tests (the dispatch, the warp-specialised cases at ws_tile), then the bf16 backward and training step at
     # D 128 against SDPA's, from 4096 keys where it runs
     gluon-bwd-dispatch) timeout 240 python3 -m pytest tests/test_gluon.py -k "takes_the_one_pass or one-pass-ws or one_pass_runs" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_dispatch.log"
-                 timeout 300 python3 -m common bench --sections throughput --modes bwd fwd+bwd --dtypes bfloat16 --head-dims 128 --lengths 4096 16384 --backends triton torch --out /tmp/bench-bwd39 --markdown "" 2>&1 | tail -80 > "$OUT/bench_bwd39.log"; cp /tmp/bench-bwd39/results.json "$OUT/results_bwd39.json"; tail -30 "$OUT/bench_bwd39.log" ;;
+                 timeout 300 python3 -m common bench --sections throughput --modes bwd fwd+bwd --dtypes bfloat16 --head-dims 128 --lengths 4096 16384 --backends triton torch --out /tmp/bench-bwd39 --markdown "" 2>&1 | tail -80 > "$OUT/bench_bwd39.log"; cp /tmp/bench-bwd39/results.json "$OUT/results_bwd39.json"; tail -30 "$OUT/bench_bwd39.log"
+                 # (the one pass with each row tile's stats read from shared memory, and D 64's 128-row tile so; the
+                 # grouped-query training step)
+                 PROBE_BWD_LENGTHS="4096 16384" PROBE_BWD_TILES=0 PROBE_BWD_SCHEMES="one-pass ws,one-pass ws stats smem,one-pass ws stats smem 128 rows" timeout 200 python3 tools/probe.py gluon_bwd 2>&1 | grep bf16 | tee "$OUT/gluon_bwd_stats.log"
+                 timeout 90 python3 tools/probe.py gqa_step | tee "$OUT/gqa_step.log" ;;
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the

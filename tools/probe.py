@@ -51,6 +51,9 @@ is written to the project.
   BWD_TUNE_KEYS="128:full:1024 ..." limits it to those keys (D:full|causal:L).
 - gqa_bwd: the causal backward with 32 query heads over 8 K/V heads against MHA's at the same FLOPs
   (D 64 and 128, L 1k and 4k, fp16), both backends and SDPA: what the dK/dV pass's group loop costs.
+- gqa_step: issue 43's grouped-query training step (forward + backward, 32 query heads over 8 K/V heads,
+  causal, L 8192, D 128, bf16): the triton backend's default, its deterministic backward (the tl passes),
+  NineToothed and SDPA's default, TFLOP/s (3.5 forwards' FLOPs).
 - nt_bwd_small: NineToothed's backward at (4, 32, 1024, 64), bf16: do_bench, graph replay and wall time per
   call, both backends (whether the host or the kernels make its gap).
 - host_python: our Python per step of a growing decode loop (split keys), both backends, with the
@@ -1323,6 +1326,27 @@ def gqa_bwd():
             print("  ".join(line), flush=True)
 
 
+def gqa_step():
+    """Issue 43's grouped-query training step: forward and backward of (2, 32 over 8, 8192, 128), causal,
+    bf16, through autograd, each way beside SDPA's default (its backward by enable_gqa)."""
+    B, H, H_kv, L, D = 2, 32, 8, 8192, 128
+    flops = 3.5 * attention_flops(B, H, L, L, D, causal=True)
+    q = torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k, v = (torch.randn(B, H_kv, L, D, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    ways = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            "triton": lambda: attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton"),
+            "triton deterministic": lambda: attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton",
+                                                      deterministic=True),
+            "ninetoothed": lambda: attention(q, k, v, is_causal=True, enable_gqa=True, backend="ninetoothed")}
+    line, sdpa_ms = ["(2, 32/8, 8192, 128) causal bf16 fwd+bwd:"], None
+    for name, forward in ways.items():
+        ms = gpu_time_ms(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out))
+        sdpa_ms = sdpa_ms or ms
+        line.append(f"{name} {ms * 1e3:.0f}us {flops / ms / 1e9:.0f} TFLOP/s ({sdpa_ms / ms:.2f}x SDPA)")
+    print("  ".join(line), flush=True)
+
+
 def nt_bwd_small():
     """Issue 43's NineToothed backward gap at (B 4, H 32, L 1024, D 64), bf16 (0.55x Triton's by do_bench
     in one process, where the benchmark's (16, 32, 1024, 64) shows 0.91-0.98x): attention_backward's
@@ -1757,7 +1781,8 @@ def gluon_bwd():
     """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
     scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
     issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws" (at gluon_backward.ws_tile's tile),
-    also at another, "ws other") against the tl backward (attention_backward, triton) and SDPA's backward (its
+    also at another, "ws other", and with each row tile's stats read from shared memory, "ws stats smem", also at
+    D 64's 128 x 128 tile) against the tl backward (attention_backward, triton) and SDPA's backward (its
     default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's FLOPs (causal
     half), do_bench median, bf16; and the largest gradient difference from the tl backward's. PROBE_BWD_LENGTHS,
     PROBE_BWD_SCHEMES, PROBE_BWD_TILES=0, PROBE_BWD_WS=0: less of it, for a call short of time."""
@@ -1806,6 +1831,15 @@ def gluon_bwd():
                     other = (32, 128, 3, 8, True) if D == 128 else (64, 128, 3, 8, False)
                     runs["one-pass ws other"] = functools.partial(gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5,
                                                                   0 if causal else None, specialized=True, tile=other)
+                    # (each row tile's m2 and delta read from shared memory where used, STATS_SMEM; and at D 64
+                    # FlashAttention-3's tile, 128 rows x 128 keys, which spills less that way)
+                    runs["one-pass ws stats smem"] = functools.partial(
+                        gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None, specialized=True,
+                        stats_smem=True)
+                    if D == 64:
+                        runs["one-pass ws stats smem 128 rows"] = functools.partial(
+                            gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None,
+                            specialized=True, tile=(128, 128, 2, 8, False), stats_smem=True)
             # (PROBE_BWD_SCHEMES: the variants to run beside tl and sdpa, comma-separated names, for a call
             # short of time)
             schemes = os.environ.get("PROBE_BWD_SCHEMES")
