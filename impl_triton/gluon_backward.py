@@ -601,12 +601,22 @@ def _gluon_bwd_fused(
 
 @gluon.jit
 def _ws_loader(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, off_z, off_h_kv, GROUP, lo, row_blocks, n_tiles,
-               BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+               LSE, DELTA, stride_lz, stride_lh, stride_lm, H_KV, Lq, stats_smem, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, STATS_SMEM: gl.constexpr):
     """The warp-specialised one pass's loader warp: row tile t's Q and dO into ring slot t % STAGES once the
-    consumers gave back its tile t - STAGES (``q_empty``; the ring's first round passes on fresh barriers)."""
+    consumers gave back its tile t - STAGES (``q_empty``; the ring's first round passes on fresh barriers);
+    STATS_SMEM: its m2 and delta into the slot's rows of ``stats_smem`` first, ordered before the slot's
+    barrier completes (the warp's barrier, then the arrival that expects Q's and dO's bytes)."""
+    few: gl.constexpr = gl.BlockedLayout([max(BLOCK_M // 32, 1)], [32], [1], [0])
     for t in range(n_tiles):
         slot = t % STAGES
         mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+        if STATS_SMEM:
+            _, _, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV, GROUP, lo,
+                                         row_blocks, t, Lq, BLOCK_M, few)
+            stats_smem.index(2 * slot).store(m2)
+            stats_smem.index(2 * slot + 1).store(delta)
+            _cta_barrier()
         _load_row_tile(q_desc, do_desc, q_ready, q_smem, do_smem, slot, off_z, off_h_kv, GROUP, lo, row_blocks, t,
                        BLOCK_M)
 
@@ -636,9 +646,9 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, 
     """The warp-specialised one pass's consumer warps (``_gluon_bwd_fused``'s loop with DQ_FIRST, less its
     copies): per row tile the five products, dS^T through shared memory, dQ staged for the dQ warp while
     dK's product runs; the tile's ring slot and staging buffer handed over by mbarriers. Then dK and dV out
-    by TMA. STATS_SMEM: each tile's m2 and delta go through ``stats_smem`` (two buffers of both rows): loaded a few a
-    thread during the tile before, stored before its closing barrier, read where used, so that no thread
-    holds a copy for every column of S^T across the tile (FlashAttention-3's registers at 128 x 128)."""
+    by TMA. STATS_SMEM: each tile's m2 and delta are read where used from its ring slot's rows of ``stats_smem``
+    (the loader warp's), so that no thread holds a copy for every column of S^T across the tile
+    (FlashAttention-3's registers at 128 x 128)."""
     layouts: gl.constexpr = _one_pass_layouts(BLOCK_M, BLOCK_N, HEAD_DIM, WARPS, DQ_T)
     st_layout: gl.constexpr = layouts[0]
     acc_layout: gl.constexpr = layouts[1]
@@ -649,27 +659,16 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, 
     else:
         zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
-    few: gl.constexpr = gl.BlockedLayout([max(BLOCK_M // 32, 1)], [32], [WARPS], [0])
     qk_scale, offs_kn, zero_st, dk, dv, k, v = _key_block_resident(scale, key_start, k_smem, v_smem, kv_bar, BLOCK_M,
                                                                    BLOCK_N, HEAD_DIM, st_layout, acc_layout)
-    if STATS_SMEM and n_tiles > 0:
-        _, _, m2_next, delta_next = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
-                                               GROUP, lo, row_blocks, 0, Lq, BLOCK_M, few)
-        stats_smem.index(0).store(m2_next)
-        stats_smem.index(1).store(delta_next)
-        _cta_barrier()
     for t in range(n_tiles):
         slot = t % STAGES
         buf = t % 2
         if STATS_SMEM:
             block = lo + t % row_blocks
             offs_m = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=cols)
-            m2 = stats_smem.index(2 * buf)
-            delta = stats_smem.index(2 * buf + 1)
-            # (the next tile's, stored before this tile's closing barrier; the last tile reloads its own)
-            _, _, m2_next, delta_next = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
-                                                   GROUP, lo, row_blocks, gl.minimum(t + 1, n_tiles - 1), Lq, BLOCK_M,
-                                                   few)
+            m2 = stats_smem.index(2 * slot)
+            delta = stats_smem.index(2 * slot + 1)
         else:
             block, offs_m, m2, delta = _dkdv_rows(LSE, DELTA, stride_lz, stride_lh, stride_lm, off_z, off_h_kv, H_KV,
                                                   GROUP, lo, row_blocks, t, Lq, BLOCK_M, cols)
@@ -695,9 +694,6 @@ def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, 
             staged.store(dq)
         fence_async_shared()
         dk = _own_mma_wait(0, (dk, ))
-        if STATS_SMEM:  # (buffer 1 - buf was last read in the tile before, behind its closing barrier)
-            stats_smem.index(2 - 2 * buf).store(m2_next)
-            stats_smem.index(3 - 2 * buf).store(delta_next)
         # (every warp group's products of this tile done and its dQ staged: dS^T, the slot and the buffer free)
         _cta_barrier()
         mbarrier.arrive(dq_ready.index(buf), count=1)
@@ -732,7 +728,7 @@ def _gluon_bwd_ws(
     kv_bar = kv_bars.index(0)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_shared)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
-    stats_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    stats_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_empty = _barriers(STAGES, 1)
     dq_ready = _barriers(2, 1)
     dq_empty = _barriers(2, 1)
@@ -744,7 +740,8 @@ def _gluon_bwd_ws(
                         causal_shift, off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M, BLOCK_N,
                         HEAD_DIM, STAGES, IS_CAUSAL, DQ_T, num_warps, STATS_SMEM)),
         (_ws_loader, (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, off_z, off_h_kv, GROUP, lo, row_blocks,
-                      n_tiles, BLOCK_M, STAGES)),
+                      n_tiles, LSE, DELTA, stride_lz, stride_lh, stride_lm, H_KV, Lq, stats_smem, BLOCK_M, STAGES,
+                      STATS_SMEM)),
         (_ws_dq_writer, (dq_desc, dq_smem, dq_ready, dq_empty, off_z, off_h_kv, GROUP, lo, row_blocks, n_tiles,
                          BLOCK_M)),
     ], [1, 1], [WORKER_REGS, WORKER_REGS])
