@@ -39,6 +39,8 @@ atomics timed slower than them; ``backward`` and ``backward_fused`` are called b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -914,13 +916,27 @@ ONE_PASS_HEAD_DIMS = (128,)
 ONE_PASS_MIN_LENGTH = 4096
 
 
+@functools.cache
+def builds_one_pass() -> bool:
+    """Whether the ptxas Triton builds sm_90 with is CUDA 13's or later, as triton 3.9 ships it: CUDA 12.9's
+    crashed (SIGSEGV) building the warp-specialised one pass for causal grouped heads, which a Triton pointed
+    at an older toolkit (TRITON_PTXAS_BLACKWELL_PATH) would do."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        return int(get_ptxas(90).version.split(".")[0]) >= 13
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # (no ptxas found, or one that says no version)
+        return False
+
+
 def one_pass(plan) -> bool:
     """Whether the warp-specialised one pass (``backward_plan``) runs a ``common.plan.BackwardPlan``: no
     deterministic backward asked (its dQ sums land in any order), ``ATTENTION_GLUON`` not 0, Gluon's bulk
-    reduce-add in the installed Triton, D in ONE_PASS_HEAD_DIMS and Lq, Lk >= ONE_PASS_MIN_LENGTH (unless
-    ``ATTENTION_GLUON=1``), and a plan it serves (``serves_plan``)."""
+    reduce-add in the installed Triton and a ptxas that builds it (``builds_one_pass``), D in
+    ONE_PASS_HEAD_DIMS and Lq, Lk >= ONE_PASS_MIN_LENGTH (unless ``ATTENTION_GLUON=1``), and a plan it serves
+    (``serves_plan``)."""
     switch = gluon_switch()
-    if plan.deterministic or switch == "0" or not bulk_reduce_add():
+    if plan.deterministic or switch == "0" or not bulk_reduce_add() or not builds_one_pass():
         return False
     q = plan.query
     if switch != "1" and (q.shape[-1] not in ONE_PASS_HEAD_DIMS

@@ -614,6 +614,7 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     backend = get_backend("triton")
     monkeypatch.setattr(gb, "serves", lambda *tensors: True)
     monkeypatch.setattr(gb, "bulk_reduce_add", lambda: True)
+    monkeypatch.setattr(gb, "builds_one_pass", lambda: True)
     monkeypatch.delenv("ATTENTION_GLUON", raising=False)
 
     def plan(L=4096, D=128, Lk=None, is_causal=True, **kw):
@@ -648,8 +649,33 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     with pytest.raises(ValueError, match="ATTENTION_GLUON must be 0, 1 or unset"):
         gb.one_pass(plan())
     monkeypatch.delenv("ATTENTION_GLUON")
+    monkeypatch.setattr(gb, "builds_one_pass", lambda: False)
+    assert not gb.one_pass(plan())
+    monkeypatch.setattr(gb, "builds_one_pass", lambda: True)
     monkeypatch.setattr(gb, "bulk_reduce_add", lambda: False)
     assert not gb.one_pass(plan())
+
+
+@pytest.mark.parametrize("version, builds", [("12.9", False), ("13.0", True), ("13.4", True), (None, False)])
+def test_one_pass_needs_a_cuda13_ptxas(version, builds, monkeypatch):
+    """builds_one_pass reads the version of the ptxas Triton builds sm_90 with: CUDA 12.9's crashed on the
+    one pass's causal grouped build, triton 3.9 ships 13.4's; none found, no one pass."""
+    import triton.backends.nvidia.compiler as nvidia
+
+    from impl_triton import gluon_backward as gb
+
+    def get_ptxas(arch):
+        assert arch == 90
+        if version is None:
+            raise RuntimeError("Cannot find ptxas-blackwell")
+        return types.SimpleNamespace(path="ptxas", version=version)
+
+    monkeypatch.setattr(nvidia, "get_ptxas", get_ptxas)
+    gb.builds_one_pass.cache_clear()
+    try:
+        assert gb.builds_one_pass() is builds
+    finally:
+        gb.builds_one_pass.cache_clear()
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
