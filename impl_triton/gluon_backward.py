@@ -936,13 +936,13 @@ def one_pass(plan) -> bool:
     ONE_PASS_HEAD_DIMS and Lq, Lk >= ONE_PASS_MIN_LENGTH (unless ``ATTENTION_GLUON=1``), and a plan it serves
     (``serves_plan``)."""
     switch = gluon_switch()
-    if plan.deterministic or switch == "0" or not bulk_reduce_add() or not builds_one_pass():
+    if plan.deterministic or switch == "0" or not bulk_reduce_add():
         return False
     q = plan.query
     if switch != "1" and (q.shape[-1] not in ONE_PASS_HEAD_DIMS
                           or min(q.shape[2], plan.key.shape[2]) < ONE_PASS_MIN_LENGTH):
         return False
-    return serves_plan(plan)
+    return serves_plan(plan) and builds_one_pass()  # (the version last: it runs ptxas once a process)
 
 
 def serves_plan(plan) -> bool:
