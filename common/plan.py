@@ -793,7 +793,7 @@ def make_backward(call, backend, out, lse, grad_out, grad_lse=None) -> BackwardP
     plan.band = band(call.is_causal, call.window, call.bottom_right, Lq, Lk)
     plan.softcap = call.softcap or 0.0
     plan.row_bands = call.row_bands
-    plan.deterministic = call.deterministic or torch.are_deterministic_algorithms_enabled()
+    plan.deterministic = call.deterministic_backward
     set_alibi(plan, call, Lq, Lk)
     if not backend.kernels:
         return plan

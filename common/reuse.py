@@ -407,7 +407,7 @@ def backward_layout(backend, call, out, lse, grad_out, grad_lse):
         return None
     q, k, v = call.query, call.key, call.value
     return (backend.name, backend.interpreted(), planning.reuse_key(), call.is_causal, call.scale, call.window,
-            call.bottom_right, call.softcap, call.deterministic or torch.are_deterministic_algorithms_enabled(),
+            call.bottom_right, call.softcap, call.deterministic_backward,
             *[(t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v, out, lse, grad_out)],
             planning.width_class(q, k, v, out, grad_out),
             None if grad_lse is None else (grad_lse.shape, grad_lse.stride(), grad_lse.dtype, grad_lse.device))

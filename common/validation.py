@@ -66,6 +66,12 @@ class Call:
     def output_dtype(self) -> torch.dtype:
         return output_dtype(self.query.dtype, self.out_dtype)
 
+    @property
+    def deterministic_backward(self) -> bool:
+        """Whether the backward must be bitwise reproducible: the call asked it, or torch's global switch
+        (read when the backward is planned, as torch's own kernels read it)."""
+        return self.deterministic or torch.are_deterministic_algorithms_enabled()
+
 
 def output_dtype(query_dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.dtype:
     """A forward's output dtype: ``out_dtype`` where given, bfloat16 for an FP8 query, else the query's."""

@@ -640,9 +640,8 @@ def _ws_dq_writer(dq_desc, dq_smem, dq_ready, dq_empty, off_z, off_h_kv, GROUP, 
 
 @gluon.jit
 def _ws_consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, q_ready, q_empty, dq_ready,
-                 dq_empty,
-                 dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq, causal_shift,
-                 off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M: gl.constexpr,
+                 dq_empty, dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq,
+                 causal_shift, off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  DQ_T: gl.constexpr, WARPS: gl.constexpr, STATS_SMEM: gl.constexpr):
     """The warp-specialised one pass's consumer warps (``_gluon_bwd_fused``'s loop with DQ_FIRST, less its
@@ -737,10 +736,9 @@ def _gluon_bwd_ws(
     fence_async_shared()
     gl.warp_specialize([
         (_ws_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar, q_ready, q_empty,
-                        dq_ready, dq_empty,
-                        dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV, GROUP, Lq,
-                        causal_shift, off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M, BLOCK_N,
-                        HEAD_DIM, STAGES, IS_CAUSAL, DQ_T, num_warps, STATS_SMEM)),
+                        dq_ready, dq_empty, dk_desc, dv_desc, LSE, DELTA, stride_lz, stride_lh, stride_lm, scale, H_KV,
+                        GROUP, Lq, causal_shift, off_z, off_h_kv, key_start, lo, full_lo, row_blocks, n_tiles, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, DQ_T, num_warps, STATS_SMEM)),
         (_ws_loader, (q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, off_z, off_h_kv, GROUP, lo, row_blocks,
                       n_tiles, LSE, DELTA, stride_lz, stride_lh, stride_lm, H_KV, Lq, stats_smem, BLOCK_M, STAGES,
                       STATS_SMEM)),
