@@ -1001,14 +1001,12 @@ CONSUMER_REGS = {2: 240, 3: 160}
 def pingpong_tile(head_dim: int, dtype=torch.bfloat16) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps) of the ping-pong variant: the program's rows and its
     consumers' warps, two warp groups (three with 12 warps run, and FlashAttention-3's D 64 tile of three
-    measured no faster on the H200). At D 128 keys of 128 a tile with three stages where triton 3.6
-    compiles it (measured fastest, benchmarks/NOTES.md); later Triton spills each consumer's S and O
-    there, so keys of 64 until measured. FP8 tiles (half the bytes): keys of 128 at D 64 and 128, the
+    measured no faster on the H200). At D 128 keys of 128 with three stages, measured fastest under triton
+    3.6 and 3.9 (benchmarks/NOTES.md). FP8 tiles (half the bytes): keys of 128 at D 64 and 128, the
     fastest of those ``tools/probe.py gluon_tiles_fp8`` times, or close to it, at three of its four shapes
     (benchmarks/NOTES.md; the config table says which FP8 keys run here)."""
     if dtype == torch.float8_e4m3fn:
         return {64: (128, 128, 3, 8), 128: (128, 128, 3, 8)}[head_dim]
-    wide = 128 if compat.triton_version() <= (3, 6) else 64
-    return {64: (128, 128, 3, 8), 128: (128, wide, 3, 8), 256: (128, 64, 2, 8)}[head_dim]
+    return {64: (128, 128, 3, 8), 128: (128, 128, 3, 8), 256: (128, 64, 2, 8)}[head_dim]
 
 

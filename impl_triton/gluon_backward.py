@@ -876,7 +876,7 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     where ``specialized``; a probe's comparison, a test's);
     ``specialized``: FlashAttention-3's warp roles, a loader warp and a dQ warp beside the consumers (``_gluon_bwd_ws``:
     dQ by the bulk reduce-add, dK after dQ; what ``backward_plan`` runs); ``stats_smem`` (with ``specialized``): each
-    row tile's m2 and delta read from shared memory where used (its STATS_SMEM; untimed, a probe's and a test's),
+    row tile's m2 and delta read from shared memory where used (its STATS_SMEM; what ``backward_plan`` runs),
     else held in registers through the tile. Not bitwise reproducible (dQ's additions)."""
     if (dq_tma or specialized) and not bulk_reduce_add():
         raise ValueError(f"dq_tma=True and specialized=True need Gluon's hopper.tma.async_atomic_add (triton 3.9 or "
@@ -906,11 +906,11 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     return one_pass_dq(dq_sum, scale, q.dtype, dq), dk, dv
 
 
-# The warp-specialised one pass runs the Triton backend's backward (impl_triton.attention.backward) for the head
-# dims and lengths where it timed faster than the tl backward (benchmarks/NOTES.md): D 128 from 4096 rows and keys.
-# At D 64 it ran at par, so D 64 keeps the tl kernels; shorter lengths are untimed. ATTENTION_GLUON=1 takes it for
-# every backward it serves, 0 for none.
-ONE_PASS_HEAD_DIMS = (128,)
+# The warp-specialised one pass, each row tile's stats read from shared memory, runs the Triton backend's backward
+# (impl_triton.attention.backward) for the head dims and lengths where it timed faster than the tl backward
+# (benchmarks/NOTES.md): D 64 and 128 from 4096 rows and keys; shorter lengths are untimed. ATTENTION_GLUON=1
+# takes it for every backward it serves, 0 for none.
+ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_MIN_LENGTH = 4096
 
 
@@ -957,9 +957,10 @@ def serves_plan(plan) -> bool:
 
 
 def backward_plan(plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A ``common.plan.BackwardPlan``'s gradients by the warp-specialised one pass, into its buffers:
-    ``(plan.grad_query, plan.grad_key, plan.grad_value)``."""
+    """A ``common.plan.BackwardPlan``'s gradients by the warp-specialised one pass (each row tile's m2 and delta
+    read from shared memory, the faster of its two forms), into its buffers: ``(plan.grad_query, plan.grad_key,
+    plan.grad_value)``."""
     causal_shift = None if plan.band is None else plan.band[1]
     return backward_fused(plan.query, plan.key, plan.value, plan.out, plan.grad_out, plan.lse, plan.scale,
                           causal_shift, grad_lse=plan.grad_lse, dq=plan.grad_query, dk=plan.grad_key,
-                          dv=plan.grad_value, specialized=True)
+                          dv=plan.grad_value, specialized=True, stats_smem=True)
