@@ -383,6 +383,26 @@ def test_tune_times_fp8_in_fp8_for_the_forward_only(tmp_path, monkeypatch):
     assert set(tune.FP8_CANDIDATES) <= set(tune.CANDIDATES)
 
 
+@pytest.mark.parametrize("backward", [False, True])
+def test_tune_times_the_tl_kernels_with_gluon_off(backward, monkeypatch):
+    """tune_one times every candidate of the tl kernels' table with ATTENTION_GLUON=0 (on sm_90 the Gluon forward
+    and one-pass backward would otherwise run in their place), and leaves the switch as it found it."""
+    import os
+
+    import torch
+
+    from common.tools import timing, tune
+
+    monkeypatch.setenv("ATTENTION_GLUON", "1")
+    monkeypatch.setattr(tune, "_inputs", lambda block_d, bucket, dtype: (
+        *(torch.randn(1, 1, 16, block_d, dtype=dtype) for _ in range(3)), {}))
+    switches = []
+    monkeypatch.setattr(timing, "gpu_time_ms", lambda fn: switches.append(os.environ.get("ATTENTION_GLUON")) or 1.0)
+    best, times = tune.tune_one("triton", 64, torch.float16, False, 16, backward=backward, verbose=False)
+    assert best in times and len(switches) == len(times) > 1 and set(switches) == {"0"}
+    assert os.environ["ATTENTION_GLUON"] == "1"
+
+
 def test_tune_keeps_each_key_as_it_goes(tmp_path, monkeypatch):
     """A tune cut short (the GPU call's time limit) keeps the keys it timed: the table is
     written after every key, each entry for every dtype asked, the rest as committed."""

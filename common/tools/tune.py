@@ -73,7 +73,9 @@ def _inputs(block_d, bucket, dtype, requires_grad=False):
 
 
 def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, backward=False, verbose=True):
-    """The fastest candidate for one table key, and every candidate's time."""
+    """The fastest candidate for one table key, and every candidate's time, each timed with the Gluon kernels
+    switched off (``gluon_off``): the table's entries are the tl kernels' tiles, and on sm_90 the Gluon forward
+    or one-pass backward would otherwise run in their place at the keys they serve."""
     from common import attention, attention_backward
     from common.tools.timing import gpu_time_ms
 
@@ -93,7 +95,7 @@ def tune_one(backend: str, block_d: int, dtype, is_causal: bool, bucket: int, ba
             return attention(q, k, v, is_causal=is_causal, backend=backend, **descales)
     times = {}
     for candidate in candidates:
-        with override(candidate):
+        with override(candidate), gluon_off():
             try:
                 times[candidate] = gpu_time_ms(fn)
             except Exception as error:  # noqa: BLE001 - e.g. out of shared memory for this tile shape
