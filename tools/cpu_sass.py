@@ -230,7 +230,6 @@ def _paged(args, backend, q, k, v, fp8, compiled) -> int:
 def _report(args, compiled) -> int:
     """Each compiled kernel's registers, spills, shared memory and instructions (see the module)."""
     out = pathlib.Path(args.out)
-    tools = NVIDIA_TOOLS
     for name, kernel in compiled.items():
         sass, usage = disassemble(kernel, out, name)
         regs = re.search(r"REG:(\d+)", usage)
@@ -242,7 +241,7 @@ def _report(args, compiled) -> int:
         print(f"{name}: {regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} bytes "
               f"of stack (spills), {kernel.metadata.shared} bytes of shared memory, "
               f"{kernel.metadata.num_warps} warps, {kernel.metadata.num_stages} stages, "
-              f"{resident} programs an SM (sm_90), {serialized(tools, out / f'{name}.ptx', kernel)}")
+              f"{resident} programs an SM (sm_90), {serialized(out / f'{name}.ptx', kernel)}")
         print("  " + ", ".join(f"{count} {op}" for op, count in sorted(counts.items())))
         for label, size, mix in mma_loops(sass):
             print(f"  loop {label}: {size} instructions a step ({', '.join(f'{n} {op}' for op, n in mix)})")
@@ -285,16 +284,19 @@ def mma_loops(sass: str, top: int | None = 8, both_operands: bool = False) -> li
     return [loop[1:] for loop in sorted(loops)]
 
 
-def serialized(tools: pathlib.Path, ptx: pathlib.Path, kernel) -> str:
+def serialized(ptx: pathlib.Path, kernel) -> str:
     """Whether ptxas serialises the kernel's warpgroup MMAs (a performance note such as C7515 or
     C7511: each ``wgmma`` then waits for the one before; a NineToothed split forward did, 2026-12-01,
     benchmarks/NOTES.md "Split sizes in symbols timed"), from ptxas run again on the PTX with
-    ``-v`` for the kernel's own architecture."""
-    arch = re.search(r"\.target\s+(sm_\w+)", kernel.asm["ptx"])
+    ``-v`` for the kernel's own architecture, by the ptxas Triton builds that architecture with (triton 3.9
+    builds sm_90 with its CUDA 13 ``ptxas-blackwell``; a copy of it may carry no other)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = re.search(r"\.target\s+(sm_(\d+)\w*)", kernel.asm["ptx"])
     if arch is None:
         return "MMA serialisation unknown"
-    notes = subprocess.run([str(tools / "ptxas"), f"-arch={arch.group(1)}", "-v", str(ptx), "-o", os.devnull],
-                           capture_output=True, text=True).stderr
+    notes = subprocess.run([get_ptxas(int(arch.group(2))).path, f"-arch={arch.group(1)}", "-v", str(ptx), "-o",
+                            os.devnull], capture_output=True, text=True).stderr
     # (C7515: accumulator registers defined between a wgmma's start and end; C7511: too few
     # registers for the wgmma pipeline; other codes may name other causes)
     note = re.search(r"\((C\d+)\)[^\n]*wgmma[^\n]*serialized", notes)

@@ -1777,18 +1777,26 @@ def _tl_kernel(*args, **kwargs):
         return attention(*args, **kwargs)
 
 
+def _tl_backward(*args, **kwargs):
+    """attention_backward() with the Gluon one pass switched off (ATTENTION_GLUON=0): the tl backward."""
+    from common import attention_backward
+    from common.tools.tune import gluon_off
+
+    with gluon_off():
+        return attention_backward(*args, **kwargs)
+
+
 def gluon_bwd():
     """Issue 43: the Gluon backward's two passes (also with the other dK/dV overlap) and its one-pass
     scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
     issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws" (at gluon_backward.ws_tile's tile),
     also at another, "ws other", and with each row tile's stats read from shared memory, "ws stats smem", also at
-    D 64's 128 x 128 tile) against the tl backward (attention_backward, triton) and SDPA's backward (its
+    D 64's 128 x 128 tile) against the tl backward (attention_backward, triton, the Gluon one pass switched off) and SDPA's backward (its
     default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's FLOPs (causal
     half), do_bench median, bf16; and the largest gradient difference from the tl backward's. PROBE_BWD_LENGTHS,
     PROBE_BWD_SCHEMES, PROBE_BWD_TILES=0, PROBE_BWD_WS=0: less of it, for a call short of time."""
     from triton.testing import do_bench
 
-    from common import attention_backward
     from impl_triton import gluon_backward as gb
 
     lengths = [int(n) for n in os.environ.get("PROBE_BWD_LENGTHS", "1024 4096 16384").split()]
@@ -1804,7 +1812,7 @@ def gluon_bwd():
             sdpa_out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
             runs = {
                 "gluon": lambda: gb.backward(q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None),
-                "tl": lambda: attention_backward(grad, q, k, v, out, lse, is_causal=causal, backend="triton"),
+                "tl": functools.partial(_tl_backward, grad, q, k, v, out, lse, is_causal=causal, backend="triton"),
                 "sdpa": lambda: torch.autograd.grad(sdpa_out, (qs, ks, vs), grad, retain_graph=True),
             }
             # (the dK/dV pass's other tiles: the overlap at row tiles of 64 and 32, or none; PROBE_BWD_TILES=0
