@@ -895,6 +895,7 @@ def fp8():
     replay, bf16 and fp16 queries, contiguous and in pages of 16 and 64. PROBE_FP8 (default "prefill sweep
     decode") names the parts run (an A/B of two trees: "prefill decode", the tiles left out)."""
     from common import paged_attention, quantize_fp8
+    from common.tools.tune import gluon_off
 
     parts = os.environ.get("PROBE_FP8", "prefill sweep decode").split()
 
@@ -922,9 +923,9 @@ def fp8():
                     line.append(f"{backend}: bf16 {bf16:.0f} fp8 {e4m3:.0f} ({e4m3 / bf16:.2f}x ours, "
                                 f"{e4m3 / sdpa:.2f}x sdpa) fp8 V given col-major {cols:.0f} ({cols / bf16:.2f}x)")
                     if L == 4096 and backend == "triton" and "sweep" in parts:
-                        tiles = []
+                        tiles = []  # (the tl kernel's tiles: the Gluon forward switched off)
                         for config in sweep[D]:
-                            with override(Config(*config)):
+                            with override(Config(*config)), gluon_off():
                                 try:
                                     tflops = fwd_tflops(lambda: attention(q8, k8, v8_cols, **kw), B, H, L, D, causal)
                                     tiles.append(f"{config} {tflops:.0f}")
