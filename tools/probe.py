@@ -1792,7 +1792,7 @@ def gluon_bwd():
     scheme (dQ by atomics; where triton has it, by the bulk reduce-add too; each also with dK's product
     issued after dQ's, "first"; and with a loader warp and a dQ warp, "ws" (at gluon_backward.ws_tile's tile),
     also at another, "ws other", and with each row tile's stats read from shared memory, "ws stats smem", also at
-    D 64's 128 x 128 tile) against the tl backward (attention_backward, triton, the Gluon one pass switched off) and SDPA's backward (its
+    D 64's other tiles) against the tl backward (attention_backward, triton, the Gluon one pass switched off) and SDPA's backward (its
     default, cuDNN) on the same forward's output, the backward alone: TFLOP/s at 2.5x the forward's FLOPs (causal
     half), do_bench median, bf16; and the largest gradient difference from the tl backward's. PROBE_BWD_LENGTHS,
     PROBE_BWD_SCHEMES, PROBE_BWD_TILES=0, PROBE_BWD_WS=0: less of it, for a call short of time."""
@@ -1845,10 +1845,15 @@ def gluon_bwd():
                     runs["one-pass ws stats smem"] = functools.partial(
                         gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None, specialized=True,
                         stats_smem=True)
-                    if D == 64:
-                        runs["one-pass ws stats smem 128 rows"] = functools.partial(
-                            gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None,
-                            specialized=True, tile=(128, 128, 2, 8, False), stats_smem=True)
+                    # (D 64's other tiles with the stats so, each built for sm_90 without spill or nearly:
+                    # 128 rows (48 / 256 bytes of stack, full / causal), 128 rows with dQ^T's product (32 / 144),
+                    # a third ring slot, dQ^T's product at 64 rows (none))
+                    for name, other in (("128 rows", (128, 128, 2, 8, False)), ("128 rows dqt", (128, 128, 2, 8, True)),
+                                        ("3 stages", (64, 128, 3, 8, False)), ("dqt", (64, 128, 2, 8, True))):
+                        if D == 64:
+                            runs[f"one-pass ws stats smem {name}"] = functools.partial(
+                                gb.backward_fused, q, k, v, out, grad, lse, D ** -0.5, 0 if causal else None,
+                                specialized=True, tile=other, stats_smem=True)
             # (PROBE_BWD_SCHEMES: the variants to run beside tl and sdpa, comma-separated names, for a call
             # short of time)
             schemes = os.environ.get("PROBE_BWD_SCHEMES")
