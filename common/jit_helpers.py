@@ -188,6 +188,13 @@ def _joined_columns(a, b):
 
 
 @triton.jit
+def _joined_rows(a, b):
+    """Tiles ``a`` and ``b`` of the same shape (m, n) as one (2m, n) tile: a's rows, then b's (the NineToothed
+    paged kernel's key and value tiles of several pages, one product)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * a.shape[0], a.shape[1]))
+
+
+@triton.jit
 def _half_columns(x, HIGH: triton.language.constexpr):
     """The first (or, HIGH, the second) half of the columns of ``x`` (m, 2n)."""
     low, high = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
@@ -247,5 +254,5 @@ def _to_e4m3(x, descale):
 
 
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
-               _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _half_columns,
+               _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _joined_rows, _half_columns,
                _column_piece, _p_operand, _pv_rows)

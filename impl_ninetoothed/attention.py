@@ -582,6 +582,12 @@ def bind_backward(plan):
 # Joined (the default): one row maximum and rescale a step instead of one a tile, faster at pages of 16
 # (benchmarks/NOTES.md); False keeps the per-tile form, which the paged tests run beside it.
 PAGED_JOIN = True
+# FP8 caches' joined steps of 16-key tiles with their key tiles joined into one block before one score product, and
+# their value tiles before one value product (paged_application's JOIN_TILES), instead of a product a tile: a
+# 16-key product gives each warp the whole tile, and its FP8 elements to widen. Compiled for sm_90, a step then
+# takes 0.4x the products and conversions (row-major value pages: 123 registers instead of 174, 4 programs an SM
+# instead of 2); tiles of 32 keys and 16-bit caches gain nothing there (benchmarks/NOTES.md). Off until timed.
+PAGED_FP8_JOIN_TILES = False
 # Tiles unrolled a step, at most (a step of more keys takes this many): each is a gather of its own, and
 # triton's async-copy coalescing pass after 3.6 takes time that grows much faster than their count
 # (benchmarks/NOTES.md has the timings). So triton 3.6 keeps the 8 the configs were tuned with, and later
@@ -648,7 +654,8 @@ def paged_forward(plan):
         plan.alibi if plan.alibi is not None else _absent(out, B, H, Lq),
         *(plan.descales if plan.descales is not None else (_absent(out, B, kc.shape[2]),) * 2), o, lse,
         BANDED=plan.band is not None, WITH_LSE=plan.split or plan.with_lse, DOT_PRECISION=plan.dot_precision,
-        SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, JOIN=join, SOFTCAP=int(plan.softcap_kind),
+        SPLIT=plan.split, TILES_PER_STEP=tiles_per_step, JOIN=join,
+        JOIN_TILES=PAGED_FP8_JOIN_TILES and fp8 and tile == 16 and join > 1, SOFTCAP=int(plan.softcap_kind),
         SINKS=plan.sinks is not None, ALIBI=plan.alibi is not None, LEFTPADDED=plan.leftpad is not None,
         QUERY_LENGTHS=plan.query_lengths is not None, DESCALE=plan.descales is not None,
         WIDEN=int(cache_widen(plan.descales, vc)), VALUE_COLUMNS=value_columns,

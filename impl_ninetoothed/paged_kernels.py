@@ -19,6 +19,7 @@ from common.jit_helpers import (
     _column_piece,
     _in_band,
     _joined_columns,
+    _joined_rows,
     _keep_widened,
     _key_stages,
     _narrow_query,
@@ -63,8 +64,8 @@ def _pages(cache, batch, heads, m_blocks, tile, block_d, num_splits=None, keys_l
 def paged_arrangement(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
     band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
-    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN, VALUE_COLUMNS,
-    block_m, tile, block_d, block_dv, pages_per_split=None, value_columns=False,
+    SPLIT, TILES_PER_STEP, JOIN, JOIN_TILES, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
+    VALUE_COLUMNS, block_m, tile, block_d, block_dv, pages_per_split=None, value_columns=False,
 ):
     """One program per (batch, head, block of BLOCK_M query rows), and per split of the
     pages when ``pages_per_split`` is given: the block table's row for the batch entry
@@ -110,21 +111,24 @@ def paged_arrangement(
         _pages(value_cache, batch, heads, m_blocks, tile, block_dv, num_splits, keys_last=value_columns), table,
         seqlens, starts, new_tokens,
         scale, lq_seq, num_pages, band_lo, band_hi, softcap, sinks_arranged, slopes_arranged, *descales,
-        output_arranged, lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS,
-        ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN, VALUE_COLUMNS,
+        output_arranged, lse_arranged, BANDED, WITH_LSE, DOT_PRECISION, SPLIT, TILES_PER_STEP, JOIN, JOIN_TILES,
+        SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN, VALUE_COLUMNS,
     )
 
 
 def paged_application(
     query, key_cache, value_cache, block_table, cache_seqlens, leftpad, query_lengths, scale, lq_seq, num_pages,
     band_lo, band_hi, softcap, sinks, slopes, k_descale, v_descale, output, lse, BANDED, WITH_LSE, DOT_PRECISION,
-    SPLIT, TILES_PER_STEP, JOIN, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN, VALUE_COLUMNS,
+    SPLIT, TILES_PER_STEP, JOIN, JOIN_TILES, SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE, WIDEN,
+    VALUE_COLUMNS,
 ):
     """BLOCK_M query rows against their sequence's pages (its split's), TILES_PER_STEP tiles
     an iteration, each its own products (a gather here reads one tile of one page, where ``_paged_fwd``
     of the Triton kernel gathers one BLOCK_N tile of keys from any pages), JOIN of them (1, 2, 4 or 8)
     one softmax update: their scores joined into one block, the probabilities split back into each
-    tile's columns for its value product; as ``_paged_fwd``: packed row r is query row
+    tile's columns for its value product, or (JOIN_TILES) their key tiles joined into one block before one
+    score product and their value tiles before one value product (a product of 16 keys gives each of 4 warps
+    the whole tile: joined, the warps split the keys); as ``_paged_fwd``: packed row r is query row
     r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
     sees keys at position + band_lo .. position + band_hi, and the program walks only the
     tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE and WIDEN as
@@ -195,22 +199,40 @@ def paged_application(
                     for g in triton.language.static_range(JOIN):
                         t = ntl.minimum(j0 + g, end - 1)  # past the last tile: a masked repeat of it
                         page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
-                        k = _widen(key_cache[page, t % per_page], WIDEN)
-                        qk_t = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
-                        # the JOIN tiles' scores joined in key order, as a binary counter: qk holds the
-                        # group ending at tile g, qk_2 and qk_4 the pair and quad finished before it
-                        if g % 2 == 0:
-                            qk = qk_t
-                        else:
-                            qk = _joined_columns(qk, qk_t)
-                            if g % 4 == 1:
-                                qk_2 = qk
+                        k_t = _widen(key_cache[page, t % per_page], WIDEN)
+                        if JOIN_TILES:
+                            # the JOIN key tiles joined in key order, as a binary counter: k holds the group
+                            # ending at tile g, k_2 and k_4 the pair and quad finished before it
+                            if g % 2 == 0:
+                                k = k_t
                             else:
-                                qk = _joined_columns(qk_2, qk)
-                                if g % 8 == 3:
-                                    qk_4 = qk
+                                k = _joined_rows(k, k_t)
+                                if g % 4 == 1:
+                                    k_2 = k
                                 else:
-                                    qk = _joined_columns(qk_4, qk)
+                                    k = _joined_rows(k_2, k)
+                                    if g % 8 == 3:
+                                        k_4 = k
+                                    else:
+                                        k = _joined_rows(k_4, k)
+                        else:
+                            qk_t = ntl.dot(q, ntl.trans(k_t), input_precision=DOT_PRECISION)
+                            # the JOIN tiles' scores joined in key order, as a binary counter: qk holds the
+                            # group ending at tile g, qk_2 and qk_4 the pair and quad finished before it
+                            if g % 2 == 0:
+                                qk = qk_t
+                            else:
+                                qk = _joined_columns(qk, qk_t)
+                                if g % 4 == 1:
+                                    qk_2 = qk
+                                else:
+                                    qk = _joined_columns(qk_2, qk)
+                                    if g % 8 == 3:
+                                        qk_4 = qk
+                                    else:
+                                        qk = _joined_columns(qk_4, qk)
+                    if JOIN_TILES:
+                        qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
                     # (inline: arange needs the constant)
                     offs_kn = j0 * TILE + ntl.arange(0, JOIN * key_cache.dtype.shape[0])
                     key_ok = (offs_kn < key_end) & (offs_kn >= key_start)
@@ -238,18 +260,40 @@ def paged_application(
                             t = ntl.minimum(j0 + g, end - 1)
                             page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0),
                                                num_pages - 1)
-                        offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
-                        value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
-                        v = value_cache[page, t % per_page]
+                        v_t = value_cache[page, t % per_page]
                         if VALUE_COLUMNS:
-                            v = ntl.trans(v)
-                        v = _widen(v, WIDEN)
-                        if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+                            v_t = ntl.trans(v_t)
+                        v_t = _widen(v_t, WIDEN)
+                        if JOIN_TILES:  # (joined as the key tiles; the value product after them)
+                            if g % 2 == 0:
+                                v = v_t
+                            else:
+                                v = _joined_rows(v, v_t)
+                                if g % 4 == 1:
+                                    v_2 = v
+                                else:
+                                    v = _joined_rows(v_2, v)
+                                    if g % 8 == 3:
+                                        v_4 = v
+                                    else:
+                                        v = _joined_rows(v_4, v)
+                        else:
+                            if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
+                                cols = ntl.arange(0, value_cache.dtype.shape[1])  # (inline: arange needs the constant)
+                                v_t = _keep_widened(v_t, cols < value_cache.source.shape[-1])
+                            if phase != 1:  # (a slot past the length or before a left pad: any bits, NaN too)
+                                offs_vn = (j0 + g) * TILE + ntl.arange(0, key_cache.dtype.shape[0])
+                                value_ok = (offs_vn < key_end) & (offs_vn >= key_start)
+                                v_t = ntl.where(value_ok[:, None], v_t, 0.0)
+                            acc = ntl.dot(_column_piece(p, g, JOIN).to(v_t.dtype), v_t, acc,
+                                          input_precision=DOT_PRECISION)
+                    if JOIN_TILES:
+                        if WIDEN == WIDEN_F16_ROWS:
                             cols = ntl.arange(0, value_cache.dtype.shape[1])  # (inline: arange needs the constant)
                             v = _keep_widened(v, cols < value_cache.source.shape[-1])
-                        if phase != 1:  # (a slot past the length or before a left pad: any bits, NaN too)
-                            v = ntl.where(value_ok[:, None], v, 0.0)
-                        acc = ntl.dot(_column_piece(p, g, JOIN).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+                        if phase != 1:  # (the step's slots past the length or before a left pad)
+                            v = ntl.where(key_ok[:, None], v, 0.0)
+                        acc = ntl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
                     m_i = m_ij
 
     if WITH_LSE:  # -inf for a row with no key and no sink (m_i = -inf, l_i = 0)
@@ -353,8 +397,8 @@ def premake_paged(head_dim, head_dim_v, block_m, tile, pages_per_split=None, val
         *(_like(query.shape[:1], heads_kv) for _ in range(2)),  # FP8 descales (B, H_kv) of key and value
         output,
         _like(output.shape[:-1]),  # lse ((B, H, Lq) or, split, the partials' (B, H, Lq, S))
-        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "JOIN", "SOFTCAP", "SINKS", "ALIBI",
-                 "LEFTPADDED", "QUERY_LENGTHS", "DESCALE", "WIDEN", "VALUE_COLUMNS"),
+        *_flags("BANDED", "WITH_LSE", "DOT_PRECISION", "SPLIT", "TILES_PER_STEP", "JOIN", "JOIN_TILES", "SOFTCAP",
+                 "SINKS", "ALIBI", "LEFTPADDED", "QUERY_LENGTHS", "DESCALE", "WIDEN", "VALUE_COLUMNS"),
     )
     return arrangement_, paged_application, tensors
 

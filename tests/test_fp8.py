@@ -727,23 +727,32 @@ def test_paged_fp8_cache(backend, query_dtype, splits, value_columns):
         torch.testing.assert_close(lse[b:b + 1].double(), expected_lse, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("join", [True, False], ids=["joined", "per_tile"])
+@pytest.mark.parametrize("form", ["joined", "tiles", "per_tile"])
 @pytest.mark.parametrize("value_columns", [False, True], ids=["value_rows", "value_columns"])
-def test_ninetoothed_paged_fp8_step_forms(value_columns, join, monkeypatch):
-    """test_paged_fp8_cache's bound on NineToothed's paged kernel at pages of 16 in both its forms,
-    a step's tiles joined into one softmax update (``PAGED_JOIN``) or each its own (shipped), the
-    form asked for really taken; column-major value pages by the kernel's variant for them (its value
-    tiles (Dv, tile), keys last, on PAGED_FP8_SMALL_TILE_WARPS warps), row-major ones by the other."""
+def test_ninetoothed_paged_fp8_step_forms(value_columns, form, monkeypatch):
+    """test_paged_fp8_cache's bound on NineToothed's paged kernel at pages of 16 in each of its forms,
+    a step's tiles joined into one softmax update (``PAGED_JOIN``, shipped), their key and value tiles
+    joined before one product each too (``PAGED_FP8_JOIN_TILES``) or each tile its own, the form asked for
+    really taken; column-major value pages by the kernel's variant for them (its value tiles (Dv, tile),
+    keys last, on PAGED_FP8_SMALL_TILE_WARPS warps), row-major ones by the other."""
     import impl_ninetoothed.attention as nt
     from impl_ninetoothed.paged_kernels import premake_paged
 
+    join = form != "per_tile"
+    monkeypatch.setattr(nt, "PAGED_JOIN", join)
+    monkeypatch.setattr(nt, "PAGED_FP8_JOIN_TILES", form == "tiles")
     taken, shipped = [], nt.paged_tiles
     made, shipped_make = [], nt._make
-    monkeypatch.setattr(nt, "PAGED_JOIN", join)
+    launched = []  # (each paged launch's JOIN_TILES: the form taken)
+
+    def make(premake, *args, **kw):
+        made.append((premake, args, kw["num_warps"], kw["maxnreg"]))
+        kernel = shipped_make(premake, *args, **kw)
+        if premake is not premake_paged:
+            return kernel
+        return lambda *a, **flags: launched.append(flags["JOIN_TILES"]) or kernel(*a, **flags)
     monkeypatch.setattr(nt, "paged_tiles", lambda *args: taken.append(shipped(*args)) or taken[-1])
-    monkeypatch.setattr(nt, "_make", lambda premake, *args, **kw: (made.append((premake, args, kw["num_warps"],
-                                                                                kw["maxnreg"])),
-                                                                   shipped_make(premake, *args, **kw))[1])
+    monkeypatch.setattr(nt, "_make", make)
     import dataclasses
 
     import common.paged as paged
@@ -762,6 +771,7 @@ def test_ninetoothed_paged_fp8_step_forms(value_columns, join, monkeypatch):
     expected = (nt.PAGED_FP8_SMALL_TILE_WARPS, None) if value_columns else (4, 128)
     assert {(warps, cap) for _, warps, cap in paged} == {expected}, paged
     assert all((joined == per_step) if join else joined == 1 for _, per_step, joined in taken), taken
+    assert launched and set(launched) == {form == "tiles"}, launched
 
 
 def test_paged_fp8_through_a_kept_plan(backend):

@@ -898,6 +898,30 @@ def test_kernels_the_interpreter_runs_differently_compile_for_hopper(backend, ca
     assert "registers" in report and any("MMA" in f.read_text() for f in tmp_path.glob("*.sass"))
 
 
+def test_nt_fp8_pages_of_16_joined_before_their_products_compile_to_fewer(tmp_path):
+    """NineToothed's paged kernel over FP8 pages of 16 with a step's key and value tiles joined before one product
+    each (PAGED_FP8_JOIN_TILES), compiled for sm_90: its key loop issues at most half the tensor-core products and
+    fewer FP8 conversions a step than the shipped form (products of 16-key tiles give each warp the whole tile),
+    in fewer registers."""
+    import re
+
+    found = {}
+    for form, extra in (("shipped", []), ("joined", ["--paged-join-tiles"])):
+        out = tmp_path / form
+        report = _cpu_sass("ninetoothed", "2", "8", "2", "1", "300", "64", "--paged", "16", "--fp8", "kv", *extra,
+                           out=out)
+        paged = report[report.index("nt_attention_paged"):report.index("nt_attention_append")]
+        step, mix = re.search(r"loop \.L_x_\d+: (\d+) instructions a step \((.*)\)", paged).groups()
+        found[form] = dict(registers=int(re.search(r": (\d+) registers", paged).group(1)),
+                           products=int(re.search(r"(\d+) HMMA", paged).group(1)),  # (the kernel's, all loops)
+                           step=int(step), conversions=dict((op, int(n)) for n, op in re.findall(r"(\d+) (\w+)",
+                                                                                              mix))["F2FP"])
+    shipped, joined = found["shipped"], found["joined"]
+    assert 0 < 2 * joined["products"] <= shipped["products"], found
+    assert joined["conversions"] < shipped["conversions"] and joined["step"] < shipped["step"], found
+    assert joined["registers"] < shipped["registers"], found
+
+
 def test_cpu_sass_reads_the_loops_of_tensor_core_products():
     """tools/cpu_sass.py's loop report: a label to the last branch back to it, instructions
     counted by opcode (predicates and modifiers dropped); loops without MMAs and forward branches

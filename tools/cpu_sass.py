@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     parser.add_argument("--capability", type=int, default=90, help="compute capability to compile for")
     parser.add_argument("--paged-join", action="store_true", help="with --paged, NineToothed's kernel with a step's "
                         "tiles one softmax update (impl_ninetoothed.attention.PAGED_JOIN)")
+    parser.add_argument("--paged-join-tiles", action="store_true", help="with --paged and FP8 caches, NineToothed's "
+                        "kernel with a step's 16-key tiles joined before one product each "
+                        "(impl_ninetoothed.attention.PAGED_FP8_JOIN_TILES)")
     parser.add_argument("--mask", choices=["bool", "float"], help="a (B, 1, LQ, LK) attention mask broadcast over "
                         "the heads, boolean or additive (transformers' static-cache decoding passes one)")
     parser.add_argument("--out", default="/tmp/cpu_sass", help="where the TTGIR, PTX and SASS go")
@@ -163,10 +166,11 @@ def main(argv=None) -> int:
         fp8 = (ones if args.fp8 == "all" else None, ones, ones, None)
     backend = resolve(args.backend)
     if args.paged:
-        if args.paged_join:
+        if args.paged_join or args.paged_join_tiles:
             import impl_ninetoothed.attention as nt
 
             nt.PAGED_JOIN = True
+            nt.PAGED_FP8_JOIN_TILES = args.paged_join_tiles
         return _paged(args, backend, q, k, v, fp8, compiled)
     if args.value_columns:  # (as a decode's FP8 values are best given: keys contiguous)
         v = v.transpose(2, 3).contiguous().transpose(2, 3)

@@ -18,7 +18,8 @@
 #   timings: bench, bench-full (BENCHMARKS.md's run, --write), bench-table (the committed table's bf16 forward and
 #     backward in one call), bench-fp8, bench-bwd, bench-fwd4k, bench-x2 (two GPUs); compare; demo; probe;
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
-#     paged FP8 decode's tiles swept); gluon-tiles (the Gluon forward's tiles swept); maxnreg; quirks; ring-bench,
+#     paged FP8 decode's tiles swept); fp8-join-tiles (NineToothed's FP8 pages of 16 joined a step); gluon-tiles
+#     (the Gluon forward's tiles swept); maxnreg; quirks; ring-bench,
 #     ring-bench-long (two GPUs); ncu (Nsight Compute's counters of NCU_CASES, tools/ncu_targets.py)
 #   another Triton (tools/carry_triton.sh): triton-part (a call a part; 3.9.0 is one), triton-install; then TRITON_CARRIED=1
 #   tuning: tune, tune64, tune128, tune-bwd, tune-fp8, tune-gluon, tune-fwd-nt, tune-fwd-nt-dims
@@ -183,6 +184,9 @@ for stage in "$@"; do
     fa-suite) for b in triton ninetoothed; do ATTENTION_BACKEND=$b FA_PER_TEST=${FA_PER_TEST:-100} timeout ${FA_TIMEOUT:-270} python3 tools/fa_suite/run.py .fa/test_flash_attn.py -q -n 8 -rfE --tb=short -k "not race_condition" > "$OUT/fa_suite_$b.log" 2>&1; tail -12 "$OUT/fa_suite_$b.log"; done ;;
     # issue 44's paged FP8 decode under other key steps, warps, stages and register caps (both kernels)
     fp8-paged) PROBE_BACKENDS="${PROBE_BACKENDS:-triton ninetoothed}" timeout 420 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/paged_fp8_sweep.log" ;;
+    # NineToothed's FP8 pages of 16 with a step's tiles joined before their products (PAGED_FP8_JOIN_TILES) against
+    # the shipped form, both value layouts, beside Triton's
+    fp8-join-tiles) PROBE_BACKENDS="triton ninetoothed" PROBE_PAGES=16 PROBE_SWITCHES="join-tiles join-tiles-4-warps" timeout 300 python3 tools/probe.py paged_fp8_sweep 2>&1 | tee "$OUT/fp8_join_tiles.log" ;;
     # issue 45's serving figures from one call: every page size, static-cache decoding under CUDA graphs, then
     # continuous batching's tokens a second
     serving-one) timeout 230 python3 tools/probe.py paged 2>&1 | tee "$OUT/paged.log"

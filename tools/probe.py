@@ -423,7 +423,11 @@ PAGED_VARIANTS = [("triton", None), ("ninetoothed", None), ("ninetoothed", "per-
 NT_PAGED_SWITCHES = {"per-tile": {"PAGED_JOIN": False},
                      **{f"tiles{n}": {"PAGED_TILES_PER_STEP": n, "PAGED_FP8_TILES_PER_STEP": n} for n in (8, 4, 2)},
                      **{f"small-warps{n}": {"PAGED_FP8_SMALL_TILE_WARPS": n} for n in (2, 4)},
-                     "plan-warps": {"PAGED_FP8_SMALL_TILE_WARPS": None}}
+                     "plan-warps": {"PAGED_FP8_SMALL_TILE_WARPS": None},
+                     # (FP8 caches' 16-key tiles joined before one product each, PAGED_FP8_JOIN_TILES; with
+                     # column-major value pages on 4 warps too)
+                     "join-tiles": {"PAGED_FP8_JOIN_TILES": True},
+                     "join-tiles-4-warps": {"PAGED_FP8_JOIN_TILES": True, "PAGED_FP8_SMALL_TILE_WARPS": 4}}
 
 
 @contextlib.contextmanager
