@@ -188,10 +188,30 @@ def _joined_columns(a, b):
 
 
 @triton.jit
-def _joined_rows(a, b):
-    """Tiles ``a`` and ``b`` of the same shape (m, n) as one (2m, n) tile: a's rows, then b's (the NineToothed
-    paged kernel's key and value tiles of several pages, one product)."""
+def _joined_rows(a, b, INTERLEAVED: triton.language.constexpr):
+    """Tiles ``a`` and ``b`` of the same shape (m, n) as one (2m, n) tile (the NineToothed paged kernel's key and
+    value tiles of several pages, one product): a's rows, then b's; or, INTERLEAVED, row 2i a's row i and row
+    2i + 1 b's. Interleaved, each thread's neighbouring registers of row-major tiles stay neighbours in the block
+    stored for the product, and the stores vectorise (one after the other, they went 2 bytes a store; value
+    tiles transposed from column-major pages go the other way). ``_joined_keys`` says which key each row is."""
+    if INTERLEAVED:
+        return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (2 * a.shape[0], a.shape[1]))
     return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * a.shape[0], a.shape[1]))
+
+
+@triton.jit
+def _joined_keys(rows, TILE, JOIN: triton.language.constexpr, INTERLEAVED: triton.language.constexpr):
+    """The key (within a step of JOIN tiles of TILE keys) of each row in ``rows`` of the block that
+    ``_joined_rows`` makes of the tiles as a binary counter (pairs, then pairs of pairs): row r itself, or,
+    INTERLEAVED, row r // JOIN of tile g, g the bits of r % JOIN reversed (JOIN 1, 2, 4 or 8)."""
+    if not INTERLEAVED:
+        return rows
+    g = rows % JOIN
+    if JOIN == 4:
+        g = (g % 2) * 2 + g // 2
+    if JOIN == 8:
+        g = (g % 2) * 4 + (g // 2 % 2) * 2 + g // 4
+    return g * TILE + rows // JOIN
 
 
 @triton.jit
@@ -254,5 +274,5 @@ def _to_e4m3(x, descale):
 
 
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
-               _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _joined_rows, _half_columns,
-               _column_piece, _p_operand, _pv_rows)
+               _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _joined_rows, _joined_keys,
+               _half_columns, _column_piece, _p_operand, _pv_rows)

@@ -19,6 +19,7 @@ from common.jit_helpers import (
     _column_piece,
     _in_band,
     _joined_columns,
+    _joined_keys,
     _joined_rows,
     _keep_widened,
     _key_stages,
@@ -127,11 +128,12 @@ def paged_application(
     of the Triton kernel gathers one BLOCK_N tile of keys from any pages), JOIN of them (1, 2, 4 or 8)
     one softmax update: their scores joined into one block, the probabilities split back into each
     tile's columns for its value product, or (JOIN_TILES) their key tiles joined into one block before one
-    score product and their value tiles before one value product (a product of 16 keys gives each of 4 warps
-    the whole tile: joined, the warps split the keys); as ``_paged_fwd``: packed row r is query row
-    r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq (bottom-right); BANDED, it
-    sees keys at position + band_lo .. position + band_hi, and the program walks only the
-    tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE and WIDEN as
+    score product and their value tiles before one value product, rows interleaved for row-major value pages
+    (``_joined_rows``; a product of 16 keys gives each of 4 warps the whole tile: joined, the warps split the
+    keys); as
+    ``_paged_fwd``: packed row r is query row r % lq_seq of its head, at position Lk - lq_seq + r % lq_seq
+    (bottom-right); BANDED, it sees keys at position + band_lo .. position + band_hi, and the program walks
+    only the tiles its rows' bands reach; SOFTCAP, SINKS, ALIBI, LEFTPADDED, QUERY_LENGTHS, DESCALE and WIDEN as
     there; a page entry outside the cache is clamped into it, a length past the table to the table.
     Tile t of the sequence is tile t % per_page of its page t // per_page. VALUE_COLUMNS: the value
     tiles come as (Dv, tile), their keys contiguous, and are transposed after the load: a (tile, Dv)
@@ -206,15 +208,15 @@ def paged_application(
                             if g % 2 == 0:
                                 k = k_t
                             else:
-                                k = _joined_rows(k, k_t)
+                                k = _joined_rows(k, k_t, not VALUE_COLUMNS)
                                 if g % 4 == 1:
                                     k_2 = k
                                 else:
-                                    k = _joined_rows(k_2, k)
+                                    k = _joined_rows(k_2, k, not VALUE_COLUMNS)
                                     if g % 8 == 3:
                                         k_4 = k
                                     else:
-                                        k = _joined_rows(k_4, k)
+                                        k = _joined_rows(k_4, k, not VALUE_COLUMNS)
                         else:
                             qk_t = ntl.dot(q, ntl.trans(k_t), input_precision=DOT_PRECISION)
                             # the JOIN tiles' scores joined in key order, as a binary counter: qk holds the
@@ -235,6 +237,9 @@ def paged_application(
                         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
                     # (inline: arange needs the constant)
                     offs_kn = j0 * TILE + ntl.arange(0, JOIN * key_cache.dtype.shape[0])
+                    if JOIN_TILES:  # (row-major value pages: the joined blocks' rows interleave their tiles' keys)
+                        offs_kn = j0 * TILE + _joined_keys(ntl.arange(0, JOIN * key_cache.dtype.shape[0]), TILE, JOIN,
+                                                           not VALUE_COLUMNS)
                     key_ok = (offs_kn < key_end) & (offs_kn >= key_start)
                     if SOFTCAP:  # softcap * tanh(s / softcap), in base 2
                         qk = _tanh(qk * cap_in, SOFTCAP == TANH_APPROX) * cap_out
@@ -268,15 +273,15 @@ def paged_application(
                             if g % 2 == 0:
                                 v = v_t
                             else:
-                                v = _joined_rows(v, v_t)
+                                v = _joined_rows(v, v_t, not VALUE_COLUMNS)
                                 if g % 4 == 1:
                                     v_2 = v
                                 else:
-                                    v = _joined_rows(v_2, v)
+                                    v = _joined_rows(v_2, v, not VALUE_COLUMNS)
                                     if g % 8 == 3:
                                         v_4 = v
                                     else:
-                                        v = _joined_rows(v_4, v)
+                                        v = _joined_rows(v_4, v, not VALUE_COLUMNS)
                         else:
                             if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
                                 cols = ntl.arange(0, value_cache.dtype.shape[1])  # (inline: arange needs the constant)
