@@ -200,6 +200,38 @@ def _joined_rows(a, b, INTERLEAVED: triton.language.constexpr):
 
 
 @triton.jit
+def _counted_join(x, x_2, x_4, t, g: triton.language.constexpr, ROWS: triton.language.constexpr,
+                  INTERLEAVED: triton.language.constexpr):
+    """(x, x_2, x_4) after tile ``t``, the g-th of a step's tiles joined in order as a binary counter (the
+    NineToothed paged kernel's scores, or key and value tiles): x the group ending at tile g, x_2 and x_4 the pair
+    and quad finished before it (at g = 0 any tensors: not read until set). Joined by rows (``_joined_rows``,
+    INTERLEAVED or not) or, not ROWS, by columns (``_joined_columns``)."""
+    if g % 2 == 0:
+        x = t
+    else:
+        x = _joined_two(x, t, ROWS, INTERLEAVED)
+        if g % 4 == 1:
+            x_2 = x
+        else:
+            x = _joined_two(x_2, x, ROWS, INTERLEAVED)
+            if g % 8 == 3:
+                x_4 = x
+            else:
+                x = _joined_two(x_4, x, ROWS, INTERLEAVED)
+    return x, x_2, x_4
+
+
+@triton.jit
+def _joined_two(a, b, ROWS: triton.language.constexpr, INTERLEAVED: triton.language.constexpr):
+    """``_joined_rows(a, b, INTERLEAVED)``, or, not ROWS, ``_joined_columns(a, b)``."""
+    if ROWS:
+        joined = _joined_rows(a, b, INTERLEAVED)
+    else:
+        joined = _joined_columns(a, b)
+    return joined
+
+
+@triton.jit
 def _joined_keys(rows, TILE, JOIN: triton.language.constexpr, INTERLEAVED: triton.language.constexpr):
     """The key (within a step of JOIN tiles of TILE keys) of each row in ``rows`` of the block that
     ``_joined_rows`` makes of the tiles as a binary counter (pairs, then pairs of pairs): row r itself, or,
@@ -275,4 +307,4 @@ def _to_e4m3(x, descale):
 
 JIT_HELPERS = (_dropout_keep, _tanh, _cap_factors, _scores, _alibi_bias, _in_band, _key_stages, _widen,
                _keep_widened, _narrow_query, _sign_unknown, _to_e4m3, _joined_columns, _joined_rows, _joined_keys,
-               _half_columns, _column_piece, _p_operand, _pv_rows)
+               _counted_join, _joined_two, _half_columns, _column_piece, _p_operand, _pv_rows)

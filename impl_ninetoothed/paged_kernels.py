@@ -17,10 +17,9 @@ from common.jit_helpers import (
     _alibi_bias,
     _cap_factors,
     _column_piece,
+    _counted_join,
     _in_band,
-    _joined_columns,
     _joined_keys,
-    _joined_rows,
     _keep_widened,
     _key_stages,
     _narrow_query,
@@ -202,37 +201,20 @@ def paged_application(
                         t = ntl.minimum(j0 + g, end - 1)  # past the last tile: a masked repeat of it
                         page = ntl.minimum(ntl.maximum(ntl.sum(block_table[(t - lo) // per_page], 0), 0), num_pages - 1)
                         k_t = _widen(key_cache[page, t % per_page], WIDEN)
+                        # the JOIN tiles (JOIN_TILES: the key tiles, else their scores) joined in key order
                         if JOIN_TILES:
-                            # the JOIN key tiles joined in key order, as a binary counter: k holds the group
-                            # ending at tile g, k_2 and k_4 the pair and quad finished before it
-                            if g % 2 == 0:
+                            if g == 0:  # (stand-ins until the counter sets them)
                                 k = k_t
-                            else:
-                                k = _joined_rows(k, k_t, not VALUE_COLUMNS)
-                                if g % 4 == 1:
-                                    k_2 = k
-                                else:
-                                    k = _joined_rows(k_2, k, not VALUE_COLUMNS)
-                                    if g % 8 == 3:
-                                        k_4 = k
-                                    else:
-                                        k = _joined_rows(k_4, k, not VALUE_COLUMNS)
+                                k_2 = k_t
+                                k_4 = k_t
+                            k, k_2, k_4 = _counted_join(k, k_2, k_4, k_t, g, True, not VALUE_COLUMNS)
                         else:
                             qk_t = ntl.dot(q, ntl.trans(k_t), input_precision=DOT_PRECISION)
-                            # the JOIN tiles' scores joined in key order, as a binary counter: qk holds the
-                            # group ending at tile g, qk_2 and qk_4 the pair and quad finished before it
-                            if g % 2 == 0:
+                            if g == 0:
                                 qk = qk_t
-                            else:
-                                qk = _joined_columns(qk, qk_t)
-                                if g % 4 == 1:
-                                    qk_2 = qk
-                                else:
-                                    qk = _joined_columns(qk_2, qk)
-                                    if g % 8 == 3:
-                                        qk_4 = qk
-                                    else:
-                                        qk = _joined_columns(qk_4, qk)
+                                qk_2 = qk_t
+                                qk_4 = qk_t
+                            qk, qk_2, qk_4 = _counted_join(qk, qk_2, qk_4, qk_t, g, False, False)
                     if JOIN_TILES:
                         qk = ntl.dot(q, ntl.trans(k), input_precision=DOT_PRECISION)
                     # (inline: arange needs the constant)
@@ -270,18 +252,11 @@ def paged_application(
                             v_t = ntl.trans(v_t)
                         v_t = _widen(v_t, WIDEN)
                         if JOIN_TILES:  # (joined as the key tiles; the value product after them)
-                            if g % 2 == 0:
+                            if g == 0:
                                 v = v_t
-                            else:
-                                v = _joined_rows(v, v_t, not VALUE_COLUMNS)
-                                if g % 4 == 1:
-                                    v_2 = v
-                                else:
-                                    v = _joined_rows(v_2, v, not VALUE_COLUMNS)
-                                    if g % 8 == 3:
-                                        v_4 = v
-                                    else:
-                                        v = _joined_rows(v_4, v, not VALUE_COLUMNS)
+                                v_2 = v_t
+                                v_4 = v_t
+                            v, v_2, v_4 = _counted_join(v, v_2, v_4, v_t, g, True, not VALUE_COLUMNS)
                         else:
                             if WIDEN == WIDEN_F16_ROWS:  # (widened before the product's transpose)
                                 cols = ntl.arange(0, value_cache.dtype.shape[1])  # (inline: arange needs the constant)
