@@ -32,10 +32,9 @@ D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-r
 The Triton backend's backward takes the warp-specialised one pass, each row tile's stats read from shared memory,
 where ``one_pass`` says (``backward_plan``): triton >= 3.9 (the bulk reduce-add) with a CUDA 13 ptxas, sm_90,
 D 64 and 128 from 4096 rows and keys, no call or setting asking for a deterministic backward: where it timed
-faster than the tl backward (benchmarks/NOTES.md). Everything else, and
-every deterministic backward, stays on the tl kernels: the two passes here and the one pass with dQ by
-atomics timed slower than them; ``backward`` and ``backward_fused`` are called by the GPU tests and
-``tools/probe.py gluon_bwd``.
+faster than the tl backward (benchmarks/NOTES.md). Everything else, and every deterministic backward, stays on
+the tl kernels: the two passes here and the one pass with dQ by atomics timed slower than them; ``backward``
+and ``backward_fused`` are called by the GPU tests and ``tools/probe.py gluon_bwd``.
 """
 
 from __future__ import annotations
