@@ -393,9 +393,11 @@ def test_tune_times_the_tl_kernels_with_gluon_off(backward, monkeypatch):
 
     from common.tools import timing, tune
 
+    from .conftest import DEVICE
+
     monkeypatch.setenv("ATTENTION_GLUON", "1")
     monkeypatch.setattr(tune, "_inputs", lambda block_d, bucket, dtype: (
-        *(torch.randn(1, 1, 16, block_d, dtype=dtype) for _ in range(3)), {}))
+        *(torch.randn(1, 1, 16, block_d, dtype=dtype, device=DEVICE) for _ in range(3)), {}))
     switches = []
     monkeypatch.setattr(timing, "gpu_time_ms", lambda fn: switches.append(os.environ.get("ATTENTION_GLUON")) or 1.0)
     best, times = tune.tune_one("triton", 64, torch.float16, False, 16, backward=backward, verbose=False)
