@@ -31,7 +31,7 @@ D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-r
 
 The Triton backend's backward takes the warp-specialised one pass, each row tile's stats read from shared memory,
 where ``one_pass`` says (``backward_plan``): triton >= 3.9 (the bulk reduce-add) with a CUDA 13 ptxas, sm_90,
-D 64 and 128 from 4096 rows and keys, no call or setting asking for a deterministic backward: where it timed
+D 64 and 128 from 1024 rows and keys, no call or setting asking for a deterministic backward: where it timed
 faster than the tl backward (benchmarks/NOTES.md). Everything else, and every deterministic backward, stays on
 the tl kernels: the two passes here and the one pass with dQ by atomics timed slower than them; ``backward``
 and ``backward_fused`` are called by the GPU tests and ``tools/probe.py gluon_bwd``.
@@ -816,9 +816,10 @@ def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
 
 
 def ws_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the warp-specialised one pass: ``fused_tile``'s at D 64;
-    at D 128 FlashAttention-3's 64 rows by 128 keys with dQ^T's product, which its consumers' 240 registers hold
-    (the plain one pass spills there): of the tiles timed, the fastest (benchmarks/NOTES.md)."""
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the warp-specialised one pass: ``fused_tile``'s at D 64 (of
+    the tiles timed with the stats in shared memory, FlashAttention-3's 128 rows won at 1k and 4k keys and lost at
+    16k, and spills causal); at D 128 FlashAttention-3's 64 rows by 128 keys with dQ^T's product, which its
+    consumers' 240 registers hold (the plain one pass spills there): the fastest timed (benchmarks/NOTES.md)."""
     return fused_tile(head_dim) if head_dim == 64 else (64, 128, 2, 8, True)
 
 
@@ -908,10 +909,10 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
 
 # The warp-specialised one pass, each row tile's stats read from shared memory, runs the Triton backend's backward
 # (impl_triton.attention.backward) for the head dims and lengths where it timed faster than the tl backward
-# (benchmarks/NOTES.md): D 64 and 128 from 4096 rows and keys; shorter lengths are untimed. ATTENTION_GLUON=1
+# (benchmarks/NOTES.md): D 64 and 128 from 1024 rows and keys; shorter lengths are untimed. ATTENTION_GLUON=1
 # takes it for every backward it serves, 0 for none.
 ONE_PASS_HEAD_DIMS = (64, 128)
-ONE_PASS_MIN_LENGTH = 4096
+ONE_PASS_MIN_LENGTH = 1024
 
 
 @functools.cache

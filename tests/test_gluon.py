@@ -574,9 +574,9 @@ def test_dispatched_one_pass_compiles_for_sm90_as_measured(causal, tmp_path):
     """The one pass the triton backend runs (warp-specialised, D 64 and 128 at ``ws_tile``, its row tiles' stats
     read from shared memory: STATS_SMEM) builds for sm_90 with the installed Triton where it has the bulk
     reduce-add: dQ added by the copy engine (no per-element atomics), its waits without a barrier after them, and
-    no more stack than the build timed on the GPU (none at D 64; at D 128 64 bytes, 136 causal: a few
-    loop-invariant scalars, none of the accumulators); so does its variant with the stats held in registers,
-    and the dispatched form takes no more stack than it."""
+    no more stack than the build timed on the GPU (none at D 64, 8 bytes at D 128: a few loop-invariant scalars,
+    none of the accumulators); so does its variant with the stats held in registers, and the dispatched form
+    takes no more stack than it."""
     from impl_triton import gluon_backward as gb
 
     if not gb.bulk_reduce_add():
@@ -587,7 +587,7 @@ def test_dispatched_one_pass_compiles_for_sm90_as_measured(causal, tmp_path):
                "--out", str(tmp_path), *(["--causal"] if causal else [])]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    for D, allowed in ((64, 0), (128, 136 if causal else 64)):
+    for D, allowed in ((64, 0), (128, 8)):
         stacks = {}
         for name in ("fused_ws", "fused_ws_stats"):  # (_stats: its row tiles' stats read from shared memory)
             line = re.search(rf"pass={name} D={D} .*", result.stdout).group(0)
@@ -597,12 +597,12 @@ def test_dispatched_one_pass_compiles_for_sm90_as_measured(causal, tmp_path):
             assert "REDG" not in (tmp_path / f"gluon_bwd_{name}_d{D}.sass").read_text().replace("UTMAREDG", "")
             assert not WAIT_THEN_BARRIER.search((tmp_path / f"gluon_bwd_{name}_d{D}.ptx").read_text())
         # (this build, four query heads a K/V head: reading the stats from shared memory takes no more stack)
-        assert stacks["fused_ws"] <= allowed and stacks["fused_ws_stats"] <= stacks["fused_ws"], (D, stacks)
+        assert stacks["fused_ws_stats"] <= min(allowed, stacks["fused_ws"]), (D, stacks)
 
 
 def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     """gluon_backward.one_pass (the tensors' sm_90 and TMA checks stood in, so any machine runs it): with the
-    bulk reduce-add and nothing asking for a deterministic backward, D 64 and 128 from 4096 rows and keys, causal
+    bulk reduce-add and nothing asking for a deterministic backward, D 64 and 128 from 1024 rows and keys, causal
     or not, takes the warp-specialised one pass; D 256, shorter rows or keys, ATTENTION_GLUON=0, deterministic=True
     or torch.use_deterministic_algorithms keep the tl backward; ATTENTION_GLUON=1 takes every plan it serves,
     never a mask, a window with a left edge or a head dim it has no kernel for (256); without the bulk
@@ -634,10 +634,11 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     assert gb.one_pass(plan()) and gb.one_pass(plan(is_causal=False)) and gb.one_pass(plan(L=8192, Lk=4096))
     assert gb.one_pass(plan(D=64))
     assert triton_attention.bind_backward(plan()) is None
-    kept_tl = (plan(deterministic=True), plan(D=256), plan(L=2048), plan(Lk=2048),
+    assert gb.one_pass(plan(L=1024)) and gb.one_pass(plan(L=1024, D=64, is_causal=False))
+    kept_tl = (plan(deterministic=True), plan(D=256), plan(L=512), plan(Lk=512),
                plan(attn_mask=mask, is_causal=False), plan(window=(256, 0)))
     assert not any(gb.one_pass(p) for p in kept_tl)
-    assert triton_attention.bind_backward(plan(L=2048)) is not None
+    assert triton_attention.bind_backward(plan(L=512)) is not None
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
