@@ -23,8 +23,8 @@ semantics:
 - ``softmax_scale=None`` is ``1 / sqrt(head_dim)``; ``dropout_p`` applies whenever it is > 0.
 - ``deterministic``: in the dense functions, as FlashAttention's: True keeps the backward
   bit for bit the same from run to run. False (the default) lets the "triton" backend
-  take its one-pass backward where it runs (sm_90, triton >= 3.9, head dim 128 from 4096
-  keys; README), whose dQ sums land in any order; ``torch.use_deterministic_algorithms(True)``
+  take its one-pass backward where it runs (sm_90, triton >= 3.9, head dims 64 and 128 from
+  1024 keys; README), whose dQ sums land in any order; ``torch.use_deterministic_algorithms(True)``
   asks for the deterministic one everywhere. The "torch" backend refuses True (SDPA's own
   backward: use torch's switch). In the varlen and KV-cache functions it has nothing to
   choose (their backward is always deterministic, or there is none).
