@@ -686,13 +686,14 @@ def test_one_pass_needs_a_cuda13_ptxas(version, builds, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
+@pytest.mark.parametrize("L", [1024, 4096])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, monkeypatch):
-    """attention's backward on the Triton backend at a benchmark's head dims and length (D 64 and 128, 4096,
-    grouped heads, bf16) runs the warp-specialised one pass, its gradients within twice the tl backward's error of
-    float32 autograd through SDPA (plus a hair); with deterministic=True the tl backward runs instead, bit for
-    bit the same twice."""
+def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monkeypatch):
+    """attention's backward on the Triton backend at the benchmark's head dims and lengths (D 64 and 128, 1024 and
+    4096, grouped heads, bf16) runs the warp-specialised one pass, its gradients within twice the tl backward's
+    error of float32 autograd through SDPA (plus a hair); with deterministic=True the tl backward runs instead, bit
+    for bit the same twice."""
     from common import attention
     from common.reuse import BACKWARDS
     from impl_triton import gluon_backward as gb
@@ -704,9 +705,9 @@ def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, monkeypa
     monkeypatch.delenv("ATTENTION_GLUON", raising=False)
     taken, run = [], gb.backward_plan
     monkeypatch.setattr(gb, "backward_plan", lambda plan: taken.append(plan.query.shape) or run(plan))
-    q = torch.randn(1, 4, 4096, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, 2, 4096, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    grad_out = torch.randn(1, 4, 4096, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 4, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(1, 4, L, D, device="cuda", dtype=torch.bfloat16)
     BACKWARDS.clear()
 
     def grads(**kw):
