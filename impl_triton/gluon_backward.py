@@ -31,10 +31,11 @@ D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-r
 
 The Triton backend's backward takes the warp-specialised one pass, each row tile's stats read from shared memory,
 where ``one_pass`` says (``backward_plan``): triton >= 3.9 (the bulk reduce-add) with a CUDA 13 ptxas, sm_90,
-D 64 and 128 from 1024 rows and keys, no call or setting asking for a deterministic backward: where it timed
-faster than the tl backward (benchmarks/NOTES.md). Everything else, and every deterministic backward, stays on
-the tl kernels: the two passes here and the one pass with dQ by atomics timed slower than them; ``backward``
-and ``backward_fused`` are called by the GPU tests and ``tools/probe.py gluon_bwd``.
+D 64 and 128 from 1024 rows and keys and the Gluon forward's size guard, no call or setting asking for a
+deterministic backward: where it timed faster than the tl backward (benchmarks/NOTES.md). Everything else, and
+every deterministic backward, stays on the tl kernels: the two passes here and the one pass with dQ by atomics
+timed slower than them; ``backward`` and ``backward_fused`` are called by the GPU tests and ``tools/probe.py
+gluon_bwd``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from impl_triton.gluon_attention import (
     _tma_store,
     _whole_tiles,
     gluon_switch,
+    large_enough,
 )
 from impl_triton.gluon_attention import descriptor as _descriptor
 from impl_triton.kernels import _one_pass_epilogue, _one_pass_prologue
@@ -910,8 +912,11 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
 
 # The warp-specialised one pass, each row tile's stats read from shared memory, runs the Triton backend's backward
 # (impl_triton.attention.backward) for the head dims and lengths where it timed faster than the tl backward
-# (benchmarks/NOTES.md): D 64 and 128 from 1024 rows and keys; shorter lengths are untimed. ATTENTION_GLUON=1
-# takes it for every backward it serves, 0 for none.
+# (benchmarks/NOTES.md): D 64 and 128 from 1024 rows and keys; shorter lengths are untimed. Its launches are not
+# bound (three a call, seven descriptors, Triton's JIT dispatch of the Gluon kernel), so a call smaller than the
+# Gluon forward's guard (gluon_attention.large_enough, measured for that forward's bound launch) keeps the tl
+# backward's bound launches, which cost a user's loop less. ATTENTION_GLUON=1 takes it for every backward it
+# serves, 0 for none.
 ONE_PASS_HEAD_DIMS = (64, 128)
 ONE_PASS_MIN_LENGTH = 1024
 
@@ -933,14 +938,15 @@ def one_pass(plan) -> bool:
     """Whether the warp-specialised one pass (``backward_plan``) runs a ``common.plan.BackwardPlan``: no
     deterministic backward asked (its dQ sums land in any order), ``ATTENTION_GLUON`` not 0, Gluon's bulk
     reduce-add in the installed Triton and a ptxas that builds it (``builds_one_pass``), D in
-    ONE_PASS_HEAD_DIMS and Lq, Lk >= ONE_PASS_MIN_LENGTH (unless ``ATTENTION_GLUON=1``), and a plan it serves
-    (``serves_plan``)."""
+    ONE_PASS_HEAD_DIMS, Lq, Lk >= ONE_PASS_MIN_LENGTH and the forward's FLOPs at least ``large_enough``'s (unless
+    ``ATTENTION_GLUON=1``), and a plan it serves (``serves_plan``)."""
     switch = gluon_switch()
     if plan.deterministic or switch == "0" or not bulk_reduce_add():
         return False
     q = plan.query
     if switch != "1" and (q.shape[-1] not in ONE_PASS_HEAD_DIMS
-                          or min(q.shape[2], plan.key.shape[2]) < ONE_PASS_MIN_LENGTH):
+                          or min(q.shape[2], plan.key.shape[2]) < ONE_PASS_MIN_LENGTH
+                          or not large_enough(*q.shape[:3], plan.key.shape[2], q.shape[3], plan.band is not None)):
         return False
     return serves_plan(plan) and builds_one_pass()  # (the version last: it runs ptxas once a process)
 

@@ -603,7 +603,8 @@ def test_dispatched_one_pass_compiles_for_sm90_as_measured(causal, tmp_path):
 def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     """gluon_backward.one_pass (the tensors' sm_90 and TMA checks stood in, so any machine runs it): with the
     bulk reduce-add and nothing asking for a deterministic backward, D 64 and 128 from 1024 rows and keys, causal
-    or not, takes the warp-specialised one pass; D 256, shorter rows or keys, ATTENTION_GLUON=0, deterministic=True
+    or not, at least the Gluon forward's FLOPs (large_enough), takes the warp-specialised one pass; D 256, shorter
+    rows or keys, a smaller call (its bound tl launches cost a loop less), ATTENTION_GLUON=0, deterministic=True
     or torch.use_deterministic_algorithms keep the tl backward; ATTENTION_GLUON=1 takes every plan it serves,
     never a mask, a window with a left edge or a head dim it has no kernel for (256); without the bulk
     reduce-add, none. The Triton backend binds no launch for a plan the one pass runs."""
@@ -622,23 +623,27 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     monkeypatch.setattr(gb, "builds_one_pass", lambda: True)
     monkeypatch.delenv("ATTENTION_GLUON", raising=False)
 
-    def plan(L=4096, D=128, Lk=None, is_causal=True, **kw):
+    def plan(L=4096, D=128, Lk=None, is_causal=True, B=512, **kw):
+        """A plan of one (batch, head), its query and keys then seen as B batches (stride 0) for the size guard."""
         q = torch.randn(1, 1, L, D, dtype=torch.bfloat16, device=DEVICE)
         k = torch.randn(1, 1, Lk or L, D, dtype=torch.bfloat16, device=DEVICE)
         call = check_call(backend, q, k, k, dropout_p=0.0, is_causal=is_causal, scale=None, enable_gqa=False,
                           return_lse=False, **{"attn_mask": None, **kw})
-        return planning.make_backward(call, backend, torch.randn_like(q), torch.randn(1, 1, L, device=DEVICE),
+        made = planning.make_backward(call, backend, torch.randn_like(q), torch.randn(1, 1, L, device=DEVICE),
                                       torch.randn_like(q))
+        return dataclasses.replace(made, query=made.query.expand(B, -1, -1, -1), key=made.key.expand(B, -1, -1, -1))
 
     mask = torch.ones(4096, 4096, dtype=torch.bool, device=DEVICE)
     assert gb.one_pass(plan()) and gb.one_pass(plan(is_causal=False)) and gb.one_pass(plan(L=8192, Lk=4096))
     assert gb.one_pass(plan(D=64))
     assert triton_attention.bind_backward(plan()) is None
     assert gb.one_pass(plan(L=1024)) and gb.one_pass(plan(L=1024, D=64, is_causal=False))
+    # (the guard: 4·B·L²·D, half causal, against 3e10; 14 batches of D 64 at 4096 causal pass, 13 do not)
+    assert gb.one_pass(plan(D=64, B=14)) and not gb.one_pass(plan(D=64, B=13))
     kept_tl = (plan(deterministic=True), plan(D=256), plan(L=512), plan(Lk=512),
-               plan(attn_mask=mask, is_causal=False), plan(window=(256, 0)))
+               plan(attn_mask=mask, is_causal=False), plan(window=(256, 0)), plan(B=1))
     assert not any(gb.one_pass(p) for p in kept_tl)
-    assert triton_attention.bind_backward(plan(L=512)) is not None
+    assert triton_attention.bind_backward(plan(L=512, B=1)) is not None
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -649,7 +654,7 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     many = dataclasses.replace(plan(), query=wide, key=wide)
     assert not gb.one_pass(many)  # (B·H_kv programs past a grid axis)
     monkeypatch.setenv("ATTENTION_GLUON", "1")
-    assert [gb.one_pass(p) for p in kept_tl] == [False, False, True, True, False, False]
+    assert [gb.one_pass(p) for p in kept_tl] == [False, False, True, True, False, False, True]
     monkeypatch.setenv("ATTENTION_GLUON", "0")
     assert not gb.one_pass(plan())
     monkeypatch.setenv("ATTENTION_GLUON", "yes")
@@ -691,9 +696,9 @@ def test_one_pass_needs_a_cuda13_ptxas(version, builds, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monkeypatch):
     """attention's backward on the Triton backend at the benchmark's head dims and lengths (D 64 and 128, 1024 and
-    4096, grouped heads, bf16) runs the warp-specialised one pass, its gradients within twice the tl backward's
-    error of float32 autograd through SDPA (plus a hair); with deterministic=True the tl backward runs instead, bit
-    for bit the same twice."""
+    4096, grouped heads, bf16; heads enough to pass the size guard) runs the warp-specialised one pass, its
+    gradients within twice the tl backward's error of float32 autograd through SDPA (plus a hair); with
+    deterministic=True the tl backward runs instead, bit for bit the same twice."""
     from common import attention
     from common.reuse import BACKWARDS
     from impl_triton import gluon_backward as gb
@@ -705,9 +710,10 @@ def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monke
     monkeypatch.delenv("ATTENTION_GLUON", raising=False)
     taken, run = [], gb.backward_plan
     monkeypatch.setattr(gb, "backward_plan", lambda plan: taken.append(plan.query.shape) or run(plan))
-    q = torch.randn(1, 4, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, 2, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    grad_out = torch.randn(1, 4, L, D, device="cuda", dtype=torch.bfloat16)
+    H = 16 * (4096 // L) ** 2  # (4·H·L²·D, half causal, at least gluon_attention.MIN_FLOPS at D 64)
+    q = torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, H // 2, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16)
     BACKWARDS.clear()
 
     def grads(**kw):
