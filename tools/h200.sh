@@ -12,9 +12,9 @@
 #     ".fa"), on common.flash_attn_interface through tools/fa_suite/run.py: FA_PER_TEST cases of each test
 #     function, each backend; its 250-iteration race test left out); gluon, gluon-bwd (its halves
 #     gluon-bwd-plain, gluon-bwd-ws, gluon-bwd-probe), gluon-bwd-dispatch (the one pass as the backward, its
-#     tests and the timings against SDPA; TRITON_CARRIED=1), gluon-bwd-forms (its forms timed, the grouped-query
-#     training step), fp8,
-#     paged-check, serving (a feature's tests, then its probe); ring-test (two GPUs)
+#     tests and the timings against SDPA; TRITON_CARRIED=1), gluon-bwd-host (the one pass in a loop of calls),
+#     gluon-bwd-forms (its forms timed, the grouped-query training step), fp8, paged-check, serving (a
+#     feature's tests, then its probe); ring-test (two GPUs)
 #   timings: bench, bench-full (BENCHMARKS.md's run, --write), bench-table (the committed table's bf16 forward and
 #     backward in one call), bench-fp8, bench-bwd, bench-fwd4k, bench-x2 (two GPUs); compare; demo; probe;
 #     serving-one (issue 45's serving figures), serving-bench (generate_batch's tokens a second); fp8-paged (the
@@ -124,6 +124,8 @@ for stage in "$@"; do
     # PROBE_BWD_LENGTHS (2026-12-07: 1024 and 4096 timed; from 1024 it is dispatched), then issue 43's grouped-query step
     gluon-bwd-forms) PROBE_BWD_LENGTHS="${PROBE_BWD_LENGTHS:-1024 4096}" PROBE_BWD_TILES=0 PROBE_BWD_SCHEMES="one-pass ws,one-pass ws stats smem,one-pass ws stats smem 128 rows,one-pass ws stats smem 128 rows dqt,one-pass ws stats smem 3 stages,one-pass ws stats smem dqt" timeout 400 python3 tools/probe.py gluon_bwd 2>&1 | grep bf16 | tee "$OUT/gluon_bwd_forms.log"
                  timeout 90 python3 tools/probe.py gqa_step 2>&1 | grep fwd+bwd | tee "$OUT/gqa_step.log" ;;
+    # the one pass in a user's loop against the tl backward's bound launches, around its size guard (TRITON_CARRIED=1)
+    gluon-bwd-host) timeout 240 python3 tools/probe.py gluon_bwd_host 2>&1 | tee "$OUT/gluon_bwd_host.log" ;;
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the

@@ -69,6 +69,9 @@ is written to the project.
 - gluon_host: what a call of the Gluon path costs the host (it is launched through Triton's JIT each call,
   not bound): wall time per call and do_bench of attention() with the table's dispatch and with the tl
   kernel (ATTENTION_GLUON=0) at small and mid shapes, D 128 bf16 causal.
+- gluon_bwd_host: the one-pass backward in a user's loop (its launches unbound) against the tl backward's bound
+  launches: wall time per call and do_bench of attention_backward() with the one pass forced, the tl backward,
+  and the default dispatch (its size guard), around the guard; where the one pass starts to pay in a loop.
 - gluon_fp8: the Gluon ping-pong forward with FP8 inputs against the tl kernel's FP8 forward, the
   ping-pong bf16 forward and SDPA's bf16 (issue 44's prefill shapes; TFLOP/s, do_bench).
 - gluon_bwd: the Gluon backward (impl_triton.gluon_backward) against our tl backward and SDPA's, the
@@ -1755,6 +1758,40 @@ def gluon_host():
         for name, switch in (("gluon", "1"), ("tl", "0"), ("dispatch", None)):
             with _gluon_switch(switch):
                 fn = lambda: attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
+                fn()
+                line.append(f"{name} wall {wall_time_us(fn):.0f} µs, do_bench {gpu_time_ms(fn) * 1e3:.0f} µs")
+        print("; ".join(line), flush=True)
+
+
+def gluon_bwd_host():
+    """Issue 43: what the one-pass backward costs a user's loop. Its three launches are not bound (each call plans,
+    makes seven descriptors and goes through Triton's JIT dispatch of the Gluon kernel) where the tl backward's are
+    from a layout's second call; so below some size the one pass's faster kernel loses to its host time. Wall time
+    per call (plain loop) and do_bench of attention_backward() with the one pass forced (ATTENTION_GLUON=1), the tl
+    backward (0) and the default dispatch (unset: the size guard, gluon_attention.large_enough), bf16, at shapes
+    around the guard (its FLOPs: 4·B·H·L²·D, half causal, against MIN_FLOPS). Triton >= 3.9 (the one pass)."""
+    from common import attention_backward
+    from impl_triton import gluon_attention as ga
+    from impl_triton import gluon_backward as gb
+
+    if not gb.bulk_reduce_add():
+        import triton
+
+        print(f"gluon_bwd_host: the one pass needs triton >= 3.9; this is {triton.__version__}")
+        return
+    shapes = [(B, H, L, 128, True) for B, H, L in ((1, 8, 1024), (1, 32, 1024), (2, 32, 1024), (4, 32, 1024),
+                                                   (1, 8, 4096), (1, 32, 4096))]
+    shapes += [(B, H, L, 64, False) for B, H, L in ((1, 8, 1024), (2, 32, 1024), (1, 8, 4096), (1, 32, 4096))]
+    for B, H, L, D, causal in shapes:
+        q, k, v, grad = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        out, lse = attention(q, k, v, is_causal=causal, backend="triton", return_lse=True)
+        flops = 4 * B * H * L * L * D / (2 if causal else 1)
+        line = [f"({B}, {H}, {L}, {D}) {'causal' if causal else 'full'} {flops:.1e} FLOPs "
+                f"(large enough: {ga.large_enough(B, H, L, L, D, causal)})"]
+        for name, switch in (("one pass", "1"), ("tl", "0"), ("dispatch", None)):
+            with _gluon_switch(switch):
+                fn = functools.partial(attention_backward, grad, q, k, v, out, lse, is_causal=causal,
+                                       backend="triton")
                 fn()
                 line.append(f"{name} wall {wall_time_us(fn):.0f} µs, do_bench {gpu_time_ms(fn) * 1e3:.0f} µs")
         print("; ".join(line), flush=True)
