@@ -584,10 +584,9 @@ def bind_backward(plan):
 PAGED_JOIN = True
 # FP8 caches' joined steps of 16-key tiles with their key tiles joined into one block before one score product, and
 # their value tiles before one value product (paged_application's JOIN_TILES), instead of a product a tile: a
-# 16-key product gives each warp the whole tile, and its FP8 elements to widen. Compiled for sm_90, a step then
-# takes 0.4x the products and conversions (row-major value pages: 688 instructions instead of 962, 128 registers
-# instead of 174: 4 programs an SM, not 2); tiles of 32 keys and 16-bit caches gain nothing there
-# (benchmarks/NOTES.md). Off until timed.
+# 16-key product gives each warp the whole tile, and its FP8 elements to widen, where a joined one splits the keys
+# over the warps (fewer products, conversions and registers a step compiled for sm_90; tiles of 32 keys and 16-bit
+# caches gain nothing: benchmarks/NOTES.md). Off until timed.
 PAGED_FP8_JOIN_TILES = False
 # Tiles unrolled a step, at most (a step of more keys takes this many): each is a gather of its own, and
 # triton's async-copy coalescing pass after 3.6 takes time that grows much faster than their count

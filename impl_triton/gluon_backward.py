@@ -818,11 +818,9 @@ def fused_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
 
 
 def ws_tile(head_dim: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the warp-specialised one pass: ``fused_tile``'s at D 64 (of
-    the tiles timed with the stats in shared memory, FlashAttention-3's 128 rows won at 1k and 4k keys without a
-    mask, lost causal and at 16k, and spills); at D 128 FlashAttention-3's 64 rows by 128 keys with dQ^T's
-    product, which its consumers' 240 registers hold (the plain one pass spills there): the fastest timed
-    (benchmarks/NOTES.md)."""
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) of the warp-specialised one pass, the fastest over the lengths
+    timed (benchmarks/NOTES.md): ``fused_tile``'s at D 64; at D 128 FlashAttention-3's 64 rows by 128 keys with
+    dQ^T's product, which its consumers' 240 registers hold (the plain one pass spills there)."""
     return fused_tile(head_dim) if head_dim == 64 else (64, 128, 2, 8, True)
 
 
