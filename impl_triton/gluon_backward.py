@@ -31,7 +31,7 @@ D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-r
 
 The Triton backend's backward takes the warp-specialised one pass, each row tile's stats read from shared memory,
 where ``one_pass`` says (``backward_plan``): triton >= 3.9 (the bulk reduce-add) with a CUDA 13 ptxas, sm_90,
-D 64 and 128 from 1024 rows and keys and the Gluon forward's size guard, no call or setting asking for a
+D 64 and 128 from 4096 rows and keys and the Gluon forward's size guard, no call or setting asking for a
 deterministic backward: where it timed faster than the tl backward (benchmarks/NOTES.md). Everything else, and
 every deterministic backward, stays on the tl kernels: the two passes here and the one pass with dQ by atomics
 timed slower than them; ``backward`` and ``backward_fused`` are called by the GPU tests and ``tools/probe.py
@@ -910,13 +910,13 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
 
 # The warp-specialised one pass, each row tile's stats read from shared memory, runs the Triton backend's backward
 # (impl_triton.attention.backward) for the head dims and lengths where it timed faster than the tl backward
-# (benchmarks/NOTES.md): D 64 and 128 from 1024 rows and keys; shorter lengths are untimed. Its launches are not
-# bound (three a call, seven descriptors, Triton's JIT dispatch of the Gluon kernel), so a call smaller than the
-# Gluon forward's guard (gluon_attention.large_enough, measured for that forward's bound launch) keeps the tl
-# backward's bound launches, which cost a user's loop less. ATTENTION_GLUON=1 takes it for every backward it
-# serves, 0 for none.
+# (benchmarks/NOTES.md): D 64 and 128 from 4096 rows and keys. Its launches are not bound (three a call, seven
+# descriptors, Triton's JIT dispatch of the Gluon kernel): at 1024 its kernel ran faster than the tl backward's but
+# a training step there waited for that host work, and a call smaller than the Gluon forward's guard
+# (gluon_attention.large_enough) keeps the tl backward's bound launches too. ATTENTION_GLUON=1 takes it for every
+# backward it serves, 0 for none.
 ONE_PASS_HEAD_DIMS = (64, 128)
-ONE_PASS_MIN_LENGTH = 1024
+ONE_PASS_MIN_LENGTH = 4096
 
 
 @functools.cache

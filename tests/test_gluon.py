@@ -602,7 +602,7 @@ def test_dispatched_one_pass_compiles_for_sm90_as_measured(causal, tmp_path):
 
 def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     """gluon_backward.one_pass (the tensors' sm_90 and TMA checks stood in, so any machine runs it): with the
-    bulk reduce-add and nothing asking for a deterministic backward, D 64 and 128 from 1024 rows and keys, causal
+    bulk reduce-add and nothing asking for a deterministic backward, D 64 and 128 from 4096 rows and keys, causal
     or not, at least the Gluon forward's FLOPs (large_enough), takes the warp-specialised one pass; D 256, shorter
     rows or keys, a smaller call (its bound tl launches cost a loop less), ATTENTION_GLUON=0, deterministic=True
     or torch.use_deterministic_algorithms keep the tl backward; ATTENTION_GLUON=1 takes every plan it serves,
@@ -637,7 +637,9 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     assert gb.one_pass(plan()) and gb.one_pass(plan(is_causal=False)) and gb.one_pass(plan(L=8192, Lk=4096))
     assert gb.one_pass(plan(D=64))
     assert triton_attention.bind_backward(plan()) is None
-    assert gb.one_pass(plan(L=1024)) and gb.one_pass(plan(L=1024, D=64, is_causal=False))
+    assert gb.one_pass(plan(L=4096, Lk=8192)) and gb.one_pass(plan(L=8192, D=64, is_causal=False))
+    # (1024 rows or keys, past the guard at B 512: the tl backward, whose launches are bound)
+    assert not gb.one_pass(plan(L=1024)) and not gb.one_pass(plan(L=1024, Lk=4096, D=64, is_causal=False))
     # (the guard: 4·B·L²·D, half causal, against 3e10; 14 batches of D 64 at 4096 causal pass, 13 do not)
     assert gb.one_pass(plan(D=64, B=14)) and not gb.one_pass(plan(D=64, B=13))
     kept_tl = (plan(deterministic=True), plan(D=256), plan(L=512), plan(Lk=512),
@@ -691,14 +693,14 @@ def test_one_pass_needs_a_cuda13_ptxas(version, builds, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
-@pytest.mark.parametrize("L", [1024, 4096])
+@pytest.mark.parametrize("L", [4096])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monkeypatch):
-    """attention's backward on the Triton backend at the benchmark's head dims and lengths (D 64 and 128, 1024 and
-    4096, grouped heads, bf16; heads enough to pass the size guard) runs the warp-specialised one pass, its
-    gradients within twice the tl backward's error of float32 autograd through SDPA (plus a hair); with
-    deterministic=True the tl backward runs instead, bit for bit the same twice."""
+    """attention's backward on the Triton backend at the benchmark's head dims and a length the one pass is
+    dispatched at (D 64 and 128, 4096, grouped heads, bf16; heads enough to pass the size guard) runs the
+    warp-specialised one pass, its gradients within twice the tl backward's error of float32 autograd through
+    SDPA (plus a hair); with deterministic=True the tl backward runs instead, bit for bit the same twice."""
     from common import attention
     from common.reuse import BACKWARDS
     from impl_triton import gluon_backward as gb
