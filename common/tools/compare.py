@@ -255,7 +255,7 @@ def levels_section() -> str:
             "log-sum-exp and delta in registers through the tile's five products; with the loader warp putting "
             "them in shared memory beside Q and dO (`stats_smem=True`, where Gluon lets the author place each "
             "value) it ran 1.09-1.15x faster at D 128 and 1.07-1.24x the `tl` backward at D 64 (H100, triton 3.9 "
-            "with its own CUDA 13 ptxas). That is the triton backend's backward at D 64 and 128 from 1024 keys "
+            "with its own CUDA 13 ptxas). That is the triton backend's backward at D 64 and 128 from 4096 keys "
             "under triton >= 3.9 where no deterministic backward is asked (its dQ sums land in any order): "
             "1.00-1.07x cuDNN's backward at D 128 and 0.93-0.99x at D 64, a training step 0.99-1.08x and "
             "0.93-0.97x. What a warp of its own buys is what "
