@@ -252,7 +252,9 @@ class BoundKernel:
     :func:`int_classes`) and looks up in ``kernels``."""
 
     def __init__(self, launcher: CachedLauncher, grid, num_warps: int, num_stages: int, maxnreg: int | None = None):
-        self.launcher, self.grid = launcher, grid
+        # (x, y, z): a compiled kernel's direct launch reads all three (compat.direct_launcher), so a shorter
+        # grid is padded with ones, as Triton pads one
+        self.launcher, self.grid = launcher, (*grid, 1, 1)[:3]
         self.num_warps, self.num_stages, self.maxnreg = num_warps, num_stages, maxnreg
         self.kernels: dict = {}  # key -> compiled kernel
 

@@ -364,7 +364,8 @@ def test_a_bound_launch_calls_tritons_launcher_directly():
     would (grid, the current stream, the kernel's function and metadata, then the arguments),
     with no launch metadata and no hooks, while none is registered; with one registered (a
     profiler's), through ``kernel[grid]``, which calls it. Bound launches take that path wherever
-    CUDA exists (this Triton's launch has the form read: tests/test_compat.py)."""
+    CUDA exists (this Triton's launch has the form read: tests/test_compat.py), so a grid bound with
+    fewer than three entries is padded to (x, y, z)."""
     from triton import knobs
 
     from common import compat
@@ -400,6 +401,11 @@ def test_a_bound_launch_calls_tritons_launcher_directly():
         assert calls[2] == ("getitem", (5, 2, 1), (13,))
     else:
         assert calls[2][0] == "run" and calls[2][1][:3] == (5, 2, 1) and calls[2][1][-1] == 13
+    # (a grid of one or two entries is bound as (x, y, z): the direct launch reads all three)
+    assert launch.BoundKernel(None, (7,), 4, 3).grid == (7, 1, 1)
+    assert launch.BoundKernel(None, [7, 2], 4, 3).grid == (7, 2, 1)
+    direct(Compiled(), launch.BoundKernel(None, (7,), 4, 3).grid, (13,))
+    assert calls[-1] == ("run", (7, 1, 1, 1003, "function", ("metadata",), None, None, None, 13))
 
 
 def test_ninetoothed_forward_is_specialised_on_the_keys_length_only(device, monkeypatch):
