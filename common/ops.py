@@ -9,7 +9,8 @@ backward one. ``torch.compile`` sees each operator as one opaque node (it never
 traces into our Triton code), autograd sees one differentiable function.
 
 :func:`forward` and :func:`backward` are the operators' bodies: plan, launch,
-return. :mod:`common.dispatch` calls :func:`forward` directly where neither
+return (a layout met before: its kept plan or bound launches, ``common.reuse``).
+:mod:`common.dispatch` calls :func:`forward` directly where neither
 autograd nor a compiler is watching (no input needs a gradient, not compiling),
 and a plain call's layout seen before runs its kept plan (``common.reuse``):
 either spares the operator dispatch on every call of a user's inference loop.
@@ -27,7 +28,8 @@ NAMESPACE = "twin_attention"
 
 
 def forward(backend, call: Call, with_lse: bool):
-    """``(out, lse)`` for a validated 4-D call; lse None unless ``with_lse``."""
+    """``(out, lse)`` for a validated 4-D call; lse None unless ``with_lse``. A plain call of a layout met
+    before runs the plan kept for it (``common.reuse.kept_forward``: no planning, a bound launch)."""
     q, v = call.query, call.value
     B, H, Lq, _ = q.shape
     Lk, Dv = call.key.shape[2], v.shape[3]
@@ -42,6 +44,11 @@ def forward(backend, call: Call, with_lse: bool):
             if call.sinks is not None:
                 lse.copy_(call.sinks.float()[None, :, None].expand(B, H, Lq))
         return out, lse
+    from common.reuse import kept_forward  # (common.reuse imports this module)
+
+    results = kept_forward(backend, call, with_lse)
+    if results is not None:
+        return results
     with _on_device(q.device):
         plan = planning.make_forward(call, backend, with_lse=with_lse)
         with _quiet(backend):

@@ -23,7 +23,9 @@ masked ones: an ``attn_mask`` is a tensor of the call like the query (its shape,
 dtype part of the layout, its keys' length too: a masked plan grows no keys), which the kernels
 read through a view kept as (shape, strides) over it. No dropout, window, soft-capping or sinks
 (those hold tensors or change per call), and no gradient (autograd and ``torch.compile`` go
-through the operators of ``common.ops``).
+through the operators of ``common.ops``). Those operators keep their own: a plain forward's plan by
+layout in :data:`FORWARDS` (:func:`kept_forward`, a training step's forward), a backward's bound
+launches in :data:`BACKWARDS` (:class:`KeptBackward`).
 """
 
 from __future__ import annotations
@@ -395,6 +397,43 @@ class PlanCache:
 
 
 PLANS = PlanCache()  # common.attention's plans (common.dispatch)
+
+
+def operator_layout(backend, call, with_lse: bool):
+    """The layout an operator's forward is kept by (:func:`kept_forward`): a plain call's (:func:`layout_of`;
+    grouped heads where the key/value heads are fewer); None for a call of tensors or options of its own
+    besides those (a mask, dropout, a window or bottom-right alignment, soft-capping, sinks, row bands, ALiBi,
+    FP8 inputs or another output dtype: those plan every call) and for SDPA."""
+    if (not backend.kernels or call.attn_mask is not None or call.dropout_p or call.window is not None
+            or call.bottom_right or call.softcap is not None or call.sinks is not None or call.row_bands is not None
+            or call.alibi_slopes is not None or call.descales is not None
+            or call.out_dtype not in (None, call.query.dtype)):
+        return None
+    q, k, v = call.query, call.key, call.value
+    return layout_of(backend, call.is_causal, call.scale, q.shape[1] != k.shape[1], with_lse, q, k, v)
+
+
+def kept_forward(backend, call, with_lse: bool):
+    """``(out, lse)`` of a validated 4-D call with rows and keys through the plan kept for its layout
+    (:data:`FORWARDS`, made by this call where it is the layout's first): the operators' forward, which
+    autograd and ``torch.compile`` call (a training step's forward), planned once and bound from its second
+    call as :func:`common.attention`'s plain calls are; None where the caller plans and launches it (a layout
+    :func:`operator_layout` keeps none of, another GPU current than the tensors', keys a growing plan does
+    not take)."""
+    layout = operator_layout(backend, call, with_lse)
+    if layout is None:
+        return None
+    plan = FORWARDS.get(layout)
+    if plan is None:
+        enable_gqa = call.query.shape[1] != call.key.shape[1]
+        arguments = dict(is_causal=call.is_causal, scale=call.scale, enable_gqa=enable_gqa, return_lse=with_lse,
+                         backend=backend.name)
+        plan = AttentionPlan(backend, dataclasses.replace(call, return_lse=with_lse), layout, arguments)
+        FORWARDS.put(layout, plan)
+    return plan.launch(call.query, call.key, call.value)
+
+
+FORWARDS = PlanCache()  # the operators' kept forwards by layout (common.ops.forward)
 
 
 def backward_layout(backend, call, out, lse, grad_out, grad_lse):

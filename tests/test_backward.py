@@ -323,6 +323,45 @@ def test_kept_backward_by_layout(backend, device, planned):
     assert len(planned) == 4 * 2 + 3
 
 
+def test_training_forward_keeps_a_plan(backend, device, monkeypatch):
+    """The operators' forward of a plain call (a training step's, which autograd calls) is planned once per
+    layout (common.reuse.FORWARDS) and bound from its second call: later steps plan nothing and run on their
+    own tensors, the output and gradients right each step; a call with a mask is planned every time."""
+    from common import plan as planning
+    from common.reuse import FORWARDS, AttentionPlan, BoundLaunch
+
+    FORWARDS.clear()
+    made = []
+    make = planning.make_forward
+    monkeypatch.setattr(planning, "make_forward", lambda *args, **kw: made.append(1) or make(*args, **kw))
+    rebind = AttentionPlan._rebind
+
+    def step(**kwargs):
+        q = leaves(torch.randn(1, 4, 37, 32, dtype=f16, device=device))[0]
+        k, v = leaves(*(torch.randn(1, 2, 45, 32, dtype=f16, device=device) for _ in range(2)))
+        out = attention(q, k, v, enable_gqa=True, backend=backend, **kwargs)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        check_output(out.detach(), q.detach(), k.detach(), v.detach(), enable_gqa=True, **kwargs)
+        check_grads(grads, q, k, v, grad_out, enable_gqa=True, **kwargs)
+
+    try:
+        for i in range(4):
+            if i == 2:  # (bound by the second call: the third and fourth only launch)
+                monkeypatch.setattr(AttentionPlan, "_rebind", lambda *a, **kw: pytest.fail("planned again"))
+            step(is_causal=True)
+        assert len(made) == 1 and len(FORWARDS) == 1
+        assert isinstance(FORWARDS.values()[0]._bound, BoundLaunch)
+        monkeypatch.setattr(AttentionPlan, "_rebind", rebind)
+        mask = torch.rand(37, 45, device=device) > 0.3
+        mask[:, 0] = True
+        for _ in range(2):
+            step(attn_mask=mask)
+        assert len(made) == 3 and len(FORWARDS) == 1
+    finally:
+        FORWARDS.clear()
+
+
 # -- the registered operators ---------------------------------------------------------------
 
 def test_opcheck(backend, device):
