@@ -1021,13 +1021,14 @@ class BoundOnePass:
         q = plan.query
         causal_shift = None if plan.band is None else plan.band[1]
         dq_sum = torch.empty(*q.shape, dtype=torch.float32, device=q.device)  # (the layout's; not kept)
+        # (each grid (x, y, z): a compiled kernel's direct launch takes all three, common.compat.direct_launcher)
         grid, args, meta = _prologue_args(plan.out, plan.grad_out, plan.grad_lse, plan.delta, dq_sum)
         dlse = 6 if plan.grad_lse is not None else 7
         self.prologue = BoundSlots(_prologue_launcher, _prologue_launcher.positional(args, meta),
-                                   ((0, 3), (1, 4), (2, dlse), (3, 7), (4, self.SUM)), grid, 4, 1)
+                                   ((0, 3), (1, 4), (2, dlse), (3, 7), (4, self.SUM)), (*grid, 1, 1), 4, 1)
         grid, args, meta = _epilogue_args(dq_sum, plan.grad_query, plan.scale)
         self.epilogue = BoundSlots(_epilogue_launcher, _epilogue_launcher.positional(args, meta),
-                                   ((0, self.SUM), (1, 8)), grid, 4, 1)
+                                   ((0, self.SUM), (1, 8)), (*grid, 1, 1), 4, 1)
         grid, args, self.meta = _ws_launch(q, plan.key, plan.value, plan.grad_out, plan.grad_key, plan.grad_value,
                                            dq_sum, plan.lse, plan.delta, plan.scale, causal_shift, None, True)
         self.grid = (*grid, 1)

@@ -493,6 +493,8 @@ def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, with_dlse):
     bound = gb.BoundOnePass(plan, lambda t: fallback.append(t))
     kept = [*bound.args, *(t.base for t in bound.templates), *bound.prologue.args, *bound.epilogue.args]
     assert not any(isinstance(a, torch.Tensor) for a in kept)  # (the binding call's tensors are not kept)
+    # (a compiled kernel's direct launch takes (x, y, z): common.compat.direct_launcher)
+    assert bound.grid == (1, B * H_kv, 1) and bound.prologue.grid == bound.epilogue.grid == (B * H, 1, 1)
     params = compat.jit_parameters(gb._gluon_bwd_ws)
     calls = []
 
@@ -771,7 +773,8 @@ def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monke
     """attention's backward on the Triton backend at the benchmark's head dims and lengths (D 64 and 128, 1024 and
     4096, grouped heads, bf16; heads enough to pass the size guard) runs the warp-specialised one pass, its
     gradients within twice the tl backward's error of float32 autograd through SDPA (plus a hair), from its first
-    call (planned), its second (planned, then bound) and its third (the bound launches, BoundOnePass), and a
+    call (planned), its second (planned, then bound), its third and fourth (the bound launches, BoundOnePass:
+    through the JIT, then the compiled kernels directly), and a
     query off 16 bytes (the bound launches hand it to the tl backward's); with
     deterministic=True the tl backward runs instead, bit for bit the same twice."""
     from common import attention
@@ -798,8 +801,10 @@ def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monke
     bound_calls, call = [], gb.BoundOnePass.__call__
     monkeypatch.setattr(gb.BoundOnePass, "__call__",
                         lambda self, tensors: bound_calls.append(tensors[0].shape) or call(self, tensors))
-    one_pass, binding, bound = grads(), grads(), grads()  # (the layout's second call binds, its third runs bound)
-    assert taken == [q.shape, q.shape] and bound_calls == [q.shape]
+    # (the layout's second call binds, its third runs the bound launches and keeps their compiled kernels, its
+    # fourth launches those directly)
+    one_pass, binding, bound, direct = grads(), grads(), grads(), grads()
+    assert taken == [q.shape, q.shape] and bound_calls == [q.shape, q.shape]
     tl, again = grads(deterministic=True), grads(deterministic=True)
     assert taken == [q.shape, q.shape] and all(torch.equal(a, b) for a, b in zip(tl, again))
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -808,8 +813,8 @@ def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monke
     # (a query off 16 bytes, the same layout: the bound launches hand it to the tl backward's)
     unaligned = torch.empty(q.numel() + 8, device="cuda", dtype=q.dtype)[1:q.numel() + 1].view(q.shape)
     off = grads(unaligned.copy_(q.detach()).requires_grad_())
-    assert bound_calls == [q.shape, q.shape] and taken == [q.shape, q.shape]
-    for got in (one_pass, binding, bound, off):
+    assert bound_calls == [q.shape] * 3 and taken == [q.shape, q.shape]
+    for got in (one_pass, binding, bound, direct, off):
         assert_as_close_as_tl(("dq", "dk", "dv"), got, tl, expected)
 
 
