@@ -463,13 +463,14 @@ def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with
 
 
 @pytest.mark.parametrize("with_dlse", [False, True])
-def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, with_dlse):
-    """BoundOnePass (CPU: the launches before and after the one pass are tl kernels, which the interpreter runs;
-    the Gluon kernel and Triton's launcher stood in): the binding call's tensors are not kept; a later call's
-    delta = rowsum(grad_out * out) - grad_lse lands in its delta, its dQ sum starts at zero, the one pass gets its
-    descriptors rebased on that call's q, k, v, grad_out, dk, dv and sum, its log-sum-exp and delta, first through
-    the kernel's JIT, then the compiled kernel with their addresses and the constexprs in signature order, and
-    its dQ is the sum times the scale; a tensor the copy engine takes off 16 bytes runs the fallback."""
+def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, device, with_dlse):
+    """BoundOnePass (any device: the launches before and after the one pass are tl kernels, which the
+    interpreter runs on a CPU; the Gluon kernel and Triton's launcher stood in): the binding call's tensors are
+    not kept; a later call's delta = rowsum(grad_out * out) - grad_lse lands in its delta, its dQ sum starts at
+    zero, the one pass gets its descriptors rebased on that call's q, k, v, grad_out, dk, dv and sum, its
+    log-sum-exp and delta, first through the kernel's JIT, then the compiled kernel with their addresses and the
+    constexprs in signature order, and its dQ is the sum times the scale; a tensor the copy engine takes off 16
+    bytes runs the fallback."""
     from common import compat
     from common import plan as planning
     from common.backends import get_backend
@@ -479,10 +480,11 @@ def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, with_dlse):
     B, H, H_kv, L, D, scale = 1, 2, 1, 64, 64, 0.3
 
     def tensors():
-        q = torch.randn(B, H, L, D, dtype=torch.bfloat16)
-        k, v = (torch.randn(B, H_kv, L, D, dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, L, D, device=device, dtype=torch.bfloat16) for _ in range(2))
         out, grad_out = torch.randn_like(q), torch.randn_like(q)
-        lse, grad_lse = torch.randn(B, H, L), (torch.randn(B, H, L) if with_dlse else None)
+        lse = torch.randn(B, H, L, device=device)
+        grad_lse = torch.randn(B, H, L, device=device) if with_dlse else None
         return q, k, v, out, grad_out, lse, grad_lse
 
     q, k, v, out, grad_out, lse, grad_lse = tensors()
@@ -532,7 +534,7 @@ def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, with_dlse):
             assert args[7:9] == (lse.data_ptr(), delta.data_ptr()) and len(args) == len(params)
             assert args[9:18] == tuple(bound.args[9:18]) and list(args[18:]) == bound.constexprs
     assert [kind for kind, _ in calls] == ["jit", "compiled"] and not fallback
-    unaligned = torch.empty(q.numel() + 8, dtype=q.dtype)[1:q.numel() + 1].view(q.shape)
+    unaligned = torch.empty(q.numel() + 8, device=device, dtype=q.dtype)[1:q.numel() + 1].view(q.shape)
     bound((unaligned, *roles[1:]))
     assert len(calls) == 2 and len(fallback) == 1 and fallback[0][0] is unaligned and len(fallback[0]) == 11
 
