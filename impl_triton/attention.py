@@ -384,14 +384,15 @@ def _backward_launches(plan) -> tuple:
 def bind_backward(plan):
     """The launches of ``plan`` bound to its layout, for later calls laid out alike
     (``common.reuse.KeptBackward``): a ``common.launch.BoundSequence`` of the two passes, called
-    with the tensors of ``BackwardPlan.ROLES``; None where a launch takes a tensor that is not the
-    plan's own (a mask, dropout's seed, row bands, ALiBi's slopes). The plan's tensors by position
+    with the tensors of ``BackwardPlan.ROLES`` (a plan the Gluon one pass runs: a
+    ``gluon_backward.BoundOnePass``, those two passes beside it for tensors TMA cannot take); None
+    where a launch takes a tensor that is not the plan's own (a mask, dropout's seed, row bands,
+    ALiBi's slopes). The plan's tensors by position
     (one tensor may be passed as two of them); the rest must be the stand-in for what a plain
     launch never reads, the query."""
     if plan.attn_mask is not None or plan.seed is not None or plan.row_bands is not None or plan.alibi is not None:
         return None
-    if gluon_backward.one_pass(plan):  # (its launches are not bound: each call plans)
-        return None
+    one_pass = gluon_backward.one_pass(plan)
     bound = []
     for launcher, grid, args, num_warps, num_stages, roles in _backward_launches(plan):
         slots = list(enumerate(roles))
@@ -401,6 +402,8 @@ def bind_backward(plan):
                     return None
                 slots.append((position, 0))
         bound.append(BoundSlots(launcher, args, slots, grid, num_warps, num_stages))
+    if one_pass:  # (the tl launches for a call whose tensors the copy engine cannot take)
+        return gluon_backward.BoundOnePass(plan, BoundSequence(*bound))
     return BoundSequence(*bound)
 
 

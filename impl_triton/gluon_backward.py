@@ -31,7 +31,7 @@ D = Dv in {64, 128}, causal or not, grouped-query heads, an optional dlse; TMA-r
 
 The Triton backend's backward takes the warp-specialised one pass, each row tile's stats read from shared memory,
 where ``one_pass`` says (``backward_plan``): triton >= 3.9 (the bulk reduce-add) with a CUDA 13 ptxas, sm_90,
-D 64 and 128 from 4096 rows and keys and the Gluon forward's size guard, no call or setting asking for a
+D 64 and 128 from 1024 rows and keys and the Gluon forward's size guard, no call or setting asking for a
 deterministic backward: where it timed faster than the tl backward (benchmarks/NOTES.md). Everything else, and
 every deterministic backward, stays on the tl kernels: the two passes here and the one pass with dQ by atomics
 timed slower than them; ``backward`` and ``backward_fused`` are called by the GPU tests and ``tools/probe.py
@@ -55,15 +55,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from common import compat
 from common.interpret import apply_interpreter_fixes
-from common.launch import COMPILE_OPTIONS, CachedLauncher
-from common.plan import MAX_GRID_AXIS
+from common.launch import COMPILE_OPTIONS, BoundSlots, CachedLauncher, alignment, launch_compiled
+from common.plan import MAX_GRID_AXIS, BackwardPlan
 from impl_triton.gluon_attention import (
     LOG2E,
     _barriers,
     _invalidate,
     _key_tiles,
     _program,
+    _rebased,
     _tma_load,
     _tma_ready,
     _tma_store,
@@ -830,20 +832,29 @@ _epilogue_launcher = CachedLauncher(_one_pass_epilogue)
 _SUM_ROWS = 64  # (BLOCK_M of the launches before and after the one pass: reads and writes only)
 
 
-def one_pass_sums(out, grad_out, grad_lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+def one_pass_sums(out, grad_out, grad_lse=None, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(delta, dq_sum) that the one pass starts from, in one launch: delta = rowsum(grad_out * out) -
-    grad_lse, float32 (B·H, Lq); dq_sum float32 zeros (B, H, Lq, D), contiguous. ``out``, ``grad_out``:
-    (B, H, Lq, D), any strides; ``grad_lse``: (B, H, Lq) float32 or None."""
+    grad_lse, float32 (B·H, Lq) (into ``delta``, contiguous, (B·H, Lq) or (B, H, Lq), where given); dq_sum
+    float32 zeros (B, H, Lq, D), contiguous. ``out``, ``grad_out``: (B, H, Lq, D), any strides; ``grad_lse``:
+    (B, H, Lq) float32 or None."""
     B, H, Lq, D = out.shape
-    delta = torch.empty(B * H, Lq, dtype=torch.float32, device=out.device)
+    if delta is None:
+        delta = torch.empty(B * H, Lq, dtype=torch.float32, device=out.device)
     dq_sum = torch.empty(B, H, Lq, D, dtype=torch.float32, device=out.device)
+    grid, args, meta = _prologue_args(out, grad_out, grad_lse, delta, dq_sum)
+    _prologue_launcher(grid, *args, num_warps=4, num_stages=1, **meta)
+    return delta, dq_sum
+
+
+def _prologue_args(out, grad_out, grad_lse, delta, dq_sum) -> tuple[tuple, tuple, dict]:
+    """(grid, runtime arguments, constexprs) of ``one_pass_sums``' launch (``_one_pass_prologue``)."""
+    B, H, Lq, D = out.shape
     dlse = grad_lse if grad_lse is not None else delta  # (never read without WITH_DLSE)
     m_blocks = triton.cdiv(Lq, _SUM_ROWS)
-    _prologue_launcher((m_blocks * B * H, ), out, grad_out, dlse, delta, dq_sum, *out.stride(), *grad_out.stride(),
-                       *(grad_lse.stride() if grad_lse is not None else (0, 0, 0)), H, Lq, m_blocks,
-                       num_warps=4, num_stages=1, HEAD_DIM=D, BLOCK_M=_SUM_ROWS,
-                       BLOCK_D=triton.next_power_of_2(D), WITH_DLSE=grad_lse is not None)
-    return delta, dq_sum
+    args = (out, grad_out, dlse, delta, dq_sum, *out.stride(), *grad_out.stride(),
+            *(grad_lse.stride() if grad_lse is not None else (0, 0, 0)), H, Lq, m_blocks)
+    meta = dict(HEAD_DIM=D, BLOCK_M=_SUM_ROWS, BLOCK_D=triton.next_power_of_2(D), WITH_DLSE=grad_lse is not None)
+    return (m_blocks * B * H, ), args, meta
 
 
 def one_pass_dq(dq_sum, scale: float, dtype: torch.dtype, dq=None) -> torch.Tensor:
@@ -855,10 +866,17 @@ def one_pass_dq(dq_sum, scale: float, dtype: torch.dtype, dq=None) -> torch.Tens
     elif dq.shape != dq_sum.shape or dq.dtype != dtype or not dq.is_contiguous():
         raise ValueError(f"dq must be a contiguous {tuple(dq_sum.shape)} {dtype} tensor, got {tuple(dq.shape)} "
                          f"{dq.dtype} with strides {dq.stride()}")
-    m_blocks = triton.cdiv(Lq, _SUM_ROWS)
-    _epilogue_launcher((m_blocks * B * H, ), dq_sum, dq, scale, Lq, m_blocks, num_warps=4, num_stages=1,
-                       HEAD_DIM=D, BLOCK_M=_SUM_ROWS, BLOCK_D=triton.next_power_of_2(D))
+    grid, args, meta = _epilogue_args(dq_sum, dq, scale)
+    _epilogue_launcher(grid, *args, num_warps=4, num_stages=1, **meta)
     return dq
+
+
+def _epilogue_args(dq_sum, dq, scale: float) -> tuple[tuple, tuple, dict]:
+    """(grid, runtime arguments, constexprs) of ``one_pass_dq``'s launch (``_one_pass_epilogue``)."""
+    B, H, Lq, D = dq_sum.shape
+    m_blocks = triton.cdiv(Lq, _SUM_ROWS)
+    meta = dict(HEAD_DIM=D, BLOCK_M=_SUM_ROWS, BLOCK_D=triton.next_power_of_2(D))
+    return (m_blocks * B * H, ), (dq_sum, dq, scale, Lq, m_blocks), meta
 
 
 def bulk_reduce_add() -> bool:
@@ -869,7 +887,7 @@ def bulk_reduce_add() -> bool:
 
 def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int | None, grad_lse=None,
                    dk=None, dv=None, dq_tma: bool = False, dq_first: bool = False, tile: tuple | None = None,
-                   specialized: bool = False, dq=None, stats_smem: bool = False):
+                   specialized: bool = False, dq=None, stats_smem: bool = False, delta=None):
     """``backward``'s gradients in one pass (``_gluon_bwd_fused``): delta and dQ's zeroed float32 sum first
     (``one_pass_sums``, one launch), dQ summed by atomics (``dq_tma``: by the copy engine's bulk reduce-add, where
     ``bulk_reduce_add()``), then scaled and rounded (``one_pass_dq``, one launch); ``dq`` (contiguous), ``dk``,
@@ -879,25 +897,23 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     ``specialized``: FlashAttention-3's warp roles, a loader warp and a dQ warp beside the consumers (``_gluon_bwd_ws``:
     dQ by the bulk reduce-add, dK after dQ; what ``backward_plan`` runs); ``stats_smem`` (with ``specialized``): each
     row tile's m2 and delta read from shared memory where used (its STATS_SMEM; what ``backward_plan`` runs),
-    else held in registers through the tile. Not bitwise reproducible (dQ's additions)."""
+    else held in registers through the tile; ``delta``: its float32 scratch (``one_pass_sums``'), else allocated.
+    Not bitwise reproducible (dQ's additions)."""
     if (dq_tma or specialized) and not bulk_reduce_add():
         raise ValueError(f"dq_tma=True and specialized=True need Gluon's hopper.tma.async_atomic_add (triton 3.9 or "
                          f"later); this is triton {triton.__version__}")
     B, H, Lq, D = q.shape
     H_kv, Lk = k.shape[1], k.shape[2]
-    delta, dq_sum = one_pass_sums(out, grad_out, grad_lse)
+    delta, dq_sum = one_pass_sums(out, grad_out, grad_lse, delta)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    bm, bn, stages, warps, dq_t = tile or (ws_tile(D) if specialized else fused_tile(D))
-    q_desc = _descriptor(q, bm)
     if specialized:
-        _gluon_bwd_ws[(triton.cdiv(Lk, bn), B * H_kv)](
-            q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm), _descriptor(dk, bn),
-            _descriptor(dv, bn), _descriptor(dq_sum, bm), lse, delta, *lse.stride(), scale, H_kv, H // H_kv, Lq, Lk,
-            0 if causal_shift is None else causal_shift,
-            BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
-            STATS_SMEM=stats_smem, num_warps=warps, **COMPILE_OPTIONS)
+        grid, args, meta = _ws_launch(q, k, v, grad_out, dk, dv, dq_sum, lse, delta, scale, causal_shift, tile,
+                                      stats_smem)
+        _gluon_bwd_ws[grid](*args, **meta)
         return one_pass_dq(dq_sum, scale, q.dtype, dq), dk, dv
+    bm, bn, stages, warps, dq_t = tile or fused_tile(D)
+    q_desc = _descriptor(q, bm)
     _gluon_bwd_fused[(triton.cdiv(Lk, bn), B * H_kv)](
         q_desc, _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
         _descriptor(dk, bn), _descriptor(dv, bn), dq_sum, _descriptor(dq_sum, bm) if dq_tma else q_desc, lse, delta,
@@ -908,15 +924,30 @@ def backward_fused(q, k, v, out, grad_out, lse, scale: float, causal_shift: int 
     return one_pass_dq(dq_sum, scale, q.dtype, dq), dk, dv
 
 
+def _ws_launch(q, k, v, grad_out, dk, dv, dq_sum, lse, delta, scale: float, causal_shift: int | None,
+               tile: tuple | None, stats_smem: bool) -> tuple[tuple, tuple, dict]:
+    """(grid, runtime arguments, constexprs and options) of ``backward_fused``'s warp-specialised launch
+    (``_gluon_bwd_ws``): the seven TMA descriptors (q, k, v, grad_out, dk, dv, dQ's sum) first, then the
+    log-sum-exp and delta; ``tile`` (BLOCK_M, BLOCK_N, STAGES, num_warps, DQ_T) or ``ws_tile``'s."""
+    B, H, Lq, D = q.shape
+    H_kv, Lk = k.shape[1], k.shape[2]
+    bm, bn, stages, warps, dq_t = tile or ws_tile(D)
+    args = (_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(grad_out, bm),
+            _descriptor(dk, bn), _descriptor(dv, bn), _descriptor(dq_sum, bm), lse, delta, *lse.stride(), scale,
+            H_kv, H // H_kv, Lq, Lk, 0 if causal_shift is None else causal_shift)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, STAGES=stages, IS_CAUSAL=causal_shift is not None, DQ_T=dq_t,
+                STATS_SMEM=stats_smem, num_warps=warps, **COMPILE_OPTIONS)
+    return (triton.cdiv(Lk, bn), B * H_kv), args, meta
+
+
 # The warp-specialised one pass, each row tile's stats read from shared memory, runs the Triton backend's backward
 # (impl_triton.attention.backward) for the head dims and lengths where it timed faster than the tl backward
-# (benchmarks/NOTES.md): D 64 and 128 from 4096 rows and keys. Its launches are not bound (three a call, seven
-# descriptors, Triton's JIT dispatch of the Gluon kernel): at 1024 its kernel ran faster than the tl backward's but
-# a training step there waited for that host work, and a call smaller than the Gluon forward's guard
-# (gluon_attention.large_enough) keeps the tl backward's bound launches too. ATTENTION_GLUON=1 takes it for every
-# backward it serves, 0 for none.
+# (benchmarks/NOTES.md): D 64 and 128 from 1024 rows and keys; shorter lengths are untimed. A layout's first two
+# calls plan (three launches, seven descriptors, Triton's JIT dispatch of the Gluon kernel), later ones run its
+# bound launches (BoundOnePass); a call smaller than the Gluon forward's guard (gluon_attention.large_enough)
+# keeps the tl backward. ATTENTION_GLUON=1 takes it for every backward it serves, 0 for none.
 ONE_PASS_HEAD_DIMS = (64, 128)
-ONE_PASS_MIN_LENGTH = 4096
+ONE_PASS_MIN_LENGTH = 1024
 
 
 @functools.cache
@@ -965,8 +996,74 @@ def serves_plan(plan) -> bool:
 def backward_plan(plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A ``common.plan.BackwardPlan``'s gradients by the warp-specialised one pass (each row tile's m2 and delta
     read from shared memory, the faster of its two forms), into its buffers: ``(plan.grad_query, plan.grad_key,
-    plan.grad_value)``."""
+    plan.grad_value)``; delta into ``plan.delta``."""
     causal_shift = None if plan.band is None else plan.band[1]
     return backward_fused(plan.query, plan.key, plan.value, plan.out, plan.grad_out, plan.lse, plan.scale,
                           causal_shift, grad_lse=plan.grad_lse, dq=plan.grad_query, dk=plan.grad_key,
-                          dv=plan.grad_value, specialized=True, stats_smem=True)
+                          dv=plan.grad_value, specialized=True, stats_smem=True, delta=plan.delta)
+
+
+class BoundOnePass:
+    """``backward_plan``'s three launches bound to a plan's layout (the Triton backend's ``bind_backward``; a
+    later call of that layout passes its tensors in ``BackwardPlan.ROLES`` order, ``common.reuse.KeptBackward``).
+    A call then allocates dQ's float32 sum and runs the launches before and after the one pass bound
+    (``common.launch.BoundSlots``), and the one pass itself as ``gluon_attention.BoundGluon`` runs the Gluon
+    forward: its seven descriptors rebased on the call's tensors and, once its compiled kernel is known,
+    Triton's launcher called directly; no planning, no ``one_pass`` checks, no JIT dispatch. A call with a
+    tensor the copy engine reads or writes off 16 bytes runs the tl backward's bound launches (``fallback``)."""
+
+    SUM = len(BackwardPlan.ROLES)  # (dQ's sum: a call's tensors are the plan's roles, then it)
+    # the roles of the one pass's descriptors, by position: q, k, v, grad_out, dk, dv, dQ's sum
+    DESCRIPTOR_ROLES = (0, 1, 2, 4, 9, 10, SUM)
+    TMA_ROLES = DESCRIPTOR_ROLES[:-1]  # (dQ's sum is the call's own allocation)
+
+    def __init__(self, plan, fallback):
+        q = plan.query
+        causal_shift = None if plan.band is None else plan.band[1]
+        dq_sum = torch.empty(*q.shape, dtype=torch.float32, device=q.device)  # (the layout's; not kept)
+        # (each grid (x, y, z): a compiled kernel's direct launch takes all three, common.compat.direct_launcher)
+        grid, args, meta = _prologue_args(plan.out, plan.grad_out, plan.grad_lse, plan.delta, dq_sum)
+        dlse = 6 if plan.grad_lse is not None else 7
+        self.prologue = BoundSlots(_prologue_launcher, _prologue_launcher.positional(args, meta),
+                                   ((0, 3), (1, 4), (2, dlse), (3, 7), (4, self.SUM)), (*grid, 1, 1), 4, 1)
+        grid, args, meta = _epilogue_args(dq_sum, plan.grad_query, plan.scale)
+        self.epilogue = BoundSlots(_epilogue_launcher, _epilogue_launcher.positional(args, meta),
+                                   ((0, self.SUM), (1, 8)), (*grid, 1, 1), 4, 1)
+        grid, args, self.meta = _ws_launch(q, plan.key, plan.value, plan.grad_out, plan.grad_key, plan.grad_value,
+                                           dq_sum, plan.lse, plan.delta, plan.scale, causal_shift, None, True)
+        self.grid = (*grid, 1)
+        self.sum_shape = tuple(q.shape)
+        self.templates = args[:7]  # (rebased on each call's tensors; the plan's are not kept)
+        for template in self.templates:
+            template.base = None
+        self.args = [None] * 9 + list(args[9:])  # (the descriptors, the log-sum-exp and delta: each call's)
+        params = compat.jit_parameters(_gluon_bwd_ws)
+        # (a compiled kernel's runner takes every parameter in signature order: the constexprs follow the
+        # runtime arguments here)
+        assert all(constexpr == (num >= len(args)) for _, num, constexpr, _ in params)
+        self.constexprs = [self.meta[name] for name, _, constexpr, _ in params if constexpr]
+        self.fallback = fallback
+        self.kernels: dict = {}  # the compiled one pass per alignment of the call's log-sum-exp and delta
+
+    def __call__(self, tensors) -> None:
+        pointers = [tensors[role].data_ptr() for role in self.TMA_ROLES]
+        if any(pointer & 15 for pointer in pointers):
+            self.fallback(tensors)
+            return
+        q = tensors[0]
+        tensors = (*tensors, torch.empty(self.sum_shape, dtype=torch.float32, device=q.device))
+        self.prologue(tensors)
+        args = self.args.copy()
+        args[:7] = [_rebased(t, tensors[role]) for t, role in zip(self.templates, self.DESCRIPTOR_ROLES)]
+        lse, delta = tensors[5], tensors[7]
+        key = alignment([lse.data_ptr(), delta.data_ptr()])
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            args[7:9] = lse, delta
+            kernel = _gluon_bwd_ws[self.grid[:2]](*args, **self.meta)
+            if hasattr(kernel, "run") and not compat.needs_launch_scratch(kernel):
+                self.kernels[key] = kernel
+        else:
+            args[7:9] = lse.data_ptr(), delta.data_ptr()
+            launch_compiled(kernel, self.grid, (*args, *self.constexprs))
+        self.epilogue(tensors)

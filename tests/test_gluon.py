@@ -462,6 +462,83 @@ def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with
     assert len(calls) == 2 and len(fallback) == 1 and fallback[0][0] is unaligned
 
 
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, device, with_dlse):
+    """BoundOnePass (any device: the launches before and after the one pass are tl kernels, which the
+    interpreter runs on a CPU; the Gluon kernel and Triton's launcher stood in): the binding call's tensors are
+    not kept; a later call's delta = rowsum(grad_out * out) - grad_lse lands in its delta, its dQ sum starts at
+    zero, the one pass gets its descriptors rebased on that call's q, k, v, grad_out, dk, dv and sum, its
+    log-sum-exp and delta, first through the kernel's JIT, then the compiled kernel with their addresses and the
+    constexprs in signature order, and its dQ is the sum times the scale; a tensor the copy engine takes off 16
+    bytes runs the fallback."""
+    from common import compat
+    from common import plan as planning
+    from common.backends import get_backend
+    from common.validation import check_call
+    from impl_triton import gluon_backward as gb
+
+    B, H, H_kv, L, D, scale = 1, 2, 1, 64, 64, 0.3
+
+    def tensors():
+        q = torch.randn(B, H, L, D, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H_kv, L, D, device=device, dtype=torch.bfloat16) for _ in range(2))
+        out, grad_out = torch.randn_like(q), torch.randn_like(q)
+        lse = torch.randn(B, H, L, device=device)
+        grad_lse = torch.randn(B, H, L, device=device) if with_dlse else None
+        return q, k, v, out, grad_out, lse, grad_lse
+
+    q, k, v, out, grad_out, lse, grad_lse = tensors()
+    call = check_call(get_backend("triton"), q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=scale,
+                      enable_gqa=True, return_lse=False)
+    plan = planning.make_backward(call, get_backend("triton"), out, lse, grad_out, grad_lse)
+    fallback = []
+    bound = gb.BoundOnePass(plan, lambda t: fallback.append(t))
+    kept = [*bound.args, *(t.base for t in bound.templates), *bound.prologue.args, *bound.epilogue.args]
+    assert not any(isinstance(a, torch.Tensor) for a in kept)  # (the binding call's tensors are not kept)
+    # (a compiled kernel's direct launch takes (x, y, z): common.compat.direct_launcher)
+    assert bound.grid == (1, B * H_kv, 1) and bound.prologue.grid == bound.epilogue.grid == (B * H, 1, 1)
+    params = compat.jit_parameters(gb._gluon_bwd_ws)
+    calls = []
+
+    def one_pass(kind, args):
+        """The stand-in kernel: records its arguments, adds 2 to every element of dQ's sum (its descriptor's base)."""
+        calls.append((kind, args))
+        args[6].base.add_(2.0)
+
+    class Compiled:
+        metadata = types.SimpleNamespace()
+
+        def run(self, *args):
+            pass
+
+    class Kernel:
+        def __getitem__(self, grid):
+            assert grid == bound.grid[:2] == (1, B * H_kv)
+            return lambda *args, **meta: one_pass("jit", args) or Compiled()
+
+    monkeypatch.setattr(gb, "_gluon_bwd_ws", Kernel())
+    monkeypatch.setattr(gb, "launch_compiled", lambda kernel, grid, args: one_pass("compiled", args))
+    for _ in range(2):
+        q, k, v, out, grad_out, lse, grad_lse = tensors()
+        delta, dq, dk, dv = (torch.full_like(t, float("nan")) for t in planning.backward_buffers(q, k, v))
+        roles = (q, k, v, out, grad_out, lse, grad_lse, delta, dq, dk, dv)
+        bound(roles)
+        kind, args = calls[-1]
+        assert [d.base for d in args[:6]] == [q, k, v, grad_out, dk, dv] and args[6].base.dtype == torch.float32
+        expected = (out.float() * grad_out.float()).sum(-1) - (grad_lse if with_dlse else 0)
+        torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(dq, torch.full_like(dq, 2.0 * scale))  # (the sum from zeros, plus the stand-in's 2)
+        if kind == "jit":
+            assert args[7] is lse and args[8] is delta
+        else:
+            assert args[7:9] == (lse.data_ptr(), delta.data_ptr()) and len(args) == len(params)
+            assert args[9:18] == tuple(bound.args[9:18]) and list(args[18:]) == bound.constexprs
+    assert [kind for kind, _ in calls] == ["jit", "compiled"] and not fallback
+    unaligned = torch.empty(q.numel() + 8, device=device, dtype=q.dtype)[1:q.numel() + 1].view(q.shape)
+    bound((unaligned, *roles[1:]))
+    assert len(calls) == 2 and len(fallback) == 1 and fallback[0][0] is unaligned and len(fallback[0]) == 11
+
+
 def test_switch_takes_0_1_or_nothing(monkeypatch, device):
     """A misspelt switch is a clear error before any launch, not a silent default."""
     from common import attention
@@ -602,12 +679,12 @@ def test_dispatched_one_pass_compiles_for_sm90_as_measured(causal, tmp_path):
 
 def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     """gluon_backward.one_pass (the tensors' sm_90 and TMA checks stood in, so any machine runs it): with the
-    bulk reduce-add and nothing asking for a deterministic backward, D 64 and 128 from 4096 rows and keys, causal
+    bulk reduce-add and nothing asking for a deterministic backward, D 64 and 128 from 1024 rows and keys, causal
     or not, at least the Gluon forward's FLOPs (large_enough), takes the warp-specialised one pass; D 256, shorter
     rows or keys, a smaller call (its bound tl launches cost a loop less), ATTENTION_GLUON=0, deterministic=True
     or torch.use_deterministic_algorithms keep the tl backward; ATTENTION_GLUON=1 takes every plan it serves,
     never a mask, a window with a left edge or a head dim it has no kernel for (256); without the bulk
-    reduce-add, none. The Triton backend binds no launch for a plan the one pass runs."""
+    reduce-add, none. The Triton backend binds the one pass's launches (BoundOnePass) for a plan it runs."""
     import dataclasses
 
     import impl_triton.attention as triton_attention
@@ -636,10 +713,7 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     mask = torch.ones(4096, 4096, dtype=torch.bool, device=DEVICE)
     assert gb.one_pass(plan()) and gb.one_pass(plan(is_causal=False)) and gb.one_pass(plan(L=8192, Lk=4096))
     assert gb.one_pass(plan(D=64))
-    assert triton_attention.bind_backward(plan()) is None
-    assert gb.one_pass(plan(L=4096, Lk=8192)) and gb.one_pass(plan(L=8192, D=64, is_causal=False))
-    # (1024 rows or keys, past the guard at B 512: the tl backward, whose launches are bound)
-    assert not gb.one_pass(plan(L=1024)) and not gb.one_pass(plan(L=1024, Lk=4096, D=64, is_causal=False))
+    assert gb.one_pass(plan(L=1024)) and gb.one_pass(plan(L=1024, D=64, is_causal=False))
     # (the guard: 4·B·L²·D, half causal, against 3e10; 14 batches of D 64 at 4096 causal pass, 13 do not)
     assert gb.one_pass(plan(D=64, B=14)) and not gb.one_pass(plan(D=64, B=13))
     kept_tl = (plan(deterministic=True), plan(D=256), plan(L=512), plan(Lk=512),
@@ -657,6 +731,7 @@ def test_one_pass_runs_where_measured_and_never_when_deterministic(monkeypatch):
     assert not gb.one_pass(many)  # (B·H_kv programs past a grid axis)
     monkeypatch.setenv("ATTENTION_GLUON", "1")
     assert [gb.one_pass(p) for p in kept_tl] == [False, False, True, True, False, False, True]
+    assert isinstance(triton_attention.bind_backward(plan(L=512, B=1)), gb.BoundOnePass)
     monkeypatch.setenv("ATTENTION_GLUON", "0")
     assert not gb.one_pass(plan())
     monkeypatch.setenv("ATTENTION_GLUON", "yes")
@@ -693,14 +768,17 @@ def test_one_pass_needs_a_cuda13_ptxas(version, builds, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="Gluon's Hopper kernel runs on sm_90 GPUs only (not under the interpreter)")
-@pytest.mark.parametrize("L", [4096])
+@pytest.mark.parametrize("L", [1024, 4096])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monkeypatch):
-    """attention's backward on the Triton backend at the benchmark's head dims and a length the one pass is
-    dispatched at (D 64 and 128, 4096, grouped heads, bf16; heads enough to pass the size guard) runs the
-    warp-specialised one pass, its gradients within twice the tl backward's error of float32 autograd through
-    SDPA (plus a hair); with deterministic=True the tl backward runs instead, bit for bit the same twice."""
+    """attention's backward on the Triton backend at the benchmark's head dims and lengths (D 64 and 128, 1024 and
+    4096, grouped heads, bf16; heads enough to pass the size guard) runs the warp-specialised one pass, its
+    gradients within twice the tl backward's error of float32 autograd through SDPA (plus a hair), from its first
+    call (planned), its second (planned, then bound), its third and fourth (the bound launches, BoundOnePass:
+    through the JIT, then the compiled kernels directly), and a
+    query off 16 bytes (the bound launches hand it to the tl backward's); with
+    deterministic=True the tl backward runs instead, bit for bit the same twice."""
     from common import attention
     from common.reuse import BACKWARDS
     from impl_triton import gluon_backward as gb
@@ -718,18 +796,28 @@ def test_triton_backward_takes_the_one_pass_where_dispatched(causal, D, L, monke
     grad_out = torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16)
     BACKWARDS.clear()
 
-    def grads(**kw):
-        out = attention(q, k, v, is_causal=causal, enable_gqa=True, backend="triton", **kw)
-        return torch.autograd.grad(out, (q, k, v), grad_out)
+    def grads(query=q, **kw):
+        out = attention(query, k, v, is_causal=causal, enable_gqa=True, backend="triton", **kw)
+        return torch.autograd.grad(out, (query, k, v), grad_out)
 
-    one_pass = grads()
-    assert taken == [q.shape]
+    bound_calls, call = [], gb.BoundOnePass.__call__
+    monkeypatch.setattr(gb.BoundOnePass, "__call__",
+                        lambda self, tensors: bound_calls.append(tensors[0].shape) or call(self, tensors))
+    # (the layout's second call binds, its third runs the bound launches and keeps their compiled kernels, its
+    # fourth launches those directly)
+    one_pass, binding, bound, direct = grads(), grads(), grads(), grads()
+    assert taken == [q.shape, q.shape] and bound_calls == [q.shape, q.shape]
     tl, again = grads(deterministic=True), grads(deterministic=True)
-    assert taken == [q.shape] and all(torch.equal(a, b) for a, b in zip(tl, again))
+    assert taken == [q.shape, q.shape] and all(torch.equal(a, b) for a, b in zip(tl, again))
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=True)
     expected = torch.autograd.grad(out, (qf, kf, vf), grad_out.float())
-    assert_as_close_as_tl(("dq", "dk", "dv"), one_pass, tl, expected)
+    # (a query off 16 bytes, the same layout: the bound launches hand it to the tl backward's)
+    unaligned = torch.empty(q.numel() + 8, device="cuda", dtype=q.dtype)[1:q.numel() + 1].view(q.shape)
+    off = grads(unaligned.copy_(q.detach()).requires_grad_())
+    assert bound_calls == [q.shape] * 3 and taken == [q.shape, q.shape]
+    for got in (one_pass, binding, bound, direct, off):
+        assert_as_close_as_tl(("dq", "dk", "dv"), got, tl, expected)
 
 
 BACKWARD_CASES = [  # (B, H, H_kv, Lq, Lk, scale, with a gradient of the log-sum-exp)

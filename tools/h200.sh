@@ -116,13 +116,13 @@ for stage in "$@"; do
                [ "$ws" = 0 ] || echo "the warp-specialised cases ended with exit $ws: the probe leaves them out"
                PROBE_BWD_WS=$([ "$ws" = 0 ] && echo 1 || echo 0) timeout "${GLUON_BWD_PROBE_T:-500}" python3 tools/probe.py gluon_bwd 2>&1 | tee "$OUT/gluon_bwd.log" ;;
     # the one pass as the triton backend's backward (TRITON_CARRIED=1: it runs under triton >= 3.9 only): its GPU
-    # tests (the dispatch, the warp-specialised cases at ws_tile), then triton's forward, backward and training step
-    # against SDPA's at D 64 and 128, 1k to 16k keys (the one pass from 4096; 2026-12-07 on an H100: 39 s and 218 s
-    # at 4k and 16k)
-    gluon-bwd-dispatch) timeout 240 python3 -m pytest tests/test_gluon.py -k "takes_the_one_pass or one-pass-ws or one_pass_runs" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_dispatch.log"
+    # tests (the dispatch, the bound launches, the warp-specialised cases at ws_tile), then triton's forward, backward
+    # and training step against SDPA's at D 64 and 128, 1k to 16k keys (the one pass from 1024; 2026-12-07 on an H100:
+    # 39 s and 218 s at 4k and 16k)
+    gluon-bwd-dispatch) timeout 240 python3 -m pytest tests/test_gluon.py -k "takes_the_one_pass or one-pass-ws or one_pass_runs or bound_one_pass" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_dispatch.log"
                  timeout 300 python3 -m common bench --sections throughput --modes fwd bwd fwd+bwd --dtypes bfloat16 --head-dims 64 128 --lengths ${DISPATCH_LENGTHS:-1024 4096 16384} --backends triton torch --out /tmp/bench-bwd39 --markdown "" 2>&1 | grep "^throughput" > "$OUT/bench_bwd39.log"; cp /tmp/bench-bwd39/results.json "$OUT/results_bwd39.json"; tail -48 "$OUT/bench_bwd39.log" ;;
     # the one pass's forms against the tl backward (switched off for it) and SDPA's, the backward alone, at
-    # PROBE_BWD_LENGTHS (2026-12-07: 1024 and 4096 timed; from 4096 it is dispatched), then issue 43's grouped-query step
+    # PROBE_BWD_LENGTHS (2026-12-07: 1024 and 4096 timed; from 1024 it is dispatched), then issue 43's grouped-query step
     gluon-bwd-forms) PROBE_BWD_LENGTHS="${PROBE_BWD_LENGTHS:-1024 4096}" PROBE_BWD_TILES=0 PROBE_BWD_SCHEMES="one-pass ws,one-pass ws stats smem,one-pass ws stats smem 128 rows,one-pass ws stats smem 128 rows dqt,one-pass ws stats smem 3 stages,one-pass ws stats smem dqt" timeout 400 python3 tools/probe.py gluon_bwd 2>&1 | grep bf16 | tee "$OUT/gluon_bwd_forms.log"
                  timeout 90 python3 tools/probe.py gqa_step 2>&1 | grep fwd+bwd | tee "$OUT/gqa_step.log" ;;
     # the one pass in a user's loop against the tl backward's bound launches, around its size guard (TRITON_CARRIED=1)
