@@ -24,7 +24,7 @@ semantics:
 - ``deterministic``: in the dense functions, as FlashAttention's: True keeps the backward
   bit for bit the same from run to run. False (the default) lets the "triton" backend
   take its one-pass backward where it runs (sm_90, triton >= 3.9, head dims 64 and 128 from
-  4096 keys, calls of at least 3e10 FLOPs; README), whose dQ sums land in any order;
+  1024 keys, calls of at least 3e10 FLOPs; README), whose dQ sums land in any order;
   ``torch.use_deterministic_algorithms(True)`` asks for the deterministic one everywhere.
   The "torch" backend refuses True (SDPA's own backward: use torch's switch). In the varlen
   and KV-cache functions it has nothing to choose (their backward is always deterministic,
