@@ -40,7 +40,7 @@ from common.backends import OFFSETS64, resolve
 from common.configs import length_key
 from common.ops import _on_device
 from common.outputs import allocator, partials
-from common.validation import OFFSET_LIMIT, check_call, span
+from common.validation import FP8_DTYPES, OFFSET_LIMIT, check_call, span
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -406,8 +406,8 @@ def operator_layout(backend, call, with_lse: bool):
     FP8 inputs or another output dtype: those plan every call) and for SDPA."""
     if (not backend.kernels or call.attn_mask is not None or call.dropout_p or call.window is not None
             or call.bottom_right or call.softcap is not None or call.sinks is not None or call.row_bands is not None
-            or call.alibi_slopes is not None or call.descales is not None
-            or call.out_dtype not in (None, call.query.dtype)):
+            or call.alibi_slopes is not None or call.descales is not None or call.key.dtype in FP8_DTYPES
+            or call.query.dtype in FP8_DTYPES or call.out_dtype not in (None, call.query.dtype)):
         return None
     q, k, v = call.query, call.key, call.value
     return layout_of(backend, call.is_causal, call.scale, q.shape[1] != k.shape[1], with_lse, q, k, v)
