@@ -127,6 +127,8 @@ for stage in "$@"; do
                  timeout 90 python3 tools/probe.py gqa_step 2>&1 | grep fwd+bwd | tee "$OUT/gqa_step.log" ;;
     # the one pass in a user's loop against the tl backward's bound launches, around its size guard (TRITON_CARRIED=1)
     gluon-bwd-host) timeout 240 python3 tools/probe.py gluon_bwd_host 2>&1 | tee "$OUT/gluon_bwd_host.log" ;;
+    # where a training step's time goes at 1k and 4k (kernels, host functions), the one pass and the tl backward, SDPA
+    train-step) timeout 300 python3 tools/probe.py train_step 2>&1 | grep -v nanobind | tee "$OUT/train_step.log" ;;
     gluon) timeout 300 python3 -m pytest tests/test_gluon.py -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_tests.log"
            timeout 240 python3 tools/probe.py gluon 2>&1 | tee "$OUT/gluon_probe.log" ;;
     # the paged and FP8 tests of both backends (FP8-cache generation and the paged reliability tests too), then the

@@ -69,9 +69,13 @@ is written to the project.
 - gluon_host: what a call of the Gluon path costs the host (it is launched through Triton's JIT each call,
   not bound): wall time per call and do_bench of attention() with the table's dispatch and with the tl
   kernel (ATTENTION_GLUON=0) at small and mid shapes, D 128 bf16 causal.
-- gluon_bwd_host: the one-pass backward in a user's loop (its launches unbound) against the tl backward's bound
-  launches: wall time per call and do_bench of attention_backward() with the one pass forced, the tl backward,
+- gluon_bwd_host: the one-pass backward in a user's loop against the tl backward, both bound from a layout's
+  third call: wall time per call and do_bench of attention_backward() with the one pass forced, the tl backward,
   and the default dispatch (its size guard), around the guard; where the one pass starts to pay in a loop.
+- train_step: where a training step's time goes: do_bench of the forward with and without grad, the backward
+  and the step, a loop's wall time per step, the kernels a step launches (torch.profiler) and the step's host
+  time by Python function (cProfile); the triton backend with its dispatched backward and with the tl
+  backward, and SDPA.
 - gluon_fp8: the Gluon ping-pong forward with FP8 inputs against the tl kernel's FP8 forward, the
   ping-pong bf16 forward and SDPA's bf16 (issue 44's prefill shapes; TFLOP/s, do_bench).
 - gluon_bwd: the Gluon backward (impl_triton.gluon_backward) against our tl backward and SDPA's, the
@@ -1764,9 +1768,9 @@ def gluon_host():
 
 
 def gluon_bwd_host():
-    """Issue 43: what the one-pass backward costs a user's loop. Its three launches are not bound (each call plans,
-    makes seven descriptors and goes through Triton's JIT dispatch of the Gluon kernel) where the tl backward's are
-    from a layout's second call; so below some size the one pass's faster kernel loses to its host time. Wall time
+    """Issue 43: what the one-pass backward costs a user's loop. Its three launches are bound from a layout's third
+    call (gluon_backward.BoundOnePass), as the tl backward's; below some size the one pass's faster kernel still
+    loses to its host time (three launches, seven descriptors rebased). Wall time
     per call (plain loop) and do_bench of attention_backward() with the one pass forced (ATTENTION_GLUON=1), the tl
     backward (0) and the default dispatch (unset: the size guard, gluon_attention.large_enough), bf16, at shapes
     around the guard (its FLOPs: 4·B·H·L²·D, half causal, against MIN_FLOPS). Triton >= 3.9 (the one pass)."""
@@ -1795,6 +1799,69 @@ def gluon_bwd_host():
                 fn()
                 line.append(f"{name} wall {wall_time_us(fn):.0f} µs, do_bench {gpu_time_ms(fn) * 1e3:.0f} µs")
         print("; ".join(line), flush=True)
+
+
+def train_step():
+    """Issue 43: where a training step's time goes, bf16, at the benchmark's 1k and 4k shapes (B·L = 16k,
+    H·D = 2048). Per shape and way (the triton backend as dispatched; the triton backend with the tl backward,
+    its one pass held to longer keys; SDPA): do_bench of the forward without grad and with it, the backward
+    alone, the step (forward + backward); a plain loop's wall time per step; the kernels of five steps under
+    torch.profiler (device time per step); and for the triton ways the Python functions with the most own
+    time over twenty steps (cProfile): the step's host work, which sets its time where the kernels are short."""
+    import cProfile
+    import pstats
+
+    from common.reuse import BACKWARDS
+    from impl_triton import gluon_backward as gb
+
+    shapes = [(16, 16, 1024, 128, True), (16, 16, 1024, 128, False), (16, 32, 1024, 64, True),
+              (16, 32, 1024, 64, False), (4, 16, 4096, 128, True)]
+    min_length = gb.ONE_PASS_MIN_LENGTH
+    for B, H, L, D, causal in shapes:
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+        for way in ("triton", "triton, tl backward", "sdpa"):
+            gb.ONE_PASS_MIN_LENGTH = 1 << 62 if way == "triton, tl backward" else min_length
+            BACKWARDS.clear()  # (a layout's kept backward follows the threshold it was planned under)
+            if way == "sdpa":
+                fn = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal)
+            else:
+                fn = functools.partial(attention, q, k, v, is_causal=causal, backend="triton")
+            with torch.no_grad():
+                forward = gpu_time_ms(fn)
+            with_grad = gpu_time_ms(fn)
+            out = fn()
+            backward = gpu_time_ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+
+            def step():
+                return torch.autograd.grad(fn(), (q, k, v), grad)
+
+            line = (f"({B}, {H}, {L}, {D}) {'causal' if causal else 'full'} {way}: forward {forward * 1e3:.0f} µs "
+                    f"({with_grad * 1e3:.0f} with grad), backward {backward * 1e3:.0f}, step "
+                    f"{gpu_time_ms(step) * 1e3:.0f}, wall per step {wall_time_us(step):.0f}")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            kernels = sorted(((e.self_device_time_total / 5, e.key) for e in prof.key_averages()
+                              if e.self_device_time_total > 0), reverse=True)
+            print(f"{line}; kernels {sum(t for t, _ in kernels):.0f} µs a step: "
+                  + ", ".join(f"{name[:48]} {t:.0f}" for t, name in kernels[:6]), flush=True)
+            if way != "sdpa":
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(20):
+                    step()
+                profiler.disable()
+                torch.cuda.synchronize()
+                stats = pstats.Stats(profiler)
+                rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:12]
+                print("    host, own µs a step: " + "; ".join(
+                    f"{func[2]} ({os.path.basename(func[0])}:{func[1]}) {own / 20 * 1e6:.0f}"
+                    for func, (_, _, own, _, _) in rows), flush=True)
+    gb.ONE_PASS_MIN_LENGTH = min_length
+    BACKWARDS.clear()
 
 
 @contextlib.contextmanager
