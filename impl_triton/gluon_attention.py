@@ -809,11 +809,7 @@ class BoundGluon:
         for position, _ in self.slots:
             self.args[position] = None  # (the plan's tensors are not kept)
         self.args[:4] = [None] * 4
-        params = compat.jit_parameters(self.kernel)
-        # (a compiled kernel's runner takes every parameter in signature order: the constexprs follow
-        # the runtime arguments in these kernels)
-        assert all(constexpr == (num >= len(args)) for _, num, constexpr, _ in params)
-        self.constexprs = [self.meta[name] for name, _, constexpr, _ in params if constexpr]
+        self.constexprs = _runner_constexprs(self.kernel, self.meta, len(args))
         self.kernels: dict = {}  # the compiled kernel per alignment of the call's descales (common.launch.alignment)
 
     def __call__(self, tensors) -> None:
@@ -823,17 +819,37 @@ class BoundGluon:
         args = self.args.copy()
         args[:4] = [_rebased(t, tensors[i]) for i, t in enumerate(self.templates)]
         key = alignment([tensors[7].data_ptr(), tensors[8].data_ptr(), tensors[9].data_ptr()]) if self.fp8 else 0
-        kernel = self.kernels.get(key)
-        if kernel is None:
-            for position, role in self.slots:
-                args[position] = tensors[role]
-            kernel = self.kernel[self.grid[:2]](*args, **self.meta)
-            if hasattr(kernel, "run") and not compat.needs_launch_scratch(kernel):
-                self.kernels[key] = kernel
-            return
-        for position, role in self.slots:
-            args[position] = tensors[role].data_ptr()
-        launch_compiled(kernel, self.grid, (*args, *self.constexprs))
+        launch_kept(self.kernels, key, self.kernel, self.grid, self.meta, self.constexprs, args,
+                    [(position, tensors[role]) for position, role in self.slots])
+
+
+def _runner_constexprs(kernel, meta: dict, num_args: int) -> list:
+    """``kernel``'s constexprs from ``meta`` in signature order, which a compiled kernel's runner takes after
+    the ``num_args`` runtime arguments (every parameter in signature order: these kernels declare their
+    constexprs after their runtime parameters, checked here)."""
+    params = compat.jit_parameters(kernel)
+    assert all(constexpr == (num >= num_args) for _, num, constexpr, _ in params)
+    return [meta[name] for name, _, constexpr, _ in params if constexpr]
+
+
+def launch_kept(kernels: dict, key, kernel, grid, meta: dict, constexprs: list, args: list, slots) -> None:
+    """A bound Gluon launch (``BoundGluon``, ``gluon_backward.BoundOnePass``): ``args``, the runtime
+    arguments, with each ``(position, tensor)`` of ``slots`` put in. The first launch of an alignment
+    ``key`` (Triton specialises a kernel on its pointers' alignment) goes through ``kernel``'s JIT, which
+    compiles it; the compiled kernel is kept in ``kernels`` where Triton's launcher can run it directly (no
+    scratch memory to allocate), and later launches call it with the tensors' addresses and the
+    ``constexprs`` (``common.launch.launch_compiled``)."""
+    compiled = kernels.get(key)
+    if compiled is None:
+        for position, tensor in slots:
+            args[position] = tensor
+        compiled = kernel[grid[:2]](*args, **meta)
+        if hasattr(compiled, "run") and not compat.needs_launch_scratch(compiled):
+            kernels[key] = compiled
+        return
+    for position, tensor in slots:
+        args[position] = tensor.data_ptr()
+    launch_compiled(compiled, grid, (*args, *constexprs))
 
 
 def _rebased(descriptor, base):

@@ -55,9 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from common import compat
 from common.interpret import apply_interpreter_fixes
-from common.launch import COMPILE_OPTIONS, BoundSlots, CachedLauncher, alignment, launch_compiled
+from common.launch import COMPILE_OPTIONS, BoundSlots, CachedLauncher, alignment
 from common.plan import MAX_GRID_AXIS, BackwardPlan
 from impl_triton.gluon_attention import (
     LOG2E,
@@ -66,12 +65,14 @@ from impl_triton.gluon_attention import (
     _key_tiles,
     _program,
     _rebased,
+    _runner_constexprs,
     _tma_load,
     _tma_ready,
     _tma_store,
     _whole_tiles,
     gluon_switch,
     large_enough,
+    launch_kept,
 )
 from impl_triton.gluon_attention import descriptor as _descriptor
 from impl_triton.kernels import _one_pass_epilogue, _one_pass_prologue
@@ -1021,14 +1022,13 @@ class BoundOnePass:
         q = plan.query
         causal_shift = None if plan.band is None else plan.band[1]
         dq_sum = torch.empty(*q.shape, dtype=torch.float32, device=q.device)  # (the layout's; not kept)
-        # (each grid (x, y, z): a compiled kernel's direct launch takes all three, common.compat.direct_launcher)
         grid, args, meta = _prologue_args(plan.out, plan.grad_out, plan.grad_lse, plan.delta, dq_sum)
         dlse = 6 if plan.grad_lse is not None else 7
         self.prologue = BoundSlots(_prologue_launcher, _prologue_launcher.positional(args, meta),
-                                   ((0, 3), (1, 4), (2, dlse), (3, 7), (4, self.SUM)), (*grid, 1, 1), 4, 1)
+                                   ((0, 3), (1, 4), (2, dlse), (3, 7), (4, self.SUM)), grid, 4, 1)
         grid, args, meta = _epilogue_args(dq_sum, plan.grad_query, plan.scale)
         self.epilogue = BoundSlots(_epilogue_launcher, _epilogue_launcher.positional(args, meta),
-                                   ((0, self.SUM), (1, 8)), (*grid, 1, 1), 4, 1)
+                                   ((0, self.SUM), (1, 8)), grid, 4, 1)
         grid, args, self.meta = _ws_launch(q, plan.key, plan.value, plan.grad_out, plan.grad_key, plan.grad_value,
                                            dq_sum, plan.lse, plan.delta, plan.scale, causal_shift, None, True)
         self.grid = (*grid, 1)
@@ -1037,11 +1037,7 @@ class BoundOnePass:
         for template in self.templates:
             template.base = None
         self.args = [None] * 9 + list(args[9:])  # (the descriptors, the log-sum-exp and delta: each call's)
-        params = compat.jit_parameters(_gluon_bwd_ws)
-        # (a compiled kernel's runner takes every parameter in signature order: the constexprs follow the
-        # runtime arguments here)
-        assert all(constexpr == (num >= len(args)) for _, num, constexpr, _ in params)
-        self.constexprs = [self.meta[name] for name, _, constexpr, _ in params if constexpr]
+        self.constexprs = _runner_constexprs(_gluon_bwd_ws, self.meta, len(args))
         self.fallback = fallback
         self.kernels: dict = {}  # the compiled one pass per alignment of the call's log-sum-exp and delta
 
@@ -1056,14 +1052,6 @@ class BoundOnePass:
         args = self.args.copy()
         args[:7] = [_rebased(t, tensors[role]) for t, role in zip(self.templates, self.DESCRIPTOR_ROLES)]
         lse, delta = tensors[5], tensors[7]
-        key = alignment([lse.data_ptr(), delta.data_ptr()])
-        kernel = self.kernels.get(key)
-        if kernel is None:
-            args[7:9] = lse, delta
-            kernel = _gluon_bwd_ws[self.grid[:2]](*args, **self.meta)
-            if hasattr(kernel, "run") and not compat.needs_launch_scratch(kernel):
-                self.kernels[key] = kernel
-        else:
-            args[7:9] = lse.data_ptr(), delta.data_ptr()
-            launch_compiled(kernel, self.grid, (*args, *self.constexprs))
+        launch_kept(self.kernels, alignment([lse.data_ptr(), delta.data_ptr()]), _gluon_bwd_ws, self.grid, self.meta,
+                    self.constexprs, args, ((7, lse), (8, delta)))
         self.epilogue(tensors)

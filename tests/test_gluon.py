@@ -400,6 +400,22 @@ def test_default_path_on_hopper_by_head_dim(monkeypatch, switch):
     assert switch != "" or (len(default) >= 2 and any(chosen != "tl" and not large for *_, chosen, large in named))
 
 
+class _StandInKernel:
+    """A Gluon kernel stood in (the CPU tests of its bound launches): ``kernel[grid](*args, **meta)`` calls
+    ``on_jit(grid, args, meta)`` and returns a compiled kernel's stand-in, whose direct launch the tests
+    stand in too."""
+
+    def __init__(self, on_jit):
+        self.on_jit = on_jit
+
+    def __getitem__(self, grid):
+        def jit(*args, **meta):
+            self.on_jit(grid, args, meta)
+            return types.SimpleNamespace(metadata=types.SimpleNamespace(), run=lambda *args: None)
+
+        return jit
+
+
 @pytest.mark.parametrize("variant", ["one", "producer", "pingpong", "persistent"])
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with_lse):
@@ -429,18 +445,7 @@ def test_bound_gluon_launch_passes_each_calls_tensors(monkeypatch, variant, with
     kept = [*bound.args, *(t.base for t in bound.templates)]
     assert all(not isinstance(a, torch.Tensor) for a in kept)  # (the binding call's tensors are not kept)
     calls = []
-
-    class Compiled:
-        metadata = types.SimpleNamespace()
-
-        def run(self, *args):
-            pass
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: calls.append(("jit", grid, args, meta)) or Compiled()
-
-    bound.kernel = Kernel()
+    bound.kernel = _StandInKernel(lambda grid, args, meta: calls.append(("jit", grid, args, meta)))
     monkeypatch.setattr(ga, "launch_compiled", lambda kernel, grid, args: calls.append(("compiled", grid, args)))
     q, k, v, out, lse = tensors()
     roles = (q, k, v, out, lse, None, None, None, None, None)
@@ -475,6 +480,7 @@ def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, device, with_dlse
     from common import plan as planning
     from common.backends import get_backend
     from common.validation import check_call
+    from impl_triton import gluon_attention as ga
     from impl_triton import gluon_backward as gb
 
     B, H, H_kv, L, D, scale = 1, 2, 1, 64, 64, 0.3
@@ -505,19 +511,13 @@ def test_bound_one_pass_passes_each_calls_tensors(monkeypatch, device, with_dlse
         calls.append((kind, args))
         args[6].base.add_(2.0)
 
-    class Compiled:
-        metadata = types.SimpleNamespace()
+    def jit(grid, args, meta):
+        assert grid == bound.grid[:2] == (1, B * H_kv)
+        one_pass("jit", args)
 
-        def run(self, *args):
-            pass
-
-    class Kernel:
-        def __getitem__(self, grid):
-            assert grid == bound.grid[:2] == (1, B * H_kv)
-            return lambda *args, **meta: one_pass("jit", args) or Compiled()
-
-    monkeypatch.setattr(gb, "_gluon_bwd_ws", Kernel())
-    monkeypatch.setattr(gb, "launch_compiled", lambda kernel, grid, args: one_pass("compiled", args))
+    monkeypatch.setattr(gb, "_gluon_bwd_ws", _StandInKernel(jit))
+    # (the bound launch's own, gluon_attention.launch_kept)
+    monkeypatch.setattr(ga, "launch_compiled", lambda kernel, grid, args: one_pass("compiled", args))
     for _ in range(2):
         q, k, v, out, grad_out, lse, grad_lse = tensors()
         delta, dq, dk, dv = (torch.full_like(t, float("nan")) for t in planning.backward_buffers(q, k, v))
