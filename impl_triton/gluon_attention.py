@@ -61,15 +61,22 @@ PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr,
+                  MASKED: gl.constexpr = None):
     """Key tile j's online-softmax update (base 2): the new row maxima, P (float32), the rescale
     factor of what came before, the new row sums. Past the first ``whole`` tiles (``_whole_tiles``)
-    the raw scores are masked (keys past Lk; causal); the tiles before need no mask. The scores are
+    the raw scores are masked (keys past Lk; causal); the tiles before need no mask. MASKED (a caller's
+    loop over tiles known to be on one side of ``whole``): True or False decides it at compile time, so that
+    a loop of whole tiles carries no mask code; None tests j. The scores are
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
     scores are +inf, so that scaled they are -inf). (FP8 inputs' descales, whose sign no constant
     knows, come here positive: ``_consume`` moves a negative scale onto Q.)"""
-    if j >= whole:
+    if MASKED is None:
+        masked = j >= whole
+    else:
+        masked = MASKED
+    if masked:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         valid = offs_n[None, :] < Lk
         if IS_CAUSAL:
@@ -80,7 +87,7 @@ def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BL
     else:
         m_ij = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     m_sub = m_ij
-    if j >= whole:
+    if masked:
         m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
     p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
@@ -273,35 +280,21 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
                                            IS_CAUSAL, NEGATIVE_SCALE, col_s)
-        for j in range(1, n_tiles):
-            slot = (base + j) % STAGES
-            prev = (base + j - 1) % STAGES
-            mbarrier.wait(kv_ready.index(slot), ((base + j) // STAGES) & 1)  # (K of tile j)
-            if PINGPONG:
-                mbarrier.wait(turn_wait, (base + j + TURN_FIRST) & 1)
-            qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
-                               use_acc=False, is_async=True)
-            if SPLIT:  # (V of tile j - 1, copied before K of tile j: in place by now)
-                mbarrier.wait(kv_ready.index(STAGES + prev), ((base + j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(_p_operand(p, dtype, p_layout, PV_ORDER),
-                                _v_operand(v_smem.index(prev), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn_arrive, count=1)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
-            if PRODUCER and SPLIT:
-                mbarrier.arrive(kv_empty.index(slot), count=1)  # (tile j's K read)
-            if PREFETCH_Q:
-                if j == n_tiles - 1:  # (Q read for the last time)
-                    _prefetch_q(q_desc, q_bar, q_smem, next_q)
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                               IS_CAUSAL, NEGATIVE_SCALE, col_s)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            if PRODUCER:
-                mbarrier.arrive(kv_empty.index(_v_bar(prev, STAGES, SPLIT)), count=1)  # (tile j - 1's V read)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            refill = j - 1 + STAGES
-            if not PRODUCER and refill < n_tiles:  # (tile j - 1's slot, read by both products)
-                _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, prev, refill * BLOCK_N, off_z, off_h_kv, STAGES)
+        # (the tiles every row sees whole, then the rest, in loops of their own: the whole tiles' loop carries
+        # no mask code, and so none of its registers; at least the first tile is outside both)
+        split = gl.minimum(gl.maximum(whole, 1), n_tiles)
+        for j in range(1, split):
+            p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty, turn_wait,
+                                         turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc, off_z, off_h_kv,
+                                         base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift, BLOCK_N, HEAD_DIM,
+                                         STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST, NEGATIVE_SCALE,
+                                         PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, False)
+        for j in range(split, n_tiles):
+            p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty, turn_wait,
+                                         turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc, off_z, off_h_kv,
+                                         base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift, BLOCK_N, HEAD_DIM,
+                                         STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST, NEGATIVE_SCALE,
+                                         PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, True)
         last = (base + n_tiles - 1) % STAGES
         if SPLIT:  # (V of the last tile)
             mbarrier.wait(kv_ready.index(STAGES + last), ((base + n_tiles - 1) // STAGES) & 1)
@@ -328,6 +321,50 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
     _tma_store(o_desc, [off_z, off_h, row_start, 0], o_smem)
     if not PREFETCH_Q:
         tma.store_wait(0)
+
+
+@gluon.jit
+def _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty, turn_wait, turn_arrive, q_desc, q_bar,
+              q_smem, next_q, k_desc, v_desc, off_z, off_h_kv, base, n_tiles, offs_m, whole, Lk, qk_scale,
+              causal_shift, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, TURN_FIRST: gl.constexpr,
+              NEGATIVE_SCALE: gl.constexpr, PREFETCH_Q: gl.constexpr, PV_ORDER: gl.constexpr,
+              p_layout: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
+    """``_consume``'s round j >= 1 (its loop's body): S of tile j issued, then P V of tile j - 1; tile j's softmax
+    (MASKED: ``_softmax_step``'s) as soon as S is in, under P V; O rescaled once P V is in; the ring's slots
+    handed back or refilled. Returns (p, m_i, l_i, acc) after it."""
+    dtype: gl.constexpr = q_desc.dtype
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    SPLIT: gl.constexpr = _split_kv(dtype)
+    slot = (base + j) % STAGES
+    prev = (base + j - 1) % STAGES
+    mbarrier.wait(kv_ready.index(slot), ((base + j) // STAGES) & 1)  # (K of tile j)
+    if PINGPONG:
+        mbarrier.wait(turn_wait, (base + j + TURN_FIRST) & 1)
+    qk = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                       use_acc=False, is_async=True)
+    if SPLIT:  # (V of tile j - 1, copied before K of tile j: in place by now)
+        mbarrier.wait(kv_ready.index(STAGES + prev), ((base + j - 1) // STAGES) & 1)
+    acc = warpgroup_mma(_p_operand(p, dtype, p_layout, PV_ORDER),
+                        _v_operand(v_smem.index(prev), BLOCK_N, HEAD_DIM, FP8), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_arrive, count=1)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+    if PRODUCER and SPLIT:
+        mbarrier.arrive(kv_empty.index(slot), count=1)  # (tile j's K read)
+    if PREFETCH_Q:
+        if j == n_tiles - 1:  # (Q read for the last time)
+            _prefetch_q(q_desc, q_bar, q_smem, next_q)
+    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
+                                       IS_CAUSAL, NEGATIVE_SCALE, col_s, MASKED)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if PRODUCER:
+        mbarrier.arrive(kv_empty.index(_v_bar(prev, STAGES, SPLIT)), count=1)  # (tile j - 1's V read)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    refill = j - 1 + STAGES
+    if not PRODUCER and refill < n_tiles:  # (tile j - 1's slot, read by both products)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, prev, refill * BLOCK_N, off_z, off_h_kv, STAGES)
+    return p, m_i, l_i, acc
 
 
 @gluon.jit
