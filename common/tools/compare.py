@@ -188,7 +188,7 @@ LEVELS = [
      "shared memory, the copies' pipelining and when each product waits"),
     ("warp-group-oriented: Gluon (sm_90)", "impl_triton.gluon_attention",
      ["_softmax_step", "_whole_tiles", "_barriers", "_invalidate", "_gluon_attn_fwd", "_program", "_key_tiles",
-      "_consume", "_load_q", "_prefetch_q", "_v_coord", "_v_operand", "_ws_producer", "_gluon_attn_fwd_ws",
+      "_consume", "_kv_round", "_load_q", "_prefetch_q", "_v_coord", "_v_operand", "_ws_producer", "_gluon_attn_fwd_ws",
       "_pp_blocks", "_pp_item", "_pp_next", "_pp_block", "_pp_consumer", "_pp_producer", "_gluon_attn_fwd_pp"],
      "the register layouts of S, O and P, the shared-memory ring and its barriers, each TMA copy, when each "
      "asynchronous warp-group MMA is issued and waited for, and which warps copy and which compute"),
