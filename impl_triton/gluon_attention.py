@@ -55,6 +55,10 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 HEAD_DIMS = (64, 128, 256)
+# The head dim whose 16-bit key loop is split in two (``_consume``): the tiles every row sees whole, then the masked
+# ones, so that the whole tiles' loop carries no mask code. Where it timed faster (benchmarks/NOTES.md): D 128 under
+# triton >= 3.9, whose single loop spills there; under 3.6 it timed even and spilled more, and at D 64 slower.
+SPLIT_KEY_LOOP_DIM = gl.constexpr(128 if compat.triton_version() >= (3, 9) else 0)
 FP8_HEAD_DIMS = (64, 128)  # (the ping-pong variant's FP8 inputs)
 PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
@@ -280,21 +284,29 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
                                            IS_CAUSAL, NEGATIVE_SCALE, col_s)
-        # (the tiles every row sees whole, then the rest, in loops of their own: the whole tiles' loop carries
-        # no mask code, and so none of its registers; at least the first tile is outside both)
-        split = gl.minimum(gl.maximum(whole, 1), n_tiles)
-        for j in range(1, split):
-            p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty, turn_wait,
-                                         turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc, off_z, off_h_kv,
-                                         base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift, BLOCK_N, HEAD_DIM,
-                                         STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST, NEGATIVE_SCALE,
-                                         PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, False)
-        for j in range(split, n_tiles):
-            p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty, turn_wait,
-                                         turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc, off_z, off_h_kv,
-                                         base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift, BLOCK_N, HEAD_DIM,
-                                         STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST, NEGATIVE_SCALE,
-                                         PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, True)
+        if HEAD_DIM == SPLIT_KEY_LOOP_DIM and not FP8:
+            # (the tiles every row sees whole, then the rest, in loops of their own: the whole tiles' loop carries
+            # no mask code, and so none of its registers; the first tile is outside both)
+            split = gl.minimum(gl.maximum(whole, 1), n_tiles)
+            for j in range(1, split):
+                p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty,
+                                             turn_wait, turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc,
+                                             off_z, off_h_kv, base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift,
+                                             BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST,
+                                             NEGATIVE_SCALE, PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, False)
+            for j in range(split, n_tiles):
+                p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty,
+                                             turn_wait, turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc,
+                                             off_z, off_h_kv, base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift,
+                                             BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST,
+                                             NEGATIVE_SCALE, PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, True)
+        else:  # (one loop, each tile's mask decided by its index)
+            for j in range(1, n_tiles):
+                p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty,
+                                             turn_wait, turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc,
+                                             off_z, off_h_kv, base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift,
+                                             BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST,
+                                             NEGATIVE_SCALE, PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, None)
         last = (base + n_tiles - 1) % STAGES
         if SPLIT:  # (V of the last tile)
             mbarrier.wait(kv_ready.index(STAGES + last), ((base + n_tiles - 1) // STAGES) & 1)
@@ -332,7 +344,7 @@ def _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty
               p_layout: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
     """``_consume``'s round j >= 1 (its loop's body): S of tile j issued, then P V of tile j - 1; tile j's softmax
     (MASKED: ``_softmax_step``'s) as soon as S is in, under P V; O rescaled once P V is in; the ring's slots
-    handed back or refilled. Returns (p, m_i, l_i, acc) after it."""
+    handed back or refilled (MASKED: True, False or None, tested per tile). Returns (p, m_i, l_i, acc) after it."""
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     SPLIT: gl.constexpr = _split_kv(dtype)
