@@ -876,7 +876,7 @@ def test_gluon_backward_as_close_to_float64_as_the_tl_backward(D, dtype, causal,
         dkdv = (32, 128, 4, 8, True) if scheme.endswith("32") else None
         gb.backward(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv, dkdv=dkdv)
     else:
-        dq = gb.backward_fused(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dk=dk, dv=dv,
+        dq = gb.backward_fused(q, k, v, out, grad_out, lse, scale, shift, grad_lse=grad_lse, dq=dq, dk=dk, dv=dv,
                                dq_tma="tma" in scheme, dq_first=scheme.endswith("first"),
                                specialized="-ws" in scheme, stats_smem=scheme.endswith("stats"))[0]
     tl_grads = attention_backward(grad_out, q, k, v, out, lse, is_causal=shift is not None, scale=scale,
