@@ -343,8 +343,9 @@ def _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty
               NEGATIVE_SCALE: gl.constexpr, PREFETCH_Q: gl.constexpr, PV_ORDER: gl.constexpr,
               p_layout: gl.constexpr, col_s: gl.constexpr, row_o: gl.constexpr, MASKED: gl.constexpr):
     """``_consume``'s round j >= 1 (its loop's body): S of tile j issued, then P V of tile j - 1; tile j's softmax
-    (MASKED: ``_softmax_step``'s) as soon as S is in, under P V; O rescaled once P V is in; the ring's slots
-    handed back or refilled (MASKED: True, False or None, tested per tile). Returns (p, m_i, l_i, acc) after it."""
+    as soon as S is in, under P V (MASKED, ``_softmax_step``'s: True or False where the caller's loop knows which
+    side of ``whole`` its tiles are, None to test j); O rescaled once P V is in; the ring's slots handed back or
+    refilled. Returns (p, m_i, l_i, acc) after it."""
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     SPLIT: gl.constexpr = _split_kv(dtype)
