@@ -1148,3 +1148,102 @@ def test_two_widths_kernel_matches_torch_under_the_interpreter():
     assert {two_widths.CASES[i][3] for i in cases} == {16, 64}  # (both MMA kinds among them)
     for index in (cases[0], cases[-1]):
         assert two_widths.run_case(index) == 0, two_widths.CASES[index]
+
+
+def _tool(name):
+    """tools/<name>.py imported as a module (tools/ is not a package)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    tools = pathlib.Path(__file__).resolve().parents[1] / "tools"
+    sys.path.insert(0, str(tools))  # (its own imports of tools/ modules, e.g. cpu_sass)
+    try:
+        spec = importlib.util.spec_from_file_location(name, tools / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(tools))
+    return module
+
+
+def _sass(lines):
+    """A disassembly's text of ``lines`` (labels as "name:" lines), as nvdisasm prints it."""
+    out, address = [], 0
+    for line in lines:
+        if line.endswith(":"):
+            out.append(line)
+        else:
+            out.append(f"        /*{address:04x}*/                   {line} ;")
+            address += 16
+    return "\n".join(out)
+
+
+def test_sass_model_issues_in_order_and_waits_for_sources():
+    """tools/sass_model.py's warp: a chain of dependent maxima waits a latency a link, independent ones only for
+    their pipe's interval, and the special-function unit takes 8 cycles an instruction."""
+    model = _tool("sass_model")
+    chain = model.cycles(["FMNMX R1, R0, R2, !PT", "FMNMX R3, R1, R4, !PT", "FMNMX R5, R3, R6, !PT"])
+    apart = model.cycles(["FMNMX R1, R0, R2, !PT", "FMNMX R3, R7, R4, !PT", "FMNMX R5, R8, R6, !PT"])
+    assert chain == 2 * model.LATENCY["alu"] + 1 and apart == 2 * model.INTERVAL["alu"] + 1
+    exps = model.cycles(["MUFU.EX2 R1, R0", "MUFU.EX2 R2, R3", "MUFU.EX2 R4, R5"])
+    assert exps == 2 * model.INTERVAL["mufu"] + 1
+
+
+def test_sass_model_reads_the_key_loop_from_the_wait_for_s():
+    """The key loop (both products inside) is found, its forward branch's code left out, and its cycles counted
+    from the wait for S: a mask's skipped selects cost nothing, a spill's load is counted as a local access."""
+    model = _tool("sass_model")
+    body = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0",
+            "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR8].tnspB, R88, gsb0",
+            "FADD R9, R9, 1",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+            "@P0 BRA `(.L_x_2)",
+            "FSEL R24, R24, -INF , P1", "FSEL R25, R25, -INF , P1",
+            ".L_x_2:",
+            "LDL R7, [R1]",
+            "FMNMX R1, R24, R25, !PT",
+            "MUFU.EX2 R2, R1"]
+    sass = _sass(["MOV R0, R1", ".L_x_1:", *body, "@P2 BRA `(.L_x_1)", "EXIT"])
+    [(steps, local, cycles)] = model.key_loops(sass)
+    assert steps == len([x for x in body if not x.endswith(":")]) + 1 and local == 1
+    # from the wait: the wait, the spill's load, the maximum (waits for nothing loaded), the exponential after it
+    assert cycles == 3 + model.LATENCY["alu"]
+
+
+def test_ab_summary_puts_each_trees_run_side_by_side(tmp_path, capsys):
+    """tools/ab_summary.py: a line per Triton throughput shape, each tree's time, ratio and error beside the
+    others'; SDPA's rows and failed shapes left out."""
+    import json
+
+    def row(backend, ms, ratio, causal=False, status="ok"):
+        return dict(section="throughput", mode="fwd", backend=backend, dtype="bfloat16", B=4, H=32, H_kv=32,
+                    Lq=4096, Lk=4096, D=64, causal=causal, max_error=1e-3, status=status, ms=ms, tflops=1.0,
+                    vs_sdpa=ratio)
+
+    main = tmp_path / "results_main.json"
+    main.write_text(json.dumps({"environment": {}, "rows": [row("triton", 1.25, 0.9), row("torch", 1.1, 1.0),
+                                                            row("triton", 9.0, 0.5, causal=True, status="WRONG")]}))
+    other = tmp_path / "results_gluon-p16.json"
+    other.write_text(json.dumps({"environment": {}, "rows": [row("triton", 1.0, 1.1)]}))
+    assert _tool("ab_summary").main([str(main), str(other)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "main: ms" in lines[0] and "gluon-p16: ms" in lines[0] and len(lines) == 3
+    assert lines[2] == "| fwd | bfloat16 | 64 | 4096 | False | 1.250 (0.900x), 1.0e-03 | 1.000 (1.100x), 1.0e-03 |"
+
+
+def test_ab_patches_apply_to_this_checkout(tmp_path):
+    """Every prepared A/B patch (tools/ab/, timed on a GPU before it is merged) still applies to the code it
+    was made against: a change to those files since then has to carry the patches along."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    patches = sorted((root / "tools" / "ab").glob("*.patch"))
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    for patch in patches:
+        result = subprocess.run(["git", "apply", "--check", str(patch)], cwd=root,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, (patch.name, result.stderr)
