@@ -66,12 +66,16 @@ PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr,
-                  MASKED: gl.constexpr = None):
-    """Key tile j's online-softmax update (base 2): the new row maxima, P (float32), the rescale
-    factor of what came before, the new row sums. Past the first ``whole`` tiles (``_whole_tiles``)
-    the raw scores are masked (keys past Lk; causal); the tiles before need no mask. MASKED (a caller's
-    loop over tiles known to be on one side of ``whole``): True or False decides it at compile time, so that
-    a loop of whole tiles carries no mask code; None tests j. The scores are
+                  P_DTYPE: gl.constexpr, MASKED: gl.constexpr = None):
+    """Key tile j's online-softmax update (base 2): the new row maxima, P, the rescale factor of what
+    came before, the new row sums. P is rounded to P V's operand type (P_DTYPE) here, once its row sums
+    are taken in float32: the loop then carries it in half the registers (a thread's P of 128 keys in 32
+    registers, not 64), which keeps the key loop's values out of the stack. (FP8's P is passed on in float32,
+    P_DTYPE: rounded to e4m3 before the P·V order's reshape, its bytes would need permutes to pack four to a
+    register; ``_p_operand`` rounds it after.) Past the first ``whole``
+    tiles (``_whole_tiles``) the raw scores are masked (keys past Lk; causal); the tiles before need no
+    mask. MASKED (a caller's loop over tiles known to be on one side of ``whole``): True or False decides
+    it at compile time, so that a loop of whole tiles carries no mask code; None tests j. The scores are
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
     scores are +inf, so that scaled they are -inf). (FP8 inputs' descales, whose sign no constant
@@ -96,7 +100,7 @@ def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BL
     p = gl.exp2(qk * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_ij, l_i, alpha
+    return p.to(P_DTYPE), m_ij, l_i, alpha
 
 
 @gluon.jit
@@ -283,7 +287,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             if n_tiles == 1:  # (Q read for the last time)
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                           IS_CAUSAL, NEGATIVE_SCALE, col_s)
+                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype)
         if HEAD_DIM == SPLIT_KEY_LOOP_DIM and not FP8:
             # (the tiles every row sees whole, then the rest, in loops of their own: the whole tiles' loop carries
             # no mask code, and so none of its registers; the first tile is outside both)
@@ -369,7 +373,7 @@ def _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty
         if j == n_tiles - 1:  # (Q read for the last time)
             _prefetch_q(q_desc, q_bar, q_smem, next_q)
     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                       IS_CAUSAL, NEGATIVE_SCALE, col_s, MASKED)
+                                       IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype, MASKED)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if PRODUCER:
         mbarrier.arrive(kv_empty.index(_v_bar(prev, STAGES, SPLIT)), count=1)  # (tile j - 1's V read)
@@ -382,9 +386,10 @@ def _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty
 
 @gluon.jit
 def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_ORDER: gl.constexpr):
-    """P (BLOCK_M, BLOCK_N float32, S's layout) as P V's A operand in registers: rounded to ``dtype`` and,
-    PV_ORDER, its columns in the P·V order (``common.jit_helpers._p_operand``'s reshape and transpose),
-    which puts the values S's layout gives each thread where the 8-bit operand's layout wants them."""
+    """P (BLOCK_M, BLOCK_N, S's layout) as P V's A operand in registers: rounded to ``dtype`` (16-bit P comes
+    rounded already: ``_softmax_step``) and, PV_ORDER, its columns in the P·V order
+    (``common.jit_helpers._p_operand``'s reshape and transpose), which puts the values S's layout gives each
+    thread where the 8-bit operand's layout wants them."""
     p = p.to(dtype)
     if PV_ORDER:
         M: gl.constexpr = p.shape[0]
