@@ -55,10 +55,10 @@ LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 HEAD_DIMS = (64, 128, 256)
-# The head dim whose 16-bit key loop is split in two (``_consume``): the tiles every row sees whole, then the masked
-# ones, so that the whole tiles' loop carries no mask code. Where it timed faster (benchmarks/NOTES.md): D 128 under
-# triton >= 3.9, whose single loop spills there; under 3.6 it timed even and spilled more, and at D 64 slower.
-SPLIT_KEY_LOOP_DIM = gl.constexpr(128 if compat.triton_version() >= (3, 9) else 0)
+# The head dims whose 16-bit key loop is split in two (``_consume``): the tiles every row sees whole, then the masked
+# ones, so that the whole tiles' loop carries no mask code. Where it timed faster (benchmarks/NOTES.md): D 128 and 256
+# under triton >= 3.9, whose single loop spills there; under 3.6 it timed even and spilled more, and at D 64 slower.
+SPLIT_KEY_LOOP_DIMS = (128, 256) if compat.triton_version() >= (3, 9) else ()
 FP8_HEAD_DIMS = (64, 128)  # (the ping-pong variant's FP8 inputs)
 PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
 
@@ -288,7 +288,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
                                            IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype)
-        if HEAD_DIM == SPLIT_KEY_LOOP_DIM and not FP8:
+        if _split_key_loop(HEAD_DIM, FP8):
             # (the tiles every row sees whole, then the rest, in loops of their own: the whole tiles' loop carries
             # no mask code, and so none of its registers; the first tile is outside both)
             split = gl.minimum(gl.maximum(whole, 1), n_tiles)
@@ -396,6 +396,12 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_ORDER: gl.cons
         N: gl.constexpr = p.shape[1]
         p = p.reshape([M, N // 32, 2, 2, 2, 2, 2]).permute((0, 1, 2, 4, 5, 3, 6)).reshape([M, N])
     return gl.convert_layout(p, p_layout)
+
+
+@gluon.constexpr_function
+def _split_key_loop(head_dim, fp8):
+    """Whether ``_consume`` runs its key tiles in two loops (SPLIT_KEY_LOOP_DIMS; 16-bit inputs only)."""
+    return not fp8 and head_dim in SPLIT_KEY_LOOP_DIMS
 
 
 @gluon.constexpr_function
