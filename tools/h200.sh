@@ -210,7 +210,7 @@ for stage in "$@"; do
     quirks) timeout 120 python3 tools/sdpa_quirks.py 2>&1 | tee "$OUT/quirks.log" ;;
     # A/B in one call: the probes named in $AB_PROBES in each of $AB_TREES (default ab/: untracked
     # copies of other revisions, made with `git archive REV | tar -x -C ab`; carry them) and here.
-    ab) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 tools/probe.py $AB_PROBES); done 2>&1 | tee "$OUT/ab.log" ;;
+    ab) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; (cd "$tree" && PYTHONPATH=${TRITON_CARRIED:+/tmp/triton-carried:}/tmp/site:$PWD timeout 250 python3 tools/probe.py $AB_PROBES); done 2>&1 | tee "$OUT/ab.log" ;;
     # The forward (and with AB_BWD=1 the backward) throughput of both kernel backends in each of $AB_TREES and
     # here (fp16, L 1k/4k/16k), one results_<tree>.json each: the A/B of a kernel change
     # (here: results_<checkout folder's name>.json); tools/ab_summary.py puts them side by side.
@@ -219,12 +219,12 @@ for stage in "$@"; do
     # AB_MASKING: "causal" or "full" for half the shapes; AB_DTYPES, AB_DIMS: the inputs' dtypes and head dims.
     ab-bench) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"; name=$(basename "$(cd "$tree" && pwd)")
                 backends=${AB_BACKENDS:-triton ninetoothed}; [ "$tree" = . ] && backends=${AB_HERE:-$backends}
-                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --masking ${AB_MASKING:-full causal} --dtypes ${AB_DTYPES:-float16} --head-dims ${AB_DIMS:-64 128} --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
+                (cd "$tree" && PYTHONPATH=${TRITON_CARRIED:+/tmp/triton-carried:}/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections throughput --modes fwd ${AB_BWD:+bwd} --masking ${AB_MASKING:-full causal} --dtypes ${AB_DTYPES:-float16} --head-dims ${AB_DIMS:-64 128} --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep throughput)
                 cp "/tmp/ab-$name/results.json" "$OUT/results_$name.json"; done 2>&1 | tee "$OUT/ab_bench.log" ;;
     # the tests in AB_TESTS selected by AB_K (the persistent Gluon forward's cases against SDPA unless set) in each
     # of $AB_TREES and here, AB_TESTS_TIMEOUT seconds each
     ab-tests) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"
-                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${AB_TESTS_TIMEOUT:-150} python3 -m pytest ${AB_TESTS:-tests/test_gluon.py} -k "${AB_K:-matches_sdpa and persistent}" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6)
+                (cd "$tree" && PYTHONPATH=${TRITON_CARRIED:+/tmp/triton-carried:}/tmp/site:$PWD timeout ${AB_TESTS_TIMEOUT:-150} python3 -m pytest ${AB_TESTS:-tests/test_gluon.py} -k "${AB_K:-matches_sdpa and persistent}" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6)
               done 2>&1 | tee "$OUT/ab_tests.log" ;;
     # the Gluon forward's tiles swept, persistent programs among them (2 stages leave D 128 room for the next Q)
     gluon-tiles) PROBE_GLUON_DIMS="${PROBE_GLUON_DIMS:-128 256}" PROBE_GLUON_LENGTHS="${PROBE_GLUON_LENGTHS:-1024 4096}" \
