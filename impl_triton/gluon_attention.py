@@ -70,12 +70,12 @@ def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BL
     """Key tile j's online-softmax update (base 2): the new row maxima, P, the rescale factor of what
     came before, the new row sums. P is rounded to P V's operand type (P_DTYPE) here, once its row sums
     are taken in float32: the loop then carries it in half the registers (a thread's P of 128 keys in 32
-    registers, not 64), which keeps the key loop's values out of the stack. (FP8's P is passed on in float32,
-    P_DTYPE: rounded to e4m3 before the P·V order's reshape, its bytes would need permutes to pack four to a
-    register; ``_p_operand`` rounds it after.) Past the first ``whole``
-    tiles (``_whole_tiles``) the raw scores are masked (keys past Lk; causal); the tiles before need no
-    mask. MASKED (a caller's loop over tiles known to be on one side of ``whole``): True or False decides
-    it at compile time, so that a loop of whole tiles carries no mask code; None tests j. The scores are
+    registers, not 64), which keeps the key loop's values out of the stack. FP8's P stays float32 here
+    (P_DTYPE): rounded to e4m3 before the P·V order's reshape, its bytes would need permutes to pack four to
+    a register, so ``_p_operand`` rounds it after. Past the first ``whole`` tiles (``_whole_tiles``) the
+    raw scores are masked (keys past Lk; causal); the tiles before need no mask. MASKED (a caller's loop
+    over tiles known to be on one side of ``whole``): True or False decides it at compile time, so that a
+    loop of whole tiles carries no mask code; None tests j. The scores are
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
     scores are +inf, so that scaled they are -inf). (FP8 inputs' descales, whose sign no constant
