@@ -288,29 +288,18 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
                                            IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype)
-        if _split_key_loop(HEAD_DIM, FP8):
-            # (the tiles every row sees whole, then the rest, in loops of their own: the whole tiles' loop carries
-            # no mask code, and so none of its registers; the first tile is outside both)
-            split = gl.minimum(gl.maximum(whole, 1), n_tiles)
-            for j in range(1, split):
+        # (the tiles after the first in one loop, each tile's mask decided by its index; or, _split_key_loop, in two:
+        # the tiles every row sees whole, whose loop carries no mask code and so none of its registers, then the rest)
+        SPLIT_LOOP: gl.constexpr = _split_key_loop(HEAD_DIM, FP8)
+        split = gl.minimum(gl.maximum(whole, 1), n_tiles)
+        for part in gl.static_range(2 if SPLIT_LOOP else 1):
+            for j in range(split if part == 1 else 1, split if SPLIT_LOOP and part == 0 else n_tiles):
                 p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty,
                                              turn_wait, turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc,
                                              off_z, off_h_kv, base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift,
                                              BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST,
-                                             NEGATIVE_SCALE, PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, False)
-            for j in range(split, n_tiles):
-                p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty,
-                                             turn_wait, turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc,
-                                             off_z, off_h_kv, base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift,
-                                             BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST,
-                                             NEGATIVE_SCALE, PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, True)
-        else:  # (one loop, each tile's mask decided by its index)
-            for j in range(1, n_tiles):
-                p, m_i, l_i, acc = _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty,
-                                             turn_wait, turn_arrive, q_desc, q_bar, q_smem, next_q, k_desc, v_desc,
-                                             off_z, off_h_kv, base, n_tiles, offs_m, whole, Lk, qk_scale, causal_shift,
-                                             BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, PRODUCER, PINGPONG, TURN_FIRST,
-                                             NEGATIVE_SCALE, PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o, None)
+                                             NEGATIVE_SCALE, PREFETCH_Q, PV_ORDER, p_layout, col_s, row_o,
+                                             (part == 1) if SPLIT_LOOP else None)
         last = (base + n_tiles - 1) % STAGES
         if SPLIT:  # (V of the last tile)
             mbarrier.wait(kv_ready.index(STAGES + last), ((base + n_tiles - 1) // STAGES) & 1)
