@@ -1548,7 +1548,8 @@ def gluon_tiles():
     12 warps: three consumer warp groups, FlashAttention-3's tile at D 64) at the benchmark's shapes, bf16,
     causal and not: TFLOP/s each, SDPA's beside; a tile that does not build or fit says why.
     PROBE_GLUON_DIMS: the head dims swept ("64 128" unless set; 256 too); PROBE_GLUON_LENGTHS: the lengths
-    L ("4096" unless set), B = 16384 / L."""
+    L ("4096" unless set), B = 16384 / L; PROBE_GLUON_CONFIGS: only these tiles ("128,128,3,8 192,128,3,12");
+    PROBE_GLUON_VARIANTS: only these variants ("plain ws pp ps")."""
     from triton.testing import do_bench
 
     from impl_triton import gluon_attention as ga
@@ -1563,15 +1564,19 @@ def gluon_tiles():
     heads = {64: 32, 128: 16, 256: 8}
     dims = [int(d) for d in os.environ.get("PROBE_GLUON_DIMS", "64 128").split()]
     lengths = [int(n) for n in os.environ.get("PROBE_GLUON_LENGTHS", "4096").split()]
+    only = [tuple(int(x) for x in c.split(",")) for c in os.environ.get("PROBE_GLUON_CONFIGS", "").split()]
+    kinds = os.environ.get("PROBE_GLUON_VARIANTS", "plain ws pp ps").split()
     for (B, H, L, D) in ((16384 // L, heads[d], L, d) for d in dims for L in lengths):
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for causal in (False, True):
             flops = 4 * B * H * L * L * D / (2 if causal else 1)
             sdpa = flops / do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) * 1e-9
             line = [f"({B}, {H}, {L}, {D}) causal={causal}: sdpa {sdpa:.0f}"]
-            for config in candidates[D]:
+            for config in only or candidates[D]:
                 for variant, kw in (("", {}), (" ws", dict(specialized=True)), (" pp", dict(pingpong=True)),
                                     (" ps", dict(pingpong=True, persistent=True))):
+                    if (variant.strip() or "plain") not in kinds:
+                        continue
                     # (ping-pong: two or three consumer warp groups of 64 or 128 rows each; the others at most
                     # 128 rows and 8 warps)
                     consumers = config[3] // 4
