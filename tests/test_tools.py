@@ -1212,8 +1212,8 @@ def test_sass_model_reads_the_key_loop_from_the_wait_for_s():
 
 
 def test_ab_summary_puts_each_trees_run_side_by_side(tmp_path, capsys):
-    """tools/ab_summary.py: a line per Triton throughput shape, each tree's time, ratio and error beside the
-    others'; SDPA's rows and failed shapes left out."""
+    """tools/ab_summary.py: a line per Triton throughput or FP8 shape, each tree's time, ratio and error beside
+    the others' (an FP8 row's time alone: it has neither); SDPA's rows and failed shapes left out."""
     import json
 
     def row(backend, ms, ratio, causal=False, status="ok"):
@@ -1225,11 +1225,15 @@ def test_ab_summary_puts_each_trees_run_side_by_side(tmp_path, capsys):
     main.write_text(json.dumps({"environment": {}, "rows": [row("triton", 1.25, 0.9), row("torch", 1.1, 1.0),
                                                             row("triton", 9.0, 0.5, causal=True, status="WRONG")]}))
     other = tmp_path / "results_gluon-p16.json"
-    other.write_text(json.dumps({"environment": {}, "rows": [row("triton", 1.0, 1.1)]}))
+    fp8 = dict(section="fp8", mode="fwd", backend="triton", dtype="float8_e4m3fn", B=1, H=8, H_kv=8, Lq=1,
+               Lk=16384, D=128, causal=False, status="ok", ms=0.5, tflops=1.0)
+    other.write_text(json.dumps({"environment": {}, "rows": [row("triton", 1.0, 1.1), fp8]}))
     assert _tool("ab_summary").main([str(main), str(other)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "main: ms" in lines[0] and "gluon-p16: ms" in lines[0] and len(lines) == 3
-    assert lines[2] == "| fwd | bfloat16 | 64 | 4096 | False | 1.250 (0.900x), 1.0e-03 | 1.000 (1.100x), 1.0e-03 |"
+    assert "main: ms" in lines[0] and "gluon-p16: ms" in lines[0] and len(lines) == 4
+    assert lines[2] == ("| fwd | bfloat16 | 64 | 4096 | 4096 | False | 1.250 (0.900x), 1.0e-03 | "
+                        "1.000 (1.100x), 1.0e-03 |")
+    assert lines[3] == "| fwd | float8_e4m3fn | 128 | 1 | 16384 | False | - | 0.500 |"
 
 
 def test_ab_patches_apply_to_this_checkout(tmp_path):

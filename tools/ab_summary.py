@@ -1,5 +1,6 @@
-"""The A/B of tools/h200.sh's ab-bench stage side by side: one line per throughput shape, each tree's Triton
-time and its ratio to SDPA's default in the same run (and its result's largest error).
+"""The A/B of tools/h200.sh's ab-bench stage side by side: one line per throughput (or FP8) shape, each tree's
+Triton time and its ratio to SDPA's default in the same run (and its result's largest error), where the row has
+them (the FP8 section's rows have neither).
 
     python tools/ab_summary.py results_main.json results_<tree>.json ...
 """
@@ -17,17 +18,19 @@ def main(paths: list[str]) -> int:
     shapes = {}
     for name, rows in runs.items():
         for r in rows:
-            if r.get("section") != "throughput" or r.get("backend") != "triton" or r.get("status") != "ok":
+            if (r.get("section") not in ("throughput", "fp8") or r.get("backend") != "triton"
+                    or r.get("status") != "ok"):
                 continue
-            key = (r["mode"], r["dtype"], r["D"], r["Lk"], r["causal"])
+            key = (r["mode"], r["dtype"], r["D"], r["Lq"], r["Lk"], r["causal"])
             shapes.setdefault(key, {})[name] = r
-    print("| mode | dtype | D | L | causal | " + " | ".join(f"{n}: ms (/ SDPA), error" for n in runs) + " |")
-    print("|---" * (5 + len(runs)) + "|")
+    print("| mode | dtype | D | Lq | Lk | causal | " + " | ".join(f"{n}: ms (/ SDPA), error" for n in runs) + " |")
+    print("|---" * (6 + len(runs)) + "|")
     for key in sorted(shapes):
         cells = []
         for name in runs:
             r = shapes[key].get(name)
-            cells.append(f"{r['ms']:.3f} ({r['vs_sdpa']:.3f}x), {r['max_error']:.1e}" if r else "-")
+            cells.append("-" if r is None else f"{r['ms']:.3f}" + (f" ({r['vs_sdpa']:.3f}x)" if "vs_sdpa" in r else "")
+                         + (f", {r['max_error']:.1e}" if "max_error" in r else ""))
         print("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(cells) + " |")
     return 0
 
