@@ -224,8 +224,8 @@ for stage in "$@"; do
                 (cd "$tree" && PYTHONPATH=${TRITON_CARRIED:+/tmp/triton-carried:}/tmp/site:$PWD timeout ${AB_TIMEOUT:-270} python3 -m common bench --sections ${AB_SECTIONS:-throughput} --modes fwd ${AB_BWD:+bwd} --masking ${AB_MASKING:-full causal} --dtypes ${AB_DTYPES:-float16} --head-dims ${AB_DIMS:-64 128} --lengths 1024 4096 16384 --backends $backends --out "/tmp/ab-$name" --markdown "" 2>&1 | grep -E "throughput|fp8")
                 cp "/tmp/ab-$name/results.json" "$OUT/results_$name.json"; done 2>&1 | tee -a "$OUT/ab_bench.log" ;;
     # the tests in AB_TESTS selected by AB_K (the persistent Gluon forward's cases against SDPA unless set) in each
-    # of $AB_TREES and here, AB_TESTS_TIMEOUT seconds each
-    ab-tests) for tree in ${AB_TREES:-ab} .; do echo "--- $tree"
+    # of $AB_TREES and here (not here with AB_TESTS_HERE=0), AB_TESTS_TIMEOUT seconds each
+    ab-tests) for tree in ${AB_TREES:-ab} $([ "${AB_TESTS_HERE:-1}" = 0 ] || echo .); do echo "--- $tree"
                 (cd "$tree" && PYTHONPATH=${TRITON_CARRIED:+/tmp/triton-carried:}/tmp/site:$PWD timeout ${AB_TESTS_TIMEOUT:-150} python3 -m pytest ${AB_TESTS:-tests/test_gluon.py} -k "${AB_K:-matches_sdpa and persistent}" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6)
               done 2>&1 | tee "$OUT/ab_tests.log" ;;
     # the Gluon forward's tiles swept, persistent programs among them (2 stages leave D 128 room for the next Q)
