@@ -61,12 +61,58 @@ HEAD_DIMS = (64, 128, 256)
 SPLIT_KEY_LOOP_DIMS = (128, 256) if compat.triton_version() >= (3, 9) else ()
 FP8_HEAD_DIMS = (64, 128)  # (the ping-pong variant's FP8 inputs)
 PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
+# A quarter of each tile's exponentials (FMA_EXP2_SHARE) computed on the FMA units (``_exp2_fma``) instead of the
+# special-function unit, FlashAttention-4's remedy where that unit binds: on sm_90 it gives 16 results a clock an SM
+# against 128 for the FMA units, so that at D 64 a tile's exponentials take as long as its two products. Where it
+# timed faster (benchmarks/NOTES.md): D 64 without a causal mask, 16-bit, under triton >= 3.9 (``_exp2_share``);
+# slower under 3.6, at D 64 causal and at D 128 and 256.
+FMA_EXP2_SHARE = 4
+EXP2_FMA_DIMS = (64, ) if compat.triton_version() >= (3, 9) else ()
+# 2^f on [-1/2, 1/2] (f = x - round(x)): 1 + f (C1 + f (C2 + f C3)), C* fitted to its relative error, at most
+# 1.02e-4 (2^-13.3) from 2^f in float32; P is then rounded to 16 (or 8) bits, whose half-ulp is 2^-12 or more
+EXP2_C1 = gl.constexpr(0.6932829022407532)
+EXP2_C2 = gl.constexpr(0.24221037328243256)
+EXP2_C3 = gl.constexpr(0.05500858277082443)
+
+
+@gluon.jit
+def _exp2_fma(x):
+    """2^x for x <= 0 (or -inf) without the special-function unit: x clamped at -127 (whose result is exactly 0,
+    as 2^-inf's), rounded to an integer n in the low bits of x + 1.5 * 2^23, the fraction's polynomial (EXP2_C*, 1
+    at 0 exactly) times 2^n by adding n to the result's exponent field (n << 23 is what the shifted sum leaves
+    modulo 2^32)."""
+    x = gl.maximum(x, -127.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    r = (EXP2_C3 * f + EXP2_C2) * f + EXP2_C1
+    r = r * f + 1.0
+    return (r.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exp2(x, SHARE: gl.constexpr):
+    """2^x over S's tile (x <= 0), a quarter of it by ``_exp2_fma`` (SHARE 4; 0: none), the rest on the
+    special-function unit. Which elements go where is decided by the bits of a thread's register index (the
+    pairs' second columns, then their top halves), so that splitting and joining move no data."""
+    if SHARE == 0:
+        p = gl.exp2(x)
+    else:
+        gl.static_assert(SHARE == 4, "_exp2 splits off a quarter")
+        M: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        a, b = x.reshape([M, N // 2, 2]).split()
+        b1, b2 = b.reshape([M, 2, N // 4]).permute((0, 2, 1)).split()
+        p2 = _exp2_fma(b2)  # (first: the FMA units' share issued ahead of the special-function unit's)
+        pb = gl.join(gl.exp2(b1), p2).permute((0, 2, 1)).reshape([M, N // 2])
+        pb = gl.convert_layout(pb, a.type.layout)
+        p = gl.convert_layout(gl.join(gl.exp2(a), pb).reshape([M, N]), x.type.layout)
+    return p
 
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr,
-                  P_DTYPE: gl.constexpr, MASKED: gl.constexpr = None):
+                  P_DTYPE: gl.constexpr, MASKED: gl.constexpr = None, EXP2_SHARE: gl.constexpr = 0):
     """Key tile j's online-softmax update (base 2): the new row maxima, P, the rescale factor of what
     came before, the new row sums. P is rounded to P V's operand type (P_DTYPE) here, once its row sums
     are taken in float32: the loop then carries it in half the registers (a thread's P of 128 keys in 32
@@ -79,7 +125,8 @@ def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BL
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
     scores are +inf, so that scaled they are -inf). (FP8 inputs' descales, whose sign no constant
-    knows, come here positive: ``_consume`` moves a negative scale onto Q.)"""
+    knows, come here positive: ``_consume`` moves a negative scale onto Q.) EXP2_SHARE: ``_exp2``'s SHARE, the
+    exponentials P takes from the FMA units (``_exp2_share``)."""
     if MASKED is None:
         masked = j >= whole
     else:
@@ -97,7 +144,7 @@ def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BL
     m_sub = m_ij
     if masked:
         m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-    p = gl.exp2(qk * qk_scale - m_sub[:, None])
+    p = _exp2(qk * qk_scale - m_sub[:, None], EXP2_SHARE)
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p.to(P_DTYPE), m_ij, l_i, alpha
@@ -287,7 +334,8 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             if n_tiles == 1:  # (Q read for the last time)
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype)
+                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype, None,
+                                           _exp2_share(HEAD_DIM, FP8, IS_CAUSAL))
         # (the tiles after the first in one loop, each tile's mask decided by its index; or, _split_key_loop, in two:
         # the tiles every row sees whole, whose loop carries no mask code and so none of its registers, then the rest)
         SPLIT_LOOP: gl.constexpr = _split_key_loop(HEAD_DIM, FP8)
@@ -362,7 +410,8 @@ def _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty
         if j == n_tiles - 1:  # (Q read for the last time)
             _prefetch_q(q_desc, q_bar, q_smem, next_q)
     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                       IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype, MASKED)
+                                       IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype, MASKED,
+                                       _exp2_share(HEAD_DIM, FP8, IS_CAUSAL))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if PRODUCER:
         mbarrier.arrive(kv_empty.index(_v_bar(prev, STAGES, SPLIT)), count=1)  # (tile j - 1's V read)
@@ -391,6 +440,12 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_ORDER: gl.cons
 def _split_key_loop(head_dim, fp8):
     """Whether ``_consume`` runs its key tiles in two loops (SPLIT_KEY_LOOP_DIMS; 16-bit inputs only)."""
     return not fp8 and head_dim in SPLIT_KEY_LOOP_DIMS
+
+
+@gluon.constexpr_function
+def _exp2_share(head_dim, fp8, is_causal):
+    """``_exp2``'s SHARE: FMA_EXP2_SHARE at EXP2_FMA_DIMS without a causal mask (16-bit inputs only), else 0."""
+    return FMA_EXP2_SHARE if not fp8 and not is_causal and head_dim in EXP2_FMA_DIMS else 0
 
 
 @gluon.constexpr_function

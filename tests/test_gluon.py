@@ -90,6 +90,18 @@ def test_fp8_pingpong_compiles_for_sm90(tmp_path):
     assert int(ordered["KEY_LOOP"]) < int(plain["KEY_LOOP"]), (plain, ordered)
 
 
+def test_exponentials_on_the_fma_units_where_measured_faster():
+    """A quarter of the exponentials go to the FMA units (``_exp2_fma``) only where that timed faster: D 64
+    without a causal mask, 16-bit inputs, triton >= 3.9; never causal, FP8, at D 128 or 256, or under 3.6."""
+    from common import compat
+    from impl_triton import gluon_attention as ga
+
+    on = 4 if compat.triton_version() >= (3, 9) else 0
+    assert ga._exp2_share(64, False, False) == on
+    assert ga._exp2_share(64, False, True) == 0 and ga._exp2_share(64, True, False) == 0
+    assert ga._exp2_share(128, False, False) == 0 and ga._exp2_share(256, False, False) == 0
+
+
 def test_persistent_prefetch_compiles_for_sm90(tmp_path):
     """Persistent programs at D 64 in 16 bits (causal) load each row block's next Q early
     (``prefetch_q``'s default there): they build for sm_90 with the installed Triton with an output tile
