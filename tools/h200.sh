@@ -121,7 +121,7 @@ for stage in "$@"; do
     # and training step against SDPA's at D 64 and 128, 1k to 16k keys (the one pass from 1024; 2026-12-07 on an H100:
     # 39 s and 218 s at 4k and 16k)
     gluon-bwd-dispatch) timeout 240 python3 -m pytest tests/test_gluon.py -k "takes_the_one_pass or one-pass-ws or one_pass_runs or bound_one_pass" -q -n 8 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15 | tee "$OUT/gluon_bwd_dispatch.log"
-                 timeout 300 python3 -m common bench --sections ${AB_SECTIONS:-throughput} --modes fwd bwd fwd+bwd --dtypes bfloat16 --head-dims 64 128 --lengths ${DISPATCH_LENGTHS:-1024 4096 16384} --backends triton torch --out /tmp/bench-bwd39 --markdown "" 2>&1 | grep "^throughput" > "$OUT/bench_bwd39.log"; cp /tmp/bench-bwd39/results.json "$OUT/results_bwd39.json"; tail -48 "$OUT/bench_bwd39.log" ;;
+                 timeout 300 python3 -m common bench --sections throughput --modes fwd bwd fwd+bwd --dtypes bfloat16 --head-dims 64 128 --lengths ${DISPATCH_LENGTHS:-1024 4096 16384} --backends triton torch --out /tmp/bench-bwd39 --markdown "" 2>&1 | grep "^throughput" > "$OUT/bench_bwd39.log"; cp /tmp/bench-bwd39/results.json "$OUT/results_bwd39.json"; tail -48 "$OUT/bench_bwd39.log" ;;
     # the one pass's forms against the tl backward (switched off for it) and SDPA's, the backward alone, at
     # PROBE_BWD_LENGTHS (2026-12-07: 1024 and 4096 timed; from 1024 it is dispatched), then issue 43's grouped-query step
     gluon-bwd-forms) PROBE_BWD_LENGTHS="${PROBE_BWD_LENGTHS:-1024 4096}" PROBE_BWD_TILES=0 PROBE_BWD_SCHEMES="one-pass ws,one-pass ws stats smem,one-pass ws stats smem 128 rows,one-pass ws stats smem 128 rows dqt,one-pass ws stats smem 3 stages,one-pass ws stats smem dqt" timeout 400 python3 tools/probe.py gluon_bwd 2>&1 | grep bf16 | tee "$OUT/gluon_bwd_forms.log"
@@ -144,7 +144,7 @@ for stage in "$@"; do
     # merge with the full benchmark's results.json by --from-json
     bench-fp8) timeout 500 python3 -m common bench --sections throughput decode fp8 --dtypes bfloat16 --lengths 4096 16384 --backends triton ninetoothed torch --out /tmp/bench-fp8 --markdown "" 2>&1 | tail -120 > "$OUT/bench_fp8.log"; cp /tmp/bench-fp8/results.json "$OUT/results_fp8.json"; grep -E "fp8|float8" "$OUT/bench_fp8.log" | tail -40 ;;
     bench-bwd) timeout 420 python3 -m common bench --sections throughput --modes bwd --dtypes bfloat16 --lengths 1024 4096 16384 --out /tmp/bench-bwd --markdown "" 2>&1 | tail -200 > "$OUT/bench_bwd.log"; cp /tmp/bench-bwd/results.json "$OUT/results_bwd.json"; tail -60 "$OUT/bench_bwd.log" ;;
-    bench-fwd4k) timeout 300 python3 -m common bench --sections ${AB_SECTIONS:-throughput} --modes fwd --dtypes float16 --lengths 1024 4096 --backends triton ninetoothed torch --out /tmp/bench-fwd --markdown "" 2>&1 | tail -100 > "$OUT/bench_fwd.log"; cp /tmp/bench-fwd/results.json "$OUT/results_fwd.json"; tail -30 "$OUT/bench_fwd.log" ;;
+    bench-fwd4k) timeout 300 python3 -m common bench --sections throughput --modes fwd --dtypes float16 --lengths 1024 4096 --backends triton ninetoothed torch --out /tmp/bench-fwd --markdown "" 2>&1 | tail -100 > "$OUT/bench_fwd.log"; cp /tmp/bench-fwd/results.json "$OUT/results_fwd.json"; tail -30 "$OUT/bench_fwd.log" ;;
     # The whole benchmark in one call on two GPUs (kind nvidia-h200-x2): fp16 throughput, the homework's and
     # the decode shapes on one, bf16 forward and backward throughput on the other; merge the three
     # results_*.json with `python -m common bench --from-json ...` (results are saved after every shape).
@@ -158,7 +158,7 @@ for stage in "$@"; do
     tune-fwd-nt) timeout 450 python3 -m common tune --backends ninetoothed --passes fwd 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # NineToothed's forward table for the head dims in $TUNE_DIMS only (default 64), then its parity with Triton there
     tune-fwd-nt-dims) timeout 400 python3 -m common tune --backends ninetoothed --passes fwd --head-dims ${TUNE_DIMS:-64} 2>&1 | tee "$OUT/tune_fwd_nt.log"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json"
-                      timeout 180 python3 -m common bench --sections ${AB_SECTIONS:-throughput} --modes fwd --dtypes float16 --head-dims ${TUNE_DIMS:-64} --lengths 1024 4096 16384 --backends triton ninetoothed --out /tmp/parity --markdown "" > "$OUT/parity.log" 2>&1; cp /tmp/parity/results.json "$OUT/results_parity.json"; tail -20 "$OUT/parity.log" ;;
+                      timeout 180 python3 -m common bench --sections throughput --modes fwd --dtypes float16 --head-dims ${TUNE_DIMS:-64} --lengths 1024 4096 16384 --backends triton ninetoothed --out /tmp/parity --markdown "" > "$OUT/parity.log" 2>&1; cp /tmp/parity/results.json "$OUT/results_parity.json"; tail -20 "$OUT/parity.log" ;;
     tune-bwd) timeout 500 python3 -m common tune --passes bwd 2>&1 | tee "$OUT/tune_bwd.log"; cp impl_triton/configs.json "$OUT/triton_configs.json"; cp impl_ninetoothed/configs.json "$OUT/nt_configs.json" ;;
     # the committed table from one call: the bf16 forward, the homework's shapes, decode and FP8 (one run), then
     # the bf16 backward (another); merged by `bench --from-json` here
