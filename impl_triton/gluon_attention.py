@@ -61,12 +61,11 @@ HEAD_DIMS = (64, 128, 256)
 SPLIT_KEY_LOOP_DIMS = (128, 256) if compat.triton_version() >= (3, 9) else ()
 FP8_HEAD_DIMS = (64, 128)  # (the ping-pong variant's FP8 inputs)
 PRODUCER_REGS = 24  # the producer warp's registers (it holds no tile)
-# A quarter of each tile's exponentials (FMA_EXP2_SHARE) computed on the FMA units (``_exp2_fma``) instead of the
-# special-function unit, FlashAttention-4's remedy where that unit binds: on sm_90 it gives 16 results a clock an SM
-# against 128 for the FMA units, so that at D 64 a tile's exponentials take as long as its two products. Where it
-# timed faster (benchmarks/NOTES.md): D 64 without a causal mask, 16-bit, under triton >= 3.9 (``_exp2_share``);
+# The head dims where a quarter of each tile's exponentials are computed on the FMA units (``_exp2_fma``) instead of
+# the special-function unit, FlashAttention-4's remedy where that unit binds: on sm_90 it gives 16 results a clock an
+# SM against 128 for the FMA units, so that at D 64 a tile's exponentials take as long as its two products. Where it
+# timed faster (benchmarks/NOTES.md): D 64 without a causal mask, 16-bit, under triton >= 3.9 (``_fma_quarter``);
 # slower under 3.6, at D 64 causal and at D 128 and 256.
-FMA_EXP2_SHARE = 4
 EXP2_FMA_DIMS = (64, ) if compat.triton_version() >= (3, 9) else ()
 # 2^f on [-1/2, 1/2] (f = x - round(x)): 1 + f (C1 + f (C2 + f C3)), C* fitted to its relative error, at most
 # 1.02e-4 (2^-13.3) from 2^f in float32; P is then rounded to 16 (or 8) bits, whose half-ulp is 2^-12 or more
@@ -90,14 +89,13 @@ def _exp2_fma(x):
 
 
 @gluon.jit
-def _exp2(x, SHARE: gl.constexpr):
-    """2^x over S's tile (x <= 0), a quarter of it by ``_exp2_fma`` (SHARE 4; 0: none), the rest on the
-    special-function unit. Which elements go where is decided by the bits of a thread's register index (the
-    pairs' second columns, then their top halves), so that splitting and joining move no data."""
-    if SHARE == 0:
+def _exp2(x, FMA_QUARTER: gl.constexpr):
+    """2^x over S's tile (x <= 0): FMA_QUARTER, a quarter of it by ``_exp2_fma`` and the rest on the
+    special-function unit, which elements go where decided by the bits of a thread's register index (the
+    pairs' second columns, then their top halves), so that splitting and joining move no data; else all there."""
+    if not FMA_QUARTER:
         p = gl.exp2(x)
     else:
-        gl.static_assert(SHARE == 4, "_exp2 splits off a quarter")
         M: gl.constexpr = x.shape[0]
         N: gl.constexpr = x.shape[1]
         a, b = x.reshape([M, N // 2, 2]).split()
@@ -112,21 +110,22 @@ def _exp2(x, SHARE: gl.constexpr):
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, col_layout: gl.constexpr,
-                  P_DTYPE: gl.constexpr, MASKED: gl.constexpr = None, EXP2_SHARE: gl.constexpr = 0):
+                  dtype: gl.constexpr, HEAD_DIM: gl.constexpr, MASKED: gl.constexpr = None):
     """Key tile j's online-softmax update (base 2): the new row maxima, P, the rescale factor of what
-    came before, the new row sums. P is rounded to P V's operand type (P_DTYPE) here, once its row sums
-    are taken in float32: the loop then carries it in half the registers (a thread's P of 128 keys in 32
-    registers, not 64), which keeps the key loop's values out of the stack. FP8's P stays float32 here
-    (P_DTYPE): rounded to e4m3 before the P·V order's reshape, its bytes would need permutes to pack four to
-    a register, so ``_p_operand`` rounds it after. Past the first ``whole`` tiles (``_whole_tiles``) the
-    raw scores are masked (keys past Lk; causal); the tiles before need no mask. MASKED (a caller's loop
-    over tiles known to be on one side of ``whole``): True or False decides it at compile time, so that a
+    came before, the new row sums. P is rounded to P V's operand type (``dtype``, the inputs') here, once its
+    row sums are taken in float32: the loop then carries it in half the registers (a thread's P of 128 keys in
+    32 registers, not 64), which keeps the key loop's values out of the stack. FP8's P stays float32 here:
+    rounded to e4m3 before the P·V order's reshape, its bytes would need permutes to pack four to a register,
+    so ``_p_operand`` rounds it after. Past the first ``whole`` tiles (``_whole_tiles``) the raw scores are
+    masked (keys past Lk; causal); the tiles before need no mask. MASKED (a caller's loop over tiles known to
+    be on one side of ``whole``): True or False decides it at compile time, so that a
     loop of whole tiles carries no mask code; None tests j. The scores are
     scaled and their maximum subtracted in one FMA each, as in the tl kernel: the maximum of
     qk * qk_scale is max(qk) * qk_scale, or min(qk) * qk_scale for a NEGATIVE_SCALE (whose masked
     scores are +inf, so that scaled they are -inf). (FP8 inputs' descales, whose sign no constant
-    knows, come here positive: ``_consume`` moves a negative scale onto Q.) EXP2_SHARE: ``_exp2``'s SHARE, the
-    exponentials P takes from the FMA units (``_exp2_share``)."""
+    knows, come here positive: ``_consume`` moves a negative scale onto Q.) A quarter of the exponentials run
+    on the FMA units where ``_fma_quarter`` says."""
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     if MASKED is None:
         masked = j >= whole
     else:
@@ -144,10 +143,10 @@ def _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BL
     m_sub = m_ij
     if masked:
         m_sub = gl.where(m_ij == float("-inf"), 0.0, m_ij)  # a row with no key yet: p = 0, not NaN
-    p = _exp2(qk * qk_scale - m_sub[:, None], EXP2_SHARE)
+    p = _exp2(qk * qk_scale - m_sub[:, None], _fma_quarter(HEAD_DIM, FP8, IS_CAUSAL))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p.to(P_DTYPE), m_ij, l_i, alpha
+    return p.to(gl.float32 if FP8 else dtype), m_ij, l_i, alpha
 
 
 @gluon.jit
@@ -334,8 +333,7 @@ def _consume(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
             if n_tiles == 1:  # (Q read for the last time)
                 _prefetch_q(q_desc, q_bar, q_smem, next_q)
         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, 0, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype, None,
-                                           _exp2_share(HEAD_DIM, FP8, IS_CAUSAL))
+                                           IS_CAUSAL, NEGATIVE_SCALE, col_s, dtype, HEAD_DIM)
         # (the tiles after the first in one loop, each tile's mask decided by its index; or, _split_key_loop, in two:
         # the tiles every row sees whole, whose loop carries no mask code and so none of its registers, then the rest)
         SPLIT_LOOP: gl.constexpr = _split_key_loop(HEAD_DIM, FP8)
@@ -410,8 +408,7 @@ def _kv_round(j, p, m_i, l_i, acc, q, zero_s, k_smem, v_smem, kv_ready, kv_empty
         if j == n_tiles - 1:  # (Q read for the last time)
             _prefetch_q(q_desc, q_bar, q_smem, next_q)
     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, offs_m, j, whole, Lk, qk_scale, causal_shift, BLOCK_N,
-                                       IS_CAUSAL, NEGATIVE_SCALE, col_s, gl.float32 if FP8 else dtype, MASKED,
-                                       _exp2_share(HEAD_DIM, FP8, IS_CAUSAL))
+                                       IS_CAUSAL, NEGATIVE_SCALE, col_s, dtype, HEAD_DIM, MASKED)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if PRODUCER:
         mbarrier.arrive(kv_empty.index(_v_bar(prev, STAGES, SPLIT)), count=1)  # (tile j - 1's V read)
@@ -443,9 +440,10 @@ def _split_key_loop(head_dim, fp8):
 
 
 @gluon.constexpr_function
-def _exp2_share(head_dim, fp8, is_causal):
-    """``_exp2``'s SHARE: FMA_EXP2_SHARE at EXP2_FMA_DIMS without a causal mask (16-bit inputs only), else 0."""
-    return FMA_EXP2_SHARE if not fp8 and not is_causal and head_dim in EXP2_FMA_DIMS else 0
+def _fma_quarter(head_dim, fp8, is_causal):
+    """Whether ``_exp2`` puts a quarter of a tile's exponentials on the FMA units: at EXP2_FMA_DIMS without a
+    causal mask, 16-bit inputs only."""
+    return not fp8 and not is_causal and head_dim in EXP2_FMA_DIMS
 
 
 @gluon.constexpr_function

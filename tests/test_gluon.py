@@ -96,10 +96,9 @@ def test_exponentials_on_the_fma_units_where_measured_faster():
     from common import compat
     from impl_triton import gluon_attention as ga
 
-    on = 4 if compat.triton_version() >= (3, 9) else 0
-    assert ga._exp2_share(64, False, False) == on
-    assert ga._exp2_share(64, False, True) == 0 and ga._exp2_share(64, True, False) == 0
-    assert ga._exp2_share(128, False, False) == 0 and ga._exp2_share(256, False, False) == 0
+    assert ga._fma_quarter(64, False, False) == (compat.triton_version() >= (3, 9))
+    assert not ga._fma_quarter(64, False, True) and not ga._fma_quarter(64, True, False)
+    assert not ga._fma_quarter(128, False, False) and not ga._fma_quarter(256, False, False)
 
 
 def test_persistent_prefetch_compiles_for_sm90(tmp_path):
